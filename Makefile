@@ -1,0 +1,47 @@
+# gearshift developer entry points. `make demo` is the main job; `make test` runs every test.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: venv binaries sandbox-up sandbox-down test unit e2e lint crds demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+binaries:
+	bash e2e/sandbox/build.sh >/dev/null
+
+sandbox-up: venv binaries
+	$(VENV)/bin/gearshift sandbox up
+
+sandbox-down: venv
+	$(VENV)/bin/gearshift sandbox down
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+unit: venv
+	$(VENV)/bin/pytest -m "not e2e" tests
+
+e2e: venv binaries
+	$(VENV)/bin/pytest -m e2e tests
+
+test: venv binaries
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest tests
+
+crds: venv
+	$(VENV)/bin/gearshift crds --out crds/
+
+demo: venv binaries
+	$(VENV)/bin/gearshift demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""gearshift.k8s"""
