@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gearshift.router.cli",
     "gearshift.operator_main",
     "gearshift.demo",
+    "gearshift.sandbox.cli",
 )
 
 
