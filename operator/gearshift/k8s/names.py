@@ -1,0 +1,96 @@
+"""Names, labels and annotations that gearshift writes, and the length limits they imply.
+
+Every object the operator creates is found again by these labels, never by parsing names.
+"""
+
+from __future__ import annotations
+
+import re
+
+DOMAIN = "gearshift.io"
+
+# --- labels on objects the operator creates (DESIGN.md) -------------------------------------------
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_SERVICE = f"{DOMAIN}/service"
+LABEL_ROLE = f"{DOMAIN}/role"
+LABEL_GEAR = f"{DOMAIN}/gear"
+LABEL_STAGE = f"{DOMAIN}/stage"
+MANAGED_BY = "gearshift"
+
+# --- node labels written from GPUProfiles ---------------------------------------------------------
+NODE_GPU_MODEL = f"{DOMAIN}/gpu-model"
+NODE_COMPUTE_CLASS = f"{DOMAIN}/compute-class"
+NODE_MEMORY_GIB = f"{DOMAIN}/memory-gib"
+NODE_PROFILED = f"{DOMAIN}/profiled"
+
+# --- annotations ----------------------------------------------------------------------------------
+#: On a node: ask for a new probe now (any value).
+ANNOTATION_REPROBE = f"{DOMAIN}/reprobe"
+#: On a node: RFC 3339 time after which the node is reclaimed (a "time fragment", seed 002).
+ANNOTATION_AVAILABLE_UNTIL = f"{DOMAIN}/available-until"
+
+#: On a pod: run its container as a local process in the sandbox (the local pod runner).
+LABEL_SANDBOX_RUN = f"{DOMAIN}/sandbox-run"
+
+#: Component values.
+COMPONENT_ENGINE = "engine"
+COMPONENT_ROUTER = "router"
+COMPONENT_PROBE = "probe"
+
+ROLES = ("prefill", "decode")
+
+#: A StatefulSet's name must leave room for the ``controller-revision-hash`` label value
+#: ``<name>-<10-char hash>`` within the 63-character label limit, hence 52.
+MAX_STATEFULSET_NAME = 52
+#: The longest role name plus the gear and stage parts: ``-prefill-<gear>-s<kk>``.
+MAX_GEAR_NAME = 20
+MAX_SERVICE_NAME = MAX_STATEFULSET_NAME - len("-prefill-") - MAX_GEAR_NAME - len("-s99")
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def is_dns_label(value: str, max_len: int = 63) -> bool:
+    """True when ``value`` is an RFC 1123 label of at most ``max_len`` characters."""
+    return len(value) <= max_len and bool(_DNS_LABEL.match(value))
+
+
+def stage_statefulset_name(service: str, role: str, gear: str, stage: int) -> str:
+    """``<pds>-<role>-<gear>-s<k>``: the StatefulSet of one stage of one gear (DESIGN.md)."""
+    return f"{service}-{role}-{gear}-s{stage}"
+
+
+def gear_headless_service_name(service: str, role: str, gear: str) -> str:
+    """``<pds>-<role>-<gear>``: the headless Service giving a gear's pods stable DNS names."""
+    return f"{service}-{role}-{gear}"
+
+
+def role_service_name(service: str, role: str) -> str:
+    """``<pds>-<role>``: the Service whose selector names the role's *active* gear."""
+    return f"{service}-{role}"
+
+
+def router_name(service: str) -> str:
+    """``<pds>-router``: the router Deployment."""
+    return f"{service}-router"
+
+
+def common_labels(service: str, component: str) -> dict[str, str]:
+    """Labels every object of one PDService carries."""
+    return {
+        LABEL_NAME: "gearshift",
+        LABEL_INSTANCE: service,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_SERVICE: service,
+    }
+
+
+def engine_labels(service: str, role: str, gear: str, stage: int | None = None) -> dict[str, str]:
+    """Labels of an engine pod (or the selector of a gear/stage when ``stage`` is given)."""
+    labels = common_labels(service, COMPONENT_ENGINE) | {LABEL_ROLE: role, LABEL_GEAR: gear}
+    if stage is not None:
+        labels[LABEL_STAGE] = str(stage)
+    return labels
