@@ -1,0 +1,381 @@
+"""The router's request path: admission, pod choice, PD forwarding (docs/ARCHITECTURE.md), retries, streaming.
+
+Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request:
+
+1. admission: at most ``max_inflight`` requests are forwarded at once; up to ``max_queue`` more wait (for
+   at most ``queue_timeout_s``); beyond that the client gets 429 (queue full) or 503 (waited too long);
+2. with prefill and decode pods: pick a decode pod, then a prefill pod (pd-score's prefill network term
+   needs the decode peer); send the prefill pod the request with ``max_tokens: 1``, ``stream: false`` and
+   ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false}``; send the decode pod the
+   client's request plus the ``kv_transfer_params`` the prefill pod returned, streaming it back as it comes
+   (vLLM's NixlConnector proxy protocol). With only ``both`` pods: forward the request as is;
+3. a failed *connect* (nothing sent, nothing received) is retried on another pod of the same role, and
+   counts towards ejecting the pod; anything after the first byte of a response is not retried;
+4. every request has a deadline (``request_timeout_s``): 504 when it passes before the response started.
+
+Errors are OpenAI-shaped JSON: ``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gearshift.router import policies as P
+from gearshift.router.metrics import RouterMetrics
+from gearshift.router.pool import Backend, Pool
+from gearshift.router.signals import record_failure, record_success
+
+log = logging.getLogger(__name__)
+
+#: Retried on another pod: the connection never carried the request.
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
+#: Characters per token when the prompt is text (OpenAI's rule of thumb: ~4 characters per English token).
+CHARS_PER_TOKEN = 4.0
+
+
+@dataclass
+class ProxyConfig:
+    """Limits and knobs of the request path."""
+
+    max_inflight: int = 512
+    max_queue: int = 1024
+    queue_timeout_s: float = 10.0
+    request_timeout_s: float = 300.0
+    connect_timeout_s: float = 2.0
+    retries: int = 2
+    eject_after: int = 1
+    eject_s: float = 5.0
+    kv_bytes_per_token: float = 0.0
+    default_max_tokens: int = 16
+
+
+def error_response(status: int, message: str, err_type: str, code: str | None = None) -> web.Response:
+    """OpenAI-style JSON error."""
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "code": code or status}}, status=status
+    )
+
+
+class RequestError(Exception):
+    """A request the router answers itself with an error (status, message, type)."""
+
+    def __init__(self, status: int, message: str, err_type: str, outcome: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.outcome = status, message, err_type, outcome
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """Prompt length in tokens: exact for token-id prompts, ``chars / 4`` for text (OpenAI's rule)."""
+    prompt = body.get("prompt")
+    if prompt is None and isinstance(body.get("messages"), list):
+        text = "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+        return max(1, round(len(text) / CHARS_PER_TOKEN))
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if prompt and isinstance(prompt[0], list):
+            return max(1, sum(len(p) for p in prompt))
+        return max(1, round(sum(len(str(p)) for p in prompt) / CHARS_PER_TOKEN))
+    return max(1, round(len(str(prompt or "")) / CHARS_PER_TOKEN))
+
+
+def validate_body(body: Any, path: str) -> dict[str, Any]:
+    """Check the fields the router relies on.
+
+    Raises:
+        RequestError: 400 naming the field and the fix.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object", "invalid_request_error", "client_error")
+    if path.endswith("/chat/completions"):
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise RequestError(
+                400,
+                "'messages' must be a non-empty list of {role, content}",
+                "invalid_request_error",
+                "client_error",
+            )
+    elif "prompt" not in body:
+        raise RequestError(
+            400,
+            "'prompt' is required (a string or a list of token ids)",
+            "invalid_request_error",
+            "client_error",
+        )
+    mt = body.get("max_tokens", body.get("max_completion_tokens"))
+    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+        raise RequestError(
+            400,
+            f"'max_tokens' must be a positive integer, got {mt!r}",
+            "invalid_request_error",
+            "client_error",
+        )
+    return body
+
+
+class Proxy:
+    """Admission and forwarding over a :class:`Pool`; one per router process."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        config: ProxyConfig,
+        clock: Callable[[], float],
+    ) -> None:
+        self.pool, self.session, self.metrics, self.cfg, self.clock = pool, session, metrics, config, clock
+        self.inflight = 0
+        self.queued = 0
+        self._slots = asyncio.Semaphore(config.max_inflight)
+        self.scale_up_requests = 0
+        self.last_scale_up_kv_bytes: float | None = None
+
+    # --- admission -------------------------------------------------------------------------------
+    async def admit(self) -> float:
+        """Wait for a slot; returns the queue time, s.
+
+        Raises:
+            RequestError: 429 when the queue is full, 503 after ``queue_timeout_s``.
+        """
+        if self._slots.locked() and self.queued >= self.cfg.max_queue:
+            self.metrics.rejects.labels("queue_full").inc()
+            raise RequestError(
+                429,
+                f"router queue is full ({self.cfg.max_queue} waiting, {self.cfg.max_inflight} in flight); "
+                "retry later or add pods",
+                "rate_limit_exceeded",
+                "rejected",
+            )
+        t0 = self.clock()
+        self.queued += 1
+        self.metrics.queued.inc()
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.cfg.queue_timeout_s)
+        except TimeoutError:
+            self.metrics.rejects.labels("queue_timeout").inc()
+            raise RequestError(
+                503,
+                f"request waited {self.cfg.queue_timeout_s:g} s queued; the service is overloaded",
+                "service_unavailable",
+                "rejected",
+            ) from None
+        finally:
+            self.queued -= 1
+            self.metrics.queued.dec()
+        waited = self.clock() - t0
+        self.metrics.queue_time.observe(waited)
+        return waited
+
+    def release(self) -> None:
+        self._slots.release()
+
+    # --- upstream calls --------------------------------------------------------------------------
+    def _pick(self, role: P.Role, req: P.RequestView, peer: Backend | None, tried: set[str]) -> Backend:
+        try:
+            b = self.pool.pick(role, req, self.clock(), peer, tried)
+        except P.NoDecodeCapacityError as exc:
+            self.scale_up_requests += 1
+            self.last_scale_up_kv_bytes = exc.kv_bytes
+            self.metrics.rejects.labels("no_kv_capacity").inc()
+            raise RequestError(
+                503, str(exc) + "; scale-up requested", "service_unavailable", "no_pod"
+            ) from exc
+        except P.NoPodError as exc:
+            self.metrics.rejects.labels(f"no_{role}_pod").inc()
+            raise RequestError(503, str(exc), "service_unavailable", "no_pod") from exc
+        self.metrics.picks.labels(self.pool.config.policy, role, b.info.name).inc()
+        return b
+
+    async def _open(
+        self,
+        role: P.Role,
+        req: P.RequestView,
+        peer: Backend | None,
+        path: str,
+        body: dict[str, Any],
+        client_timeout: aiohttp.ClientTimeout,
+        first: Backend | None = None,
+    ) -> tuple[Backend, aiohttp.ClientResponse]:
+        """POST to ``first`` (or a freshly picked pod); on a failed connect retry on another pod.
+
+        Returns the pod and the open response. The pod's in-flight count is raised here; the caller lowers it.
+        """
+        tried: set[str] = set()
+        payload = json.dumps(body).encode()
+        for attempt in range(self.cfg.retries + 1):
+            b = first if attempt == 0 and first is not None else self._pick(role, req, peer, tried)
+            b.inflight += 1
+            try:
+                resp = await self.session.post(
+                    b.info.url + path,
+                    data=payload,
+                    headers={"Content-Type": "application/json"},
+                    timeout=client_timeout,
+                )
+            except CONNECT_ERRORS as exc:
+                b.inflight -= 1
+                tried.add(b.info.name)
+                record_failure(b, self.clock(), self.cfg.eject_after, self.cfg.eject_s)
+                log.warning(
+                    "connect to %s pod %s failed (%s), attempt %d", role, b.info.name, exc, attempt + 1
+                )
+                if attempt == self.cfg.retries:
+                    raise RequestError(
+                        502,
+                        f"could not connect to a {role} pod after {attempt + 1} tries: {exc}",
+                        "upstream_error",
+                        "upstream_error",
+                    ) from exc
+                self.metrics.retries.labels(role, b.info.name).inc()
+                continue
+            except BaseException:
+                b.inflight -= 1
+                raise
+            record_success(b)
+            return b, resp
+        raise AssertionError("unreachable")
+
+    # --- the handler -----------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Serve one OpenAI completion request (see the module docstring)."""
+        policy = self.pool.config.policy
+        labels = {"prefill": "-", "decode": "-"}
+        t_in = self.clock()
+        try:
+            try:
+                body = validate_body(await request.json(), request.path)
+            except json.JSONDecodeError as exc:
+                raise RequestError(
+                    400, f"request body is not JSON: {exc}", "invalid_request_error", "client_error"
+                ) from None
+            await self.admit()
+        except RequestError as err:
+            self.metrics.requests.labels(policy, "-", "-", err.outcome).inc()
+            return error_response(err.status, err.message, err.err_type)
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        outcome = "ok"
+        try:
+            return await asyncio.wait_for(
+                self._forward(request, body, labels, t_in), self.cfg.request_timeout_s
+            )
+        except RequestError as err:
+            outcome = err.outcome
+            return error_response(err.status, err.message, err.err_type)
+        except TimeoutError:
+            outcome = "timeout"
+            return error_response(
+                504, f"no complete answer within {self.cfg.request_timeout_s:g} s", "timeout"
+            )
+        except (aiohttp.ClientError, ConnectionResetError) as exc:
+            outcome = "upstream_error"
+            return error_response(502, f"upstream failed: {exc}", "upstream_error")
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+            self.release()
+            self.metrics.requests.labels(policy, labels["prefill"], labels["decode"], outcome).inc()
+            self.metrics.e2e.labels(policy).observe(self.clock() - t_in)
+
+    async def _forward(
+        self, request: web.Request, body: dict[str, Any], labels: dict[str, str], t_in: float
+    ) -> web.StreamResponse:
+        policy = self.pool.config.policy
+        max_tokens = (
+            body.get("max_tokens") or body.get("max_completion_tokens") or self.cfg.default_max_tokens
+        )
+        req = P.RequestView(
+            prompt_tokens=estimate_prompt_tokens(body),
+            max_tokens=int(max_tokens),
+            kv_bytes_per_token=self.cfg.kv_bytes_per_token,
+            model=body.get("model"),
+        )
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
+        pd = self.pool.has_role("prefill") and self.pool.has_role("decode")
+        upstream_body = body
+        decode_peer: Backend | None = None
+        decode_choice: Backend | None = None
+        if pd:
+            decode_choice = self._pick("decode", req, None, set())
+            prefill_body = copy.deepcopy(body)
+            prefill_body.update(
+                max_tokens=1,
+                stream=False,
+                kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+            )
+            prefill_body.pop("max_completion_tokens", None)
+            prefill_body.pop("stream_options", None)
+            pb, presp = await self._open("prefill", req, decode_choice, request.path, prefill_body, timeout)
+            labels["prefill"] = pb.info.name
+            try:
+                if presp.status != 200:
+                    text = await presp.text()
+                    return web.Response(status=presp.status, body=text, content_type=presp.content_type)
+                pjson = await presp.json()
+            finally:
+                presp.release()
+                pb.inflight -= 1
+            upstream_body = dict(body)
+            upstream_body["kv_transfer_params"] = pjson.get("kv_transfer_params") or {}
+            decode_peer = pb
+        db, dresp = await self._open(
+            "decode" if pd else "both",
+            req,
+            decode_peer,
+            request.path,
+            upstream_body,
+            timeout,
+            first=decode_choice if pd else None,
+        )
+        labels["decode"] = db.info.name
+        if not pd:
+            labels["prefill"] = db.info.name
+        try:
+            return await self._relay(request, dresp, t_in, policy)
+        finally:
+            dresp.release()
+            db.inflight -= 1
+
+    async def _relay(
+        self, request: web.Request, resp: aiohttp.ClientResponse, t_in: float, policy: str
+    ) -> web.StreamResponse:
+        """Copy the upstream response to the client, streaming SSE as it arrives; observe TTFT and ITL."""
+        ctype = resp.headers.get("Content-Type", "application/json")
+        if not ctype.startswith("text/event-stream"):
+            data = await resp.read()
+            t = self.clock()
+            if resp.status == 200:
+                # Non-streamed: the first token reaches the client with the last; ITL is not observable here.
+                self.metrics.ttft.labels(policy).observe(t - t_in)
+            return web.Response(status=resp.status, body=data, headers={"Content-Type": ctype})
+        out = web.StreamResponse(
+            status=resp.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
+        )
+        await out.prepare(request)
+        last: float | None = None
+        ttft_h, itl_h = self.metrics.ttft.labels(policy), self.metrics.itl.labels(policy)
+        async for chunk in resp.content.iter_any():
+            now = self.clock()
+            events = chunk.count(b"data:")
+            if events:
+                if last is None:
+                    ttft_h.observe(now - t_in)
+                    events -= 1
+                else:
+                    gap = (now - last) / events
+                    for _ in range(events):
+                        itl_h.observe(gap)
+                last = now
+            await out.write(chunk)
+        await out.write_eof()
+        return out

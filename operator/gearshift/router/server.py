@@ -1,0 +1,400 @@
+"""The ``gearshift-router`` process: the aiohttp app, its background loops, and ``main()``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming passed through),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the router's own, prometheus_client),
+``GET /debug/pods`` (every pod's signals and counters), ``GET /debug/decisions`` (the latest
+:mod:`gearshift.control.pd_balance` round: what rebalancing and adaptive batching would change; the
+operator reads it, or calls :func:`balance_round` itself, and applies it through the Kubernetes API).
+
+Background loops: membership (EndpointSlice watch or static ``--backend`` list), signal scraping (pods'
+``/metrics`` or ``--prometheus``), active health checks, and the 5 s balance round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gearshift.control import pd_balance
+from gearshift.model import load_hf_config
+from gearshift.router import policies as P
+from gearshift.router.membership import EndpointSliceMembership, parse_backend
+from gearshift.router.metrics import RouterMetrics, make_metrics
+from gearshift.router.pool import BackendInfo, PolicyConfig, Pool
+from gearshift.router.proxy import Proxy, ProxyConfig, error_response
+from gearshift.router.signals import HealthChecker, PrometheusSource, Scraper
+
+log = logging.getLogger("gearshift.router")
+
+
+@dataclass
+class RouterSettings:
+    """Everything a router process is configured with (flags, or the PDService via env)."""
+
+    backends: list[BackendInfo] = field(default_factory=list)
+    service: str | None = None
+    namespace: str = "default"
+    kubeconfig: str | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    served_model_name: str | None = None
+    prometheus_url: str | None = None
+    scrape_interval_s: float = 0.5
+    health_interval_s: float = 2.0
+    balance_interval_s: float = pd_balance.INTERVAL_S
+    apply_rebalance: bool = False
+    seed: int | None = None
+
+
+def balance_round(pool: Pool, now: float, target_itl_ms: float) -> pd_balance.Decisions:
+    """One :mod:`gearshift.control.pd_balance` round over the pool's live signals (the operator's hook).
+
+    ITL P99 per pod comes from the ITL histogram delta since the previous round (kept in ``extra``).
+    """
+    loads = []
+    for b in pool.backends.values():
+        hist = b.extra.get("itl_hist")
+        prev = b.extra.get("itl_hist_balance")
+        p99 = None
+        if hist is not None:
+            q = (hist.minus(prev) if prev is not None else hist).quantile(0.99)
+            p99 = q * 1000 if q is not None else None
+            b.extra["itl_hist_balance"] = hist
+        loads.append(
+            pd_balance.PodLoad(
+                name=b.info.name,
+                role=b.info.role,
+                gpu_util=b.gpu_util,
+                memory_util=b.kv_usage,
+                itl_p99_ms=p99,
+                queue_depth=b.waiting + b.running,
+                max_batch=b.info.max_batch,
+                hard_max_batch=max(
+                    b.info.max_batch, int(b.extra.get("hard_max_batch", b.info.max_batch * 2))
+                ),
+            )
+        )
+    return pd_balance.evaluate(loads, now, target_itl_ms)
+
+
+class Router:
+    """One router: the pool, the proxy, the loops and the aiohttp application."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.metrics: RouterMetrics = make_metrics()
+        self.pool = Pool(settings.policy, random.Random(settings.seed))
+        self.pool.set_members(settings.backends)
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: Proxy | None = None
+        self.decisions: pd_balance.Decisions | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._membership: EndpointSliceMembership | None = None
+
+    def clock(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def start(self, _app: web.Application | None = None) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.proxy = Proxy(self.pool, self.session, self.metrics, s.proxy, self.clock)
+        if s.service:
+            self._membership = EndpointSliceMembership(
+                s.service, s.namespace, self.pool.set_members, asyncio.get_running_loop(), s.kubeconfig
+            )
+            self._membership.start()
+        if s.prometheus_url:
+            self._spawn(PrometheusSource(self.pool, s.prometheus_url).run())
+        else:
+            self._spawn(
+                Scraper(
+                    self.pool,
+                    self.session,
+                    s.scrape_interval_s,
+                    kv_bytes_per_token=s.proxy.kv_bytes_per_token,
+                    clock=self.clock,
+                ).run()
+            )
+        self._spawn(HealthChecker(self.pool, self.session, s.health_interval_s).run())
+        self._spawn(self._balance_loop())
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self._membership:
+            self._membership.stop()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.session:
+            await self.session.close()
+
+    async def _balance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.balance_interval_s)
+            self.decisions = balance_round(self.pool, self.clock(), self.settings.policy.target_itl_ms)
+            if self.settings.apply_rebalance:
+                self.pool.avoid = set(self.decisions.avoid)
+            for d in self.decisions.rebalance:
+                if d.imbalanced:
+                    log.info("rebalance %s: %s; avoid %s", d.role, d.reason, ",".join(d.avoid) or "-")
+
+    # --- handlers --------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        assert self.proxy is not None
+        return await self.proxy.handle(request)
+
+    async def models(self, _request: web.Request) -> web.Response:
+        assert self.session is not None
+        for b in self.pool.candidates("decode", self.clock()) + self.pool.candidates("prefill", self.clock()):
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                async with self.session.get(
+                    b.info.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)
+                ) as r:
+                    if r.status == 200:
+                        return web.json_response(await r.json())
+        if self.settings.served_model_name:
+            name = self.settings.served_model_name
+            return web.json_response(
+                {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "gearshift"}]}
+            )
+        return error_response(
+            503, "no pod answered /v1/models and no --served-model-name is set", "service_unavailable"
+        )
+
+    def _role_counts(self) -> dict[str, int]:
+        now = self.clock()
+        counts = {}
+        for role in ("prefill", "decode", "both"):
+            n = sum(1 for b in self.pool.backends.values() if b.info.role == role and b.available(now))
+            counts[role] = n
+            self.metrics.pods_available.labels(role).set(n)
+        return counts
+
+    async def health(self, _request: web.Request) -> web.Response:
+        c = self._role_counts()
+        ready = (c["prefill"] > 0 and c["decode"] > 0) or c["both"] > 0
+        body = {"status": "ok" if ready else "unavailable", "pods": c, "policy": self.pool.config.policy}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def prom(self, _request: web.Request) -> web.Response:
+        self._role_counts()
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def debug_pods(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {"policy": self.pool.config.policy, "pods": self.pool.snapshot(self.clock())}
+        )
+
+    async def debug_decisions(self, _request: web.Request) -> web.Response:
+        assert self.proxy is not None
+        body: dict[str, Any] = (
+            self.decisions.to_dict() if self.decisions else {"at": None, "rebalance": [], "batch": []}
+        )
+        body["applied"] = {"avoid": sorted(self.pool.avoid)} if self.settings.apply_rebalance else None
+        body["scaleUp"] = {
+            "requests": self.proxy.scale_up_requests,
+            "lastKvBytes": self.proxy.last_scale_up_kv_bytes,
+        }
+        return web.json_response(body)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prom)
+        app.router.add_get("/debug/pods", self.debug_pods)
+        app.router.add_get("/debug/decisions", self.debug_decisions)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        return app
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's flags (``gearshift-router`` and ``gearshift router``); env defaults in brackets."""
+    env = os.environ.get
+    p.add_argument(
+        "--host", default=env("GEARSHIFT_HOST", "127.0.0.1"), help="listen address [GEARSHIFT_HOST]"
+    )
+    p.add_argument("--port", type=int, default=int(env("GEARSHIFT_PORT", "8000")), help="[GEARSHIFT_PORT]")
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="ROLE=URL[;k=v...]",
+        help="a static pod (repeat); keys gpu, gpus, node, nic, compute, hbm, speed, maxbatch, ...",
+    )
+    p.add_argument(
+        "--service",
+        default=env("GEARSHIFT_SERVICE"),
+        help="PDService name: watch the EndpointSlices of <svc>-prefill and <svc>-decode [GEARSHIFT_SERVICE]",
+    )
+    p.add_argument("--namespace", default=env("GEARSHIFT_NAMESPACE", env("POD_NAMESPACE", "default")))
+    p.add_argument("--kubeconfig", default=env("KUBECONFIG"))
+    p.add_argument("--policy", default=env("GEARSHIFT_ROUTER_POLICY", P.DEFAULT_POLICY), choices=P.POLICIES)
+    p.add_argument(
+        "--weights",
+        default=env("GEARSHIFT_ROUTER_WEIGHTS"),
+        help='JSON {"prefill": {"compute": 0.3, ...}, "decode": {"itl": 0.35}} [GEARSHIFT_ROUTER_WEIGHTS]',
+    )
+    p.add_argument(
+        "--speed-one", action="store_true", help="FastChat's speed 1 for shortest-queue and lottery"
+    )
+    p.add_argument("--target-itl-ms", type=float, default=P.TARGET_ITL_MS)
+    p.add_argument(
+        "--model",
+        default=env("GEARSHIFT_MODEL"),
+        help="HF config.json path or ModelArch JSON, for KV bytes per token [GEARSHIFT_MODEL]",
+    )
+    p.add_argument("--served-model-name", default=env("GEARSHIFT_SERVED_MODEL_NAME"))
+    p.add_argument(
+        "--prometheus", default=env("GEARSHIFT_PROMETHEUS_URL"), help="read signals from Prometheus"
+    )
+    p.add_argument("--scrape-interval", type=float, default=0.5, help="pod /metrics scrape period, s")
+    p.add_argument("--health-interval", type=float, default=2.0, help="pod /health check period, s")
+    p.add_argument("--balance-interval", type=float, default=pd_balance.INTERVAL_S, help="s")
+    p.add_argument("--apply-rebalance", action="store_true", help="spare the pods the rebalancer names")
+    p.add_argument("--max-inflight", type=int, default=512)
+    p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="s")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="s")
+    p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--eject-s", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed of lottery and power-of-two")
+    p.add_argument("--log-level", default="INFO")
+
+
+class SettingsError(ValueError):
+    """Router flags that cannot be used; the message names the flag and the fix."""
+
+
+def kv_bytes_per_token(model: str | None) -> float:
+    """KV bytes per token of ``--model`` (a config.json path or ModelArch JSON); 0 when not given.
+
+    Raises:
+        SettingsError: unreadable or invalid model description.
+    """
+    if not model:
+        return 0.0
+    from gearshift.model import ModelArch, ModelConfigError, arch_from_hf_config
+
+    try:
+        if model.lstrip().startswith("{"):
+            doc = json.loads(model)
+            arch = ModelArch(**doc) if "num_layers" in doc else arch_from_hf_config(doc)
+        else:
+            arch = load_hf_config(Path(model))
+    except (OSError, ValueError, TypeError, ModelConfigError) as exc:
+        raise SettingsError(f"--model {model[:80]!r}: {exc}") from exc
+    return float(arch.kv_bytes_per_token)
+
+
+def settings_from_args(a: argparse.Namespace) -> RouterSettings:
+    """Build :class:`RouterSettings` from parsed flags.
+
+    Raises:
+        SettingsError: no pods configured, or bad weights/model; BackendSpecError: a bad --backend.
+    """
+    if not a.backend and not a.service:
+        raise SettingsError("give --backend ROLE=URL (repeat) or --service PDSERVICE (EndpointSlice watch)")
+    weights: dict[str, Any] = {}
+    if a.weights:
+        try:
+            weights = json.loads(a.weights)
+        except ValueError as exc:
+            raise SettingsError(f"--weights is not JSON: {exc}") from exc
+        if not isinstance(weights, dict) or set(weights) - {"prefill", "decode"}:
+            raise SettingsError('--weights must be {"prefill": {...}, "decode": {...}}')
+    try:
+        policy = PolicyConfig(
+            policy=a.policy,
+            prefill_weights=weights.get("prefill", {}),
+            decode_weights=weights.get("decode", {}),
+            target_itl_ms=a.target_itl_ms,
+            speed_one=a.speed_one,
+        )
+    except P.PolicyError as exc:
+        raise SettingsError(str(exc)) from exc
+    return RouterSettings(
+        backends=[parse_backend(b) for b in a.backend],
+        service=a.service,
+        namespace=a.namespace,
+        kubeconfig=a.kubeconfig,
+        policy=policy,
+        proxy=ProxyConfig(
+            max_inflight=a.max_inflight,
+            max_queue=a.max_queue,
+            queue_timeout_s=a.queue_timeout,
+            request_timeout_s=a.request_timeout,
+            retries=a.retries,
+            eject_s=a.eject_s,
+            kv_bytes_per_token=kv_bytes_per_token(a.model),
+        ),
+        served_model_name=a.served_model_name,
+        prometheus_url=a.prometheus,
+        scrape_interval_s=a.scrape_interval,
+        health_interval_s=a.health_interval,
+        balance_interval_s=a.balance_interval,
+        apply_rebalance=a.apply_rebalance,
+        seed=a.seed,
+    )
+
+
+def run(a: argparse.Namespace) -> int:
+    """Serve until interrupted; returns the exit code (2 on bad settings)."""
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(a)
+    except ValueError as exc:
+        print(f"gearshift-router: {exc}", file=sys.stderr)
+        return 2
+    router = Router(settings)
+    log.info(
+        "router on %s:%d, policy %s, %d static pods, service %s",
+        a.host,
+        a.port,
+        settings.policy.policy,
+        len(settings.backends),
+        settings.service or "-",
+    )
+    web.run_app(router.app(), host=a.host, port=a.port, access_log=None, print=None)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``gearshift-router`` console script."""
+    p = argparse.ArgumentParser(
+        prog="gearshift-router", description="gearshift's PD router (OpenAI API proxy)."
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
