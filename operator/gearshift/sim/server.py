@@ -1,0 +1,532 @@
+"""The simulated engine's HTTP server (``gearshift-sim``): vLLM's OpenAI-compatible API over :class:`Engine`.
+
+Endpoints of a head pod: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming
+as vLLM does it: ``data: {json}`` chunks, ``data: [DONE]``, usage with ``stream_options.include_usage``),
+``GET /v1/models``, ``/health``, ``/metrics`` and ``/sim/stats`` (the simulator's own step accounting).
+A worker pod (stage k>0, ``--worker``) has ``/health`` and ``/metrics`` only.
+
+Token counting (the simulator has no tokenizer): a ``prompt`` given as a list of token ids counts one
+token per id, exactly as vLLM does; text counts one token per whitespace-separated word (for chat, the
+words of every message's content). Output is the word ``tok`` once per generated token, so a client
+counting words gets the same count. There is no EOS: a request always generates ``max_tokens`` tokens
+(vLLM with ``ignore_eos: true``); ``max_tokens`` defaults to 16 for completions (OpenAI's default) and
+:data:`DEFAULT_CHAT_MAX_TOKENS` for chat.
+
+PD protocol (docs/ARCHITECTURE.md): a ``prefill`` pod, or any request with
+``kv_transfer_params.do_remote_decode``, answers after the first token with ``kv_transfer_params`` for
+the decode pod; a request with ``kv_transfer_params.do_remote_prefill`` skips prefill and pulls
+``num_prompt_tokens`` tokens of KV over the KV link first.
+
+One process can serve many pods: ``--listen HOST:PORT`` repeated (same engine settings, one engine per
+listener) or ``--pods FILE`` (YAML/JSON list of ``{listen: HOST:PORT, env: {GEARSHIFT_...}}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from gearshift.sim.config import SimConfig, SimConfigError, config_from_env
+from gearshift.sim.engine import Engine, EngineConfigError, RequestRejected, SimRequest
+from gearshift.sim.metrics import LoopLagCollector
+from gearshift.sim.perfmodel import PerfModel
+
+DEFAULT_CHAT_MAX_TOKENS = 256
+TOKEN_TEXT = " tok"
+ENGINE_KEY = web.AppKey("engine", Engine)
+CONFIG_KEY = web.AppKey("config", SimConfig)
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+
+
+# --- request parsing (pure) ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What the engine needs from an OpenAI request body."""
+
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    model: str | None
+    kv_transfer_params: Mapping[str, Any] | None
+
+
+class BadRequest(ValueError):
+    """A malformed request body; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _count_text(text: str) -> int:
+    return len(text.split())
+
+
+def count_prompt_tokens(prompt: Any) -> int:
+    """Tokens of a completions ``prompt``: ids in a list of ints, else words of the text.
+
+    Raises:
+        BadRequest: a batch of prompts (a list of strings or of lists) or a wrong type.
+    """
+    if isinstance(prompt, str):
+        return _count_text(prompt)
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return len(prompt)
+        if len(prompt) == 1:
+            return count_prompt_tokens(prompt[0])
+        raise BadRequest("batched prompts are not supported by the simulator; send one per request", "prompt")
+    raise BadRequest("prompt must be a string or a list of token ids", "prompt")
+
+
+def count_chat_tokens(messages: Any) -> int:
+    """Tokens of chat ``messages``: the words of every message's text content.
+
+    Raises:
+        BadRequest: ``messages`` not a non-empty list of ``{role, content}`` objects.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    total = 0
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(f"messages[{i}] must be an object with role and content", "messages")
+        content = msg.get("content")
+        if isinstance(content, str):
+            total += _count_text(content)
+        elif isinstance(content, list):
+            total += sum(_count_text(p.get("text", "")) for p in content if isinstance(p, dict))
+        elif content is not None:
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts", "messages")
+    return total
+
+
+def parse_request(body: Any, chat: bool) -> ParsedRequest:
+    """Read the fields the simulator uses from a completions (``chat=False``) or chat body.
+
+    Raises:
+        BadRequest: naming the field.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    prompt = count_chat_tokens(body.get("messages")) if chat else count_prompt_tokens(body.get("prompt"))
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    default = DEFAULT_CHAT_MAX_TOKENS if chat else 16
+    max_tokens = body.get(key)
+    max_tokens = default if max_tokens is None else max_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise BadRequest(f"{key} must be a positive integer, got {max_tokens!r}", key)
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported", "n")
+    opts = body.get("stream_options") or {}
+    ktp = body.get("kv_transfer_params")
+    if ktp is not None and not isinstance(ktp, dict):
+        raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
+    model = body.get("model")
+    return ParsedRequest(
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False,
+        model=model if isinstance(model, str) else None,
+        kv_transfer_params=ktp,
+    )
+
+
+def _error(
+    status: int, message: str, param: str | None = None, kind: str = "BadRequestError"
+) -> web.Response:
+    body = {"object": "error", "message": message, "type": kind, "param": param, "code": status}
+    return web.json_response(body, status=status)
+
+
+# --- handlers ------------------------------------------------------------------------------------
+def _usage(req: SimRequest) -> dict[str, int]:
+    return {
+        "prompt_tokens": req.prompt_tokens,
+        "completion_tokens": req.generated,
+        "total_tokens": req.prompt_tokens + req.generated,
+    }
+
+
+def _choice(chat: bool, n: int, finish: str | None, delta: bool) -> dict[str, Any]:
+    text = TOKEN_TEXT * n
+    if chat:
+        key = "delta" if delta else "message"
+        msg = {"role": "assistant", "content": text}
+        return {"index": 0, key: msg, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    cfg = request.app[CONFIG_KEY]
+    try:
+        body = await request.json()
+    except json.JSONDecodeError:
+        return _error(400, "the request body is not valid JSON")
+    try:
+        pr = parse_request(body, chat)
+    except BadRequest as exc:
+        return _error(400, str(exc), exc.param)
+    if pr.model is not None and pr.model != cfg.served_model_name:
+        return _error(404, f"The model `{pr.model}` does not exist.", "model", "NotFoundError")
+    ktp = pr.kv_transfer_params or {}
+    remote_kv = 0
+    if ktp.get("do_remote_prefill"):
+        n = ktp.get("num_prompt_tokens", pr.prompt_tokens)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            msg = "kv_transfer_params.num_prompt_tokens must be a positive integer"
+            return _error(400, msg, "kv_transfer_params")
+        remote_kv = n
+    prefill_only = bool(ktp.get("do_remote_decode")) or cfg.role == "prefill"
+    max_tokens = 1 if prefill_only else pr.max_tokens
+    try:
+        req = engine.new_request(
+            pr.prompt_tokens, max_tokens, remote_kv_tokens=remote_kv, prefill_only=prefill_only
+        )
+    except RequestRejected as exc:
+        return _error(400, str(exc), exc.param)
+    created = int(time.time())
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+    obj = "chat.completion" if chat else "text_completion"
+    try:
+        if not pr.stream:
+            await req.wait_finished()
+            out: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": cfg.served_model_name,
+                "choices": [_choice(chat, req.generated, req.finish_reason, delta=False)],
+                "usage": _usage(req),
+            }
+            if prefill_only:
+                out["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": cfg.listen,
+                    "remote_host": cfg.host,
+                    "remote_port": cfg.port,
+                    "remote_block_ids": list(range(req.first_block, req.first_block + _blocks(engine, req))),
+                    "num_prompt_tokens": req.prompt_tokens,
+                }
+            return web.json_response(out)
+        return await _stream(request, req, chat, rid, obj, created, pr.include_usage, cfg.served_model_name)
+    except (asyncio.CancelledError, ConnectionResetError):
+        engine.abort(req)
+        raise
+
+
+def _blocks(engine: Engine, req: SimRequest) -> int:
+    # The blocks the prompt's KV occupied (freed on finish, so recomputed from the token count).
+    return -(-req.prompt_tokens // engine.block_size)
+
+
+async def _stream(
+    request: web.Request,
+    req: SimRequest,
+    chat: bool,
+    rid: str,
+    obj: str,
+    created: int,
+    include_usage: bool,
+    model: str,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    base = {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created, "model": model}
+    if chat:
+        delta = {"role": "assistant", "content": ""}
+        first = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+    sent = 0
+    async for n in req.token_batches():
+        sent += n
+        finish = req.finish_reason if req.finished and sent >= req.generated else None
+        chunk = {**base, "choices": [_choice(chat, n, finish, delta=True)]}
+        # One write per step: all the tokens this request got from the step go in one chunk.
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    if include_usage:
+        tail = {**base, "choices": [], "usage": _usage(req)}
+        await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _models(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG_KEY]
+    engine = request.app.get(ENGINE_KEY)
+    card = {
+        "id": cfg.served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "gearshift-sim",
+        "root": cfg.arch.name,
+        "max_model_len": engine.max_model_len if engine else None,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _stats(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    cfg = request.app[CONFIG_KEY]
+    return web.json_response({"listen": cfg.listen, "role": cfg.role, **engine.stats()})
+
+
+# --- app construction ----------------------------------------------------------------------------
+class LoopLagMonitor:
+    """Measures the process's event-loop lag with a periodic timer (one per process)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.last = 0.0
+        self.worst = 0.0
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+        self.collector = LoopLagCollector(lambda: (self.last, self.worst))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(self.interval_s)
+            self.last = max(0.0, time.monotonic() - t0 - self.interval_s)
+            self.worst = max(self.worst, self.last)
+            if len(self.samples) < 100_000:
+                self.samples.append(self.last)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+def build_app(cfg: SimConfig, lag: LoopLagMonitor | None = None) -> web.Application:
+    """The aiohttp app of one simulated pod (head or worker); the engine runs while the app does.
+
+    Raises:
+        EngineConfigError: the pipeline leaves no KV-cache memory.
+    """
+    app = web.Application()
+    app[CONFIG_KEY] = cfg
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    if cfg.worker:
+        reg = CollectorRegistry()
+
+        class _Worker:
+            def collect(self) -> Any:
+                g = GaugeMetricFamily("gearshift:sim_worker", "A simulated stage k>0 pod.", labels=["stage"])
+                g.add_metric([str(cfg.stage)], 1.0)
+                yield g
+
+        reg.register(_Worker())
+        if lag is not None:
+            reg.register(lag.collector)
+        app[REGISTRY_KEY] = reg
+        return app
+    engine = Engine(
+        PerfModel(cfg.arch, cfg.pipeline, cfg.params),
+        role=cfg.role,
+        model_name=cfg.served_model_name,
+        max_model_len=cfg.max_model_len,
+        kv_link=cfg.kv_link,
+    )
+    if lag is not None:
+        engine.metrics.add_collector(lag.collector)
+    app[ENGINE_KEY] = engine
+    app[REGISTRY_KEY] = engine.metrics.registry
+    app.router.add_post("/v1/completions", lambda r: _completion(r, chat=False))
+    app.router.add_post("/v1/chat/completions", lambda r: _completion(r, chat=True))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/sim/stats", _stats)
+
+    async def engine_ctx(app: web.Application) -> Any:
+        task = asyncio.get_running_loop().create_task(engine.run())
+        if lag is not None:
+            lag.start()
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(engine_ctx)
+    return app
+
+
+def load_pods_file(path: str | Path, base_env: Mapping[str, str]) -> list[SimConfig]:
+    """Read a ``--pods`` file: a list of ``{listen: "HOST:PORT", env: {GEARSHIFT_...: ..}}``; each pod's
+    env is laid over ``base_env``. Non-string env values (objects, numbers) are JSON-encoded.
+
+    Raises:
+        SimConfigError: naming the entry and field.
+    """
+    with Path(path).open() as fh:
+        doc = yaml.safe_load(fh)
+    pods = doc.get("pods") if isinstance(doc, dict) else doc
+    if not isinstance(pods, list) or not pods:
+        raise SimConfigError(f"{path}: expected a list of pods (or {{pods: [...]}})")
+    out = []
+    for i, pod in enumerate(pods):
+        if not isinstance(pod, dict) or "listen" not in pod:
+            raise SimConfigError(f"{path}: pods[{i}] needs 'listen: HOST:PORT'")
+        env = dict(base_env)
+        for k, v in (pod.get("env") or {}).items():
+            env[str(k)] = v if isinstance(v, str) else json.dumps(v)
+        host, port = _split_listen(str(pod["listen"]), f"pods[{i}].listen")
+        env["GEARSHIFT_HOST"], env["GEARSHIFT_PORT"] = host, str(port)
+        try:
+            out.append(config_from_env(env))
+        except SimConfigError as exc:
+            raise SimConfigError(f"{path}: pods[{i}]: {exc}") from None
+    return out
+
+
+def _split_listen(value: str, where: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SimConfigError(f"{where} must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+async def serve(configs: Sequence[SimConfig], stop: asyncio.Event | None = None) -> None:
+    """Serve every pod of ``configs`` in this event loop until ``stop`` is set (or SIGINT/SIGTERM)."""
+    lag = LoopLagMonitor()
+    runners = []
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        for cfg in configs:
+            runner = web.AppRunner(build_app(cfg, lag), access_log=None, handle_signals=False)
+            await runner.setup()
+            await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024).start()
+            runners.append(runner)
+            kind = "worker" if cfg.worker else f"head role={cfg.role}"
+            name = cfg.served_model_name
+            print(f"gearshift-sim: serving {name} ({kind}) on http://{cfg.listen}", flush=True)
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await lag.stop()
+
+
+def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Flags of ``gearshift-sim`` (also ``gearshift sim``); each overrides its ``GEARSHIFT_*`` variable."""
+    p = parser or argparse.ArgumentParser(prog="gearshift-sim", description=__doc__.split("\n")[0])
+    p.add_argument("--host", help="listen address (GEARSHIFT_HOST; default 127.0.0.1)")
+    p.add_argument("--port", help="listen port (GEARSHIFT_PORT; default 8000)")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], help="GEARSHIFT_ROLE (default both)")
+    p.add_argument("--stage", help="GEARSHIFT_STAGE: this pod's stage index (0 = head)")
+    p.add_argument("--model", help="GEARSHIFT_MODEL: ModelArch JSON or path to an HF config.json")
+    p.add_argument("--served-model-name", help="GEARSHIFT_SERVED_MODEL_NAME")
+    p.add_argument("--pipeline", help="GEARSHIFT_PIPELINE JSON")
+    p.add_argument("--gpu-profile", help="GEARSHIFT_GPU_PROFILE JSON")
+    p.add_argument("--kv-link", help='GEARSHIFT_KV_LINK JSON {"gbps": .., "latencyUs": ..}')
+    p.add_argument("--max-model-len", help="GEARSHIFT_MAX_MODEL_LEN")
+    p.add_argument("--mfu", help="GEARSHIFT_SIM_MFU: prefill FLOPs utilisation (default 0.5)")
+    p.add_argument("--mbu", help="GEARSHIFT_SIM_MBU: decode bandwidth utilisation (default 0.7)")
+    p.add_argument("--worker", action="store_true", help="a stage k>0 pod: /health and /metrics only")
+    p.add_argument(
+        "--listen", action="append", metavar="HOST:PORT", help="serve one engine per listener (repeatable)"
+    )
+    p.add_argument("--pods", metavar="FILE", help="serve many pods: YAML list of {listen, env}")
+    return p
+
+
+_FLAG_ENV = {
+    "host": "GEARSHIFT_HOST",
+    "port": "GEARSHIFT_PORT",
+    "role": "GEARSHIFT_ROLE",
+    "stage": "GEARSHIFT_STAGE",
+    "model": "GEARSHIFT_MODEL",
+    "served_model_name": "GEARSHIFT_SERVED_MODEL_NAME",
+    "pipeline": "GEARSHIFT_PIPELINE",
+    "gpu_profile": "GEARSHIFT_GPU_PROFILE",
+    "kv_link": "GEARSHIFT_KV_LINK",
+    "max_model_len": "GEARSHIFT_MAX_MODEL_LEN",
+    "mfu": "GEARSHIFT_SIM_MFU",
+    "mbu": "GEARSHIFT_SIM_MBU",
+}
+
+
+def configs_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[SimConfig]:
+    """The pods to serve from parsed flags over ``environ``.
+
+    Raises:
+        SimConfigError: a bad variable or flag, naming it.
+    """
+    env = dict(environ)
+    for attr, var in _FLAG_ENV.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            env[var] = str(value)
+    if getattr(args, "worker", False):
+        env["GEARSHIFT_WORKER"] = "1"
+    if getattr(args, "pods", None):
+        return load_pods_file(args.pods, env)
+    base = config_from_env(env)
+    if not getattr(args, "listen", None):
+        return [base]
+    out = []
+    for i, item in enumerate(args.listen):
+        host, port = _split_listen(item, f"--listen[{i}]")
+        out.append(replace(base, host=host, port=port))
+    return out
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the server(s) described by ``args``; returns the exit code (2 on configuration errors)."""
+    try:
+        configs = configs_from_args(args, os.environ)
+        asyncio.run(serve(configs))
+    except (SimConfigError, EngineConfigError) as exc:
+        print(f"gearshift-sim: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gearshift-sim``."""
+    args = build_arg_parser().parse_args(argv)
+    return run_from_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
