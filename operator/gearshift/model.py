@@ -111,6 +111,23 @@ class ModelArch:
     def total_weight_bytes(self) -> int:
         return self.num_layers * self.layer_weight_bytes + self.embedding_bytes
 
+    def stage_weight_bytes(self, start: int, end: int) -> int:
+        """Weights one pipeline stage holding layers ``[start, end)`` loads, bytes.
+
+        The first stage also holds the embedding and the last the LM head; with tied embeddings a
+        pipeline still needs the matrix on both ends (vLLM loads it on the first and the last PP rank).
+
+        Raises:
+            ValueError: the range is empty or outside ``[0, num_layers]``.
+        """
+        if not 0 <= start < end <= self.num_layers:
+            raise ValueError(
+                f"stage layers [{start}, {end}) must satisfy 0 <= start < end <= {self.num_layers}"
+            )
+        matrix = self.vocab_size * self.hidden_size * self.dtype_bytes
+        ends = (matrix if start == 0 else 0) + (matrix if end == self.num_layers else 0)
+        return (end - start) * self.layer_weight_bytes + ends
+
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 

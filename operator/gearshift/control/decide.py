@@ -1,0 +1,309 @@
+"""The gear-shift decision: a pure function of the persisted decision state and one new sample.
+
+Per sample (every ``sampleIntervalSeconds``, seed 002):
+
+1. no sample (Prometheus down, series missing) → ``NoSignals``; the consecutive counts restart, so a
+   shift needs ``enterSamples`` fresh samples after the signals return;
+2. EMA of the sample (:func:`~gearshift.control.smoothing.smooth`);
+3. hysteresis per trigger: its condition must hold ``enterSamples`` samples in a row to *latch*, and
+   fail ``exitSamples`` in a row to unlatch;
+4. ``spec.paused`` holds everything, a shift in progress holds the decision, ``spec.forceGear`` shifts
+   to that gear at once (no dwell, no cost check) and otherwise holds on it;
+5. the latched triggers in priority order (imbalance, p99-high, p99-low) whose gear intent differs
+   from the active gear's; a trigger whose gears are all unhealthy is skipped (the next one is tried);
+6. inside the dwell (``dwellSeconds`` since the last shift) a latched trigger does not shift: its
+   threshold goes up one step (at most ``maxRetriggerSteps``) and it unlatches. Levels return to 0
+   after a whole dwell with no re-trigger;
+7. the cost–benefit check (:mod:`gearshift.control.cost`) may veto; otherwise ``Shift``.
+
+The function never reads the clock: ``now`` (s) is passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from gearshift.control.cost import CostBenefit, cost_benefit
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftPolicy
+from gearshift.control.smoothing import Sample, smooth
+from gearshift.control.triggers import (
+    TRIGGER_INTENT,
+    TRIGGER_REASON,
+    TRIGGERS,
+    Thresholds,
+    Trigger,
+    conditions,
+    thresholds,
+)
+
+#: The trigger of a shift asked for through ``spec.forceGear``.
+MANUAL = "forced"
+
+
+class DecisionKind(StrEnum):
+    """What :func:`decide` concluded; the value is the event reason."""
+
+    HOLD = "Hold"
+    """Nothing to do (see ``Decision.reason`` for why)."""
+    SHIFT = "Shift"
+    """Start a shift to ``Decision.target``."""
+    THRESHOLD_RAISED = "ThresholdRaised"
+    """A trigger fired inside the dwell; its threshold went up one step instead of a shift."""
+    VETOED = "ShiftVetoed"
+    """The cost–benefit check refused the shift."""
+    NO_SIGNALS = "SignalsMissing"
+    """No sample this time; nothing decided."""
+
+
+# --- reasons of HOLD decisions (CamelCase, for events and conditions) --------------------------------
+REASON_STEADY = "Steady"
+REASON_FORCE = "ForceGear"
+REASON_PAUSED = "Paused"
+REASON_SHIFT_IN_PROGRESS = "ShiftInProgress"
+REASON_FORCED = "ForcedGear"
+REASON_FORCE_UNKNOWN = "ForceGearUnknown"
+REASON_FORCE_UNHEALTHY = "ForceGearUnhealthy"
+REASON_NO_HEALTHY_GEAR = "NoHealthyGear"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one :func:`decide` call."""
+
+    kind: DecisionKind
+    reason: str
+    """CamelCase: the trigger's (``TRIGGER_REASON``) for SHIFT/THRESHOLD_RAISED/VETOED, ``ForceGear`` for a
+    forced shift, a ``REASON_*`` for HOLD."""
+    message: str = ""
+    target: str | None = None
+    trigger: str | None = None
+    """A :class:`Trigger` value, or ``"Manual"``."""
+    cost: CostBenefit | None = None
+    skipped: tuple[str, ...] = ()
+    """Gears a latched trigger wanted but that are unhealthy."""
+
+
+@dataclass(frozen=True)
+class TriggerTrack:
+    """Hysteresis and threshold level of one trigger."""
+
+    on: int = 0
+    """Consecutive samples meeting the condition."""
+    off: int = 0
+    """Consecutive samples not meeting it."""
+    latched: bool = False
+    level: int = 0
+
+
+@dataclass(frozen=True)
+class DecisionState:
+    """What :func:`decide` keeps between samples; plain data, persisted in ``GearSet.status``."""
+
+    smoothed: Sample | None = None
+    tracks: dict[Trigger, TriggerTrack] = field(default_factory=lambda: {t: TriggerTrack() for t in TRIGGERS})
+    last_shift_at: float | None = None
+    last_retrigger_at: float | None = None
+
+    def levels(self) -> dict[Trigger, int]:
+        return {t: self.tracks[t].level for t in TRIGGERS}
+
+    def thresholds(self, policy: ShiftPolicy) -> Thresholds:
+        """The effective thresholds now (for status)."""
+        return thresholds(policy, self.levels())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form; :meth:`from_dict` restores it exactly."""
+        return {
+            "smoothed": None if self.smoothed is None else self.smoothed.to_dict(),
+            "tracks": {t.value: vars(tr).copy() for t, tr in self.tracks.items()},
+            "lastShiftAt": self.last_shift_at,
+            "lastRetriggerAt": self.last_retrigger_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> DecisionState:
+        """Inverse of :meth:`to_dict`; ``None`` or ``{}`` gives the initial state."""
+        if not data:
+            return cls()
+        tracks = {t: TriggerTrack(**data.get("tracks", {}).get(t.value, {})) for t in TRIGGERS}
+        smoothed = data.get("smoothed")
+        return cls(
+            smoothed=None if smoothed is None else Sample.from_dict(smoothed),
+            tracks=tracks,
+            last_shift_at=data.get("lastShiftAt"),
+            last_retrigger_at=data.get("lastRetriggerAt"),
+        )
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """The user's manual controls from the GearSet spec."""
+
+    force_gear: str | None = None
+    paused: bool = False
+
+
+def _hysteresis(track: TriggerTrack, met: bool, policy: ShiftPolicy) -> TriggerTrack:
+    if met:
+        on = track.on + 1
+        return replace(track, on=on, off=0, latched=track.latched or on >= policy.enter_samples)
+    off = track.off + 1
+    return replace(track, on=0, off=off, latched=track.latched and off < policy.exit_samples)
+
+
+def _unlatched(track: TriggerTrack, level: int | None = None) -> TriggerTrack:
+    return TriggerTrack(level=track.level if level is None else level)
+
+
+def best_gear(gears: tuple[GearView, ...], intent: Intent, exclude: str) -> tuple[GearView | None, list[str]]:
+    """The healthy gear of ``intent`` to shift to, and the unhealthy ones passed over.
+
+    Among several: the latency gear with the lowest predicted P99, otherwise the highest predicted
+    throughput (unknown predictions rank last; ties keep spec order).
+    """
+    candidates = [g for g in gears if g.intent == intent and g.name != exclude]
+    skipped = [g.name for g in candidates if not g.healthy]
+    healthy = [g for g in candidates if g.healthy]
+    if not healthy:
+        return None, skipped
+    if intent is Intent.LATENCY:
+        key = lambda g: g.predicted_p99_ms if g.predicted_p99_ms is not None else float("inf")  # noqa: E731
+    else:
+        key = lambda g: -(g.predicted_throughput_rps or 0.0)  # noqa: E731
+    return min(healthy, key=key), skipped
+
+
+def decide(
+    state: DecisionState,
+    sample: Sample | None,
+    policy: ShiftPolicy,
+    table: GearTable,
+    now: float,
+    *,
+    overrides: Overrides = Overrides(),
+    busy: bool = False,
+) -> tuple[DecisionState, Decision]:
+    """Fold one sample into the decision state and say whether to shift, and where.
+
+    Args:
+        state: the previous state (``DecisionState()`` at first).
+        sample: the raw signals of the active gear, or ``None`` when Prometheus gave none.
+        policy: the shifting policy.
+        table: the gears, their health and predictions, the active gear and the served model.
+        now: the current time, s (same origin as ``Sample.at``).
+        overrides: ``spec.forceGear`` and ``spec.paused``.
+        busy: a shift is in progress (the executor is not ``Stable``); signals are still smoothed.
+
+    Returns:
+        ``(new_state, decision)``. On ``SHIFT`` the new state starts the dwell at ``now``.
+
+    Raises:
+        KeyError: ``table.active`` names no gear of the table.
+    """
+    active = table.active_gear
+    if sample is None:
+        tracks = {t: _unlatched(tr) for t, tr in state.tracks.items()}
+        return replace(state, tracks=tracks), Decision(
+            DecisionKind.NO_SIGNALS, DecisionKind.NO_SIGNALS.value, "no signals from Prometheus; holding"
+        )
+
+    smoothed = smooth(state.smoothed, sample, policy.ema_alpha)
+    tracks = dict(state.tracks)
+    last_retrigger = state.last_retrigger_at
+    if last_retrigger is not None and now - last_retrigger >= policy.dwell_s:
+        # A whole dwell without re-triggering: the thresholds are back to the policy's.
+        tracks = {t: replace(tr, level=0) for t, tr in tracks.items()}
+        last_retrigger = None
+    met = conditions(smoothed, policy, {t: tr.level for t, tr in tracks.items()})
+    tracks = {t: _hysteresis(tracks[t], met[t], policy) for t in TRIGGERS}
+    new = replace(state, smoothed=smoothed, tracks=tracks, last_retrigger_at=last_retrigger)
+
+    def hold(reason: str, message: str, skipped: tuple[str, ...] = ()) -> tuple[DecisionState, Decision]:
+        return new, Decision(DecisionKind.HOLD, reason, message, skipped=skipped)
+
+    if overrides.paused:
+        return hold(REASON_PAUSED, "spec.paused is true; no shifts")
+    if busy:
+        return hold(REASON_SHIFT_IN_PROGRESS, "a shift is in progress")
+    if overrides.force_gear:
+        return _forced(new, table, overrides.force_gear, now)
+
+    skipped: list[str] = []
+    for trigger in TRIGGERS:
+        if not tracks[trigger].latched or TRIGGER_INTENT[trigger] == active.intent:
+            continue
+        target, passed = best_gear(table.gears, TRIGGER_INTENT[trigger], exclude=active.name)
+        skipped += passed
+        if target is None:
+            continue
+        if new.last_shift_at is not None and now - new.last_shift_at < policy.dwell_s:
+            level = min(tracks[trigger].level + 1, policy.max_retrigger_steps)
+            tracks[trigger] = _unlatched(tracks[trigger], level)
+            left = policy.dwell_s - (now - new.last_shift_at)
+            return replace(new, tracks=tracks, last_retrigger_at=now), Decision(
+                DecisionKind.THRESHOLD_RAISED,
+                TRIGGER_REASON[trigger],
+                f"{trigger.value} wants gear {target.name!r} {left:.0f} s before the dwell ends; "
+                f"threshold raised to level {level}",
+                target=target.name,
+                trigger=trigger.value,
+            )
+        cb = cost_benefit(trigger, active, target, smoothed, policy, table.arch)
+        if cb.veto:
+            tracks[trigger] = _unlatched(tracks[trigger])
+            return replace(new, tracks=tracks), Decision(
+                DecisionKind.VETOED,
+                TRIGGER_REASON[trigger],
+                f"{trigger.value}: shift to {target.name!r} vetoed: it {cb.describe()}",
+                target=target.name,
+                trigger=trigger.value,
+                cost=cb,
+            )
+        return _shifted(new, now), Decision(
+            DecisionKind.SHIFT,
+            TRIGGER_REASON[trigger],
+            f"{trigger.value}: shift {active.name!r} → {target.name!r}; it {cb.describe()}",
+            target=target.name,
+            trigger=trigger.value,
+            cost=cb,
+        )
+    if skipped:
+        names = ", ".join(sorted(set(skipped)))
+        return hold(
+            REASON_NO_HEALTHY_GEAR, f"wanted gears are unhealthy: {names}", tuple(sorted(set(skipped)))
+        )
+    return hold(REASON_STEADY, "no trigger latched")
+
+
+def _shifted(state: DecisionState, now: float) -> DecisionState:
+    # The new gear's signals owe nothing to the old gear's: every count restarts, levels stay.
+    return replace(state, tracks={t: _unlatched(tr) for t, tr in state.tracks.items()}, last_shift_at=now)
+
+
+def _forced(state: DecisionState, table: GearTable, name: str, now: float) -> tuple[DecisionState, Decision]:
+    gear = table.get(name)
+    if gear is None:
+        known = [g.name for g in table.gears]
+        return state, Decision(
+            DecisionKind.HOLD,
+            REASON_FORCE_UNKNOWN,
+            f"spec.forceGear {name!r} names no gear of this GearSet; use one of {known}",
+        )
+    if name == table.active:
+        return state, Decision(DecisionKind.HOLD, REASON_FORCED, f"held on gear {name!r} by spec.forceGear")
+    if not gear.healthy:
+        return state, Decision(
+            DecisionKind.HOLD,
+            REASON_FORCE_UNHEALTHY,
+            f"spec.forceGear {name!r} is unhealthy ({gear.unhealthy_reason}); clear its entry in "
+            "status.gearHealth or change the gear to retry",
+        )
+    return _shifted(state, now), Decision(
+        DecisionKind.SHIFT,
+        MANUAL,
+        f"spec.forceGear: shift {table.active!r} → {name!r}",
+        target=name,
+        trigger=MANUAL,
+    )

@@ -1,0 +1,191 @@
+"""The numbers of the gear-shifting policy and the view of a gear that the decision and the executor use.
+
+Every default is seed 002's ("Gear shifting" and "Executor" in DESIGN.md) unless its comment says
+otherwise; the GearSet's ``spec.policy`` overrides each one (:func:`gearshift.control.adapt` builds a
+:class:`ShiftPolicy` from the API model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gearshift.model import ModelArch
+
+
+class PolicyError(ValueError):
+    """A shifting-policy value that cannot be used; names the ``spec.policy`` field and the fix."""
+
+
+class Intent(StrEnum):
+    """What a gear is built for (DESIGN.md glossary)."""
+
+    LATENCY = "latency"
+    BALANCED = "balanced"
+    THROUGHPUT = "throughput"
+
+
+class LatencyMetric(StrEnum):
+    """Which P99 the latency triggers compare with ``targetP99Ms``."""
+
+    TTFT = "ttft"
+    ITL = "itl"
+    E2E = "e2e"
+
+
+@dataclass(frozen=True)
+class ShiftPolicy:
+    """All numbers of the shifting policy; times in s, latencies in ms, ratios as fractions.
+
+    Field names follow ``GearSet.spec.policy`` (:class:`gearshift.api.gearset.ShiftPolicy`) in snake case;
+    :func:`gearshift.control.adapt.policy_from_api` fills this from it.
+
+    Raises:
+        PolicyError: (at construction) a value outside its range, naming the ``spec.policy`` field.
+    """
+
+    target_p99_ms: float = 200.0
+    """The P99 the latency triggers aim at, ms (DESIGN.md: target TTFT 200 ms)."""
+    latency_metric: LatencyMetric = LatencyMetric.TTFT
+    """Which P99: TTFT for the prefill role, ITL for decode (the PDService SLOs)."""
+    sample_interval_s: float = 2.0
+    ema_alpha: float = 0.3
+    enter_samples: int = 3
+    exit_samples: int = 3
+    dwell_s: float = 600.0
+    imbalance_high_utilization: float = 0.9
+    """Some stage's smoothed utilisation above this ..."""
+    imbalance_low_utilization: float = 0.6
+    """... while every other stage's is below this → throughput gear."""
+    p99_high_ratio: float = 1.2
+    """Smoothed P99 above this × target → latency gear."""
+    p99_low_ratio: float = 0.7
+    """Smoothed P99 below this × target → balanced gear."""
+    retrigger_step: float = 0.05
+    """One threshold level: moves the high thresholds up and the low ones down by this much (seed 002
+    says "one step"; the size is gearshift's choice, the API's default)."""
+    max_retrigger_steps: int = 3
+    """Most levels a threshold can be raised (our choice; keeps ``p99LowRatio`` above 0)."""
+    min_benefit_cost_ratio: float = 1.0
+    """A shift must promise at least this × its cost (both in seconds of full service) over the dwell;
+    0 vetoes only shifts predicted to make things worse."""
+    transfer_gbps: float = 2.0
+    """Rate at which a shift moves weights and KV onto the new gear's cards, GB/s. Our default: the
+    order of a local NVMe read; set it to the measured load rate of the cluster."""
+    avg_context_tokens: int = 1024
+    """Tokens of KV cache a running request holds on average (our default); prices the KV a shift moves."""
+    warmup_share: float = 0.2
+    """Largest share of traffic (and of a card's compute) a shadow gear gets while warming (seed 002)."""
+    warm_s: float = 30.0
+    """How long a shadow gear must have been Ready, taking its warm-up share, before traffic moves (our
+    choice: a few hundred warm-up requests at typical rates)."""
+    warmup_timeout_s: float = 600.0
+    """A shadow gear not Ready and warm this long after the shift started is rolled back."""
+    drain_timeout_s: float = 120.0
+    """Longest wait for the old gear's in-flight requests to finish."""
+    rollback_window_s: float = 60.0
+    """How long the old gear is kept after the switch so traffic can return to it. Seed 002 keeps it
+    "a few hundred ms" inside one engine; a pod-level switch needs tens of samples to judge P99."""
+    rollback_p99_ratio: float = 2.0
+    """The new gear is rolled back when its P99 exceeds this × its predicted P99 in the rollback window."""
+    allow_degraded: bool = True
+    """Memory short for full shadows: load weights first, grow the KV pool after the switch (seed 002)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, attr: str, rule: str) -> None:
+            if not ok:
+                raise PolicyError(f"spec.policy.{_camel(attr)} {rule}; got {getattr(self, attr)!r}")
+
+        need(self.target_p99_ms > 0, "target_p99_ms", "must be > 0 ms")
+        need(self.sample_interval_s > 0, "sample_interval_s", "must be > 0 s")
+        need(0 < self.ema_alpha <= 1, "ema_alpha", "must be in (0, 1]")
+        need(
+            0 <= self.imbalance_low_utilization < self.imbalance_high_utilization <= 1,
+            "imbalance_high_utilization",
+            "must be above imbalanceLowUtilization and at most 1 (utilisation fractions)",
+        )
+        need(
+            0 < self.p99_low_ratio < 1 < self.p99_high_ratio,
+            "p99_high_ratio",
+            "and p99LowRatio must satisfy 0 < p99LowRatio < 1 < p99HighRatio",
+        )
+        need(self.enter_samples >= 1, "enter_samples", "must be >= 1")
+        need(self.exit_samples >= 1, "exit_samples", "must be >= 1")
+        need(self.dwell_s >= 0, "dwell_s", "must be >= 0 s")
+        need(self.retrigger_step >= 0, "retrigger_step", "must be >= 0")
+        need(self.max_retrigger_steps >= 0, "max_retrigger_steps", "must be >= 0")
+        # A low threshold stepped to zero or below would never fire again: keep every level meaningful.
+        need(
+            self.p99_low_ratio - self.max_retrigger_steps * self.retrigger_step > 0,
+            "retrigger_step",
+            "× maxRetriggerSteps must stay below p99LowRatio; lower one of them",
+        )
+        need(self.min_benefit_cost_ratio >= 0, "min_benefit_cost_ratio", "must be >= 0")
+        need(self.transfer_gbps > 0, "transfer_gbps", "must be > 0 GB/s")
+        need(self.avg_context_tokens >= 0, "avg_context_tokens", "must be >= 0")
+        need(0 <= self.warmup_share <= 1, "warmup_share", "must be in [0, 1]")
+        need(self.warm_s >= 0, "warm_s", "must be >= 0 s")
+        need(self.warmup_timeout_s > 0, "warmup_timeout_s", "must be > 0 s")
+        need(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0 s")
+        need(self.rollback_window_s >= 0, "rollback_window_s", "must be >= 0 s")
+        need(self.rollback_p99_ratio > 1, "rollback_p99_ratio", "must be > 1")
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+@dataclass(frozen=True)
+class StageView:
+    """One stage of a gear as the controller needs it: its layer range ``[start, end)`` and replicas."""
+
+    start: int
+    end: int
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class GearView:
+    """One gear of a GearSet, reduced to what the shift decision and executor read.
+
+    ``predicted_throughput_rps`` (requests/s) and ``predicted_p99_ms`` come from the planner's simulator
+    (or the GearSet spec); ``None`` means not known, and then the cost–benefit check cannot veto.
+    """
+
+    name: str
+    intent: Intent
+    stages: tuple[StageView, ...]
+    predicted_throughput_rps: float | None = None
+    predicted_p99_ms: float | None = None
+    healthy: bool = True
+    unhealthy_reason: str = ""
+
+    def weight_bytes(self, arch: ModelArch) -> int:
+        """Weights all pods of this gear load, bytes (every replica of every stage)."""
+        return sum(s.replicas * arch.stage_weight_bytes(s.start, s.end) for s in self.stages)
+
+
+@dataclass(frozen=True)
+class GearTable:
+    """The gears of one GearSet, which one serves traffic now, and the served model."""
+
+    gears: tuple[GearView, ...]
+    active: str
+    arch: ModelArch
+
+    def get(self, name: str) -> GearView | None:
+        """The gear called ``name``, or ``None``."""
+        return next((g for g in self.gears if g.name == name), None)
+
+    @property
+    def active_gear(self) -> GearView:
+        """The active gear.
+
+        Raises:
+            KeyError: ``active`` names no gear of the table.
+        """
+        gear = self.get(self.active)
+        if gear is None:
+            raise KeyError(f"active gear {self.active!r} is not among {[g.name for g in self.gears]}")
+        return gear

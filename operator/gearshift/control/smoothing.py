@@ -1,0 +1,94 @@
+"""One sample of a GearSet's signals and its exponential moving average (seed 002: alpha 0.3)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from gearshift.control.policy import LatencyMetric
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The signals of one GearSet at one instant (raw from Prometheus, or smoothed).
+
+    ``stage_utilization`` holds one fraction in [0, 1] per stage of the active gear, stage 0 first.
+    Latencies are in ms; ``None`` means Prometheus had no value (e.g. no requests in the window).
+    """
+
+    at: float
+    """When the sample was taken, s (any monotonic origin; the controller passes it in)."""
+    stage_utilization: tuple[float, ...] = ()
+    queue: float = 0.0
+    """Requests waiting, summed over the gear's head pods (``vllm:num_requests_waiting``)."""
+    running: float = 0.0
+    """Requests running, summed over the head pods (``vllm:num_requests_running``)."""
+    qps: float = 0.0
+    """Completed requests per second over the last minute."""
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    e2e_p99_ms: float | None = None
+
+    def p99_ms(self, metric: LatencyMetric) -> float | None:
+        """The P99 the latency triggers read, ms."""
+        return {
+            LatencyMetric.TTFT: self.ttft_p99_ms,
+            LatencyMetric.ITL: self.itl_p99_ms,
+            LatencyMetric.E2E: self.e2e_p99_ms,
+        }[metric]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (for ``GearSet.status``)."""
+        d = asdict(self)
+        d["stage_utilization"] = list(self.stage_utilization)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        """Inverse of :meth:`to_dict`."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["stage_utilization"] = tuple(float(u) for u in data.get("stage_utilization", ()))
+        return cls(**kwargs)
+
+
+_SCALARS = ("queue", "running", "qps")
+_OPTIONALS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+
+
+def ema(previous: float | None, value: float | None, alpha: float) -> float | None:
+    """``alpha · value + (1 − alpha) · previous``; the first value passes through, a missing one keeps
+    the previous average. NaN counts as missing (``histogram_quantile`` gives NaN with no traffic)."""
+    if value is None or math.isnan(value):
+        return previous
+    if previous is None:
+        return value
+    return alpha * value + (1.0 - alpha) * previous
+
+
+def smooth(previous: Sample | None, sample: Sample, alpha: float) -> Sample:
+    """The EMA of ``sample`` onto the running average ``previous`` (``None`` before the first sample).
+
+    When the stage count changes (a new gear serves), the per-stage average restarts from the new
+    sample: stage k of one gear has nothing to do with stage k of another.
+    """
+    if previous is None:
+        return replace(sample, **{k: _clean(getattr(sample, k)) for k in _OPTIONALS})
+    if len(previous.stage_utilization) == len(sample.stage_utilization):
+        stages = tuple(
+            float(ema(p, s, alpha))  # type: ignore[arg-type]
+            for p, s in zip(previous.stage_utilization, sample.stage_utilization, strict=True)
+        )
+    else:
+        stages = sample.stage_utilization
+    values: dict[str, Any] = {k: ema(getattr(previous, k), getattr(sample, k), alpha) for k in _SCALARS}
+    values |= {k: ema(getattr(previous, k), getattr(sample, k), alpha) for k in _OPTIONALS}
+    return Sample(at=sample.at, stage_utilization=stages, **values)
+
+
+def _clean(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else value

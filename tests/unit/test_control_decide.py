@@ -1,0 +1,397 @@
+"""The pure shift decision: EMA, triggers, hysteresis, dwell with threshold steps, cost–benefit, health.
+
+Sequences are synthetic samples every 2 s; each test asserts the exact decision sequence, written out by
+hand from the rules (seed 002), not produced by the code under test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gearshift.control.cost import cost_benefit, shift_cost_bytes
+from gearshift.control.decide import (
+    REASON_FORCE_UNHEALTHY,
+    REASON_FORCE_UNKNOWN,
+    REASON_FORCED,
+    REASON_NO_HEALTHY_GEAR,
+    REASON_PAUSED,
+    REASON_SHIFT_IN_PROGRESS,
+    Decision,
+    DecisionKind,
+    DecisionState,
+    Overrides,
+    decide,
+)
+from gearshift.control.policy import GearTable, GearView, Intent, PolicyError, ShiftPolicy, StageView
+from gearshift.control.smoothing import Sample, ema, smooth
+from gearshift.control.triggers import Trigger, conditions, imbalanced, thresholds
+from gearshift.model import load_hf_config
+
+MODELS = Path(__file__).resolve().parents[2] / "examples" / "models"
+ARCH = load_hf_config(MODELS / "llama-3-8b.json")
+TARGET = 200.0  # ms
+NO_OVERRIDES = Overrides()
+
+H, S, R, V, N = "H", "S", "R", "V", "N"  # Hold, Shift, threshold Raised, Vetoed, No signals
+CODE = {
+    DecisionKind.HOLD: H,
+    DecisionKind.SHIFT: S,
+    DecisionKind.THRESHOLD_RAISED: R,
+    DecisionKind.VETOED: V,
+    DecisionKind.NO_SIGNALS: N,
+}
+
+
+def stages(*bounds: int, replicas: int = 1) -> tuple[StageView, ...]:
+    return tuple(StageView(a, b, replicas) for a, b in itertools.pairwise(bounds))
+
+
+def gears(**health: str) -> tuple[GearView, ...]:
+    """latency (2 stages), balanced (4), throughput (8) gears; ``name="reason"`` marks one unhealthy."""
+    base = (
+        GearView("lat", Intent.LATENCY, stages(0, 16, 32), 10.0, 120.0),
+        GearView("bal", Intent.BALANCED, stages(0, 8, 16, 24, 32), 16.0, 180.0),
+        GearView("thr", Intent.THROUGHPUT, stages(0, 4, 8, 12, 16, 20, 24, 28, 32), 30.0, 400.0),
+    )
+    return tuple(
+        replace(g, healthy=False, unhealthy_reason=health[g.name]) if g.name in health else g for g in base
+    )
+
+
+def table(active: str = "bal", **health: str) -> GearTable:
+    return GearTable(gears(**health), active, ARCH)
+
+
+def smp(
+    t: float, p99: float | None = 150.0, util: tuple[float, ...] = (0.5, 0.5, 0.5, 0.5), running: float = 0
+) -> Sample:
+    return Sample(at=t, stage_utilization=util, ttft_p99_ms=p99, running=running)
+
+
+# Signals no trigger reacts to, and each trigger's condition met by a wide margin.
+CALM = {"p99": 150.0}
+HOT_STAGE = {"p99": 150.0, "util": (0.97, 0.3, 0.3, 0.3)}
+SLOW = {"p99": 400.0}
+FAST = {"p99": 60.0}
+
+
+def run(
+    script: list[dict | None],
+    *,
+    policy: ShiftPolicy | None = None,
+    active: str = "bal",
+    state: DecisionState | None = None,
+    t0: float = 0.0,
+    follow: bool = True,
+    overrides: Overrides = NO_OVERRIDES,
+    **health: str,
+) -> tuple[str, list[Decision], DecisionState, str]:
+    """Feed one sample per 2 s; ``follow`` makes a SHIFT take effect at once (as a finished executor)."""
+    policy = policy or ShiftPolicy(target_p99_ms=TARGET)
+    state = state or DecisionState()
+    codes, decisions = [], []
+    for i, kw in enumerate(script):
+        now = t0 + 2.0 * i
+        sample = None if kw is None else smp(now, **kw)
+        state, d = decide(state, sample, policy, table(active, **health), now, overrides=overrides)
+        codes.append(CODE[d.kind])
+        decisions.append(d)
+        if d.kind is DecisionKind.SHIFT and follow:
+            active = d.target
+    return "".join(codes), decisions, state, active
+
+
+class TestEma:
+    def test_alpha_weights_the_newest_sample(self):
+        assert ema(None, 100.0, 0.3) == 100.0
+        assert ema(100.0, 200.0, 0.3) == pytest.approx(130.0)  # 0.3·200 + 0.7·100
+        assert ema(130.0, 200.0, 0.3) == pytest.approx(151.0)  # 0.3·200 + 0.7·130
+
+    def test_missing_and_nan_keep_the_average(self):
+        assert ema(130.0, None, 0.3) == 130.0
+        assert ema(130.0, math.nan, 0.3) == 130.0
+
+    def test_smooth_per_stage_and_restart_on_new_stage_count(self):
+        a = smooth(None, Sample(at=0, stage_utilization=(1.0, 0.0), ttft_p99_ms=math.nan), 0.3)
+        assert a.ttft_p99_ms is None
+        b = smooth(a, Sample(at=2, stage_utilization=(0.0, 1.0), ttft_p99_ms=100.0), 0.3)
+        assert b.stage_utilization == pytest.approx((0.7, 0.3))
+        assert b.ttft_p99_ms == 100.0
+        c = smooth(b, Sample(at=4, stage_utilization=(0.2, 0.2, 0.2)), 0.3)
+        assert c.stage_utilization == (0.2, 0.2, 0.2)
+        assert c.ttft_p99_ms == 100.0
+
+
+class TestTriggers:
+    @pytest.mark.parametrize(
+        ("util", "fires"),
+        [
+            ((0.95, 0.5, 0.5), True),
+            ((0.5, 0.95, 0.59), True),
+            ((0.95, 0.6, 0.5), False),  # another stage not below 0.6
+            ((0.9, 0.1, 0.1), False),  # not above 0.9
+            ((0.95,), False),  # one stage cannot be imbalanced
+            ((0.95, 0.95), False),
+        ],
+    )
+    def test_imbalance(self, util, fires):
+        assert imbalanced(util, 0.9, 0.6) is fires
+
+    def test_levels_move_each_threshold_one_step(self):
+        th = thresholds(
+            ShiftPolicy(), {Trigger.IMBALANCE: 1, Trigger.LATENCY_HIGH: 2, Trigger.LATENCY_LOW: 3}
+        )
+        assert (th.imbalance_high, th.imbalance_low) == pytest.approx((0.95, 0.55))
+        assert th.p99_high_ratio == pytest.approx(1.3)
+        assert th.p99_low_ratio == pytest.approx(0.55)
+        assert thresholds(ShiftPolicy(), {Trigger.IMBALANCE: 3}).imbalance_high == 1.0
+
+    @pytest.mark.parametrize(
+        ("p99", "high", "low"),
+        [
+            (241.0, True, False),
+            (240.0, False, False),
+            (139.0, False, True),
+            (140.0, False, False),
+            (None, False, False),
+        ],
+    )
+    def test_latency_against_target(self, p99, high, low):
+        met = conditions(smp(0, p99), ShiftPolicy(target_p99_ms=TARGET), {})
+        assert (met[Trigger.LATENCY_HIGH], met[Trigger.LATENCY_LOW]) == (high, low)
+
+
+class TestHysteresis:
+    @pytest.mark.parametrize(
+        ("script", "expected"),
+        [
+            ([HOT_STAGE] * 3, "HHS"),
+            # The calm sample pulls the hot stage's EMA to 0.829; it is back over 0.9 only at the second
+            # hot sample after it (0.871, 0.913, 0.930, 0.942): three in a row at the seventh sample.
+            ([HOT_STAGE, HOT_STAGE, CALM] + [HOT_STAGE] * 4, "HHHHHHS"),
+            ([SLOW] * 4, "HHSH"),
+            ([FAST] * 3, "HHH"),  # the balanced gear is already active
+            ([CALM] * 5, "HHHHH"),
+        ],
+    )
+    def test_enter_needs_consecutive_samples(self, script, expected):
+        codes, _decisions, _, _ = run(script)
+        assert codes == expected
+
+    def test_targets_follow_the_trigger_intent(self):
+        _, d1, _, _ = run([HOT_STAGE] * 3)
+        _, d2, _, _ = run([SLOW] * 3)
+        _, d3, _, _ = run([FAST] * 3, active="thr")
+        assert (d1[-1].target, d1[-1].trigger) == ("thr", "imbalance")
+        assert (d2[-1].target, d2[-1].trigger) == ("lat", "p99-high")
+        assert (d3[-1].target, d3[-1].trigger) == ("bal", "p99-low")
+
+    def test_imbalance_has_priority_over_latency(self):
+        _, d, _, _ = run([{"p99": 400.0, "util": (0.97, 0.3, 0.3, 0.3)}] * 3)
+        assert d[-1].target == "thr"
+
+    def test_missing_signals_restart_the_count(self):
+        codes, decisions, _, _ = run([HOT_STAGE, HOT_STAGE, None, HOT_STAGE, HOT_STAGE, HOT_STAGE])
+        assert codes == "HHNHHS"
+        assert decisions[2].reason == "SignalsMissing"
+
+    def test_exit_samples_unlatch(self):
+        # Latched by three hot samples while paused (no shift), then kept through two calm ones, dropped
+        # by the third: the first unpaused hot sample after that does not shift.
+        policy = ShiftPolicy(target_p99_ms=TARGET)
+        state = DecisionState()
+        for i in range(3):
+            state, _ = decide(
+                state, smp(2 * i, 400.0), policy, table(), 2 * i, overrides=Overrides(paused=True)
+            )
+        assert state.tracks[Trigger.LATENCY_HIGH].latched
+        state, d = decide(state, smp(6, 150.0), policy, table(), 6)
+        assert d.kind is DecisionKind.SHIFT  # still latched after one calm sample (EMA 0.3·150+0.7·400 > 240)
+        state = DecisionState()
+        for i in range(3):
+            state, _ = decide(
+                state, smp(2 * i, 400.0), policy, table(), 2 * i, overrides=Overrides(paused=True)
+            )
+        for i in range(3, 9):
+            state, _ = decide(
+                state, smp(2 * i, 100.0), policy, table(), 2 * i, overrides=Overrides(paused=True)
+            )
+        assert not state.tracks[Trigger.LATENCY_HIGH].latched
+
+
+class TestNoPingPong:
+    def test_alternating_noise_at_the_threshold_never_shifts(self):
+        # Raw P99 alternates 220/260 around 1.2 × 200 = 240 ms: every other raw sample is over the
+        # threshold, but the EMA (220, 232, 228.4, 237.9, 232.5, 240.8, 234.5, 242.2, 235.5, ...) is over
+        # it at most every other sample, never three in a row.
+        script = [{"p99": 220.0 if i % 2 == 0 else 260.0} for i in range(300)]
+        codes, _, _, _ = run(script)
+        assert codes == "H" * 300
+
+    def test_without_smoothing_and_hysteresis_the_same_noise_would_shift(self):
+        script = [{"p99": 220.0 if i % 2 == 0 else 260.0} for i in range(10)]
+        raw = ShiftPolicy(target_p99_ms=TARGET, ema_alpha=1.0, enter_samples=1)
+        assert run(script)[0] == "H" * 10
+        assert run(script, policy=raw)[0][:2] == "HS"
+
+    def test_random_noise_around_both_thresholds_shifts_at_most_once_per_dwell(self):
+        # 40 minutes of P99 that swings between too slow (≈1.2× target) and too fast (≈0.7×) every 30 s,
+        # with Gaussian noise; the active gear follows every SHIFT at once.
+        rng = np.random.default_rng(7)
+        script = []
+        for i in range(1200):
+            centre = 240.0 if (i // 15) % 2 == 0 else 140.0
+            script.append({"p99": float(centre + rng.normal(0, 40))})
+        codes, _decisions, _, _ = run(script)
+        shift_times = [2.0 * i for i, c in enumerate(codes) if c == S]
+        assert all(b - a >= 600.0 for a, b in itertools.pairwise(shift_times))
+        assert len(shift_times) <= 2400 / 600 + 1
+        assert R in codes  # re-triggers inside the dwell raised thresholds instead of shifting
+
+
+class TestDwell:
+    # No smoothing here (alpha 1), so each raw sample is what the triggers see; the EMA has its own tests.
+    POLICY = ShiftPolicy(target_p99_ms=TARGET, ema_alpha=1.0)
+
+    def test_retrigger_in_dwell_raises_that_threshold_and_a_quiet_dwell_resets_it(self):
+        # t=0..4 slow → shift to the latency gear at t=4 (dwell until 604). t=6..10 fast → p99-low fires
+        # at t=10 inside the dwell: level 1, threshold 0.65 × 200 = 130 ms. From t=12 P99 is 134 ms
+        # (0.67 × target): over 130, so nothing fires, until t=610 when a whole dwell has passed since the
+        # re-trigger and the threshold is back to 140 ms: met at 610, 612, 614 → shift at t=614.
+        script = [SLOW] * 3 + [FAST] * 3 + [{"p99": 134.0}] * 305
+        codes, decisions, state, active = run(script, policy=self.POLICY)
+        assert codes[:6] == "HHSHHR"
+        assert decisions[5].target == "bal" and decisions[5].trigger == "p99-low"
+        assert [i for i, c in enumerate(codes) if c in "SR"] == [2, 5, 307]
+        assert codes[307] == S and active == "bal"
+        assert state.tracks[Trigger.LATENCY_LOW].level == 0
+
+    def test_threshold_after_one_step(self):
+        _, _, state, _ = run([SLOW] * 3 + [FAST] * 3, policy=self.POLICY)
+        assert state.tracks[Trigger.LATENCY_LOW].level == 1
+        assert state.thresholds(self.POLICY).p99_low_ratio == pytest.approx(0.65)
+        assert state.last_retrigger_at == 10.0
+
+    def test_levels_stop_at_max(self):
+        policy = replace(self.POLICY, max_retrigger_steps=2)
+        codes, _, state, _ = run([SLOW] * 3 + [{"p99": 20.0}] * 12, policy=policy)
+        assert codes == "HHS" + "HHR" * 4
+        assert state.tracks[Trigger.LATENCY_LOW].level == 2
+
+
+class TestCostBenefit:
+    def test_bytes_moved_match_the_published_parameter_count(self):
+        # Llama-3-8B: 8.03e9 parameters (model card) in bf16; a 2-stage gear loads every weight once,
+        # the embedding and the LM head once each.
+        lat = gears()[0]
+        weights, kv = shift_cost_bytes(lat, ARCH, running=0, avg_context_tokens=1024)
+        assert weights == pytest.approx(8.03e9 * 2, rel=0.01)
+        assert kv == 0
+        # KV of 10 running requests × 1024 tokens: 2 (K, V) · 8 kv heads · 128 dims · 2 B · 32 layers.
+        _, kv = shift_cost_bytes(lat, ARCH, running=10, avg_context_tokens=1024)
+        assert kv == 10 * 1024 * 2 * 8 * 128 * 2 * 32
+
+    def test_replicated_stage_loads_its_weights_per_replica(self):
+        one = GearView("a", Intent.LATENCY, stages(0, 16, 32))
+        two = GearView("b", Intent.LATENCY, (StageView(0, 16, 2), StageView(16, 32, 1)))
+        assert two.weight_bytes(ARCH) - one.weight_bytes(ARCH) == ARCH.stage_weight_bytes(0, 16)
+
+    def test_small_gain_is_vetoed(self):
+        # thr predicts 1 % more throughput than bal: gain 0.01 × 600 s = 6 s; cost ≈ 16.1 GB / 2 GB/s ≈ 8 s.
+        g = (gears()[1], replace(gears()[2], predicted_throughput_rps=16.16))
+        policy = ShiftPolicy(target_p99_ms=TARGET)
+        state = DecisionState()
+        codes = ""
+        for i in range(3):
+            state, d = decide(state, smp(2 * i, **HOT_STAGE), policy, GearTable(g, "bal", ARCH), 2 * i)
+            codes += CODE[d.kind]
+        assert codes == "HHV"
+        assert d.cost is not None and d.cost.gain_s == pytest.approx(6.0)
+        assert d.cost.cost_s == pytest.approx(8.03e9 * 2 / 2e9, rel=0.01)
+        assert d.reason == "Imbalance"
+
+    def test_large_gain_passes_and_latency_gain_uses_the_measured_p99(self):
+        policy = ShiftPolicy(target_p99_ms=TARGET)
+        cb = cost_benefit(Trigger.LATENCY_HIGH, gears()[1], gears()[0], smp(0, 400.0), policy, ARCH)
+        assert cb.improvement == pytest.approx((400 - 120) / 400)
+        assert cb.gain_s == pytest.approx(0.7 * 600)
+        assert not cb.veto
+
+    def test_no_prediction_cannot_veto(self):
+        unknown = replace(gears()[2], predicted_throughput_rps=None)
+        cb = cost_benefit(Trigger.IMBALANCE, gears()[1], unknown, smp(0), ShiftPolicy(), ARCH)
+        assert cb.gain_s is None and not cb.veto
+
+
+class TestHealthAndOverrides:
+    def test_unhealthy_target_is_skipped(self):
+        codes, decisions, _, active = run([HOT_STAGE] * 4, thr="OOMKilled")
+        assert codes == "HHHH" and active == "bal"
+        assert decisions[-1].reason == REASON_NO_HEALTHY_GEAR and decisions[-1].skipped == ("thr",)
+
+    def test_unhealthy_target_falls_through_to_the_next_trigger(self):
+        codes, _decisions, _, active = run(
+            [{"p99": 400.0, "util": (0.97, 0.3, 0.3, 0.3)}] * 3, thr="OOMKilled"
+        )
+        assert codes == "HHS" and active == "lat"
+
+    def test_force_gear_shifts_at_once_even_in_dwell_and_then_holds(self):
+        codes, decisions, state, active = run([SLOW] * 3)
+        assert active == "lat"
+        codes, decisions, _, active = run(
+            [CALM] * 3, state=state, active=active, t0=6, overrides=Overrides("thr")
+        )
+        assert codes == "SHH" and active == "thr"
+        assert decisions[0].trigger == "forced" and decisions[1].reason == REASON_FORCED
+
+    @pytest.mark.parametrize(
+        ("force", "health", "reason"),
+        [("nope", {}, REASON_FORCE_UNKNOWN), ("thr", {"thr": "OOMKilled"}, REASON_FORCE_UNHEALTHY)],
+    )
+    def test_force_gear_refused(self, force, health, reason):
+        codes, decisions, _, _ = run([CALM], overrides=Overrides(force), **health)
+        assert codes == "H" and decisions[0].reason == reason
+
+    def test_paused_and_busy_hold(self):
+        codes, decisions, _state, _ = run([SLOW] * 5, overrides=Overrides(paused=True))
+        assert codes == "HHHHH" and decisions[-1].reason == REASON_PAUSED
+        _s, d = decide(DecisionState(), smp(0, 400.0), ShiftPolicy(), table(), 0, busy=True)
+        assert d.reason == REASON_SHIFT_IN_PROGRESS
+
+
+class TestState:
+    def test_restart_mid_sequence_gives_the_same_decisions(self):
+        script = [HOT_STAGE, HOT_STAGE] + [SLOW] * 3 + [FAST] * 5 + [{"p99": 132.0}] * 4
+        whole, _, _, _ = run(script)
+        first, _, state, active = run(script[:6])
+        stored = json.loads(json.dumps(state.to_dict()))
+        second, _, _, _ = run(script[6:], state=DecisionState.from_dict(stored), active=active, t0=12.0)
+        assert first + second == whole
+        assert DecisionState.from_dict(stored) == state
+
+    def test_empty_status_is_the_initial_state(self):
+        assert DecisionState.from_dict(None) == DecisionState()
+        assert DecisionState.from_dict({}) == DecisionState()
+
+
+class TestPolicy:
+    @pytest.mark.parametrize(
+        ("kwargs", "field"),
+        [
+            ({"ema_alpha": 0}, "spec.policy.emaAlpha"),
+            ({"imbalance_low_utilization": 0.95}, "spec.policy.imbalanceHighUtilization"),
+            ({"p99_high_ratio": 0.9}, "spec.policy.p99HighRatio"),
+            ({"retrigger_step": 0.3}, "spec.policy.retriggerStep"),
+            ({"warmup_share": 1.5}, "spec.policy.warmupShare"),
+        ],
+    )
+    def test_bad_values_name_the_field(self, kwargs, field):
+        with pytest.raises(PolicyError, match=field):
+            ShiftPolicy(**kwargs)
