@@ -1,4 +1,4 @@
-"""Policy choices checked against scores computed by hand from seeds 000 and 003, not by the code under test."""
+"""Policy choices checked against scores computed by hand from seeds 000 and 003, not by the code tested."""
 
 from __future__ import annotations
 

@@ -56,6 +56,8 @@ class ProxyConfig:
     eject_s: float = 5.0
     kv_bytes_per_token: float = 0.0
     default_max_tokens: int = 16
+    text_tokens: str = "chars"
+    """How text prompts are counted: ``chars`` (÷4, real tokenizers) or ``words`` (gearshift-sim)."""
 
 
 def error_response(status: int, message: str, err_type: str, code: str | None = None) -> web.Response:
@@ -73,19 +75,26 @@ class RequestError(Exception):
         self.status, self.message, self.err_type, self.outcome = status, message, err_type, outcome
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt length in tokens: exact for token-id prompts, ``chars / 4`` for text (OpenAI's rule)."""
+def _text_tokens(text: str, mode: str) -> int:
+    if mode == "words":
+        return max(1, len(text.split()))
+    return max(1, round(len(text) / CHARS_PER_TOKEN))
+
+
+def estimate_prompt_tokens(body: dict[str, Any], text_mode: str = "chars") -> int:
+    """Prompt length in tokens: exact for token-id prompts; for text ``chars / 4`` (OpenAI's rule of thumb,
+    ``text_mode="chars"``) or one token per word (``"words"``: gearshift-sim's count, no tokenizer)."""
     prompt = body.get("prompt")
     if prompt is None and isinstance(body.get("messages"), list):
-        text = "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
-        return max(1, round(len(text) / CHARS_PER_TOKEN))
+        text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+        return _text_tokens(text, text_mode)
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) for t in prompt):
             return len(prompt)
         if prompt and isinstance(prompt[0], list):
             return max(1, sum(len(p) for p in prompt))
-        return max(1, round(sum(len(str(p)) for p in prompt) / CHARS_PER_TOKEN))
-    return max(1, round(len(str(prompt or "")) / CHARS_PER_TOKEN))
+        return _text_tokens(" ".join(str(p) for p in prompt), text_mode)
+    return _text_tokens(str(prompt or ""), text_mode)
 
 
 def validate_body(body: Any, path: str) -> dict[str, Any]:
@@ -147,7 +156,12 @@ class Proxy:
         Raises:
             RequestError: 429 when the queue is full, 503 after ``queue_timeout_s``.
         """
-        if self._slots.locked() and self.queued >= self.cfg.max_queue:
+        if not self._slots.locked():
+            # A free slot: acquire() returns without suspending, so no other request can overtake.
+            await self._slots.acquire()
+            self.metrics.queue_time.observe(0.0)
+            return 0.0
+        if self.queued >= self.cfg.max_queue:
             self.metrics.rejects.labels("queue_full").inc()
             raise RequestError(
                 429,
@@ -213,7 +227,20 @@ class Proxy:
         tried: set[str] = set()
         payload = json.dumps(body).encode()
         for attempt in range(self.cfg.retries + 1):
-            b = first if attempt == 0 and first is not None else self._pick(role, req, peer, tried)
+            if attempt == 0 and first is not None:
+                b = first
+            else:
+                try:
+                    b = self._pick(role, req, peer, tried)
+                except RequestError:
+                    if not tried:
+                        raise
+                    raise RequestError(
+                        502,
+                        f"could not connect to any {role} pod (tried {', '.join(sorted(tried))})",
+                        "upstream_error",
+                        "upstream_error",
+                    ) from None
             b.inflight += 1
             try:
                 resp = await self.session.post(
@@ -295,7 +322,7 @@ class Proxy:
             body.get("max_tokens") or body.get("max_completion_tokens") or self.cfg.default_max_tokens
         )
         req = P.RequestView(
-            prompt_tokens=estimate_prompt_tokens(body),
+            prompt_tokens=estimate_prompt_tokens(body, self.cfg.text_tokens),
             max_tokens=int(max_tokens),
             kv_bytes_per_token=self.cfg.kv_bytes_per_token,
             model=body.get("model"),

@@ -272,6 +272,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=env("GEARSHIFT_MODEL"),
         help="HF config.json path or ModelArch JSON, for KV bytes per token [GEARSHIFT_MODEL]",
     )
+    p.add_argument(
+        "--text-tokens",
+        choices=["chars", "words"],
+        default="chars",
+        help="count text prompts as chars/4 (real tokenizers) or words (gearshift-sim)",
+    )
     p.add_argument("--served-model-name", default=env("GEARSHIFT_SERVED_MODEL_NAME"))
     p.add_argument(
         "--prometheus", default=env("GEARSHIFT_PROMETHEUS_URL"), help="read signals from Prometheus"
@@ -355,6 +361,7 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             retries=a.retries,
             eject_s=a.eject_s,
             kv_bytes_per_token=kv_bytes_per_token(a.model),
+            text_tokens=a.text_tokens,
         ),
         served_model_name=a.served_model_name,
         prometheus_url=a.prometheus,

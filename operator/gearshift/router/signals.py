@@ -207,9 +207,10 @@ class HealthChecker:
             b.ejected_until = 0.0
 
     async def run(self) -> None:
+        # Sleep first: EndpointSlice endpoints are already ready, and static pods are trusted until checked.
         while True:
-            await asyncio.gather(*(self.check_one(b) for b in list(self.pool.backends.values())))
             await asyncio.sleep(self.interval_s)
+            await asyncio.gather(*(self.check_one(b) for b in list(self.pool.backends.values())))
 
 
 def record_failure(b: Backend, now: float, eject_after: int = 1, eject_s: float = 5.0) -> bool:

@@ -1,0 +1,308 @@
+"""The router's request path against small in-process aiohttp engines on loopback (PD protocol, errors)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from gearshift.router.pool import BackendInfo, PolicyConfig
+from gearshift.router.proxy import ProxyConfig
+from gearshift.router.server import Router, RouterSettings
+
+
+@dataclass
+class FakeEngine:
+    """A PD engine that records what it got: prefill answers kv_transfer_params, decode streams tokens."""
+
+    name: str
+    delay_s: float = 0.0
+    tokens: int = 3
+    running: int = 0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(self, _r: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def metrics(self, _r: web.Request) -> web.Response:
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{model_name="m"} 2\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        ktp = body.get("kv_transfer_params") or {}
+        if ktp.get("do_remote_decode"):
+            return web.json_response(
+                {
+                    "choices": [{"text": "t"}],
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_engine_id": self.name,
+                        "remote_block_ids": [1, 2],
+                        "num_prompt_tokens": 5,
+                    },
+                }
+            )
+        if body.get("stream"):
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            for i in range(self.tokens):
+                await out.write(
+                    f"data: {json.dumps({'choices': [{'text': f' t{i}'}], 'by': self.name})}\n\n".encode()
+                )
+                await asyncio.sleep(0.002)
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            return out
+        return web.json_response(
+            {"choices": [{"text": " t0 t1 t2"}], "by": self.name, "usage": {"completion_tokens": 3}}
+        )
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+Factory = Callable[..., Awaitable[tuple[TestClient, Router, dict[str, FakeEngine]]]]
+
+
+@pytest.fixture
+async def make_router() -> AsyncIterator[Factory]:
+    servers: list[TestServer] = []
+    clients: list[TestClient] = []
+
+    async def factory(
+        engines: dict[str, tuple[str, FakeEngine | None]],
+        policy: str = "round-robin",
+        proxy: ProxyConfig | None = None,
+    ) -> tuple[TestClient, Router, dict[str, FakeEngine]]:
+        infos = []
+        for name, (role, eng) in engines.items():
+            if eng is None:
+                url = f"http://127.0.0.1:{closed_port()}"
+            else:
+                srv = TestServer(eng.app(), host="127.0.0.1")
+                await srv.start_server()
+                servers.append(srv)
+                url = str(srv.make_url("")).rstrip("/")
+            infos.append(BackendInfo(name, url, role))  # type: ignore[arg-type]
+        settings = RouterSettings(
+            backends=infos,
+            policy=PolicyConfig(policy=policy),
+            proxy=proxy or ProxyConfig(),
+            scrape_interval_s=0.05,
+            health_interval_s=30.0,
+            seed=1,
+        )
+        router = Router(settings)
+        client = TestClient(TestServer(router.app(), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client, router, {n: e for n, (_, e) in engines.items() if e is not None}
+
+    yield factory
+    for c in clients:
+        await c.close()
+    for s in servers:
+        await s.close()
+
+
+async def test_pd_forwarding_non_streaming(make_router: Factory) -> None:
+    client, _router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", FakeEngine("d0"))}
+    )
+    body = {"model": "m", "prompt": "hello world", "max_tokens": 3, "stream_options": {"include_usage": True}}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    assert (await resp.json())["by"] == "d0"
+    (pre,) = eng["p0"].requests
+    assert pre["max_tokens"] == 1 and pre["stream"] is False
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert "stream_options" not in pre
+    (dec,) = eng["d0"].requests
+    assert dec["max_tokens"] == 3 and dec["prompt"] == "hello world"
+    assert dec["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert dec["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+async def test_streaming_passthrough_and_metrics(make_router: Factory) -> None:
+    client, _router, _eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", FakeEngine("d0", tokens=4))}
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    text = await resp.text()
+    events = [e for e in text.split("\n\n") if e]
+    assert len(events) == 5 and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][len("data: ") :])["choices"][0]["text"] == " t0"
+    metrics = await (await client.get("/metrics")).text()
+    assert (
+        'gearshift_router_requests_total{decode_pod="d0",outcome="ok",'
+        'policy="round-robin",prefill_pod="p0"} 1.0' in metrics
+    )
+    assert 'gearshift_router_upstream_ttft_seconds_count{policy="round-robin"} 1.0' in metrics
+    # 5 SSE events after the first: 4 ITL observations (the [DONE] marker counts as an event)
+    assert 'gearshift_router_upstream_itl_seconds_count{policy="round-robin"} 4.0' in metrics
+
+
+async def test_retry_on_failed_connect_and_ejection(make_router: Factory) -> None:
+    client, router, eng = await make_router(
+        {
+            "d0": ("decode", FakeEngine("d0")),
+            "p-dead": ("prefill", None),
+            "p-ok": ("prefill", FakeEngine("p-ok")),
+        }
+    )
+    # round-robin over sorted names ["p-dead", "p-ok"] picks the dead pod first
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert resp.status == 200
+    assert len(eng["p-ok"].requests) == 1
+    dead = router.pool.backends["p-dead"]
+    assert dead.failures == 1 and dead.ejected_until > 0
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_retries_total{pod="p-dead",role="prefill"} 1.0' in metrics
+    # while ejected, the dead pod is not tried again
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
+    assert dead.failures == 1
+    assert len(eng["p-ok"].requests) == 4
+
+
+async def test_all_pods_dead_is_502_then_503(make_router: Factory) -> None:
+    client, _router, _ = await make_router({"b0": ("both", None), "b1": ("both", None)})
+    resp = await client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status == 502
+    assert "could not connect to any both pod (tried b0, b1)" in (await resp.json())["error"]["message"]
+    resp = await client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status == 503
+    assert (await resp.json())["error"]["type"] == "service_unavailable"
+    health = await client.get("/health")
+    assert health.status == 503
+
+
+async def test_queue_full_is_429(make_router: Factory) -> None:
+    client, _router, _ = await make_router(
+        {"b0": ("both", FakeEngine("b0", delay_s=0.5))}, proxy=ProxyConfig(max_inflight=1, max_queue=1)
+    )
+    tasks = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"})) for _ in range(3)]
+    statuses = sorted([(await t).status for t in tasks])
+    assert statuses == [200, 200, 429]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_rejects_total{reason="queue_full"} 1.0' in metrics
+
+
+async def test_queue_timeout_is_503_and_request_timeout_504(make_router: Factory) -> None:
+    client, _router, _ = await make_router(
+        {"b0": ("both", FakeEngine("b0", delay_s=0.4))},
+        proxy=ProxyConfig(max_inflight=1, max_queue=5, queue_timeout_s=0.1, request_timeout_s=0.2),
+    )
+    first = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+    await asyncio.sleep(0.02)
+    second = await client.post("/v1/completions", json={"prompt": "x"})
+    assert second.status == 503
+    assert "queued" in (await second.json())["error"]["message"]
+    assert (await first).status == 504
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", {"model": "m"}, "'prompt'"),
+        ("/v1/chat/completions", {"messages": []}, "'messages'"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "'max_tokens'"),
+        ("/v1/completions", [1, 2], "JSON object"),
+    ],
+)
+async def test_bad_requests_name_the_field(make_router: Factory, path: str, body: Any, field: str) -> None:
+    client, _router, eng = await make_router({"b0": ("both", FakeEngine("b0"))})
+    resp = await client.post(path, json=body)
+    assert resp.status == 400
+    assert field in (await resp.json())["error"]["message"]
+    assert eng["b0"].requests == []
+
+
+async def test_scrape_updates_signals_and_debug(make_router: Factory) -> None:
+    eng = FakeEngine("b0", running=7)
+    client, router, _ = await make_router({"b0": ("both", eng)})
+    for _ in range(50):
+        if router.pool.backends["b0"].last_scrape is not None:
+            break
+        await asyncio.sleep(0.02)
+    b = router.pool.backends["b0"]
+    assert (b.running, b.waiting, b.kv_usage, b.fc_queue) == (7, 2, 0.25, 9)
+    pods = (await (await client.get("/debug/pods")).json())["pods"]
+    assert pods[0]["running"] == 7
+    dec = await (await client.get("/debug/decisions")).json()
+    assert set(dec) >= {"rebalance", "batch", "scaleUp"}
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "m"
+
+
+async def test_pd_score_end_to_end_prefers_idle_fast_pod(make_router: Factory) -> None:
+    client, router, eng = await make_router(
+        {
+            "p-fast": ("prefill", FakeEngine("p-fast")),
+            "p-slow": ("prefill", FakeEngine("p-slow")),
+            "d0": ("decode", FakeEngine("d0")),
+        },
+        policy="pd-score",
+    )
+    router.pool.backends["p-fast"].info = BackendInfo(
+        "p-fast", router.pool.backends["p-fast"].info.url, "prefill", gpu_model="H100-80GB"
+    )
+    router.pool.backends["p-slow"].info = BackendInfo(
+        "p-slow", router.pool.backends["p-slow"].info.url, "prefill", gpu_model="T4-16GB"
+    )
+    resp = await client.post("/v1/completions", json={"prompt": "x y z", "max_tokens": 2})
+    assert resp.status == 200
+    assert len(eng["p-fast"].requests) == 1 and eng["p-slow"].requests == []
+
+
+async def test_connection_errors_are_not_leaked(make_router: Factory) -> None:
+    client, router, _ = await make_router({"b0": ("both", FakeEngine("b0"))})
+    for _ in range(5):
+        assert (await client.post("/v1/completions", json={"prompt": "x"})).status == 200
+    b = router.pool.backends["b0"]
+    assert b.inflight == 0
+    assert router.proxy is not None and router.proxy.inflight == 0
+
+
+def test_session_type_is_aiohttp() -> None:
+    # guards the import used by CONNECT_ERRORS
+    assert issubclass(aiohttp.ClientConnectorError, aiohttp.ClientError)
