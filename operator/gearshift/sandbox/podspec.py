@@ -1,0 +1,281 @@
+"""Pure helpers of the local pod runner: a pod's container → a local command line, environment, readiness
+probe target, and the pod status to report. Pods are plain dicts in the API's camelCase form.
+
+Kubernetes semantics followed (kubelet, ``pkg/kubelet/kuberuntime`` and the API reference):
+  - ``command`` + ``args``, with ``$(VAR)`` expanded from the container's env and ``$$`` escaping ``$``;
+  - env: ``envFrom`` first, then ``env`` in order, each able to refer to earlier ones with ``$(VAR)``;
+    ``valueFrom.fieldRef`` (``metadata.name|namespace|uid``, ``metadata.labels['k']``,
+    ``metadata.annotations['k']``, ``spec.nodeName``, ``spec.serviceAccountName``, ``status.podIP``,
+    ``status.hostIP``), ``configMapKeyRef``/``secretKeyRef`` through a lookup function;
+  - termination message: the file at ``terminationMessagePath`` (here ``$GEARSHIFT_TERMINATION_LOG``), at
+    most 4096 bytes; with ``FallbackToLogsOnError`` and an empty file after a failure, the last 80 lines
+    of the log, at most 2048 bytes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: The programs the runner runs: gearshift's console scripts, resolved in the sandbox's virtualenv.
+ALLOWED_COMMANDS = ("gearshift-sim", "gearshift-probe", "gearshift-router", "gearshift")
+#: Kubelet's limits on the termination message.
+MAX_MESSAGE_BYTES = 4096
+FALLBACK_LOG_LINES = 80
+FALLBACK_LOG_BYTES = 2048
+
+#: Lookup of a ConfigMap/Secret: ``(kind, namespace, name) -> data dict`` or None when absent.
+Lookup = Callable[[str, str, str], dict[str, str] | None]
+
+
+class PodSpecError(ValueError):
+    """A pod the runner cannot run; the message goes into the pod's status and names the field."""
+
+
+def is_job_like(pod: dict[str, Any]) -> bool:
+    """True for run-to-completion pods (``restartPolicy`` Never or OnFailure, as Job pods have)."""
+    return pod.get("spec", {}).get("restartPolicy", "Always") in ("Never", "OnFailure")
+
+
+def check_pod_ip(ip: str | None) -> str:
+    """The pod IP when it is a loopback address; the runner binds and probes only there.
+
+    Raises:
+        PodSpecError: no IP yet or a non-loopback one (the node's podCIDR must be inside 127.0.0.0/8).
+    """
+    if not ip:
+        raise PodSpecError("status.podIP is empty: the pod has no IP yet")
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        raise PodSpecError(f"status.podIP {ip!r} is not an IP address") from None
+    if not addr.is_loopback:
+        raise PodSpecError(
+            f"status.podIP {ip} is not a loopback address; the sandbox runs only pods on nodes whose "
+            "spec.podCIDR lies inside 127.0.0.0/8"
+        )
+    return ip
+
+
+_FIELD_LABEL = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
+
+
+def field_ref(pod: dict[str, Any], path: str) -> str:
+    """The value of a downward-API ``fieldRef.fieldPath`` for ``pod``.
+
+    Raises:
+        PodSpecError: an unsupported field path (names it and the supported ones).
+    """
+    meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
+    simple = {
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.serviceAccountName": spec.get("serviceAccountName"),
+        "status.podIP": status.get("podIP"),
+        "status.hostIP": status.get("hostIP"),
+    }
+    if path in simple:
+        return simple[path] or ""
+    m = _FIELD_LABEL.match(path)
+    if m:
+        return (meta.get(m.group(1)) or {}).get(m.group(2), "")
+    raise PodSpecError(
+        f"env fieldRef.fieldPath {path!r} is not supported by the sandbox runner; use one of "
+        f"{', '.join(simple)}, metadata.labels['<key>'], metadata.annotations['<key>']"
+    )
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes ``$(VAR)`` expansion: defined vars are substituted, undefined ones kept, ``$$`` → ``$``."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1)
+        return env[name] if name in env else m.group(0)
+
+    return _VAR.sub(sub, text)
+
+
+def _ref_data(lookup: Lookup, kind: str, ns: str, ref: dict[str, Any], where: str) -> dict[str, str] | None:
+    name = ref.get("name")
+    if not name:
+        raise PodSpecError(f"{where}.name is required")
+    data = lookup(kind, ns, name)
+    if data is None and not ref.get("optional", False):
+        raise PodSpecError(f"{where}: {kind} {ns}/{name} not found (create it or set optional: true)")
+    return data
+
+
+def container_env(pod: dict[str, Any], container: dict[str, Any], lookup: Lookup) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (``envFrom`` then ``env``).
+
+    Raises:
+        PodSpecError: an unsupported ``valueFrom`` or a missing non-optional ConfigMap/Secret key.
+    """
+    ns = pod.get("metadata", {}).get("namespace", "default")
+    cname = container.get("name", "?")
+    env: dict[str, str] = {}
+    for i, src in enumerate(container.get("envFrom") or []):
+        where = f"containers[{cname}].envFrom[{i}]"
+        prefix = src.get("prefix", "")
+        for key, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
+            if key in src:
+                data = _ref_data(lookup, kind, ns, src[key], f"{where}.{key}") or {}
+                env.update({prefix + k: v for k, v in data.items()})
+    for item in container.get("env") or []:
+        name = item.get("name")
+        where = f"containers[{cname}].env[{name}]"
+        if "value" in item or "valueFrom" not in item:
+            env[name] = expand(str(item.get("value", "")), env)
+            continue
+        vf = item["valueFrom"]
+        if "fieldRef" in vf:
+            env[name] = field_ref(pod, vf["fieldRef"].get("fieldPath", ""))
+        elif "configMapKeyRef" in vf or "secretKeyRef" in vf:
+            key, kind = (
+                ("configMapKeyRef", "ConfigMap") if "configMapKeyRef" in vf else ("secretKeyRef", "Secret")
+            )
+            ref = vf[key]
+            data = _ref_data(lookup, kind, ns, ref, f"{where}.valueFrom.{key}")
+            if data is not None and ref.get("key") in data:
+                env[name] = data[ref["key"]]
+            elif not ref.get("optional", False):
+                raise PodSpecError(
+                    f"{where}.valueFrom.{key}: key {ref.get('key')!r} not in {kind} {ref.get('name')}"
+                )
+        else:
+            raise PodSpecError(
+                f"{where}.valueFrom: the sandbox supports only fieldRef, configMapKeyRef and secretKeyRef"
+            )
+    return env
+
+
+def container_argv(container: dict[str, Any], env: dict[str, str], venv_bin: Path) -> list[str]:
+    """The local command line: ``command`` + ``args`` with ``$(VAR)`` expanded, the program resolved to
+    the console script of that name in ``venv_bin``.
+
+    Raises:
+        PodSpecError: no ``command``, or a program other than ``ALLOWED_COMMANDS``.
+    """
+    cname = container.get("name", "?")
+    command = list(container.get("command") or [])
+    if not command:
+        raise PodSpecError(
+            f"containers[{cname}].command is empty: the sandbox runs no images, so the pod must name its "
+            f"program in command (one of {', '.join(ALLOWED_COMMANDS)})"
+        )
+    program = Path(command[0]).name
+    if program not in ALLOWED_COMMANDS:
+        raise PodSpecError(
+            f"containers[{cname}].command[0] {command[0]!r} is not allowed in the sandbox; the pod runner "
+            f"runs only {', '.join(ALLOWED_COMMANDS)}"
+        )
+    rest = [*command[1:], *(container.get("args") or [])]
+    return [str(venv_bin / program), *(expand(str(a), env) for a in rest)]
+
+
+def _port(container: dict[str, Any], port: Any, where: str) -> int:
+    if isinstance(port, int):
+        return port
+    if isinstance(port, str) and port.isdigit():
+        return int(port)
+    for p in container.get("ports") or []:
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    raise PodSpecError(f"{where}.port {port!r} names no port of container {container.get('name')}")
+
+
+def readiness_target(container: dict[str, Any], pod_ip: str) -> dict[str, Any] | None:
+    """What readiness means for this container: None when it has no readiness probe (ready once started),
+    else ``{"kind": "http"|"tcp", "url"|"host"+"port", "period_s", "initial_delay_s", "timeout_s",
+    "failure_threshold", "success_threshold"}`` with the pod's values or Kubernetes' defaults
+    (period 10 s, timeout 1 s, failure 3, success 1).
+
+    Raises:
+        PodSpecError: an exec or gRPC probe, or a named port the container lacks.
+    """
+    probe = container.get("readinessProbe")
+    if not probe:
+        return None
+    where = f"containers[{container.get('name')}].readinessProbe"
+    timing = {
+        "period_s": float(probe.get("periodSeconds", 10)),
+        "initial_delay_s": float(probe.get("initialDelaySeconds", 0)),
+        "timeout_s": float(probe.get("timeoutSeconds", 1)),
+        "failure_threshold": int(probe.get("failureThreshold", 3)),
+        "success_threshold": int(probe.get("successThreshold", 1)),
+    }
+    if "httpGet" in probe:
+        hg = probe["httpGet"]
+        if hg.get("scheme", "HTTP").upper() != "HTTP":
+            raise PodSpecError(f"{where}.httpGet.scheme: only HTTP is supported in the sandbox")
+        port = _port(container, hg.get("port"), f"{where}.httpGet")
+        path = hg.get("path") or "/"
+        if not path.startswith("/"):
+            path = "/" + path
+        # The probe goes to the pod IP whatever httpGet.host says: the sandbox talks to loopback only.
+        return {"kind": "http", "url": f"http://{pod_ip}:{port}{path}", **timing}
+    if "tcpSocket" in probe:
+        port = _port(container, probe["tcpSocket"].get("port"), f"{where}.tcpSocket")
+        return {"kind": "tcp", "host": pod_ip, "port": port, **timing}
+    raise PodSpecError(f"{where}: only httpGet and tcpSocket probes are supported in the sandbox")
+
+
+def termination_message(message_file: str, log_tail: str, exit_code: int, policy: str) -> str:
+    """The message reported in ``state.terminated.message`` (kubelet's rules, see module docstring)."""
+    msg = message_file.encode()[:MAX_MESSAGE_BYTES].decode(errors="ignore")
+    if not msg and exit_code != 0 and policy == "FallbackToLogsOnError":
+        lines = log_tail.splitlines()[-FALLBACK_LOG_LINES:]
+        tail = "\n".join(lines).encode()[-FALLBACK_LOG_BYTES:]
+        msg = tail.decode(errors="ignore")
+    return msg
+
+
+def restart_delay(restarts: int, base_s: float, cap_s: float) -> float:
+    """Back-off before restart number ``restarts + 1``: ``base_s · 2^restarts``, at most ``cap_s``
+    (the kubelet's CrashLoopBackOff doubles from 10 s to 300 s; the sandbox scales that down)."""
+    return min(cap_s, base_s * (2 ** max(0, restarts)))
+
+
+def merge_conditions(
+    current: list[dict[str, Any]], updates: dict[str, tuple[str, str, str]], now: str
+) -> list:
+    """Pod conditions with ``updates`` (``type -> (status, reason, message)``) applied; lastTransitionTime
+    changes only when a condition's status flips. Other conditions (PodScheduled) are kept as they are."""
+    out = []
+    seen = set()
+    for cond in current:
+        ctype = cond.get("type")
+        if ctype in updates:
+            status, reason, message = updates[ctype]
+            flipped = cond.get("status") != status
+            cond = {
+                "type": ctype,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": now if flipped else cond.get("lastTransitionTime", now),
+            }
+            seen.add(ctype)
+        out.append(cond)
+    for ctype, (status, reason, message) in updates.items():
+        if ctype not in seen:
+            out.append(
+                {
+                    "type": ctype,
+                    "status": status,
+                    "reason": reason,
+                    "message": message,
+                    "lastTransitionTime": now,
+                }
+            )
+    return out

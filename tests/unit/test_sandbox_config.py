@@ -1,0 +1,177 @@
+"""The sandbox's generated configuration: layout names, kwok stages, Prometheus (pure, no cluster)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import ClassVar
+
+import pytest
+import yaml
+
+from gearshift.sandbox.layout import Layout, SandboxConfigError, read_versions, sandbox_name, sandbox_octet
+from gearshift.sandbox.prometheus import pod_targets, prometheus_argv, prometheus_config
+from gearshift.sandbox.stages import RUN_LABEL_QUERY, kwok_configuration, sandbox_stages
+
+
+class TestLayout:
+    def test_name_and_octet_depend_on_path(self, tmp_path):
+        a, b = tmp_path / "dev" / ".sandbox", tmp_path / "ci" / ".sandbox"
+        assert sandbox_name(a) == sandbox_name(a)
+        assert sandbox_name(a) != sandbox_name(b)
+        assert sandbox_name(a).startswith("gs-") and len(sandbox_name(a)) == 11
+        octets = {sandbox_octet(tmp_path / f"s{i}") for i in range(200)}
+        assert octets <= set(range(1, 255))
+        assert len(octets) > 100  # spread, not a constant
+
+    def test_versions_file(self, tmp_path):
+        f = tmp_path / "versions.env"
+        f.write_text(
+            "# pins\nKUBE_VERSION=v1.34.4\nETCD_VERSION=v3.6.16  # etcd\nKWOK_VERSION=v0.8\nHELM_VERSION=v3\n"
+        )
+        v = read_versions(f)
+        assert v["ETCD_VERSION"] == "v3.6.16"
+        f.write_text("KUBE_VERSION=v1\n")
+        with pytest.raises(SandboxConfigError, match="ETCD_VERSION"):
+            read_versions(f)
+
+    def test_env_override_and_paths(self, tmp_path):
+        lay = Layout.from_env(
+            {"GEARSHIFT_SANDBOX_DIR": str(tmp_path / "sb"), "GEARSHIFT_CACHE": str(tmp_path / "c")}
+        )
+        assert lay.state_dir == (tmp_path / "sb").resolve()
+        kube = lay.versions["KUBE_VERSION"]
+        assert lay.binary("kubectl") == tmp_path / "c" / "bin" / f"kubernetes-{kube}" / "kubectl"
+        assert lay.kubeconfig == lay.state_dir / "kwok" / "clusters" / lay.name / "kubeconfig.yaml"
+        env = lay.subprocess_env({"PATH": "/usr/bin"})
+        assert env["PATH"].split(":")[0] == str(lay.part_dir("kubernetes"))
+        assert env["PATH"].endswith(":/usr/bin")
+        assert env["KUBECONFIG"] == str(lay.kubeconfig)
+        assert "kwokctl" in lay.missing_binaries()
+
+
+def _pod_stage(name, exprs):
+    return {
+        "apiVersion": "kwok.x-k8s.io/v1alpha1",
+        "kind": "Stage",
+        "metadata": {"name": name},
+        "spec": {"resourceRef": {"apiGroup": "v1", "kind": "Pod"}, "selector": {"matchExpressions": exprs}},
+    }
+
+
+DEFAULT_STAGES = (
+    {"kind": "Stage", "metadata": {"name": "node-initialize"}, "spec": {"resourceRef": {"kind": "Node"}}},
+    _pod_stage("pod-ready", [{"key": ".status.podIP", "operator": "DoesNotExist"}]),
+    _pod_stage("pod-delete", [{"key": ".metadata.deletionTimestamp", "operator": "Exists"}]),
+)
+
+
+class TestStages:
+    DEFAULTS: ClassVar[list[dict]] = list(DEFAULT_STAGES)
+
+    def test_default_pod_stages_skip_opted_in_pods(self):
+        out = {s["metadata"]["name"]: s for s in sandbox_stages(self.DEFAULTS)}
+        for name in ("pod-ready", "pod-delete"):
+            exprs = out[name]["spec"]["selector"]["matchExpressions"]
+            assert {"key": RUN_LABEL_QUERY, "operator": "NotIn", "values": ["true"]} in exprs
+            assert len(exprs) == 2  # the original condition is kept
+        assert "selector" not in out["node-initialize"]["spec"]
+        assert RUN_LABEL_QUERY == '.metadata.labels["gearshift.io/sandbox-run"]'
+
+    def test_defaults_not_mutated(self):
+        before = yaml.safe_dump(self.DEFAULTS)
+        sandbox_stages(self.DEFAULTS)
+        assert yaml.safe_dump(self.DEFAULTS) == before
+
+    def test_own_stages_for_opted_in_pods(self):
+        out = {s["metadata"]["name"]: s for s in sandbox_stages(self.DEFAULTS)}
+        assign = out["gearshift-run-assign"]
+        assert {"key": RUN_LABEL_QUERY, "operator": "In", "values": ["true"]} in assign["spec"]["selector"][
+            "matchExpressions"
+        ]
+        tmpl = assign["spec"]["next"]["statusTemplate"]
+        assert "PodIPWith .spec.nodeName" in tmpl and "phase: Pending" in tmpl
+        assert "type: Ready" in tmpl and 'status: "True"\n  type: Ready' not in tmpl
+        fallback = out["gearshift-run-delete-fallback"]
+        assert fallback["spec"]["next"]["delete"] is True
+        assert fallback["spec"]["delay"]["durationMilliseconds"] >= 10_000
+
+    def test_kwok_default_cidr_is_loopback_and_outside_node_cidrs(self):
+        opts = kwok_configuration(42)["options"]
+        assert opts["cidr"] == "127.42.255.0/24"
+
+
+class TestPrometheus:
+    def test_scrape_config(self, tmp_path):
+        cfg = prometheus_config(tmp_path / "targets.json")
+        assert cfg["global"]["scrape_interval"] == "2s"
+        job = cfg["scrape_configs"][0]
+        assert job["file_sd_configs"][0]["files"] == [str(tmp_path / "targets.json")]
+        rules = job["relabel_configs"]
+        keep = [r for r in rules if r.get("action") == "keep"]
+        assert {tuple(r["source_labels"]) for r in keep} == {
+            ("__meta_kubernetes_pod_annotation_prometheus_io_scrape",),
+            ("__meta_kubernetes_pod_phase",),
+        }
+        addr = next(r for r in rules if r.get("target_label") == "__address__")
+        assert addr["source_labels"] == [
+            "__meta_kubernetes_pod_ip",
+            "__meta_kubernetes_pod_annotation_prometheus_io_port",
+        ]
+
+    def test_listens_on_loopback_only(self, tmp_path):
+        argv = prometheus_argv("prometheus", tmp_path / "p.yml", tmp_path / "data", 9999)
+        assert "--web.listen-address=127.0.0.1:9999" in argv
+
+    def test_pod_targets_like_kubernetes_sd(self):
+        pod = {
+            "metadata": {
+                "name": "sim-0",
+                "namespace": "ns1",
+                "uid": "u1",
+                "labels": {"gearshift.io/role": "prefill"},
+                "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8000"},
+                "ownerReferences": [{"kind": "StatefulSet", "name": "sim", "controller": True}],
+            },
+            "spec": {
+                "nodeName": "gpu-h100-0",
+                "containers": [
+                    {"name": "engine", "image": "w:1", "ports": [{"name": "http", "containerPort": 8000}]},
+                    {"name": "side", "image": "s:1"},
+                ],
+            },
+            "status": {
+                "podIP": "127.9.1.3",
+                "phase": "Running",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+        pending = {
+            "metadata": {"name": "p", "namespace": "ns1"},
+            "spec": {"containers": [{"name": "c"}]},
+            "status": {},
+        }
+        groups = pod_targets([pod, pending])
+        assert [g["targets"] for g in groups] == [["127.9.1.3:8000"], ["127.9.1.3"]]
+        lab = groups[0]["labels"]
+        m = "__meta_kubernetes_pod_"
+        assert lab["__meta_kubernetes_namespace"] == "ns1"
+        assert lab[m + "annotation_prometheus_io_scrape"] == "true"
+        assert lab[m + "annotation_prometheus_io_port"] == "8000"
+        assert lab[m + "label_gearshift_io_role"] == "prefill"
+        assert lab[m + "labelpresent_gearshift_io_role"] == "true"
+        assert (lab[m + "ready"], lab[m + "phase"], lab[m + "node_name"]) == ("true", "Running", "gpu-h100-0")
+        assert (lab[m + "controller_kind"], lab[m + "controller_name"]) == ("StatefulSet", "sim")
+        assert (lab[m + "container_port_number"], lab[m + "container_port_name"]) == ("8000", "http")
+        assert groups[1]["labels"][m + "container_name"] == "side"
+
+    @pytest.mark.skipif(
+        shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed"
+    )
+    def test_promtool_accepts_config(self, tmp_path):
+        targets = tmp_path / "targets.json"
+        targets.write_text("[]")
+        path = tmp_path / "prometheus.yml"
+        path.write_text(yaml.safe_dump(prometheus_config(targets)))
+        proc = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,112 @@
+"""Fleet → sandbox Node manifests (gearshift.sandbox.nodes): pure, no cluster."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from gearshift.fleet import load_fleet, parse_fleet
+from gearshift.sandbox.nodes import NodeLayoutError, node_pod_cidr, sandbox_nodes
+
+REPO = Path(__file__).resolve().parents[2]
+MIXED = load_fleet(REPO / "examples" / "fleet-mixed.yaml")
+OCTET = 42
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    return {n["metadata"]["name"]: n for n in sandbox_nodes(MIXED, OCTET)}
+
+
+class TestAddressPlan:
+    def test_names_gpu_then_cpu(self):
+        names = [n["metadata"]["name"] for n in sandbox_nodes(MIXED, OCTET)]
+        assert names[:2] == ["gpu-h100-0", "gpu-h100-1"]
+        assert names[-2:] == ["cpu-0", "cpu-1"]
+        assert len(names) == 12
+
+    def test_pod_cidrs_disjoint_loopback_and_not_host_block(self, nodes):
+        nets = [ipaddress.ip_network(n["spec"]["podCIDR"]) for n in nodes.values()]
+        host_block = ipaddress.ip_network("127.0.0.0/24")
+        for net in nets:
+            assert net.subnet_of(ipaddress.ip_network(f"127.{OCTET}.0.0/16"))
+            assert not net.overlaps(host_block)
+            assert net.num_addresses == 256
+        assert len({str(n) for n in nets}) == len(nets)
+        for a in nets:
+            assert sum(a.overlaps(b) for b in nets) == 1
+
+    def test_node_ips_outside_every_pod_cidr(self, nodes):
+        nets = [ipaddress.ip_network(n["spec"]["podCIDR"]) for n in nodes.values()]
+        ips = []
+        for n in nodes.values():
+            (ip,) = [a["address"] for a in n["status"]["addresses"] if a["type"] == "InternalIP"]
+            ips.append(ipaddress.ip_address(ip))
+        assert len(set(ips)) == len(ips)
+        assert all(ip.is_loopback and not any(ip in net for net in nets) for ip in ips)
+
+    def test_two_octets_give_disjoint_pods(self):
+        a = {ipaddress.ip_network(n["spec"]["podCIDR"]) for n in sandbox_nodes(MIXED, 7)}
+        b = {ipaddress.ip_network(n["spec"]["podCIDR"]) for n in sandbox_nodes(MIXED, 8)}
+        assert not any(x.overlaps(y) for x in a for y in b)
+
+    @pytest.mark.parametrize(("octet", "index"), [(0, 0), (256, 0), (5, 254), (5, -1)])
+    def test_bad_octet_or_index(self, octet, index):
+        with pytest.raises(NodeLayoutError):
+            node_pod_cidr(octet, index)
+
+    def test_too_many_nodes(self):
+        big = parse_fleet({"name": "big", "nodePools": [{"name": "t", "gpu": "T4-16GB", "nodes": 253}]})
+        with pytest.raises(NodeLayoutError, match="at most 254"):
+            sandbox_nodes(big, OCTET)
+
+
+class TestGpuNode:
+    def test_gfd_labels(self, nodes):
+        labels = nodes["gpu-h100-0"]["metadata"]["labels"]
+        assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+        assert labels["nvidia.com/gpu.memory"] == str(80 * 1024)
+        assert labels["nvidia.com/gpu.count"] == "1"
+        assert labels["nvidia.com/gpu.family"] == "hopper"
+        assert labels["kubernetes.io/hostname"] == "gpu-h100-0"
+        assert labels["type"] == "kwok"
+        assert nodes["gpu-t4-1"]["metadata"]["labels"]["nvidia.com/gpu.product"] == "Tesla-T4"
+        assert nodes["gpu-t4-1"]["metadata"]["labels"]["nvidia.com/gpu.family"] == "turing"
+
+    def test_datasheet_annotations(self, nodes):
+        ann = nodes["gpu-a100-1"]["metadata"]["annotations"]
+        # NVIDIA A100 40GB datasheet: 312 dense bf16 TFLOPS, 1555 GB/s; the fleet file: 100 Gb/s NIC.
+        assert ann["gearshift.io/bf16-tflops"] == "312"
+        assert ann["gearshift.io/hbm-gbps"] == "1555"
+        assert ann["gearshift.io/memory-gib"] == "40"
+        assert ann["gearshift.io/nic-gbps"] == "100"
+        assert ann["gearshift.io/latency-us"] == "10"
+        assert ann["gearshift.io/gpu-model"] == "A100-40GB"
+
+    def test_capacity_and_taint(self, nodes):
+        node = nodes["gpu-a10-2"]
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "1"
+        assert node["status"]["allocatable"] == node["status"]["capacity"]
+        assert node["spec"]["taints"] == [
+            {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+        ]
+
+    def test_multi_gpu_node(self):
+        fleet = parse_fleet(
+            {"name": "t", "nodePools": [{"name": "x", "gpu": "L4-24GB", "nodes": 1, "gpusPerNode": 4}]}
+        )
+        node = sandbox_nodes(fleet, OCTET, cpu_nodes=0)[0]
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "4"
+        assert node["metadata"]["labels"]["nvidia.com/gpu.count"] == "4"
+        assert node["metadata"]["labels"]["nvidia.com/gpu.family"] == "ada-lovelace"
+
+
+class TestCpuNode:
+    def test_no_gpu_no_taint(self, nodes):
+        cpu = nodes["cpu-1"]
+        assert "nvidia.com/gpu" not in cpu["status"]["capacity"]
+        assert "taints" not in cpu["spec"]
+        assert not any(k.startswith("nvidia.com/") for k in cpu["metadata"]["labels"])
+        assert cpu["metadata"]["labels"]["gearshift.io/node-pool"] == "cpu"
