@@ -224,9 +224,7 @@ def _coarse_classes(nodes: Sequence[Node], groups: int) -> list[_Class]:
     buckets: dict[tuple[int, int], list[Node]] = {}
     for i, n in enumerate(ranked):
         buckets.setdefault((i // size, math.floor(n.memory_gb)), []).append(n)
-    return [
-        _Class(m, min(n.compute_score for n in m), min(n.memory_gb for n in m)) for m in buckets.values()
-    ]
+    return [_Class(m, min(n.compute_score for n in m), min(n.memory_gb for n in m)) for m in buckets.values()]
 
 
 def _work(counts: Sequence[int]) -> int:
@@ -534,25 +532,7 @@ def min_bottleneck(
     sub = profile.subset({n.node_id for n in nodes}) if node_ids is not None else profile
 
     lb = lower_bound_ms(costs, nodes, replicas)
-    classes = _exact_classes(nodes)
-    links, uniform = _class_links(sub, classes)
-    counts = [len(c.members) // replicas for c in classes]
-    if uniform and _work(counts) <= work_cap:
-        attempts = [(classes, counts, links)]
-        exact, method = True, "exact: bisection + DP over classes of identical nodes"
-    elif replicas == 1 and len(nodes) <= 64 and _work([1] * len(nodes)) <= work_cap:
-        singles = [_Class([n], n.compute_score, n.memory_gb) for n in nodes]
-        attempts = [(singles, [1] * len(nodes), _class_links(sub, singles)[0])]
-        exact, method = True, "exact: bisection + DP over node subsets"
-    else:
-        attempts = []
-        for groups in HEURISTIC_GROUPS:
-            coarse = _coarse_classes(nodes, groups)
-            n_counts = [len(c.members) // replicas for c in coarse]
-            while _work(n_counts) > work_cap:
-                n_counts[int(np.argmax(n_counts))] -= 1
-            attempts.append((coarse, n_counts, _class_links(sub, coarse)[0]))
-        exact, method = False, "heuristic: DP over coarse node classes, cuts re-optimised"
+    attempts, exact, method = _attempts(sub, nodes, replicas, work_cap)
     best: Pipeline | None = None
     error: PlanError | None = None
     for a_classes, a_counts, a_links in attempts:
@@ -571,6 +551,54 @@ def min_bottleneck(
         assert error is not None
         raise error
     return best
+
+
+_Attempt = tuple[list[_Class], list[int], list[list[Link | None]]]
+
+
+def _attempts(
+    profile: Profile, nodes: list[Node], replicas: int, work_cap: int
+) -> tuple[list[_Attempt], bool, str]:
+    """The class structures to run the DP on, whether they make the result exact, and the method name."""
+    classes = _exact_classes(nodes)
+    links, uniform = _class_links(profile, classes)
+    counts = [len(c.members) // replicas for c in classes]
+    if uniform and _work(counts) <= work_cap:
+        return [(classes, counts, links)], True, "exact: bisection + DP over classes of identical nodes"
+    if replicas == 1 and len(nodes) <= 64 and _work([1] * len(nodes)) <= work_cap:
+        singles = [_Class([n], n.compute_score, n.memory_gb) for n in nodes]
+        return (
+            [(singles, [1] * len(nodes), _class_links(profile, singles)[0])],
+            True,
+            ("exact: bisection + DP over node subsets"),
+        )
+    attempts = []
+    for groups in HEURISTIC_GROUPS:
+        coarse = _coarse_classes(nodes, groups)
+        n_counts = [len(c.members) // replicas for c in coarse]
+        while _work(n_counts) > work_cap:
+            n_counts[int(np.argmax(n_counts))] -= 1
+        attempts.append((coarse, n_counts, _class_links(profile, coarse)[0]))
+    return attempts, False, "heuristic: DP over coarse node classes, cuts re-optimised"
+
+
+def fewest_stages(
+    profile: Profile,
+    costs: LayerCosts,
+    *,
+    replicas: int = 1,
+    node_ids: Sequence[str] | None = None,
+    work_cap: int = DEFAULT_WORK_CAP,
+) -> int | None:
+    """The fewest stages any pipeline needs to fit memory and links (bottleneck unbounded), or None."""
+    nodes = [n for n in profile.nodes if node_ids is None or n.node_id in set(node_ids)]
+    if not nodes:
+        return None
+    sub = profile.subset({n.node_id for n in nodes})
+    attempts, _, _ = _attempts(sub, nodes, replicas, work_cap)
+    found = [_Solver(costs, c, k, lk, None).feasible(math.inf) for c, k, lk in attempts if sum(k) > 0]
+    levels = [lv for lv in found if lv is not None]
+    return min(levels) if levels else None
 
 
 def _assemble(

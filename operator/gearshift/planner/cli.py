@@ -1,0 +1,57 @@
+"""``gearshift plan``: plan the gears of a model on a fleet and print them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+FORMATS = ("table", "json", "yaml")
+
+
+def register(sub: Any) -> None:
+    """Add ``plan`` to the ``gearshift`` sub-commands."""
+    p = sub.add_parser(
+        "plan",
+        help="plan pipeline gears of a model on a heterogeneous fleet",
+        description="Plan latency/balanced/throughput gears: unequal layer splits with equal stage times.",
+    )
+    p.add_argument("--cluster", required=True, help="resource profile (nodes:) or fleet file (nodePools:)")
+    p.add_argument("--model", required=True, help="HF config.json or layer-cost file (layers:)")
+    p.add_argument("--gear", default="all", choices=["latency", "balanced", "throughput", "all"])
+    p.add_argument(
+        "--single-pipeline",
+        action="store_true",
+        help="one pipeline, no replicas; with --gear throughput: the exact minimum-bottleneck pipeline",
+    )
+    p.add_argument("--qps", type=float, default=None, help="load for latency predictions, req/s")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="tokens per request (HF config only)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated arrivals")
+    p.add_argument("-o", "--output", default="table", choices=FORMATS)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gearshift plan``; exit 0 on success, 1 when planning fails (message on stderr)."""
+    from gearshift.planner import PlanError, load_cluster, load_model, plan
+    from gearshift.planner.costs import RooflineAssumptions
+    from gearshift.planner.render import to_json, to_table, to_yaml
+
+    try:
+        profile = load_cluster(args.cluster)
+        model = load_model(args.model, RooflineAssumptions(prompt_tokens=args.prompt_tokens))
+        intents = ("latency", "balanced", "throughput") if args.gear == "all" else (args.gear,)
+        result = plan(
+            profile,
+            model,
+            intents=intents,
+            qps=args.qps,
+            single_pipeline=args.single_pipeline,
+            seed=args.seed,
+        )
+    except PlanError as exc:
+        print(f"gearshift plan: {exc}", file=sys.stderr)
+        return 1
+    render = {"table": to_table, "json": to_json, "yaml": to_yaml}[args.output]
+    sys.stdout.write(render(result))
+    return 0

@@ -1,0 +1,383 @@
+"""Gear generation: the ``latency``, ``balanced`` and ``throughput`` gears of a model on a fleet.
+
+For each intent the planner enumerates candidates -- micro-batch sizes of the intent (latency 1-4,
+balanced 4-8, throughput 8-16, DESIGN.md; only nodes whose ``max_batch_microbatch`` allows one), a
+number ``R`` of pipeline replicas (1, 2, ... while classes of identical nodes can staff them), and a
+stage-count cap (latency: the fewest stages that fit, or up to 4; balanced: up to 8; throughput: none)
+-- solves each with the minimum-bottleneck partitioner, gives the latency and balanced candidates the
+fleet's leftover nodes as extra replicas of their hottest stages, predicts each with the simulator, and
+keeps per intent:
+
+- ``throughput``: the highest capacity (req/s); it also tries the fleet's smallest
+  ``max_batch_microbatch`` when that is below 8, so that small cards can join the deep pipeline;
+- ``latency``: the lowest simulated P99 at the given QPS among candidates with capacity ≥ QPS / 0.8;
+- ``balanced``: the highest capacity / P99 at that QPS among the same.
+
+Capacity is ``micro_batch × 1000 / effective bottleneck``, where a stage served by nodes with times
+``t_j`` accepts a micro-batch every ``1 / Σ 1/t_j`` ms and a link shared by R pipelines every
+``cap / R`` ms. A gear suits QPS up to 80% of its capacity (queues stay short below that utilisation);
+sorted by capacity, each gear's range starts where the previous one's ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gearshift.planner.costs import CostModel, LayerCosts
+from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError
+from gearshift.planner.partition import Pipeline, fewest_stages, min_bottleneck
+from gearshift.planner.profile import Profile
+from gearshift.planner.simulate import SimResult, simulate
+
+INTENTS: dict[str, tuple[int, ...]] = {"latency": (1, 2, 4), "balanced": (4, 8), "throughput": (8, 16)}
+#: Utilisation up to which a gear is said to suit a load.
+TARGET_UTILISATION = 0.8
+#: Most pipeline replicas tried per gear.
+MAX_PIPELINES = 8
+#: Default offered load when none is given: this share of the best capacity found.
+DEFAULT_QPS_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a gear: layers ``[start, end)`` on ``nodes`` (one pod per node)."""
+
+    layers: tuple[int, int]
+    node: str
+    """The first replica's node (pipeline replica 0)."""
+    nodes: tuple[str, ...]
+    """Every node holding the stage: pipeline replica r on ``nodes[r]``, hot-stage extras after them."""
+    time_ms: float
+    """Time per micro-batch on the slowest of ``nodes``, ms."""
+    memory_gb: float
+
+    @property
+    def replicas(self) -> int:
+        return len(self.nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers),
+            "node": self.node,
+            "nodes": list(self.nodes),
+            "replicas": self.replicas,
+            "time_ms": round(self.time_ms, 6),
+            "memory_gb": round(self.memory_gb, 3),
+        }
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator and the cost model predict for a gear."""
+
+    throughput_rps: float
+    """Capacity, requests/s."""
+    qps: float
+    """Load the latencies were simulated at, requests/s."""
+    p50_ms: float
+    p99_ms: float
+    saturated: bool
+    mean_batch: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "throughput_rps": round(self.throughput_rps, 4),
+            "qps": round(self.qps, 4),
+            "p50_ms": round(self.p50_ms, 3),
+            "p99_ms": round(self.p99_ms, 3),
+            "saturated": self.saturated,
+            "mean_batch": round(self.mean_batch, 3),
+        }
+
+
+@dataclass(frozen=True)
+class Gear:
+    """One complete pipeline configuration (DESIGN.md's glossary)."""
+
+    name: str
+    stages: tuple[Stage, ...]
+    micro_batch: int
+    max_batch: int
+    """Requests in flight per pipeline replica: ``micro_batch × stages`` keeps every stage busy."""
+    pipelines: int
+    bottleneck_ms: float
+    """Slowest stage time or link bound of one pipeline replica, ms per micro-batch."""
+    effective_ms: float
+    """Time between micro-batches the whole gear accepts (replicas and extras counted), ms."""
+    lower_bound_ms: float
+    exact: bool
+    predicted: Prediction
+    qps_range: tuple[float, float] = (0.0, 0.0)
+    link_ms: tuple[float, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "stages": [s.to_dict() for s in self.stages],
+            "micro_batch": self.micro_batch,
+            "max_batch": self.max_batch,
+            "pipelines": self.pipelines,
+            "bottleneck_ms": round(self.bottleneck_ms, 6),
+            "effective_ms": round(self.effective_ms, 6),
+            "lower_bound_ms": round(self.lower_bound_ms, 6),
+            "exact": self.exact,
+            "predicted": self.predicted.to_dict(),
+            "qps_range": [round(self.qps_range[0], 4), round(self.qps_range[1], 4)],
+            "link_ms": [round(x, 6) for x in self.link_ms],
+        }
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The gears planned for one model on one fleet."""
+
+    model: str
+    gears: tuple[Gear, ...]
+    qps: float
+
+    def gear(self, name: str) -> Gear:
+        """The gear named ``name``. Raises KeyError naming the ones there are."""
+        for g in self.gears:
+            if g.name == name:
+                return g
+        raise KeyError(f"no gear {name!r}; planned: {', '.join(g.name for g in self.gears)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "qps": round(self.qps, 4), "gears": [g.to_dict() for g in self.gears]}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Candidate:
+    intent: str
+    micro_batch: int
+    pipeline: Pipeline
+    costs: LayerCosts
+    nodes: list[list[str]]
+    effective_ms: float = 0.0
+    capacity: float = 0.0
+    sim: SimResult | None = None
+
+
+def _stage_ms(costs: LayerCosts, start: int, end: int, score: float) -> float:
+    return sum(costs.compute_ms[start:end]) / score
+
+
+def _link_bound(profile: Profile, c: _Candidate) -> float:
+    bound = 0.0
+    for a, b in zip(c.nodes, c.nodes[1:], strict=False):
+        for x in a:
+            for y in b:
+                link = profile.link(x, y)
+                if link is not None:
+                    bound = max(bound, link.cap_ms(c.costs.activation_mb))
+    return bound / c.pipeline.replicas
+
+
+def _add_extras(profile: Profile, c: _Candidate, free: list[str]) -> None:
+    """Give leftover nodes to the hottest stage while they fit its memory, link to both neighbours, and
+    lower the effective bottleneck."""
+    while free:
+        rates = [
+            sum(1.0 / _stage_ms(c.costs, st.start, st.end, profile.node(n).compute_score) for n in ids)
+            for st, ids in zip(c.pipeline.stages, c.nodes, strict=True)
+        ]
+        k = min(range(len(rates)), key=rates.__getitem__)
+        st = c.pipeline.stages[k]
+        fits = []
+        for nid in free:
+            node = profile.node(nid)
+            if node.memory_gb < st.memory_gb:
+                continue
+            neighbours = (c.nodes[k - 1] if k else []) + (c.nodes[k + 1] if k + 1 < len(c.nodes) else [])
+            if all(profile.link(nid, m) is not None for m in neighbours):
+                fits.append(nid)
+        if not fits:
+            return
+        best = max(fits, key=lambda n: profile.node(n).compute_score)
+        c.nodes[k].append(best)
+        free.remove(best)
+
+
+def _tables(profile: Profile, model: CostModel, c: _Candidate) -> tuple[list, list]:
+    per_n = [model.at(n) for n in range(1, c.micro_batch + 1)]
+    stage_ms = [
+        [[_stage_ms(cn, st.start, st.end, profile.node(nid).compute_score) for cn in per_n] for nid in ids]
+        for st, ids in zip(c.pipeline.stages, c.nodes, strict=True)
+    ]
+    link_ms = []
+    for a, b in zip(c.nodes, c.nodes[1:], strict=False):
+        pairs = [profile.link(x, y) for x, y in zip(a, b, strict=False)]
+        link_ms.append([max(p.transfer_ms(cn.activation_mb) for p in pairs if p is not None) for cn in per_n])
+    return stage_ms, link_ms
+
+
+def _candidates(profile: Profile, model: CostModel, intent: str, single_pipeline: bool) -> list[_Candidate]:
+    out: list[_Candidate] = []
+    last_error: PlanError | None = None
+    sizes = list(INTENTS[intent])
+    smallest = min(n.max_micro_batch for n in profile.nodes)
+    if intent == "throughput" and smallest < sizes[0]:
+        # Small cards run only small micro-batches; without this they could never join the deep pipeline.
+        sizes.insert(0, smallest)
+    for mb in sizes:
+        eligible = [n.node_id for n in profile.nodes if n.max_micro_batch >= mb]
+        if not eligible:
+            last_error = EmptyFleetError(
+                f"no node runs a micro-batch of {mb} (max_batch_microbatch); the {intent} gear needs one"
+            )
+            continue
+        costs = model.at(mb)
+        try:
+            kmin = fewest_stages(profile, costs, node_ids=eligible)
+        except PlanError as exc:
+            last_error = exc
+            continue
+        if kmin is None:
+            try:  # let the partitioner explain why nothing fits
+                min_bottleneck(profile, costs, node_ids=eligible)
+            except InfeasibleError as exc:
+                last_error = exc
+            continue
+        caps: list[int | None]
+        if single_pipeline or intent == "throughput":
+            caps = [None]
+        elif intent == "latency":
+            caps = sorted({kmin, max(kmin, 4)})
+        else:
+            caps = [max(kmin, 8)]
+        for cap in caps:
+            for r in range(1, 2 if single_pipeline else MAX_PIPELINES + 1):
+                try:
+                    p = min_bottleneck(profile, costs, replicas=r, max_stages=cap, node_ids=eligible)
+                except InfeasibleError as exc:
+                    if r == 1:
+                        last_error = exc
+                    break
+                c = _Candidate(intent, mb, p, costs, [list(s.node_ids) for s in p.stages])
+                if intent != "throughput" and not single_pipeline:
+                    used = set(p.node_ids)
+                    _add_extras(profile, c, [n for n in eligible if n not in used])
+                out.append(c)
+    if not out:
+        raise last_error or EmptyFleetError(f"no {intent} gear fits the fleet")
+    return out
+
+
+def _finish(profile: Profile, model: CostModel, c: _Candidate) -> None:
+    worst = 0.0
+    for st, ids in zip(c.pipeline.stages, c.nodes, strict=True):
+        rate = sum(1.0 / _stage_ms(c.costs, st.start, st.end, profile.node(n).compute_score) for n in ids)
+        worst = max(worst, 1.0 / rate)
+    c.effective_ms = max(worst, _link_bound(profile, c))
+    c.capacity = c.micro_batch * 1000.0 / c.effective_ms
+
+
+def _simulate(
+    profile: Profile, model: CostModel, c: _Candidate, qps: float, requests: int, seed: int
+) -> None:
+    stage_ms, link_ms = _tables(profile, model, c)
+    window = c.pipeline.replicas * len(c.pipeline.stages)
+    c.sim = simulate(stage_ms, link_ms, c.micro_batch, window, qps, requests=requests, seed=seed)
+
+
+def plan(
+    profile: Profile,
+    model: CostModel,
+    *,
+    intents: Sequence[str] = ("latency", "balanced", "throughput"),
+    qps: float | None = None,
+    single_pipeline: bool = False,
+    sim_requests: int = 2000,
+    seed: int = 0,
+) -> PlanResult:
+    """Plan the gears of ``model`` on ``profile``.
+
+    Args:
+        profile: the fleet's nodes and links.
+        model: layer costs per micro-batch size (:class:`~gearshift.planner.costs.CostModel`).
+        intents: which of ``latency``, ``balanced``, ``throughput`` to plan.
+        qps: offered load for the latency predictions, requests/s (default: 25% of the best capacity).
+        single_pipeline: one pipeline, no replicas or extras; ``throughput`` is then the exact
+            minimum-bottleneck pipeline at micro-batch 8 (16 if no node runs 8).
+        sim_requests: requests per simulated run (bounds the planning time).
+        seed: seed of the simulated arrivals.
+
+    Returns:
+        A :class:`PlanResult` with one :class:`Gear` per intent, in the order asked.
+
+    Raises:
+        PlanError: an unknown intent or qps ≤ 0; InfeasibleError subclasses when no gear fits, naming
+            what does not fit and by how much.
+    """
+    unknown = [i for i in intents if i not in INTENTS]
+    if unknown or not intents:
+        raise PlanError(f"unknown gear {unknown}; choose from {', '.join(INTENTS)}")
+    if qps is not None and qps <= 0:
+        raise PlanError(f"qps must be > 0, got {qps}")
+    if not profile.nodes:
+        raise EmptyFleetError("the resource profile lists no nodes")
+    pools = {i: _candidates(profile, model, i, single_pipeline) for i in intents}
+    for cands in pools.values():
+        for c in cands:
+            _finish(profile, model, c)
+    best_capacity = max(c.capacity for cands in pools.values() for c in cands)
+    load = qps if qps is not None else DEFAULT_QPS_SHARE * best_capacity
+    chosen: dict[str, _Candidate] = {}
+    for intent, cands in pools.items():
+        if intent == "throughput":
+            pick = max(cands, key=lambda c: (c.capacity, -len(c.pipeline.stages)))
+            _simulate(profile, model, pick, load, sim_requests, seed)
+        else:
+            ok = [c for c in cands if c.capacity * TARGET_UTILISATION >= load] or [
+                max(cands, key=lambda c: c.capacity)
+            ]
+            for c in ok:
+                _simulate(profile, model, c, load, sim_requests, seed)
+            if intent == "latency":
+                pick = min(ok, key=lambda c: (c.sim.p99_ms, -c.capacity))  # type: ignore[union-attr]
+            else:
+                pick = max(ok, key=lambda c: c.capacity / c.sim.p99_ms)  # type: ignore[union-attr]
+        chosen[intent] = pick
+    ranges = _qps_ranges({i: c.capacity for i, c in chosen.items()})
+    gears = tuple(_gear(profile, chosen[i], ranges[i]) for i in intents)
+    return PlanResult(model.name, gears, load)
+
+
+def _qps_ranges(capacity: dict[str, float]) -> dict[str, tuple[float, float]]:
+    out, lo = {}, 0.0
+    for name in sorted(capacity, key=capacity.__getitem__):
+        hi = max(lo, TARGET_UTILISATION * capacity[name])
+        out[name] = (lo, hi)
+        lo = hi
+    return out
+
+
+def _gear(profile: Profile, c: _Candidate, qps_range: tuple[float, float]) -> Gear:
+    assert c.sim is not None
+    stages = []
+    for st, ids in zip(c.pipeline.stages, c.nodes, strict=True):
+        t = max(_stage_ms(c.costs, st.start, st.end, profile.node(n).compute_score) for n in ids)
+        stages.append(Stage((st.start, st.end), ids[0], tuple(ids), t, st.memory_gb))
+    pred = Prediction(c.capacity, c.sim.qps, c.sim.p50_ms, c.sim.p99_ms, c.sim.saturated, c.sim.mean_batch)
+    if math.isnan(pred.p99_ms):
+        raise PlanError("the simulator produced no latency; raise sim_requests")
+    return Gear(
+        name=c.intent,
+        stages=tuple(stages),
+        micro_batch=c.micro_batch,
+        max_batch=c.micro_batch * len(stages),
+        pipelines=c.pipeline.replicas,
+        bottleneck_ms=c.pipeline.bottleneck_ms,
+        effective_ms=c.effective_ms,
+        lower_bound_ms=c.pipeline.lower_bound_ms,
+        exact=c.pipeline.exact,
+        predicted=pred,
+        qps_range=qps_range,
+        link_ms=c.pipeline.link_ms,
+    )
