@@ -422,11 +422,9 @@ def _diagnose(
     level = solver.feasible(math.inf, allowed=all_links)
     if level is not None:
         stages = solver.backtrack(math.inf, level, allowed=all_links)
-        missing = []
-        for (_, _, u), (_, _, v) in itertools.pairwise(stages):
-            if not solver.link_ok[u, v]:
-                a, b = solver.classes[u].members[0].node_id, solver.classes[v].members[0].node_id
-                missing.append(f"{a}–{b}")
+        pools = [list(c.members) for c in solver.classes]
+        order = [pools[u].pop(0).node_id for _, _, u in stages]
+        missing = [f"{a}–{b}" for a, b in itertools.pairwise(order) if profile.link(a, b) is None]
         what = ", ".join(missing) or "between the needed nodes"
         return NoLinkError(
             f"the model fits in memory only across {level} stages, but the profile has no link {what}; "
