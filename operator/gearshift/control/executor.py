@@ -1,0 +1,528 @@
+"""The shift executor: a pure next-step function over a persisted state (seed 002's "Executor").
+
+Phases (``GearSet.status.phase``)::
+
+    Stable ──request──▶ Warming ──Ready and warm──▶ Draining ──old in-flight 0 or timeout──▶ Switching
+      ▲   (or Degraded when memory is short:                                                     │
+      │    weights first, KV pool after the switch)                                              │
+      ├──────────────── rollback window passed: old gear deleted ◀───────────────────────────────┘
+      └── RollingBack ◀── new gear failed: OOM/crash loop, not Ready and warm in time, P99 regression
+
+- ``Warming``: the target gear's StatefulSets run as *shadows* that get at most ``warmupShare`` of the
+  traffic; the role Service still selects the old gear. It moves on once every target pod has been Ready
+  for ``warmSeconds``; after ``warmupTimeoutSeconds`` it rolls back.
+- ``Draining``: the role Service selects the new gear, the old gear takes no new requests; wait for its
+  in-flight requests to reach 0 (or ``drainTimeoutSeconds``).
+- ``Switching``: the old gear is kept ``rollbackWindowSeconds``; the new gear failing or its P99 above
+  ``rollbackP99Ratio`` × its predicted P99 rolls back.
+- ``RollingBack``: the role Service returns to the old gear (once it is Ready), the failed gear is deleted
+  and marked unhealthy with the reason.
+
+The step is *level-triggered*: each call compares the persisted state with the observed world and
+re-emits whatever is still missing (a gear to create, a selector to set), so an operator restart between
+persisting the state and applying its actions, or in the middle of any phase, resumes. One invariant
+holds at every step: the role Service is only ever pointed at a gear whose pods are Ready, and the gear it
+selects is never deleted.
+The step never reads the clock (``World.now``) and returns declarative :data:`Action` values that the
+handler applies in order. :func:`simulate_steps` runs it over a scripted world until it is Stable and idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from enum import StrEnum
+from typing import Any, Protocol
+
+from gearshift.control.policy import ShiftPolicy
+
+
+class Phase(StrEnum):
+    """Executor phases; the values are ``GearSet.status.phase``'s."""
+
+    STABLE = "Stable"
+    WARMING = "Warming"
+    DRAINING = "Draining"
+    SWITCHING = "Switching"
+    ROLLING_BACK = "RollingBack"
+    DEGRADED = "Degraded"
+
+
+class Outcome(StrEnum):
+    """How a shift ended (``ShiftRecord.outcome``)."""
+
+    IN_PROGRESS = "InProgress"
+    SUCCEEDED = "Succeeded"
+    ROLLED_BACK = "RolledBack"
+    FAILED = "Failed"
+
+
+# --- event reasons (the same strings as gearshift.api.common's REASON_* constants) -----------------
+EVENT_SHIFT_STARTED = "ShiftStarted"
+EVENT_SHADOW_READY = "ShadowReady"
+EVENT_DRAIN_STARTED = "DrainStarted"
+EVENT_DRAIN_TIMEOUT = "DrainTimeout"
+EVENT_SWITCHED = "Switched"
+EVENT_SHIFT_COMPLETED = "ShiftCompleted"
+EVENT_ROLLED_BACK = "RolledBack"
+EVENT_GEAR_UNHEALTHY = "GearUnhealthy"
+EVENT_SHIFT_REFUSED = "ShiftRefused"
+EVENT_GEAR_MISSING = "GearMissing"
+
+# --- why a gear is marked unhealthy --------------------------------------------------------------
+FAIL_NOT_READY = "NotReadyInTime"
+FAIL_P99 = "P99Regression"
+
+
+# --- actions ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EnsureGear:
+    """Create (or update) the gear's StatefulSets and headless Service.
+
+    ``shadow``: the pods run beside the serving gear and get at most ``warm_share`` of the traffic (and of
+    a card's compute). ``kv_pool`` false: weights only, no KV-cache pool yet (degraded mode).
+    """
+
+    gear: str
+    shadow: bool = False
+    warm_share: float = 0.0
+    kv_pool: bool = True
+
+
+@dataclass(frozen=True)
+class SelectGear:
+    """Point the role Service's selector (and the router) at the gear's head pods."""
+
+    gear: str
+
+
+@dataclass(frozen=True)
+class DeleteGear:
+    """Delete the gear's StatefulSets and headless Service."""
+
+    gear: str
+
+
+@dataclass(frozen=True)
+class MarkUnhealthy:
+    """Record the gear as unhealthy in ``status.gearHealth``; decisions skip it."""
+
+    gear: str
+    reason: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes event on the GearSet."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
+class RecordShift:
+    """Add or update (by ``started_at``) the shift's entry in ``status.history``; times in s."""
+
+    from_gear: str
+    to_gear: str
+    trigger: str
+    started_at: float
+    outcome: Outcome
+    finished_at: float | None = None
+    message: str = ""
+
+
+Action = EnsureGear | SelectGear | DeleteGear | MarkUnhealthy | Event | RecordShift
+
+
+# --- observed world ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GearObservation:
+    """What the handler saw of one gear's pods (all stages, all replicas)."""
+
+    exists: bool = True
+    """Its StatefulSets exist."""
+    ready: bool = False
+    """Every pod of every stage is Ready."""
+    ready_since: float | None = None
+    """Since when all have been Ready, s (the latest pod Ready condition's lastTransitionTime)."""
+    in_flight: int = 0
+    """Requests running or waiting on its head pods."""
+    failure: str | None = None
+    """A failure seen on its pods: ``OOMKilled``, ``CrashLoopBackOff``, ``Unschedulable``."""
+    p99_ms: float | None = None
+    """Its measured P99 (the policy's latency metric), ms."""
+    kv_pool: bool = True
+    """Its KV-cache pool is allocated in full."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The observed world at one step."""
+
+    now: float
+    """Current time, s."""
+    gears: Mapping[str, GearObservation]
+    """Gears whose objects exist (a missing name means no objects)."""
+    selected: str | None
+    """The gear the role Service selects now."""
+    full_shadow_fits: bool = True
+    """Free GPU memory holds the target gear's weights *and* KV pool beside the serving gear."""
+
+    def gear(self, name: str | None) -> GearObservation:
+        """The observation of ``name``; a gear without objects reads as not existing."""
+        return self.gears.get(name or "", _ABSENT)
+
+    def ready(self, name: str | None) -> bool:
+        obs = self.gear(name)
+        return obs.exists and obs.ready and obs.failure is None
+
+
+_ABSENT = GearObservation(exists=False)
+
+
+@dataclass(frozen=True)
+class ShiftRequest:
+    """A shift the decision asked for (``Decision.target``/``trigger``) with the target's predicted P99."""
+
+    target: str
+    trigger: str
+    predicted_p99_ms: float | None = None
+
+
+# --- persisted state ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShiftState:
+    """The executor's state in ``GearSet.status.executor``; times in s. Plain data: see :meth:`to_dict`."""
+
+    active: str
+    """The gear that serves (or, mid-shift, the one traffic returns to on a rollback)."""
+    phase: Phase = Phase.STABLE
+    from_gear: str | None = None
+    to_gear: str | None = None
+    trigger: str | None = None
+    started_at: float | None = None
+    step_started_at: float | None = None
+    deadline: float | None = None
+    """When the current phase times out (Warming, Draining) or ends (Switching)."""
+    degraded: bool = False
+    predicted_p99_ms: float | None = None
+    failure: str | None = None
+    """Why a rollback happens."""
+    failure_message: str = ""
+    paused_at: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A shift is in progress."""
+        return self.phase is not Phase.STABLE
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (camelCase keys, like ``status.executor``); :meth:`from_dict` restores it."""
+        return {_camel(k): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShiftState:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer operator may have written them).
+
+        Raises:
+            ValueError: ``active`` missing or ``phase`` not a known phase.
+        """
+        known = {_camel(f.name): f.name for f in fields(cls)}
+        kwargs = {known[k]: v for k, v in data.items() if k in known}
+        if not kwargs.get("active"):
+            raise ValueError("status.executor.active is missing; it names the gear that serves")
+        kwargs["phase"] = Phase(kwargs.get("phase", Phase.STABLE))
+        return cls(**kwargs)
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+# --- the step ----------------------------------------------------------------------------------------
+def step(
+    state: ShiftState,
+    world: World,
+    policy: ShiftPolicy,
+    *,
+    request: ShiftRequest | None = None,
+    paused: bool = False,
+) -> tuple[ShiftState, list[Action]]:
+    """One executor step: the next state and the actions to apply, in order.
+
+    Args:
+        state: the persisted state.
+        world: what the handler observed just now.
+        policy: the shifting policy (timeouts, warm-up share, rollback ratio).
+        request: a shift the decision asked for; used only when Stable, ignored otherwise.
+        paused: ``spec.paused``: a shift in progress holds where it is (its deadlines are extended by the
+            time spent paused), and no new shift starts.
+
+    Returns:
+        ``(new_state, actions)``; no actions means nothing to do until the world changes.
+    """
+    now = world.now
+    if paused:
+        return (state if state.paused_at is not None else replace(state, paused_at=now)), []
+    if state.paused_at is not None:
+        held = now - state.paused_at
+        state = replace(
+            state, paused_at=None, deadline=None if state.deadline is None else state.deadline + held
+        )
+    match state.phase:
+        case Phase.STABLE:
+            return _stable(state, world, policy, request)
+        case Phase.WARMING | Phase.DEGRADED:
+            return _warming(state, world, policy)
+        case Phase.DRAINING:
+            return _draining(state, world, policy)
+        case Phase.SWITCHING:
+            return _switching(state, world, policy)
+        case Phase.ROLLING_BACK:
+            return _rolling_back(state, world)
+
+
+def _stable(
+    state: ShiftState, world: World, policy: ShiftPolicy, request: ShiftRequest | None
+) -> tuple[ShiftState, list[Action]]:
+    now, active = world.now, state.active
+    actions: list[Action] = []
+    if not world.gear(active).exists:
+        actions.append(EnsureGear(active))
+    if world.selected != active and world.ready(active):
+        actions.append(SelectGear(active))
+    serving = active if world.ready(active) else world.selected
+    # Leftovers of an interrupted shift; the gear the Service still selects stays until another is Ready.
+    actions += [DeleteGear(g) for g in sorted(world.gears) if g != active and g != serving]
+    if request is None or request.target == active:
+        return state, actions
+    if not world.ready(active):
+        return state, [
+            *actions,
+            Event(
+                EVENT_SHIFT_REFUSED, f"shift to {request.target!r} waits: gear {active!r} is not Ready", True
+            ),
+        ]
+    degraded = not world.full_shadow_fits
+    if degraded and not policy.allow_degraded:
+        message = f"not enough free GPU memory for shadows of {request.target!r} and allowDegraded is false"
+        return state, [
+            *actions,
+            Event(EVENT_SHIFT_REFUSED, message, True),
+            RecordShift(active, request.target, request.trigger, now, Outcome.FAILED, now, message),
+        ]
+    new = replace(
+        state,
+        phase=Phase.DEGRADED if degraded else Phase.WARMING,
+        from_gear=active,
+        to_gear=request.target,
+        trigger=request.trigger,
+        started_at=now,
+        step_started_at=now,
+        deadline=now + policy.warmup_timeout_s,
+        degraded=degraded,
+        predicted_p99_ms=request.predicted_p99_ms,
+        failure=None,
+        failure_message="",
+    )
+    mode = "weights only (degraded: memory is short), KV pool after the switch" if degraded else "full"
+    return new, [
+        *actions,
+        EnsureGear(request.target, shadow=True, warm_share=policy.warmup_share, kv_pool=not degraded),
+        Event(EVENT_SHIFT_STARTED, f"{request.trigger}: {active!r} → {request.target!r}; shadows {mode}"),
+        RecordShift(active, request.target, request.trigger, now, Outcome.IN_PROGRESS),
+    ]
+
+
+def _warming(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+    now, target = world.now, state.to_gear
+    assert target is not None and state.from_gear is not None
+    obs = world.gear(target)
+    if obs.failure:
+        return _begin_rollback(
+            state, world, obs.failure, f"gear {target!r} failed while warming: {obs.failure}"
+        )
+    warm = world.ready(target) and obs.ready_since is not None and now - obs.ready_since >= policy.warm_s
+    if warm:
+        new = replace(state, phase=Phase.DRAINING, step_started_at=now, deadline=now + policy.drain_timeout_s)
+        return new, [
+            EnsureGear(target, shadow=False, kv_pool=not state.degraded),
+            Event(EVENT_SHADOW_READY, f"gear {target!r} is Ready and warm"),
+            SelectGear(target),
+            Event(EVENT_DRAIN_STARTED, f"the role Service selects {target!r}; draining {state.from_gear!r}"),
+        ]
+    if state.deadline is not None and now >= state.deadline:
+        return _begin_rollback(
+            state,
+            world,
+            FAIL_NOT_READY,
+            f"gear {target!r} was not Ready and warm {policy.warmup_timeout_s:g} s after the shift started",
+        )
+    actions: list[Action] = []
+    if not obs.exists:
+        actions.append(
+            EnsureGear(target, shadow=True, warm_share=policy.warmup_share, kv_pool=not state.degraded)
+        )
+    if world.selected != state.from_gear and world.ready(state.from_gear):
+        actions.append(SelectGear(state.from_gear))
+    return state, actions
+
+
+def _draining(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+    now, target, old = world.now, state.to_gear, state.from_gear
+    assert target is not None and old is not None
+    if not world.ready(target):
+        reason = world.gear(target).failure or FAIL_NOT_READY
+        return _begin_rollback(state, world, reason, f"gear {target!r} stopped being Ready while draining")
+    actions: list[Action] = [] if world.selected == target else [SelectGear(target)]
+    in_flight = world.gear(old).in_flight if world.gear(old).exists else 0
+    timed_out = state.deadline is not None and now >= state.deadline
+    if in_flight > 0 and not timed_out:
+        return state, actions
+    if in_flight > 0:
+        actions.append(
+            Event(
+                EVENT_DRAIN_TIMEOUT,
+                f"{in_flight} requests still in flight on {old!r} after {policy.drain_timeout_s:g} s",
+                True,
+            )
+        )
+    if state.degraded:
+        actions.append(EnsureGear(target, shadow=False, kv_pool=True))
+    actions.append(Event(EVENT_SWITCHED, f"traffic is on {target!r}; {old!r} kept for rollback"))
+    return replace(
+        state, phase=Phase.SWITCHING, step_started_at=now, deadline=now + policy.rollback_window_s
+    ), actions
+
+
+def _switching(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+    now, target, old = world.now, state.to_gear, state.from_gear
+    assert target is not None and old is not None
+    obs = world.gear(target)
+    if not world.ready(target):
+        reason = obs.failure or FAIL_NOT_READY
+        return _begin_rollback(state, world, reason, f"gear {target!r} failed after the switch: {reason}")
+    predicted = state.predicted_p99_ms
+    if (
+        predicted is not None
+        and obs.p99_ms is not None
+        and obs.p99_ms > policy.rollback_p99_ratio * predicted
+    ):
+        return _begin_rollback(
+            state,
+            world,
+            FAIL_P99,
+            f"gear {target!r} P99 {obs.p99_ms:.0f} ms > {policy.rollback_p99_ratio:g} × predicted "
+            f"{predicted:.0f} ms",
+        )
+    actions: list[Action] = [] if world.selected == target else [SelectGear(target)]
+    if state.degraded and not obs.kv_pool:
+        actions.append(EnsureGear(target, shadow=False, kv_pool=True))
+    if state.deadline is not None and now < state.deadline:
+        return state, actions
+    assert state.trigger is not None and state.started_at is not None
+    message = f"{old!r} → {target!r} in {now - state.started_at:.0f} s"
+    done = ShiftState(active=target)
+    return done, [
+        *actions,
+        DeleteGear(old),
+        Event(EVENT_SHIFT_COMPLETED, message),
+        RecordShift(old, target, state.trigger, state.started_at, Outcome.SUCCEEDED, now, message),
+    ]
+
+
+def _begin_rollback(
+    state: ShiftState, world: World, reason: str, message: str
+) -> tuple[ShiftState, list[Action]]:
+    assert state.to_gear is not None
+    new = replace(
+        state,
+        phase=Phase.ROLLING_BACK,
+        step_started_at=world.now,
+        deadline=None,
+        failure=reason,
+        failure_message=message,
+    )
+    marks: list[Action] = [
+        MarkUnhealthy(state.to_gear, reason, message),
+        Event(EVENT_GEAR_UNHEALTHY, message, True),
+    ]
+    following, actions = _rolling_back(new, world)
+    return following, marks + actions
+
+
+def _rolling_back(state: ShiftState, world: World) -> tuple[ShiftState, list[Action]]:
+    now, target, old = world.now, state.to_gear, state.from_gear
+    assert target is not None and old is not None
+    if not world.ready(old):
+        # Traffic stays where it is until the old gear can take it back.
+        missing = [] if world.gear(old).exists else [EnsureGear(old)]
+        return state, missing
+    actions: list[Action] = [] if world.selected == old else [SelectGear(old)]
+    if world.gear(target).exists:
+        actions.append(DeleteGear(target))
+    assert state.trigger is not None and state.started_at is not None
+    message = f"back on {old!r}: {state.failure_message or state.failure}"
+    return ShiftState(active=old), [
+        *actions,
+        Event(EVENT_ROLLED_BACK, message, True),
+        RecordShift(old, target, state.trigger, state.started_at, Outcome.ROLLED_BACK, now, message),
+    ]
+
+
+# --- driver ------------------------------------------------------------------------------------------
+class WorldModel(Protocol):
+    """Something that can be observed and that applies actions: a scripted world in tests and benches."""
+
+    def observe(self, now: float) -> World: ...
+
+    def apply(self, actions: list[Action], now: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of :func:`simulate_steps`: the time, the world seen, the phase after, the actions."""
+
+    now: float
+    world: World
+    phase: Phase
+    actions: list[Action] = field(default_factory=list)
+    state: ShiftState | None = None
+
+
+def simulate_steps(
+    state: ShiftState,
+    world: WorldModel,
+    policy: ShiftPolicy,
+    *,
+    request: ShiftRequest | None,
+    start: float = 0.0,
+    tick_s: float = 2.0,
+    max_steps: int = 10_000,
+    persist: bool = True,
+) -> list[StepRecord]:
+    """Run :func:`step` every ``tick_s`` over ``world`` until the executor is Stable and idle.
+
+    ``request`` is offered at the first step. With ``persist`` every state goes through
+    ``to_dict``/``from_dict`` between steps, as it does through ``GearSet.status``.
+
+    Raises:
+        RuntimeError: not Stable and idle after ``max_steps`` steps (a livelock in the step function).
+    """
+    records: list[StepRecord] = []
+    now = start
+    for i in range(max_steps):
+        seen = world.observe(now)
+        state, actions = step(state, seen, policy, request=request if i == 0 else None)
+        if persist:
+            state = ShiftState.from_dict(state.to_dict())
+        world.apply(actions, now)
+        records.append(StepRecord(now, seen, state.phase, actions, state))
+        if i > 0 and state.phase is Phase.STABLE and not actions:
+            return records
+        now += tick_s
+    raise RuntimeError(f"executor not Stable and idle after {max_steps} steps (phase {state.phase})")

@@ -1,0 +1,243 @@
+"""The shift executor over a scripted world: exact phase sequences, rollbacks, restarts, pause, degraded.
+
+Every scenario runs through :class:`CheckedWorld`, which asserts after each applied step that the role
+Service selects a Ready gear and that no selected gear was deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from gearshift.control.executor import (
+    FAIL_NOT_READY,
+    FAIL_P99,
+    Action,
+    DeleteGear,
+    EnsureGear,
+    Outcome,
+    Phase,
+    RecordShift,
+    SelectGear,
+    ShiftRequest,
+    ShiftState,
+    StepRecord,
+    simulate_steps,
+    step,
+)
+from gearshift.control.policy import ShiftPolicy
+from gearshift.control.scripted import GearScript, ScriptedWorld
+
+# warm 30 s after Ready, drain ≤ 120 s, rollback window 60 s, warm-up timeout 600 s, P99 ratio 2.
+POLICY = ShiftPolicy(warm_s=30, drain_timeout_s=120, rollback_window_s=60, warmup_timeout_s=600)
+REQUEST = ShiftRequest("thr", "imbalance", predicted_p99_ms=200.0)
+
+
+@dataclass
+class CheckedWorld(ScriptedWorld):
+    """A scripted world that checks the executor's invariants after every applied step."""
+
+    def apply(self, actions: list[Action], now: float) -> None:
+        super().apply(actions, now)
+        assert self.is_ready(self.selected, now), f"t={now}: Service selects {self.selected!r}, not Ready"
+        assert not self.deleted_while_selected, f"t={now}: deleted the selected gear"
+
+
+def world(old: GearScript | None = None, new: GearScript | None = None, **kw) -> CheckedWorld:
+    scripts = {
+        "bal": old or GearScript(in_flight=10, drain_per_s=5.0),
+        "thr": new or GearScript(ready_after_s=20),
+    }
+    return CheckedWorld(scripts=scripts, created={"bal": -1000.0}, selected="bal", **kw)
+
+
+def transitions(records: list[StepRecord]) -> list[tuple[float, str]]:
+    out, last = [], Phase.STABLE
+    for r in records:
+        if r.phase != last:
+            out.append((r.now, r.phase.value))
+            last = r.phase
+    return out
+
+
+def of(records: list[StepRecord], kind: type) -> list[tuple[float, Action]]:
+    return [(r.now, a) for r in records for a in r.actions if isinstance(a, kind)]
+
+
+def run(w: ScriptedWorld, policy: ShiftPolicy = POLICY, request: ShiftRequest = REQUEST) -> list[StepRecord]:
+    return simulate_steps(ShiftState(active="bal"), w, policy, request=request)
+
+
+class TestHappyPath:
+    def test_phase_sequence_and_actions(self):
+        # Shadow created at 0, Ready at 20, warm at 20 + 30 = 50 → Draining; the old gear's 10 requests
+        # finish at 5/s by 52 → Switching; window of 60 s → Stable at 112, old gear deleted.
+        w = world()
+        records = run(w)
+        assert transitions(records) == [(0, "Warming"), (50, "Draining"), (52, "Switching"), (112, "Stable")]
+        assert of(records, EnsureGear)[0] == (0, EnsureGear("thr", shadow=True, warm_share=0.2, kv_pool=True))
+        assert of(records, SelectGear) == [(50, SelectGear("thr"))]
+        assert of(records, DeleteGear) == [(112, DeleteGear("bal"))]
+        history = [(t, a.outcome, a.finished_at) for t, a in of(records, RecordShift)]
+        assert history == [(0, Outcome.IN_PROGRESS, None), (112, Outcome.SUCCEEDED, 112)]
+        assert w.selected == "thr" and set(w.created) == {"thr"}
+        assert records[-1].state == ShiftState(active="thr")
+        assert [e.reason for e in w.events] == [
+            "ShiftStarted",
+            "ShadowReady",
+            "DrainStarted",
+            "Switched",
+            "ShiftCompleted",
+        ]
+
+    def test_drain_timeout_moves_on_with_a_warning(self):
+        w = world(old=GearScript(in_flight=3, drain_per_s=0))  # requests that never finish
+        records = run(w)
+        assert transitions(records) == [(0, "Warming"), (50, "Draining"), (170, "Switching"), (230, "Stable")]
+        warnings = [e for e in w.events if e.warning]
+        assert [e.reason for e in warnings] == ["DrainTimeout"] and "3 requests" in warnings[0].message
+
+    def test_requests_while_busy_are_ignored(self):
+        w = world()
+        state, _ = step(ShiftState(active="bal"), w.observe(0), POLICY, request=REQUEST)
+        again, actions = step(state, w.observe(2), POLICY, request=ShiftRequest("lat", "p99-high"))
+        assert again.to_gear == "thr" and actions == [EnsureGear("thr", shadow=True, warm_share=0.2)]
+
+
+class TestRollback:
+    def test_not_ready_in_time(self):
+        w = world(new=GearScript(ready_after_s=10_000))
+        records = run(w)
+        assert transitions(records) == [(0, "Warming"), (600, "Stable")]
+        assert w.unhealthy == {"thr": FAIL_NOT_READY}
+        assert w.selected == "bal" and set(w.created) == {"bal"}
+        assert of(records, RecordShift)[-1][1].outcome is Outcome.ROLLED_BACK
+
+    def test_crash_loop_while_warming(self):
+        w = world(new=GearScript(ready_after_s=20, fail_after_s=10, failure="OOMKilled"))
+        records = run(w)
+        assert transitions(records) == [(0, "Warming"), (10, "Stable")]
+        assert w.unhealthy == {"thr": "OOMKilled"}
+
+    def test_p99_regression_in_the_window(self):
+        # P99 500 ms > 2 × predicted 200 ms: seen at the first Switching step (54), traffic back to bal.
+        w = world(new=GearScript(ready_after_s=20, p99_ms=500.0))
+        records = run(w)
+        assert transitions(records) == [(0, "Warming"), (50, "Draining"), (52, "Switching"), (54, "Stable")]
+        assert of(records, SelectGear) == [(50, SelectGear("thr")), (54, SelectGear("bal"))]
+        assert of(records, DeleteGear) == [(54, DeleteGear("thr"))]
+        assert w.unhealthy == {"thr": FAIL_P99} and w.selected == "bal"
+
+    def test_p99_within_ratio_keeps_the_new_gear(self):
+        w = world(new=GearScript(ready_after_s=20, p99_ms=390.0))
+        run(w)
+        assert w.selected == "thr" and not w.unhealthy
+
+    def test_new_gear_crashes_after_the_switch(self):
+        w = world(new=GearScript(ready_after_s=20, fail_after_s=80))
+        records = run(w)
+        assert transitions(records)[-1] == (80, "Stable")
+        assert w.selected == "bal" and w.unhealthy == {"thr": "CrashLoopBackOff"}
+
+
+class TestRestart:
+    @pytest.mark.parametrize("stop_at", [10.0, 50.0, 60.0, 112.0])
+    def test_resume_from_persisted_state_matches_an_uninterrupted_run(self, stop_at):
+        whole = [(r.now, r.phase, r.actions) for r in run(world())]
+        w = world()
+        state, now, seen = ShiftState(active="bal"), 0.0, []
+        while now < stop_at:
+            state, actions = step(state, w.observe(now), POLICY, request=REQUEST if now == 0 else None)
+            w.apply(actions, now)
+            seen.append((now, state.phase, actions))
+            now += 2.0
+        stored = json.loads(json.dumps(state.to_dict()))  # through the API server and back
+        rest = simulate_steps(ShiftState.from_dict(stored), w, POLICY, request=None, start=now)
+        assert seen + [(r.now, r.phase, r.actions) for r in rest] == whole
+
+    def test_actions_lost_before_they_were_applied_are_emitted_again(self):
+        w = world()
+        state, lost = step(ShiftState(active="bal"), w.observe(0), POLICY, request=REQUEST)
+        assert state.phase is Phase.WARMING and EnsureGear("thr", shadow=True, warm_share=0.2) in lost
+        state, again = step(state, w.observe(2), POLICY)  # crashed before applying: the gear is missing
+        assert again == [EnsureGear("thr", shadow=True, warm_share=0.2)]
+        w.apply(again, 2)
+        records = simulate_steps(state, w, POLICY, request=None, start=4)
+        assert transitions(records)[-1] == (114, "Stable") and w.selected == "thr"
+
+    def test_lost_selector_change_is_repaired_while_draining(self):
+        w = world()
+        state = ShiftState(active="bal")
+        now = 0.0
+        while state.phase is not Phase.DRAINING:
+            state, actions = step(state, w.observe(now), POLICY, request=REQUEST if now == 0 else None)
+            if state.phase is not Phase.DRAINING:
+                w.apply(actions, now)
+            now += 2
+        assert w.selected == "bal"  # the SelectGear of the Draining step was lost
+        state, actions = step(state, w.observe(now), POLICY)
+        assert actions == [SelectGear("thr")]
+
+    def test_stable_cleans_up_leftovers_but_never_the_selected_gear(self):
+        w = world()
+        w.apply([EnsureGear("thr", shadow=True)], 0)
+        _state, actions = step(ShiftState(active="bal"), w.observe(100), POLICY)
+        assert actions == [DeleteGear("thr")]
+        # The persisted state says bal, but the Service selects thr and bal is gone: keep thr, recreate bal.
+        w2 = ScriptedWorld.serving("thr", {"bal": GearScript(), "thr": GearScript()})
+        _, actions = step(ShiftState(active="bal"), w2.observe(100), POLICY)
+        assert actions == [EnsureGear("bal")]
+
+
+class TestOverrides:
+    def test_pause_holds_the_phase_and_extends_its_deadline(self):
+        w = world(new=GearScript(ready_after_s=500))
+        state, actions = step(ShiftState(active="bal"), w.observe(0), POLICY, request=REQUEST)
+        w.apply(actions, 0)
+        for t in range(2, 1000, 2):  # paused from 2 s to 998 s: no step acts, nothing times out
+            state, actions = step(state, w.observe(t), POLICY, paused=True)
+            assert actions == [] and state.phase is Phase.WARMING
+        records = simulate_steps(state, w, POLICY, request=None, start=1000)
+        # Deadline 600 + 998 s paused = 1598 > Ready 500 + warm 30: the shift completes.
+        assert w.selected == "thr" and not w.unhealthy
+        assert transitions(records)[0] == (1000, "Draining")
+
+    def test_paused_when_stable_starts_nothing(self):
+        w = world()
+        state, actions = step(ShiftState(active="bal"), w.observe(0), POLICY, request=REQUEST, paused=True)
+        assert state.phase is Phase.STABLE and actions == []
+
+    def test_forced_request_runs_like_any_other(self):
+        w = world()
+        records = run(w, request=ShiftRequest("thr", "forced"))
+        assert of(records, RecordShift)[-1][1].trigger == "forced" and w.selected == "thr"
+
+
+class TestDegraded:
+    def test_weights_first_then_kv_pool_after_the_switch(self):
+        w = world(full_shadow_fits=False)
+        records = run(w)
+        assert transitions(records) == [(0, "Degraded"), (50, "Draining"), (52, "Switching"), (112, "Stable")]
+        ensures = [(t, a.kv_pool) for t, a in of(records, EnsureGear)]
+        assert ensures[0] == (0, False) and (52, True) in ensures
+        assert w.kv_pool["thr"] is True and w.selected == "thr"
+
+    def test_refused_when_degraded_mode_is_off(self):
+        w = world(full_shadow_fits=False)
+        policy = ShiftPolicy(allow_degraded=False)
+        state, actions = step(ShiftState(active="bal"), w.observe(0), policy, request=REQUEST)
+        assert state == ShiftState(active="bal")
+        assert [a.outcome for a in actions if isinstance(a, RecordShift)] == [Outcome.FAILED]
+
+
+class TestState:
+    def test_round_trip_and_errors(self):
+        s = ShiftState("bal", Phase.DRAINING, "bal", "thr", "imbalance", 0.0, 50.0, 170.0, True, 200.0)
+        assert ShiftState.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+        assert s.to_dict()["fromGear"] == "bal" and s.to_dict()["phase"] == "Draining"
+        with pytest.raises(ValueError, match=r"status\.executor\.active"):
+            ShiftState.from_dict({"phase": "Stable"})
+        with pytest.raises(ValueError):
+            ShiftState.from_dict({"active": "bal", "phase": "Flying"})
