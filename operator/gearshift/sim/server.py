@@ -235,6 +235,14 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         raise
 
 
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=False)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=True)
+
+
 def _blocks(engine: Engine, req: SimRequest) -> int:
     # The blocks the prompt's KV occupied (freed on finish, so recomputed from the token count).
     return -(-req.prompt_tokens // engine.block_size)
@@ -369,8 +377,8 @@ def build_app(cfg: SimConfig, lag: LoopLagMonitor | None = None) -> web.Applicat
         engine.metrics.add_collector(lag.collector)
     app[ENGINE_KEY] = engine
     app[REGISTRY_KEY] = engine.metrics.registry
-    app.router.add_post("/v1/completions", lambda r: _completion(r, chat=False))
-    app.router.add_post("/v1/chat/completions", lambda r: _completion(r, chat=True))
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/sim/stats", _stats)
 
