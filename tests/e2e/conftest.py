@@ -1,0 +1,229 @@
+"""E2E fixtures: a Kubernetes cluster for the tests — the gearshift sandbox, or the user's own cluster.
+
+Which cluster:
+  - ``KUBECONFIG`` set in the environment and not the sandbox's own file → that cluster is used as it is
+    (e.g. kind); ``sandbox.is_sandbox`` is False, ``prometheus_url`` comes from
+    ``GEARSHIFT_PROMETHEUS_URL`` (or is None), and nothing is started or stopped.
+  - otherwise the sandbox is brought up with ``gearshift sandbox up`` semantics (``cluster.up``), which
+    reuses a sandbox already up (a test cycle then takes seconds), and it is **left up** after the session
+    so the next run is fast. Tear it down with ``make sandbox-down`` (``gearshift sandbox down``).
+
+Fixtures (names are stable; other tests rely on them):
+
+``sandbox`` (session) — a :class:`Cluster` with
+    ``kubeconfig`` (Path), ``env`` (dict for subprocesses: KUBECONFIG, pinned binaries first on PATH),
+    ``bin_dirs`` (list[Path]), ``is_sandbox`` (bool), ``prometheus_url`` (str | None, loopback),
+    ``octet`` (the sandbox's pod-IP second octet, or None), ``fleet_file`` (Path | None),
+    ``kubectl(*args, check=True, input=None, timeout=60) -> CompletedProcess[str]`` (the pinned kubectl),
+    ``kubectl_json(*args) -> dict`` (``kubectl ... -o json``),
+    ``apply(manifest: dict | list | str, namespace=None)`` (``kubectl apply -f -``),
+    ``helm(*args, check=True, input=None, timeout=180) -> CompletedProcess[str]``,
+    ``api_client() -> kubernetes.client.ApiClient`` (a new client each call),
+    ``prometheus_query(expr) -> list[dict]`` (instant query's ``data.result``; loopback only),
+    ``wait_for(predicate, timeout, what, interval=0.2)``.
+``k8s`` (session) — a factory: ``k8s()`` returns a new ``kubernetes.client.ApiClient`` for the cluster.
+``namespace`` (function) — creates a unique namespace ``e2e-<test>-<random>`` and deletes it after the
+    test (without waiting for it to go).
+``wait_for`` (session) — the function below.
+
+``wait_for(predicate, timeout, what, interval=0.2)`` calls ``predicate()`` until it returns a truthy value
+(returned) or the deadline passes (``AssertionError`` naming ``what`` and the last value or exception).
+Tests wait on conditions with it, never with fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll ``predicate`` until truthy (returned) or ``timeout`` s pass (AssertionError naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except Exception as exc:  # a predicate may fail while the object does not exist yet
+            last = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+        time.sleep(interval)
+
+
+def _is_loopback_url(url: str) -> bool:
+    host = urllib.parse.urlparse(url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+@dataclass
+class Cluster:
+    """The cluster under test and the pinned tools to reach it (see the module docstring)."""
+
+    kubeconfig: Path
+    env: dict[str, str]
+    bin_dirs: list[Path]
+    is_sandbox: bool
+    prometheus_url: str | None = None
+    octet: int | None = None
+    fleet_file: Path | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def _run(
+        self, tool: str, args: tuple[str, ...], check: bool, input: str | None, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [tool, *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"`{Path(tool).name} {' '.join(args)}` exited {proc.returncode}\n"
+                f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-2000:]}"
+            )
+        return proc
+
+    def _tool(self, name: str) -> str:
+        for d in self.bin_dirs:
+            if (d / name).exists():
+                return str(d / name)
+        return name
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the pinned kubectl against the cluster."""
+        return self._run(
+            self._tool("kubectl"), ("--kubeconfig", str(self.kubeconfig), *args), check, input, timeout
+        )
+
+    def kubectl_json(self, *args: str, timeout: float = 60) -> Any:
+        """``kubectl <args> -o json``, parsed."""
+        return json.loads(self.kubectl(*args, "-o", "json", timeout=timeout).stdout)
+
+    def apply(
+        self, manifest: dict[str, Any] | list[dict[str, Any]] | str, namespace: str | None = None
+    ) -> None:
+        """``kubectl apply -f -`` of one manifest, a list of them, or YAML text."""
+        if isinstance(manifest, dict):
+            text = yaml.safe_dump(manifest)
+        elif isinstance(manifest, list):
+            text = yaml.safe_dump_all(manifest)
+        else:
+            text = manifest
+        ns = ("-n", namespace) if namespace else ()
+        self.kubectl("apply", *ns, "-f", "-", input=text)
+
+    def helm(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 180
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the pinned helm against the cluster."""
+        return self._run(
+            self._tool("helm"), ("--kubeconfig", str(self.kubeconfig), *args), check, input, timeout
+        )
+
+    def api_client(self) -> Any:
+        """A new ``kubernetes.client.ApiClient`` for the cluster."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def prometheus_query(self, expr: str, timeout: float = 5) -> list[dict[str, Any]]:
+        """An instant PromQL query; returns ``data.result``. Only loopback Prometheus URLs are queried."""
+        if not self.prometheus_url:
+            raise AssertionError("no Prometheus for this cluster (set GEARSHIFT_PROMETHEUS_URL)")
+        if not _is_loopback_url(self.prometheus_url):
+            raise AssertionError(f"refusing to query non-loopback Prometheus {self.prometheus_url}")
+        url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = json.loads(resp.read())
+        assert body["status"] == "success", body
+        return list(body["data"]["result"])
+
+    @staticmethod
+    def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+        """See :func:`wait_for`."""
+        return wait_for(predicate, timeout, what, interval)
+
+
+def _start_sandbox() -> Cluster:
+    from gearshift.sandbox import cluster
+    from gearshift.sandbox.layout import Layout, SandboxConfigError
+
+    layout = Layout.from_env()
+    user_kubeconfig = os.environ.get("KUBECONFIG")
+    bin_dirs = layout.bin_dirs
+    if user_kubeconfig and Path(user_kubeconfig).resolve() != layout.kubeconfig.resolve():
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([*(str(d) for d in bin_dirs if d.exists()), env.get("PATH", "")])
+        url = os.environ.get("GEARSHIFT_PROMETHEUS_URL") or None
+        return Cluster(Path(user_kubeconfig), env, bin_dirs, is_sandbox=False, prometheus_url=url)
+    try:
+        state = cluster.up(layout, say=cluster.Progress())
+    except (SandboxConfigError, cluster.SandboxError, OSError) as exc:
+        pytest.fail(f"the sandbox could not be brought up: {exc}", pytrace=False)
+    return Cluster(
+        kubeconfig=layout.kubeconfig,
+        env=layout.subprocess_env(),
+        bin_dirs=bin_dirs,
+        is_sandbox=True,
+        prometheus_url=state.get("prometheus_url"),
+        octet=layout.octet,
+        fleet_file=Path(state["fleet"]) if state.get("fleet") else None,
+        state=state,
+    )
+
+
+@pytest.fixture(scope="session")
+def sandbox() -> Cluster:
+    """The cluster under test (see the module docstring). The sandbox is left up afterwards."""
+    return _start_sandbox()
+
+
+@pytest.fixture(scope="session")
+def k8s(sandbox: Cluster) -> Callable[[], Any]:
+    """Factory of ``kubernetes.client.ApiClient`` objects for the cluster under test."""
+    return sandbox.api_client
+
+
+@pytest.fixture(scope="session", name="wait_for")
+def wait_for_fixture() -> Callable[..., Any]:
+    """:func:`wait_for` as a fixture."""
+    return wait_for
+
+
+@pytest.fixture
+def namespace(sandbox: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test, deleted afterwards (without waiting)."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:30].strip("-")
+    name = f"e2e-{slug}-{uuid.uuid4().hex[:6]}"
+    sandbox.kubectl("create", "namespace", name)
+    sandbox.wait_for(
+        lambda: sandbox.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+        30,
+        f"the default service account of {name}",
+    )
+    try:
+        yield name
+    finally:
+        sandbox.kubectl("delete", "namespace", name, "--wait=false", check=False)

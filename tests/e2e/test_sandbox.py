@@ -1,0 +1,266 @@
+"""The sandbox cluster itself: fake GPU nodes, real scheduling, controllers, kubectl and helm."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+# What NVIDIA's feature discovery writes for these cards, and their memory (nvidia.com/gpu.memory, MiB),
+# written out here rather than taken from gearshift.gpus so the test checks the code against the facts.
+PRODUCT = {
+    "H100-80GB": ("NVIDIA-H100-80GB-HBM3", 80 * 1024, "hopper"),
+    "A100-40GB": ("NVIDIA-A100-SXM4-40GB", 40 * 1024, "ampere"),
+    "A10-24GB": ("NVIDIA-A10", 24 * 1024, "ampere"),
+    "T4-16GB": ("Tesla-T4", 16 * 1024, "turing"),
+}
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def _needs_sandbox(sandbox):
+    if not sandbox.is_sandbox:
+        pytest.skip("checks the gearshift sandbox's own fake nodes; KUBECONFIG points at another cluster")
+
+
+def _expected_nodes(fleet_file: Path) -> dict[str, dict]:
+    doc = yaml.safe_load(fleet_file.read_text())
+    out = {}
+    for pool in doc["nodePools"]:
+        for i in range(pool["nodes"]):
+            out[f"gpu-{pool['name']}-{i}"] = {"gpu": pool["gpu"], "gpus": pool.get("gpusPerNode", 1)}
+    return out
+
+
+def test_nodes_match_the_fleet_file(sandbox):
+    _needs_sandbox(sandbox)
+    expected = _expected_nodes(sandbox.fleet_file)
+    nodes = {n["metadata"]["name"]: n for n in sandbox.kubectl_json("get", "nodes")["items"]}
+    assert set(expected) <= set(nodes)
+    assert {"cpu-0", "cpu-1"} <= set(nodes)
+    pod_nets = []
+    for name, want in expected.items():
+        node = nodes[name]
+        labels = node["metadata"]["labels"]
+        product, mib, family = PRODUCT[want["gpu"]]
+        assert labels["nvidia.com/gpu.product"] == product
+        assert labels["nvidia.com/gpu.memory"] == str(mib)
+        assert labels["nvidia.com/gpu.family"] == family
+        assert labels["nvidia.com/gpu.count"] == str(want["gpus"])
+        assert labels["kubernetes.io/hostname"] == name
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == str(want["gpus"])
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(want["gpus"])
+        assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in node["spec"]["taints"]
+        ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
+        assert ready == "True"
+        net = ipaddress.ip_network(node["spec"]["podCIDR"])
+        assert net.subnet_of(ipaddress.ip_network(f"127.{sandbox.octet}.0.0/16"))
+        pod_nets.append(net)
+    assert nodes["gpu-h100-0"]["metadata"]["annotations"]["gearshift.io/bf16-tflops"] == "989"
+    assert "nvidia.com/gpu" not in nodes["cpu-0"]["status"]["capacity"]
+    assert len(set(pod_nets)) == len(pod_nets)
+
+    # The column view the README shows.
+    out = sandbox.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product").stdout
+    assert "NVIDIA-H100-80GB-HBM3" in out and "Tesla-T4" in out
+
+
+def test_statefulset_lands_on_matching_gpu_nodes_and_gets_ready(sandbox, namespace, wait_for):
+    _needs_sandbox(sandbox)
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "a10-pool"},
+        "spec": {
+            "replicas": 3,
+            "serviceName": "a10-pool",
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {"app": "a10-pool"}},
+            "template": {
+                "metadata": {"labels": {"app": "a10-pool"}},
+                "spec": {
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {
+                                                "key": "nvidia.com/gpu.product",
+                                                "operator": "In",
+                                                "values": ["NVIDIA-A10"],
+                                            }
+                                        ]
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                    "tolerations": [GPU_TOLERATION],
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "engine:1",
+                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    sandbox.apply(sts, namespace)
+
+    def ready():
+        s = sandbox.kubectl_json("get", "statefulset", "a10-pool", "-n", namespace)
+        return s["status"].get("readyReplicas") == 3
+
+    wait_for(ready, 60, "3 ready replicas of the A10 StatefulSet")
+    pods = sandbox.kubectl_json("get", "pods", "-n", namespace, "-l", "app=a10-pool")["items"]
+    nodes = {n["metadata"]["name"]: n for n in sandbox.kubectl_json("get", "nodes")["items"]}
+    used = set()
+    for pod in pods:
+        node = nodes[pod["spec"]["nodeName"]]
+        assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-A10"
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(node["spec"]["podCIDR"])
+        used.add(pod["spec"]["nodeName"])
+    # One GPU per A10 node: three pods need three distinct nodes.
+    assert len(used) == 3
+
+
+def test_scheduler_respects_gpu_capacity(sandbox, namespace, wait_for):
+    _needs_sandbox(sandbox)
+    h100s = [n for n in _expected_nodes(sandbox.fleet_file) if n.startswith("gpu-h100-")]
+    pods = []
+    for i in range(len(h100s) + 1):
+        pods.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"big-{i}"},
+                "spec": {
+                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                    "tolerations": [GPU_TOLERATION],
+                    "containers": [
+                        {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+                    ],
+                },
+            }
+        )
+    sandbox.apply(pods, namespace)
+
+    def settled():
+        items = sandbox.kubectl_json("get", "pods", "-n", namespace)["items"]
+        bound = [p for p in items if p["spec"].get("nodeName")]
+        unsched = [
+            p
+            for p in items
+            if any(c.get("reason") == "Unschedulable" for c in p["status"].get("conditions", []))
+        ]
+        return (bound, unsched) if len(bound) == len(h100s) and len(unsched) == 1 else None
+
+    bound, unsched = wait_for(settled, 60, f"{len(h100s)} pods bound and one unschedulable")
+    assert sorted(p["spec"]["nodeName"] for p in bound) == sorted(h100s)
+    msg = next(c["message"] for c in unsched[0]["status"]["conditions"] if c["type"] == "PodScheduled")
+    assert "nvidia.com/gpu" in msg
+
+
+def test_job_completes(sandbox, namespace, wait_for):
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "once"},
+        "spec": {
+            "completions": 2,
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "nodeSelector": {"gearshift.io/node-pool": "cpu"} if sandbox.is_sandbox else {},
+                    "containers": [{"name": "c", "image": "busybox", "command": ["true"]}],
+                }
+            },
+        },
+    }
+    sandbox.apply(job, namespace)
+
+    def done():
+        j = sandbox.kubectl_json("get", "job", "once", "-n", namespace)
+        return any(
+            c["type"] == "Complete" and c["status"] == "True" for c in j["status"].get("conditions", [])
+        )
+
+    wait_for(done, 90, "the Job to complete")
+    assert sandbox.kubectl_json("get", "job", "once", "-n", namespace)["status"]["succeeded"] == 2
+
+
+def test_deployment_controller_rolls_pods(sandbox, namespace, wait_for):
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {"containers": [{"name": "c", "image": "web:1"}]},
+            },
+        },
+    }
+    sandbox.apply(dep, namespace)
+    wait_for(
+        lambda: (
+            sandbox.kubectl_json("get", "deploy", "web", "-n", namespace)["status"].get("availableReplicas")
+            == 2
+        ),
+        60,
+        "2 available replicas",
+    )
+    sandbox.kubectl("set", "image", "deploy/web", "c=web:2", "-n", namespace)
+    sandbox.kubectl("rollout", "status", "deploy/web", "-n", namespace, "--timeout=60s", timeout=90)
+    images = {
+        p["spec"]["containers"][0]["image"]
+        for p in sandbox.kubectl_json("get", "pods", "-n", namespace, "-l", "app=web")["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    }
+    assert images == {"web:2"}
+
+
+def test_kubectl_and_helm_versions(sandbox):
+    out = json.loads(sandbox.kubectl("version", "-o", "json").stdout)
+    if sandbox.is_sandbox:
+        versions = dict(
+            line.split("=", 1)
+            for line in (REPO / "e2e" / "sandbox" / "versions.env").read_text().splitlines()
+            if "=" in line and not line.startswith("#")
+        )
+        assert out["serverVersion"]["gitVersion"] == versions["KUBE_VERSION"]
+        assert out["clientVersion"]["gitVersion"] == versions["KUBE_VERSION"]
+        assert sandbox.helm("version", "--short").stdout.startswith(versions["HELM_VERSION"])
+    else:
+        assert out["serverVersion"]["gitVersion"].startswith("v1.")
+    assert sandbox.helm("list", "--all-namespaces").returncode == 0
+
+
+def test_helm_installs_a_chart(sandbox, namespace, tmp_path, wait_for):
+    chart = tmp_path / "tiny"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: tiny\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("greeting: hello\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-cm\n"
+        "data:\n  greeting: {{ .Values.greeting | quote }}\n"
+    )
+    sandbox.helm("install", "t1", str(chart), "-n", namespace, "--set", "greeting=gearshift", "--wait")
+    cm = sandbox.kubectl_json("get", "configmap", "t1-cm", "-n", namespace)
+    assert cm["data"]["greeting"] == "gearshift"
+    sandbox.helm("uninstall", "t1", "-n", namespace, "--wait")
+    wait_for(
+        lambda: sandbox.kubectl("get", "configmap", "t1-cm", "-n", namespace, check=False).returncode != 0,
+        30,
+        "the chart's ConfigMap to be removed",
+    )

@@ -1,0 +1,301 @@
+"""The sandbox's local pod runner and Prometheus: opted-in pods run as local processes on their pod IPs.
+
+The pods run ``gearshift sandbox echo-server`` / ``exit-with`` (test programs of the sandbox CLI); all HTTP
+goes to pod IPs, which are loopback addresses.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+RUN = {"gearshift.io/sandbox-run": "true"}
+CPU = {"gearshift.io/node-pool": "cpu"}
+
+
+@pytest.fixture(autouse=True)
+def _only_sandbox(sandbox):
+    if not sandbox.is_sandbox:
+        pytest.skip("the local pod runner exists only in the gearshift sandbox")
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    assert ipaddress.ip_address(url.split("//")[1].split(":")[0]).is_loopback
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _echo_deployment(name: str, ready_after: float = 0.0, replicas: int = 1) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {
+                    "labels": {"app": name, **RUN},
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8000"},
+                },
+                "spec": {
+                    "nodeSelector": CPU,
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [
+                        {
+                            "name": "echo",
+                            "image": "gearshift-worker:dev",
+                            "command": ["gearshift", "sandbox", "echo-server"],
+                            "args": ["--port", "$(ECHO_PORT)", "--ready-after", str(ready_after)],
+                            "ports": [{"name": "http", "containerPort": 8000}],
+                            "env": [
+                                {"name": "ECHO_PORT", "value": "8000"},
+                                {
+                                    "name": "POD_NAME",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                },
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                                {
+                                    "name": "NODE_NAME",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                                },
+                                {
+                                    "name": "ECHO_APP",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}},
+                                },
+                                {"name": "ECHO_URL", "value": "http://$(POD_IP):$(ECHO_PORT)/"},
+                            ],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": "http"},
+                                "periodSeconds": 1,
+                                "failureThreshold": 1,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _pods(sandbox, namespace, selector):
+    return [
+        p
+        for p in sandbox.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def _ready(pod) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def _pid(pod) -> int:
+    cid = pod["status"]["containerStatuses"][0]["containerID"]
+    assert cid.startswith("gearshift-sandbox://"), cid
+    return int(cid.rsplit("/", 1)[1])
+
+
+def test_pod_ready_only_once_its_server_answers(sandbox, namespace, wait_for):
+    sandbox.apply(_echo_deployment("echo", ready_after=4.0), namespace)
+    # Running with a live process whose /health still says 503: not Ready yet.
+    pod = wait_for(
+        lambda: next(
+            (p for p in _pods(sandbox, namespace, "app=echo") if p["status"].get("phase") == "Running"), None
+        ),
+        60,
+        "the echo pod to run",
+    )
+    ip = pod["status"]["podIP"]
+    status, _ = wait_for(lambda: _get(f"http://{ip}:8000/health"), 30, "the echo server to listen")
+    if status == 503:
+        assert not _ready(sandbox.kubectl_json("get", "pod", pod["metadata"]["name"], "-n", namespace))
+    pod = wait_for(
+        lambda: next((p for p in _pods(sandbox, namespace, "app=echo") if _ready(p)), None),
+        60,
+        "the pod to be Ready",
+    )
+    assert _get(f"http://{ip}:8000/health")[0] == 200
+    # The process serves on the pod IP with the pod's env resolved (downward API and $(VAR) expansion).
+    status, body = _get(f"http://{ip}:8000/")
+    assert status == 200
+    echo = json.loads(body)
+    assert echo["host"] == ip and echo["port"] == 8000
+    env = echo["env"]
+    assert env["POD_NAME"] == pod["metadata"]["name"]
+    assert env["POD_IP"] == ip == env["GEARSHIFT_POD_IP"] == env["GEARSHIFT_HOST"]
+    assert env["NODE_NAME"] == pod["spec"]["nodeName"]
+    assert env["ECHO_APP"] == "echo"
+    assert env["ECHO_URL"] == f"http://{ip}:8000/"
+    dep = sandbox.kubectl_json("get", "deploy", "echo", "-n", namespace)
+    assert dep["status"].get("readyReplicas") == 1
+
+
+def test_prometheus_scrapes_an_annotated_pod(sandbox, namespace, wait_for):
+    assert sandbox.prometheus_url and sandbox.prometheus_url.startswith("http://127.0.0.1:")
+    sandbox.apply(_echo_deployment("scraped"), namespace)
+    pod = wait_for(
+        lambda: next((p for p in _pods(sandbox, namespace, "app=scraped") if _ready(p)), None),
+        60,
+        "a Ready pod",
+    )
+    name = pod["metadata"]["name"]
+    sel = f'namespace="{namespace}",pod="{name}"'
+    up = wait_for(lambda: sandbox.prometheus_query(f"up{{{sel}}}"), 30, "Prometheus to scrape the pod")
+    assert up[0]["value"][1] == "1"
+    assert up[0]["metric"]["instance"] == f"{pod['status']['podIP']}:8000"
+    assert up[0]["metric"]["app"] == "scraped"
+    series = wait_for(
+        lambda: sandbox.prometheus_query(f'gearshift_echo_requests_total{{{sel},path="/health"}}'),
+        30,
+        "the pod's own metric",
+    )
+    assert float(series[0]["value"][1]) >= 1
+
+
+def test_job_pod_reports_exit_code_and_termination_message(sandbox, namespace, wait_for):
+    def job(name: str, code: int, message: str) -> dict:
+        return {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": name},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"labels": RUN},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"},
+                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                        "containers": [
+                            {
+                                "name": "probe",
+                                "image": "gearshift-worker:dev",
+                                "command": ["gearshift"],
+                                "args": ["sandbox", "exit-with", "--code", str(code), "--message", message],
+                                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                            }
+                        ],
+                    },
+                },
+            },
+        }
+
+    sandbox.apply([job("ok", 0, "measured 65 TFLOPS"), job("bad", 3, "probe failed: no GPU")], namespace)
+
+    def finished(name: str, phase: str):
+        pods = _pods(sandbox, namespace, f"job-name={name}")
+        return pods[0] if pods and pods[0]["status"].get("phase") == phase else None
+
+    ok = wait_for(lambda: finished("ok", "Succeeded"), 60, "the ok Job pod to succeed")
+    term = ok["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (term["exitCode"], term["reason"], term["message"]) == (0, "Completed", "measured 65 TFLOPS")
+    bad = wait_for(lambda: finished("bad", "Failed"), 60, "the bad Job pod to fail")
+    term = bad["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (term["exitCode"], term["reason"], term["message"]) == (3, "Error", "probe failed: no GPU")
+    wait_for(
+        lambda: sandbox.kubectl_json("get", "job", "ok", "-n", namespace)["status"].get("succeeded") == 1,
+        30,
+        "the Job to count its success",
+    )
+
+
+def test_deleting_a_pod_stops_its_process_and_the_replacement_runs(sandbox, namespace, wait_for):
+    sandbox.apply(_echo_deployment("doomed"), namespace)
+    pod = wait_for(
+        lambda: next((p for p in _pods(sandbox, namespace, "app=doomed") if _ready(p)), None),
+        60,
+        "a Ready pod",
+    )
+    pid, ip, name = _pid(pod), pod["status"]["podIP"], pod["metadata"]["name"]
+    assert Path(f"/proc/{pid}").exists()
+    sandbox.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), 20, f"process {pid} to stop")
+    wait_for(
+        lambda: sandbox.kubectl("get", "pod", name, "-n", namespace, check=False).returncode != 0,
+        20,
+        "the pod object to go",
+    )
+    new = wait_for(
+        lambda: next((p for p in _pods(sandbox, namespace, "app=doomed") if _ready(p)), None),
+        60,
+        "the replacement pod to be Ready",
+    )
+    assert new["metadata"]["uid"] != pod["metadata"]["uid"]
+    new_ip = new["status"]["podIP"]
+    assert _get(f"http://{new_ip}:8000/health")[0] == 200
+    if new_ip != ip:
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{ip}:8000/health", timeout=1)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_crashing_container_restarts_with_backoff(sandbox, namespace, wait_for):
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "crasher", "labels": RUN},
+        "spec": {
+            "nodeSelector": CPU,
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "gearshift-worker:dev",
+                    "command": ["gearshift", "sandbox", "exit-with", "--code", "7", "--message", "boom"],
+                }
+            ],
+        },
+    }
+    sandbox.apply(pod, namespace)
+
+    def restarted_twice():
+        cs = (
+            sandbox.kubectl_json("get", "pod", "crasher", "-n", namespace)["status"].get("containerStatuses")
+            or []
+        )
+        return cs[0] if cs and cs[0].get("restartCount", 0) >= 2 else None
+
+    cs = wait_for(restarted_twice, 60, "two restarts")
+    assert cs["lastState"]["terminated"]["exitCode"] == 7
+    assert cs["lastState"]["terminated"]["message"] == "boom"
+    assert cs["ready"] is False
+
+
+def test_disallowed_command_fails_with_a_clear_message(sandbox, namespace, wait_for):
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "sneaky", "labels": RUN},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": CPU,
+            "containers": [{"name": "c", "image": "busybox", "command": ["/bin/sh", "-c", "echo hi"]}],
+        },
+    }
+    sandbox.apply(pod, namespace)
+    failed = wait_for(
+        lambda: (
+            (p := sandbox.kubectl_json("get", "pod", "sneaky", "-n", namespace))["status"].get("phase")
+            == "Failed"
+            and p
+        ),
+        30,
+        "the pod to fail",
+    )
+    msg = failed["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
+    assert "/bin/sh" in msg and "not allowed" in msg and "gearshift-sim" in msg
