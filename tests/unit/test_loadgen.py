@@ -1,0 +1,127 @@
+"""The load generator: trace parsing, URL guard, summary maths, and a small run against an in-process sim."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from gearshift.loadgen import (
+    LoadgenError,
+    RequestRecord,
+    TraceRequest,
+    check_url,
+    load_trace,
+    run_load,
+    summarize,
+)
+from gearshift.model import load_hf_config
+from gearshift.sim.config import config_from_env
+from gearshift.sim.perfmodel import PerfModel, parse_pipeline
+from gearshift.sim.server import build_app
+
+REPO = Path(__file__).resolve().parents[2]
+LLAMA = REPO / "examples" / "models" / "llama-3-8b.json"
+
+
+class TestTrace:
+    def test_azure_timestamps_become_offsets(self, tmp_path: Path) -> None:
+        p = tmp_path / "t.csv"
+        p.write_text(
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+            "2023-11-16 18:15:46.6805900,374,44\n"
+            "2023-11-16 18:15:50.9951690,396,109\n"
+            "2023-11-16 18:15:51.2224670,879,0\n"
+        )
+        tr = load_trace(p)
+        assert [t.prompt_tokens for t in tr] == [374, 396, 879]
+        assert tr[0].offset_s == 0.0
+        assert tr[1].offset_s == pytest.approx(50.995169 - 46.68059, abs=1e-6)
+        assert tr[2].output_tokens == 1  # a zero-length answer still asks for one token
+
+    def test_the_shared_trace_loads(self) -> None:
+        tr = load_trace("/work/shared/traces/azure_llm_2023_conv.csv", limit=50)
+        assert len(tr) == 50 and all(b.offset_s >= a.offset_s for a, b in itertools.pairwise(tr))
+
+    def test_missing_column_is_named(self, tmp_path: Path) -> None:
+        p = tmp_path / "t.csv"
+        p.write_text("TIMESTAMP,ContextTokens\n1,2\n")
+        with pytest.raises(LoadgenError, match="GeneratedTokens"):
+            load_trace(p)
+
+
+class TestUrl:
+    def test_loopback_only_unless_allowed(self) -> None:
+        assert check_url("http://127.0.3.4:8000/v1/") == "http://127.0.3.4:8000"
+        assert check_url("http://localhost:80") == "http://localhost:80"
+        for bad in ("http://10.0.0.1:8000", "http://192.168.1.2", "http://example.com"):
+            with pytest.raises(LoadgenError, match="loopback"):
+                check_url(bad)
+        assert check_url("http://10.0.0.1:8000", allow_remote=True) == "http://10.0.0.1:8000"
+
+
+class TestSummary:
+    def rec(self, ttft: float, e2e: float, n: int, gaps: list[float]) -> RequestRecord:
+        r = RequestRecord(url="u", prompt_tokens=1, max_tokens=n, sent_at=0.0, ok=True)
+        r.ttft_s, r.e2e_s, r.output_tokens, r.itls_s = ttft, e2e, n, gaps
+        return r
+
+    def test_percentiles_goodput_and_failures(self) -> None:
+        recs = [
+            self.rec(0.100, 1.100, 11, [0.1] * 10),  # TPOT 100 ms: misses a 50 ms SLO
+            self.rec(0.150, 0.550, 11, [0.04] * 10),  # TPOT 40 ms, TTFT 150: meets
+            self.rec(0.300, 0.700, 11, [0.04] * 10),  # TTFT 300 ms: misses
+        ]
+        bad = RequestRecord(url="u", prompt_tokens=1, max_tokens=1, sent_at=0.0, error="HTTP 500: x")
+        res = summarize([*recs, bad], urls=["u"], stream=True, time_scale=1, duration_s=2.0, issued=4,
+                        slo_ttft_ms=200, slo_itl_ms=50)  # fmt: skip
+        assert (res.completed, res.failed, res.slo_met) == (3, 1, 1)
+        assert res.goodput_rps == pytest.approx(0.5)
+        assert res.throughput_rps == pytest.approx(1.5)
+        assert res.ttft_ms["p50"] == pytest.approx(150.0)
+        assert res.tpot_ms["mean"] == pytest.approx((100 + 40 + 40) / 3)
+        assert res.itl_ms["p99"] == pytest.approx(np.percentile([100] * 10 + [40] * 20, 99))
+        assert res.errors == {"HTTP 500: x": 1}
+
+
+async def test_run_against_in_process_sims_measures_on_the_wire() -> None:
+    env = {
+        "GEARSHIFT_MODEL": str(LLAMA),
+        "GEARSHIFT_SERVED_MODEL_NAME": "llama",
+        "GEARSHIFT_PIPELINE": json.dumps({"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]}),
+    }
+    runners, urls = [], []
+    for _ in range(2):
+        runner = web.AppRunner(build_app(config_from_env(env)))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        trace = [TraceRequest(0.05 * i, 200, 4) for i in range(6)]
+        res = await run_load(urls, trace, time_scale=1.0, max_requests=5, max_duration_s=5, drain_s=10,
+                             stream=True, slo_ttft_ms=10_000, slo_itl_ms=10_000)  # fmt: skip
+    finally:
+        for r in runners:
+            await r.cleanup()
+    assert (res.issued, res.completed, res.failed) == (5, 5, 0)
+    assert {r.url for r in res.records} == set(urls)  # round-robin over both pods
+    arch = load_hf_config(LLAMA)
+    model = PerfModel(arch, parse_pipeline({"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]}, arch))
+    # Client-side TTFT can only be longer than the modelled prefill (HTTP on top).
+    assert min(r.ttft_s for r in res.records) >= model.prefill_time_s(200)
+    assert all(r.output_tokens == 4 and len(r.itls_s) == 3 for r in res.records)
+    assert res.slo_met == 5
+
+
+async def test_bounds_are_checked() -> None:
+    with pytest.raises(LoadgenError):
+        await run_load([], [TraceRequest(0, 1, 1)])
+    with pytest.raises(LoadgenError, match="loopback"):
+        await run_load(["http://10.1.2.3:8000"], [TraceRequest(0, 1, 1)])
