@@ -1,0 +1,738 @@
+"""The GearSet kind: the gears of one role of a PDService, the gear-shifting policy, and the gear status.
+
+A *gear* is one complete pipeline configuration: contiguous stages of layers ``[start, end)`` with
+unequal layer counts but equal expected time, per-stage replicas, micro-batch and max batch, and the QPS
+range and target latency it suits (seed 002). ``mode: explicit`` lists gears by hand; ``mode: auto``
+lets the planner generate them from the GPUProfiles into ``status.plannedGears``.
+
+Every cross-field rule is written twice, here as a pydantic validator and in :data:`CEL` below as an
+``x-kubernetes-validations`` rule of the CRD; the e2e agreement test holds the two to the same answer.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from gearshift.api.common import (
+    API_VERSION,
+    DNS_LABEL_PATTERN,
+    MAX_CONDITIONS,
+    MAX_GEAR_NAME,
+    MAX_GEARS,
+    MAX_HISTORY,
+    MAX_MESSAGE,
+    MAX_NODES_PER_STAGE,
+    MAX_SERVICE_NAME,
+    MAX_STAGES,
+    Condition,
+    DnsLabel,
+    NodeName,
+    Selector,
+    SpecModel,
+    StatusModel,
+)
+
+Role = Literal["prefill", "decode"]
+GearIntent = Literal["latency", "balanced", "throughput"]
+GearSetMode = Literal["auto", "explicit"]
+#: ``Pending``: no gear serves yet. The six others are seed 002's executor states.
+GearPhase = Literal["Pending", "Stable", "Warming", "Draining", "Switching", "RollingBack", "Degraded"]
+ShiftTrigger = Literal[
+    "imbalance", "p99-high", "p99-low", "forced", "initial", "replan", "window", "rollback"
+]
+ShiftOutcome = Literal["InProgress", "Succeeded", "RolledBack", "Failed", "Aborted"]
+
+GEAR_INTENTS: tuple[GearIntent, ...] = ("latency", "balanced", "throughput")
+GEAR_PHASES: tuple[str, ...] = GearPhase.__args__  # type: ignore[attr-defined]
+
+#: A gear name: a DNS label short enough for ``<pds>-<role>-<gear>-s<k>`` StatefulSet names.
+GearName = Annotated[str, Field(min_length=1, max_length=MAX_GEAR_NAME, pattern=DNS_LABEL_PATTERN)]
+#: A layer index of the model, 0-based.
+LayerIndex = Annotated[int, Field(ge=0, le=100000)]
+#: Requests per second.
+Qps = Annotated[float, Field(ge=0, le=1e7)]
+#: A gearshift.gpus model name (e.g. H100-80GB).
+GpuModelName = Annotated[str, Field(min_length=1, max_length=64)]
+
+#: Rules of the CRD, per model, as ``x-kubernetes-validations`` entries; read by :mod:`gearshift.api.crdgen`.
+#: Each guards its own index accesses so that a schema error elsewhere does not also raise a CEL error.
+CEL: dict[str, list[dict[str, str]]] = {
+    "Stage": [
+        {
+            "rule": "size(self.layers) != 2 || self.layers[0] < self.layers[1]",
+            "message": "layers must be a half-open range [start, end) with start < end",
+            "fieldPath": ".layers",
+        },
+    ],
+    "Gear": [
+        {
+            "rule": "size(self.stages) == 0 || size(self.stages[0].layers) != 2 "
+            "|| self.stages[0].layers[0] == 0",
+            "message": "stages[0].layers must start at layer 0",
+            "fieldPath": ".stages",
+        },
+        {
+            "rule": "self.stages.all(i, s, i == 0 || size(s.layers) != 2 "
+            "|| size(self.stages[i - 1].layers) != 2 || s.layers[0] >= self.stages[i - 1].layers[1])",
+            "message": "stages overlap: each stage's layers[0] must equal the previous stage's layers[1]",
+            "fieldPath": ".stages",
+        },
+        {
+            "rule": "self.stages.all(i, s, i == 0 || size(s.layers) != 2 "
+            "|| size(self.stages[i - 1].layers) != 2 || s.layers[0] <= self.stages[i - 1].layers[1])",
+            "message": "stages leave a gap: each stage's layers[0] must equal the previous stage's layers[1]",
+            "fieldPath": ".stages",
+        },
+        {
+            "rule": "self.microBatch <= self.maxBatch",
+            "message": "microBatch must be <= maxBatch",
+            "fieldPath": ".microBatch",
+        },
+        {
+            "rule": "!has(self.qpsRange) || size(self.qpsRange) != 2 || self.qpsRange[0] <= self.qpsRange[1]",
+            "message": "qpsRange must be [low, high] with low <= high",
+            "fieldPath": ".qpsRange",
+        },
+    ],
+    "ShiftPolicy": [
+        {
+            "rule": "self.imbalanceLowUtilization < self.imbalanceHighUtilization",
+            "message": "imbalanceLowUtilization must be below imbalanceHighUtilization",
+            "fieldPath": ".imbalanceLowUtilization",
+        },
+        {
+            "rule": "self.p99LowRatio < self.p99HighRatio",
+            "message": "p99LowRatio must be below p99HighRatio",
+            "fieldPath": ".p99LowRatio",
+        },
+    ],
+    "PlanConstraints": [
+        {
+            "rule": "!has(self.minStages) || !has(self.maxStages) || self.minStages <= self.maxStages",
+            "message": "minStages must be <= maxStages",
+            "fieldPath": ".minStages",
+        },
+    ],
+    "GearSetSpec": [
+        {
+            "rule": "self.mode != 'explicit' || (has(self.gears) && size(self.gears) > 0)",
+            "message": "gears: mode explicit needs at least one gear (or set mode: auto to let the planner "
+            "generate them)",
+            "fieldPath": ".gears",
+            "reason": "FieldValueRequired",
+        },
+        {
+            "rule": "self.mode != 'auto' || !has(self.gears) || size(self.gears) == 0",
+            "message": "gears must be empty when mode is auto: the planner writes status.plannedGears "
+            "(use mode: explicit to list gears)",
+            "fieldPath": ".gears",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "self.mode == 'auto' || !has(self.plan)",
+            "message": "plan is only used with mode: auto",
+            "fieldPath": ".plan",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "self.mode != 'explicit' || !has(self.initialGear) "
+            "|| (has(self.gears) && self.gears.exists(g, g.name == self.initialGear))",
+            "message": "initialGear must name one of spec.gears",
+            "fieldPath": ".initialGear",
+        },
+        {
+            "rule": "self.mode != 'explicit' || !has(self.forceGear) "
+            "|| (has(self.gears) && self.gears.exists(g, g.name == self.forceGear))",
+            "message": "forceGear must name one of spec.gears",
+            "fieldPath": ".forceGear",
+        },
+    ],
+}
+
+
+def _cel(name: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": CEL[name]}
+
+
+class Stage(SpecModel):
+    """One pipeline stage: a contiguous layer range on one node, replicated `replicas` times."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("Stage"))
+
+    layers: list[LayerIndex] = Field(
+        min_length=2,
+        max_length=2,
+        description="Half-open layer range [start, end) of the model held by this stage, 0-based.",
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Pods of this stage per pipeline replica; more than 1 replicates a hot stage (seed 002).",
+    )
+    gpus: int = Field(
+        default=1, ge=1, le=16, description="GPUs per pod (tensor parallelism inside the stage)."
+    )
+    nodes: list[NodeName] = Field(
+        default_factory=list,
+        max_length=MAX_NODES_PER_STAGE,
+        description="Node names the planner chose for this stage; pods are placed on these (empty: any "
+        "node matching nodeSelector).",
+    )
+    node_selector: Selector = Field(
+        default_factory=dict,
+        description="Node labels the stage's pods need, e.g. gearshift.io/gpu-model: H100-80GB.",
+    )
+    gpu_model: str | None = Field(
+        default=None,
+        max_length=64,
+        description="GPU model the stage was planned for (a gearshift.gpus name, e.g. A100-40GB); the "
+        "simulated engine times the stage on it.",
+    )
+    predicted_time_ms: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e7,
+        description="Planner's expected time of one micro-batch in this stage, ms.",
+    )
+    predicted_memory_gib: float | None = Field(
+        default=None,
+        alias="predictedMemoryGiB",
+        ge=0,
+        le=1e6,
+        description="Planner's expected GPU memory per pod (weights + KV), GiB.",
+    )
+
+    @model_validator(mode="after")
+    def _check_range(self) -> Stage:
+        if self.layers[0] >= self.layers[1]:
+            raise ValueError(
+                f"layers must be a half-open range [start, end) with start < end, got {self.layers}"
+            )
+        return self
+
+    @property
+    def start(self) -> int:
+        """First layer of the stage (inclusive)."""
+        return self.layers[0]
+
+    @property
+    def end(self) -> int:
+        """Layer after the stage's last one (exclusive)."""
+        return self.layers[1]
+
+    @property
+    def num_layers(self) -> int:
+        """Layers in the stage."""
+        return self.layers[1] - self.layers[0]
+
+
+class GearPrediction(SpecModel):
+    """What the planner's simulator expects of a gear; online measurements correct it (seed 002)."""
+
+    bottleneck_ms: float | None = Field(
+        default=None, ge=0, le=1e7, description="Slowest stage's time per micro-batch, ms."
+    )
+    throughput_qps: float | None = Field(
+        default=None, ge=0, le=1e7, description="Pipeline throughput, requests/s."
+    )
+    ttft_ms: float | None = Field(default=None, ge=0, le=1e7, description="Expected time to first token, ms.")
+    itl_ms: float | None = Field(default=None, ge=0, le=1e7, description="Expected inter-token latency, ms.")
+    p99_ms: float | None = Field(
+        default=None, ge=0, le=1e7, description="Expected P99 of the role's key latency (TTFT or ITL), ms."
+    )
+    max_link_utilization: float | None = Field(
+        default=None, ge=0, le=100, description="Highest share of a link's bandwidth the gear's traffic uses."
+    )
+    weights_gib: float | None = Field(
+        default=None,
+        alias="weightsGiB",
+        ge=0,
+        le=1e6,
+        description="Weights a shift to this gear loads, GiB (the shift's cost).",
+    )
+
+
+class Gear(SpecModel):
+    """One complete pipeline configuration (seed 002's 'gear')."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("Gear"))
+
+    name: GearName = Field(
+        description=f"Gear name, a DNS label of at most {MAX_GEAR_NAME} characters (it is part of the "
+        "StatefulSet names <pds>-<role>-<gear>-s<k>).",
+    )
+    intent: GearIntent = Field(
+        default="balanced",
+        description="What the gear is for: latency (2-4 stages, micro-batch 1-4), balanced (4-8, 4-8) or "
+        "throughput (8-12, 8-16) (seed 002); triggers pick gears by intent.",
+    )
+    stages: list[Stage] = Field(
+        min_length=1,
+        max_length=MAX_STAGES,
+        description="Pipeline stages in order; layer ranges start at 0 and are contiguous.",
+    )
+    micro_batch: int = Field(
+        default=4, ge=1, le=1024, description="Sequences per micro-batch flowing through the pipeline."
+    )
+    max_batch: int = Field(
+        default=256,
+        ge=1,
+        le=65536,
+        description="Most sequences in flight per pipeline replica (vLLM --max-num-seqs, default 256).",
+    )
+    qps_range: list[Qps] | None = Field(
+        default=None,
+        min_length=2,
+        max_length=2,
+        description="[low, high] requests/s this gear suits.",
+    )
+    target_latency_ms: float | None = Field(
+        default=None, gt=0, le=1e7, description="Latency this gear is meant to meet (the role's P99), ms."
+    )
+    predicted: GearPrediction | None = Field(default=None, description="The planner's predictions.")
+
+    @model_validator(mode="after")
+    def _check_gear(self) -> Gear:
+        if self.stages[0].start != 0:
+            raise ValueError(f"stages[0].layers must start at layer 0, got {self.stages[0].layers}")
+        for k in range(1, len(self.stages)):
+            prev, cur = self.stages[k - 1], self.stages[k]
+            if cur.start < prev.end:
+                raise ValueError(
+                    f"stages overlap: stages[{k}].layers {cur.layers} starts before stages[{k - 1}] ends "
+                    f"({prev.end}); each stage's layers[0] must equal the previous stage's layers[1]"
+                )
+            if cur.start > prev.end:
+                raise ValueError(
+                    f"stages leave a gap: layers {prev.end}..{cur.start - 1} are in no stage; each stage's "
+                    "layers[0] must equal the previous stage's layers[1]"
+                )
+        if self.micro_batch > self.max_batch:
+            raise ValueError(f"microBatch ({self.micro_batch}) must be <= maxBatch ({self.max_batch})")
+        if self.qps_range is not None and self.qps_range[0] > self.qps_range[1]:
+            raise ValueError(f"qpsRange must be [low, high] with low <= high, got {self.qps_range}")
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the gear covers (the last stage's end)."""
+        return self.stages[-1].end
+
+    def check_model_layers(self, num_layers: int) -> None:
+        """Check that the gear covers exactly the model's ``num_layers`` layers.
+
+        Raises:
+            ValueError: naming the gear, its last stage's end and the model's layer count.
+        """
+        if self.num_layers != num_layers:
+            raise ValueError(
+                f"gear {self.name!r}: stages cover layers [0, {self.num_layers}) but the model has "
+                f"{num_layers} layers; make the last stage's layers end at {num_layers}"
+            )
+
+
+class ShiftPolicy(SpecModel):
+    """When to shift gears and how to execute a shift. Defaults are seed 002's numbers unless noted."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("ShiftPolicy"))
+
+    sample_interval_s: float = Field(
+        default=2.0, gt=0, le=3600, description="Seconds between signal samples (seed 002: 2 s)."
+    )
+    ema_alpha: float = Field(
+        default=0.3, gt=0, le=1, description="Weight of the newest sample in the EMA (seed 002: 0.3)."
+    )
+    enter_samples: int = Field(
+        default=3, ge=1, le=1000, description="Consecutive samples a trigger must hold to fire (seed 002: 3)."
+    )
+    exit_samples: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="Consecutive samples another trigger must hold to leave the new gear (seed 002: 3).",
+    )
+    dwell_s: float = Field(
+        default=600.0, ge=0, le=86400, description="Minimum seconds a gear stays active (seed 002: 10 min)."
+    )
+    imbalance_high_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Imbalance trigger: some stage's utilisation above this ... (seed 002: 0.9).",
+    )
+    imbalance_low_utilization: float = Field(
+        default=0.6,
+        ge=0,
+        lt=1,
+        description="... while every other stage is below this -> throughput gear (seed 002: 0.6).",
+    )
+    p99_high_ratio: float = Field(
+        default=1.2, gt=0, le=100, description="P99 above this x target -> latency gear (seed 002: 1.2)."
+    )
+    p99_low_ratio: float = Field(
+        default=0.7, gt=0, le=100, description="P99 below this x target -> balanced gear (seed 002: 0.7)."
+    )
+    target_p99_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e7,
+        description="Target of the P99 triggers, ms; unset: the PDService SLO (ttftMs for prefill, "
+        "itlMs for decode).",
+    )
+    retrigger_step: float = Field(
+        default=0.05,
+        ge=0,
+        le=10,
+        description="A trigger firing again inside the dwell moves its threshold this much away from "
+        "firing (seed 002 says 'one step'; the size is gearshift's choice).",
+    )
+    min_benefit_cost_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1e6,
+        description="Veto a shift unless its predicted gain over one dwell is at least this x its cost "
+        "(weights and KV moved, seed 002); 0 disables the check.",
+    )
+    warmup_share: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Most of a card's compute (and of mirrored traffic) a warming shadow may use "
+        "(seed 002: 20%).",
+    )
+    warmup_timeout_s: float = Field(
+        default=600.0, gt=0, le=86400, description="Shadows not ready and warm by then -> roll back, s."
+    )
+    drain_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86400,
+        description="Longest wait for in-flight requests on the old gear to finish, s.",
+    )
+    rollback_window_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86400,
+        description="How long the old gear is kept after the switch to roll back to, s (seed 002 keeps a "
+        "few hundred ms inside one engine; across pods gearshift needs enough samples to judge P99).",
+    )
+    rollback_p99_ratio: float = Field(
+        default=2.0,
+        gt=1,
+        le=100,
+        description="Within the rollback window, P99 above this x the gear's predicted P99 rolls back.",
+    )
+    allow_degraded: bool = Field(
+        default=True,
+        description="When memory is short for full shadows, load weights first and grow the KV pool after "
+        "the switch (seed 002's degraded mode) instead of refusing the shift.",
+    )
+
+    @model_validator(mode="after")
+    def _check_thresholds(self) -> ShiftPolicy:
+        if self.imbalance_low_utilization >= self.imbalance_high_utilization:
+            raise ValueError(
+                f"imbalanceLowUtilization ({self.imbalance_low_utilization}) must be below "
+                f"imbalanceHighUtilization ({self.imbalance_high_utilization})"
+            )
+        if self.p99_low_ratio >= self.p99_high_ratio:
+            raise ValueError(
+                f"p99LowRatio ({self.p99_low_ratio}) must be below p99HighRatio ({self.p99_high_ratio})"
+            )
+        return self
+
+
+class PlanConstraints(SpecModel):
+    """Limits for the planner when it generates gears (``mode: auto``)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("PlanConstraints"))
+
+    min_stages: int | None = Field(default=None, ge=1, le=MAX_STAGES, description="Fewest stages per gear.")
+    max_stages: int | None = Field(default=None, ge=1, le=MAX_STAGES, description="Most stages per gear.")
+    max_replicas_per_stage: int | None = Field(
+        default=None, ge=1, le=1024, description="Most replicas of one stage."
+    )
+    node_selector: Selector = Field(
+        default_factory=dict, description="Only nodes with these labels are used."
+    )
+    exclude_nodes: list[NodeName] = Field(
+        default_factory=list, max_length=1024, description="Nodes never used."
+    )
+    gpu_models: list[GpuModelName] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Allowed GPU models (gearshift.gpus names); empty: any.",
+    )
+    link_utilization_cap: float = Field(
+        default=0.7,
+        gt=0,
+        le=1,
+        description="Traffic between adjacent stages must stay below this share of the link's bandwidth "
+        "(seed 002: 70%).",
+    )
+    memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Share of each GPU's memory for weights and KV cache (vLLM --gpu-memory-utilization, "
+        "default 0.9).",
+    )
+    window_margin_s: float = Field(
+        default=300.0,
+        ge=0,
+        le=86400,
+        description="A time-limited node is used only if the gear's dwell ends this long before its window "
+        "closes, s.",
+    )
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> PlanConstraints:
+        if self.min_stages is not None and self.max_stages is not None and self.min_stages > self.max_stages:
+            raise ValueError(f"minStages ({self.min_stages}) must be <= maxStages ({self.max_stages})")
+        return self
+
+
+class AutoPlan(SpecModel):
+    """What the planner should generate when ``mode: auto``."""
+
+    intents: list[GearIntent] = Field(
+        default_factory=lambda: list(GEAR_INTENTS),
+        min_length=1,
+        max_length=3,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="Intents to generate one gear each for; the gear is named after its intent.",
+    )
+    constraints: PlanConstraints = Field(
+        default_factory=PlanConstraints, description="Limits for the planner."
+    )
+
+    @model_validator(mode="after")
+    def _unique_intents(self) -> AutoPlan:
+        if len(set(self.intents)) != len(self.intents):
+            raise ValueError(f"intents: duplicate values in {self.intents}; list each intent once")
+        return self
+
+
+class GearSetSpec(SpecModel):
+    """Desired state of a GearSet: its gears (or how to plan them) and the shifting policy."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("GearSetSpec"))
+
+    service_name: DnsLabel = Field(
+        max_length=MAX_SERVICE_NAME, description="Name of the PDService this GearSet serves."
+    )
+    role: Role = Field(description="Which side of the PD service: prefill or decode.")
+    mode: GearSetMode = Field(
+        default="explicit",
+        description="explicit: the gears below; auto: the planner generates gears from the GPUProfiles.",
+    )
+    gears: list[Gear] = Field(
+        default_factory=list,
+        max_length=MAX_GEARS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="The gears (mode explicit); names are unique.",
+    )
+    plan: AutoPlan | None = Field(default=None, description="Planner settings (mode auto).")
+    initial_gear: GearName | None = Field(
+        default=None,
+        description="Gear to start in; unset: the first gear (explicit) or the balanced one (auto).",
+    )
+    force_gear: GearName | None = Field(
+        default=None,
+        description="Manual override: shift to this gear and stay there, whatever the signals say.",
+    )
+    paused: bool = Field(default=False, description="Stop gear shifting (signals are still sampled).")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1024,
+        description="Pipeline replicas of the active gear: stage k runs replicas x stages[k].replicas pods. "
+        "The scale subresource's target (HPA/KEDA, or gearshift's autoscaler).",
+    )
+    policy: ShiftPolicy = Field(default_factory=ShiftPolicy, description="When and how to shift gears.")
+
+    @model_validator(mode="after")
+    def _check_spec(self) -> GearSetSpec:
+        names = [g.name for g in self.gears]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"gears: duplicate gear names {dup}; each gear needs its own name")
+        if self.mode == "explicit" and not self.gears:
+            raise ValueError(
+                "gears: mode explicit needs at least one gear (or set mode: auto to let the planner "
+                "generate them)"
+            )
+        if self.mode == "auto" and self.gears:
+            raise ValueError(
+                "gears must be empty when mode is auto: the planner writes status.plannedGears "
+                "(use mode: explicit to list gears)"
+            )
+        if self.mode != "auto" and self.plan is not None:
+            raise ValueError("plan is only used with mode: auto")
+        if self.mode == "explicit":
+            for field, value in (("initialGear", self.initial_gear), ("forceGear", self.force_gear)):
+                if value is not None and value not in names:
+                    raise ValueError(f"{field} {value!r} must name one of spec.gears {names}")
+        return self
+
+    def gear(self, name: str) -> Gear:
+        """The explicit gear called ``name``.
+
+        Raises:
+            KeyError: no such gear, naming the known ones.
+        """
+        for g in self.gears:
+            if g.name == name:
+                return g
+        raise KeyError(f"no gear {name!r} in spec.gears {[g.name for g in self.gears]}")
+
+
+# --- status -----------------------------------------------------------------------------------------
+class GearSignals(StatusModel):
+    """The smoothed (EMA) signals of the last sample."""
+
+    sample_time: datetime | None = Field(default=None, description="When the sample was taken.")
+    qps: float | None = Field(default=None, description="Requests/s over the last minute.")
+    p99_ms: float | None = Field(
+        default=None,
+        description="P99 the triggers compare with the target: TTFT for prefill, ITL for decode, ms.",
+    )
+    p50_ttft_ms: float | None = Field(default=None, description="P50 time to first token, ms.")
+    p99_ttft_ms: float | None = Field(default=None, description="P99 time to first token, ms.")
+    p50_itl_ms: float | None = Field(default=None, description="P50 inter-token latency, ms.")
+    p99_itl_ms: float | None = Field(default=None, description="P99 inter-token latency, ms.")
+    p50_e2e_ms: float | None = Field(
+        default=None, alias="p50E2eMs", description="P50 end-to-end request latency, ms."
+    )
+    p99_e2e_ms: float | None = Field(
+        default=None, alias="p99E2eMs", description="P99 end-to-end request latency, ms."
+    )
+    queue_length: float | None = Field(default=None, description="Waiting requests per pipeline replica.")
+    kv_cache_usage: float | None = Field(default=None, description="KV-cache usage, 0..1.")
+    stage_utilization: list[float] = Field(
+        default_factory=list, max_length=MAX_STAGES, description="Utilisation of each stage, 0..1, in order."
+    )
+
+
+class GearHealth(StatusModel):
+    """Whether a gear may be shifted to; unhealthy until the model or the profiles change (seed 002)."""
+
+    gear: str = Field(max_length=63, description="Gear name.")
+    healthy: bool = Field(description="False after OOM, crash loops or severe timeouts.")
+    reason: str = Field(
+        default="", max_length=1024, description="CamelCase reason (OOMKilled, Timeout, ...)."
+    )
+    message: str = Field(default="", max_length=MAX_MESSAGE, description="Details.")
+    since: datetime | None = Field(default=None, description="When the gear was last marked.")
+    profiles_hash: str | None = Field(
+        default=None,
+        max_length=128,
+        description="GPUProfiles fingerprint when marked; a different one clears the mark.",
+    )
+
+
+class ShiftRecord(StatusModel):
+    """One gear shift, for history and events."""
+
+    from_gear: str | None = Field(default=None, alias="from", max_length=63, description="Gear shifted from.")
+    to_gear: str = Field(alias="to", max_length=63, description="Gear shifted to.")
+    trigger: ShiftTrigger = Field(description="What started the shift.")
+    started_at: datetime = Field(description="When the shift started.")
+    finished_at: datetime | None = Field(default=None, description="When it ended.")
+    outcome: ShiftOutcome = Field(default="InProgress", description="How it ended.")
+    message: str = Field(default="", max_length=MAX_MESSAGE, description="Details.")
+
+
+class ExecutorState(StatusModel):
+    """The gear executor's persisted state, so an operator restart resumes a shift where it stopped."""
+
+    step: GearPhase = Field(default="Stable", description="Current executor step.")
+    from_gear: str | None = Field(default=None, max_length=63, description="Gear being left.")
+    to_gear: str | None = Field(default=None, max_length=63, description="Gear being entered.")
+    trigger: ShiftTrigger | None = Field(default=None, description="Trigger of the shift in progress.")
+    started_at: datetime | None = Field(default=None, description="When the shift started.")
+    step_started_at: datetime | None = Field(default=None, description="When the current step started.")
+    deadline: datetime | None = Field(default=None, description="When the current step times out.")
+    rollback_until: datetime | None = Field(default=None, description="End of the rollback window.")
+    degraded: bool = Field(default=False, description="Shadows run weights-only; KV pool grows after.")
+    attempt: int = Field(default=0, ge=0, description="Retries of the current step.")
+    in_flight: int | None = Field(default=None, ge=0, description="Requests still on the old gear.")
+
+
+class ControlState(StatusModel):
+    """The decision loop's persisted memory: EMA values, hysteresis streaks, raised thresholds."""
+
+    ema: dict[str, float] = Field(
+        default_factory=dict, max_length=64, description="Smoothed value per signal name."
+    )
+    streaks: dict[str, int] = Field(
+        default_factory=dict, max_length=16, description="Consecutive samples each trigger has held."
+    )
+    threshold_steps: dict[str, int] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Steps each trigger's threshold was raised by re-triggers inside the dwell.",
+    )
+    dwell_until: datetime | None = Field(default=None, description="No shift before this time.")
+    last_shift_time: datetime | None = Field(default=None, description="When the last shift finished.")
+
+
+class GearSetStatus(StatusModel):
+    """Observed state of a GearSet: the gear status that `kubectl get gearsets` prints."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation this status was computed from."
+    )
+    phase: GearPhase | None = Field(default=None, description="Pending, Stable, Warming, Draining, ...")
+    active_gear: str | None = Field(default=None, max_length=63, description="Gear serving traffic.")
+    target_gear: str | None = Field(default=None, max_length=63, description="Gear being shifted to.")
+    replicas: int | None = Field(
+        default=None, ge=0, description="Ready pipeline replicas of the active gear (scale subresource)."
+    )
+    selector: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Label selector of the active gear's head pods, as a string (scale subresource).",
+    )
+    signals: GearSignals | None = Field(default=None, description="Last smoothed signals.")
+    planned_gears: list[Gear] = Field(
+        default_factory=list, max_length=MAX_GEARS, description="Gears the planner generated (mode auto)."
+    )
+    profiles_hash: str | None = Field(
+        default=None, max_length=128, description="Fingerprint of the GPUProfiles the plan used."
+    )
+    gear_health: list[GearHealth] = Field(
+        default_factory=list,
+        max_length=MAX_GEARS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["gear"]},
+        description="Health mark per gear.",
+    )
+    history: list[ShiftRecord] = Field(
+        default_factory=list, max_length=MAX_HISTORY, description="Recent shifts, oldest first."
+    )
+    executor: ExecutorState | None = Field(default=None, description="Persisted executor state.")
+    control: ControlState | None = Field(default=None, description="Persisted decision-loop state.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=MAX_CONDITIONS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="Ready, Placed, Progressing, Degraded, Planned, SignalsAvailable.",
+    )
+
+
+class GearSet(StatusModel):
+    """A whole GearSet object: ``metadata`` stays a plain mapping (kopf's body), spec and status typed."""
+
+    api_version: Literal["gearshift.io/v1alpha1"] = Field(default=API_VERSION, description="API version.")
+    kind: Literal["GearSet"] = Field(default="GearSet", description="Kind.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Object metadata.")
+    spec: GearSetSpec = Field(description="Desired state.")
+    status: GearSetStatus = Field(default_factory=GearSetStatus, description="Observed state.")
+
+    def gears(self) -> list[Gear]:
+        """The gears in force: ``spec.gears`` (explicit) or ``status.plannedGears`` (auto)."""
+        return list(self.spec.gears) if self.spec.mode == "explicit" else list(self.status.planned_gears)

@@ -1,0 +1,519 @@
+"""The PDService kind: a served model split into prefill and decode roles, each backed by a GearSet,
+plus the router in front of them (seed 000's PD disaggregation).
+
+The model is given either by its architecture numbers or by an inline Hugging Face ``config.json``
+(``hfConfig``); :meth:`ModelSpec.to_model_arch` turns both into :class:`gearshift.model.ModelArch`.
+Router weights default to seed 000's: prefill score = 0.30 compute + 0.25 load + 0.20 queue + 0.15
+network + 0.10 cache; decode score = 0.35 ITL + 0.25 memory + 0.20 batch + 0.15 bandwidth + 0.05 network.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from gearshift.api.common import (
+    API_VERSION,
+    MAX_CONDITIONS,
+    MAX_MESSAGE,
+    MAX_SERVICE_NAME,
+    Condition,
+    DnsLabel,
+    SpecModel,
+    StatusModel,
+)
+from gearshift.model import DTYPE_BYTES, ModelArch, ModelConfigError, arch_from_hf_config
+
+Engine = Literal["vllm", "sim"]
+RouterPolicy = Literal[
+    "pd-score", "shortest-queue", "lottery", "round-robin", "power-of-two", "least-request"
+]
+Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "fp8", "int8"]
+ServicePhase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+
+#: Weights must sum to 1 within this tolerance (the same bound in pydantic and CEL).
+WEIGHT_SUM_LOW = 0.999
+WEIGHT_SUM_HIGH = 1.001
+
+#: CRD rules per model (see :mod:`gearshift.api.gearset` for the convention).
+CEL: dict[str, list[dict[str, str]]] = {
+    "HFConfig": [
+        {
+            "rule": "!has(self.num_key_value_heads) "
+            "|| self.num_attention_heads % self.num_key_value_heads == 0",
+            "message": "hfConfig.num_attention_heads must be a multiple of hfConfig.num_key_value_heads",
+            "fieldPath": ".num_key_value_heads",
+        },
+    ],
+    "ModelSpec": [
+        {
+            "rule": "has(self.hfConfig) || (has(self.numLayers) && has(self.hiddenSize) "
+            "&& has(self.numHeads) && has(self.intermediateSize) && has(self.vocabSize))",
+            "message": "model needs either hfConfig or all of numLayers, hiddenSize, numHeads, "
+            "intermediateSize and vocabSize",
+            "reason": "FieldValueRequired",
+        },
+        {
+            "rule": "!has(self.hfConfig) || !(has(self.numLayers) || has(self.hiddenSize) "
+            "|| has(self.numHeads) || has(self.numKvHeads) || has(self.headDim) "
+            "|| has(self.intermediateSize) || has(self.vocabSize))",
+            "message": "model: give hfConfig or the architecture numbers (numLayers, hiddenSize, ...), "
+            "not both",
+            "fieldPath": ".hfConfig",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "!has(self.numHeads) || !has(self.numKvHeads) || self.numHeads % self.numKvHeads == 0",
+            "message": "model.numHeads must be a multiple of model.numKvHeads (grouped-query attention)",
+            "fieldPath": ".numKvHeads",
+        },
+        {
+            "rule": "self.expertsPerToken <= self.numExperts",
+            "message": "model.expertsPerToken must be <= model.numExperts",
+            "fieldPath": ".expertsPerToken",
+        },
+    ],
+    "PrefillWeights": [
+        {
+            "rule": f"self.compute + self.load + self.queue + self.network + self.cache >= {WEIGHT_SUM_LOW} "
+            f"&& self.compute + self.load + self.queue + self.network + self.cache <= {WEIGHT_SUM_HIGH}",
+            "message": "router.weights.prefill: compute + load + queue + network + cache must sum to 1",
+        },
+    ],
+    "DecodeWeights": [
+        {
+            "rule": f"self.itl + self.memory + self.batch + self.bandwidth + self.network "
+            f">= {WEIGHT_SUM_LOW} && self.itl + self.memory + self.batch + self.bandwidth + self.network "
+            f"<= {WEIGHT_SUM_HIGH}",
+            "message": "router.weights.decode: itl + memory + batch + bandwidth + network must sum to 1",
+        },
+    ],
+    "ScalingSpec": [
+        {
+            "rule": "self.minReplicas <= self.maxReplicas",
+            "message": "scaling.minReplicas must be <= scaling.maxReplicas",
+            "fieldPath": ".minReplicas",
+        },
+    ],
+    "PDServiceSpec": [
+        {
+            "rule": "self.prefill.gearSetRef.name != self.decode.gearSetRef.name",
+            "message": "decode.gearSetRef.name must differ from prefill.gearSetRef.name: a GearSet serves "
+            "one role",
+            "fieldPath": ".decode.gearSetRef.name",
+        },
+    ],
+    "PDService": [
+        {
+            "rule": f"size(self.metadata.name) <= {MAX_SERVICE_NAME}",
+            "message": f"metadata.name must be at most {MAX_SERVICE_NAME} characters (it prefixes the "
+            "StatefulSet names <pds>-<role>-<gear>-s<k>)",
+        },
+    ],
+}
+
+
+def _cel(name: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": CEL[name]}
+
+
+#: ModelSpec fields that describe the architecture; exclusive with hfConfig.
+_ARCH_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def _positive(le: int, description: str) -> Any:
+    return Field(default=None, ge=1, le=le, description=description)
+
+
+class HFConfig(SpecModel):
+    """The fields of a Hugging Face ``config.json`` gearshift reads; all others are kept as given."""
+
+    model_config = ConfigDict(
+        alias_generator=None,
+        extra="allow",
+        json_schema_extra=_cel("HFConfig"),
+    )
+
+    num_hidden_layers: int = Field(ge=1, le=100000, description="Decoder layers.")
+    hidden_size: int = Field(ge=1, le=1048576, description="Residual stream width.")
+    num_attention_heads: int = Field(ge=1, le=65536, description="Query heads.")
+    num_key_value_heads: int | None = _positive(65536, "KV heads (grouped-query attention); unset: heads.")
+    head_dim: int | None = _positive(65536, "Head dimension; unset: hidden_size / num_attention_heads.")
+    intermediate_size: int = Field(ge=1, le=4194304, description="MLP width (per expert for MoE).")
+    vocab_size: int = Field(ge=1, le=16777216, description="Vocabulary size.")
+    torch_dtype: Dtype | None = Field(default=None, description="Weights dtype (older transformers key).")
+    dtype: Dtype | None = Field(default=None, description="Weights dtype (transformers >= 4.56 key).")
+    num_local_experts: int | None = _positive(4096, "MoE experts per layer (Mixtral).")
+    num_experts_per_tok: int | None = _positive(4096, "MoE experts each token uses (Mixtral).")
+    tie_word_embeddings: bool | None = Field(default=None, description="Embedding and LM head shared.")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> HFConfig:
+        kv = self.num_key_value_heads
+        if kv is not None and self.num_attention_heads % kv:
+            raise ValueError(
+                f"hfConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"hfConfig.num_key_value_heads ({kv})"
+            )
+        return self
+
+
+class ModelSpec(SpecModel):
+    """The served model: a name plus its architecture numbers, or an inline HF ``config.json``."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("ModelSpec"))
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        description="Model name clients send (OpenAI 'model'), e.g. meta-llama/Meta-Llama-3-8B.",
+    )
+    num_layers: int | None = _positive(100000, "Decoder layers (HF num_hidden_layers).")
+    hidden_size: int | None = _positive(1048576, "Residual stream width (HF hidden_size).")
+    num_heads: int | None = _positive(65536, "Query heads (HF num_attention_heads).")
+    num_kv_heads: int | None = _positive(65536, "KV heads (HF num_key_value_heads); unset: numHeads.")
+    head_dim: int | None = _positive(65536, "Head dimension; unset: hiddenSize / numHeads.")
+    intermediate_size: int | None = _positive(4194304, "MLP width, per expert for MoE.")
+    vocab_size: int | None = _positive(16777216, "Vocabulary size.")
+    dtype: Dtype = Field(
+        default="bfloat16", description="Weights and KV-cache dtype; hfConfig's torch_dtype wins when set."
+    )
+    num_experts: int = Field(default=1, ge=1, le=4096, description="MoE experts per layer (1: dense).")
+    experts_per_token: int = Field(default=1, ge=1, le=4096, description="MoE experts each token uses.")
+    tie_word_embeddings: bool = Field(default=False, description="Embedding and LM head are one matrix.")
+    hf_config: HFConfig | None = Field(
+        default=None,
+        description="Inline Hugging Face config.json instead of the numbers above; unknown keys are kept.",
+    )
+
+    @model_validator(mode="after")
+    def _check_model(self) -> ModelSpec:
+        given = [f for f in _ARCH_FIELDS if getattr(self, f) is not None]
+        if self.hf_config is None:
+            needed = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
+            missing = [type(self).model_fields[f].alias for f in needed if getattr(self, f) is None]
+            if missing:
+                raise ValueError(
+                    f"model needs either hfConfig or all of numLayers, hiddenSize, numHeads, "
+                    f"intermediateSize and vocabSize (missing: {', '.join(str(m) for m in missing)})"
+                )
+        elif given:
+            names = ", ".join(str(type(self).model_fields[f].alias) for f in given)
+            raise ValueError(f"model: give hfConfig or the architecture numbers ({names}), not both")
+        if (
+            self.num_heads is not None
+            and self.num_kv_heads is not None
+            and self.num_heads % self.num_kv_heads
+        ):
+            raise ValueError(
+                f"model.numHeads ({self.num_heads}) must be a multiple of model.numKvHeads "
+                f"({self.num_kv_heads}) (grouped-query attention)"
+            )
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"model.expertsPerToken ({self.experts_per_token}) must be <= model.numExperts "
+                f"({self.num_experts})"
+            )
+        return self
+
+    def to_model_arch(self) -> ModelArch:
+        """The architecture as :class:`gearshift.model.ModelArch` (named ``name``).
+
+        ``hfConfig`` goes through :func:`gearshift.model.arch_from_hf_config`; the numbers map one to one,
+        with ``numKvHeads`` defaulting to ``numHeads`` and ``headDim`` to ``hiddenSize // numHeads``.
+
+        Raises:
+            ModelConfigError: the config lacks a field :func:`arch_from_hf_config` needs.
+        """
+        if self.hf_config is not None:
+            cfg = self.hf_config.model_dump(exclude_none=True)
+            if "torch_dtype" not in cfg and "dtype" not in cfg:
+                cfg["torch_dtype"] = self.dtype
+            return arch_from_hf_config(cfg, name=self.name)
+        assert self.num_layers and self.hidden_size and self.num_heads  # checked by _check_model
+        assert self.intermediate_size and self.vocab_size
+        return ModelArch(
+            name=self.name,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads or self.num_heads,
+            head_dim=self.head_dim or self.hidden_size // self.num_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            dtype_bytes=DTYPE_BYTES[self.dtype],
+            num_experts=self.num_experts,
+            experts_per_token=self.experts_per_token,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+
+    @classmethod
+    def from_hf_config(cls, name: str, cfg: dict[str, Any]) -> ModelSpec:
+        """A ModelSpec holding ``cfg`` (a parsed ``config.json``) inline.
+
+        Raises:
+            ModelConfigError: ``cfg`` lacks a needed field or holds a wrong type, naming it.
+        """
+        try:
+            return cls.model_validate({"name": name, "hfConfig": cfg})
+        except ValidationError as exc:
+            raise ModelConfigError(str(exc)) from exc
+
+
+class GearSetRef(SpecModel):
+    """Reference to a GearSet in the PDService's namespace."""
+
+    name: DnsLabel = Field(description="GearSet name.")
+
+
+class ScalingTargets(SpecModel):
+    """What the autoscaler keeps each pipeline replica at (issue 12)."""
+
+    kv_cache_usage: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="KV-cache usage per replica to scale at (vllm:kv_cache_usage_perc).",
+    )
+    waiting_per_replica: float = Field(
+        default=4.0, ge=0, le=1e6, description="Waiting requests per replica to scale at."
+    )
+    slo_ratio: float = Field(
+        default=1.0,
+        gt=0,
+        le=100,
+        description="Scale up when the role's P99 (TTFT prefill, ITL decode) exceeds this x its SLO.",
+    )
+    decode_headroom_factor: float = Field(
+        default=1.2,
+        ge=1,
+        le=100,
+        description="A decode node needs free memory >= this x a request's KV cache, else scale up "
+        "(seed 000: 1.2).",
+    )
+
+
+class ScalingWindows(SpecModel):
+    """Stabilisation windows of the autoscaler, s."""
+
+    scale_up_s: float = Field(default=30.0, ge=0, le=86400, description="Signals must hold this long to add.")
+    scale_down_s: float = Field(
+        default=300.0, ge=0, le=86400, description="Signals must hold this long to remove."
+    )
+    scale_to_min_delay_s: float = Field(
+        default=600.0, ge=0, le=86400, description="Idle time before dropping to minReplicas."
+    )
+
+
+class ScalingSpec(SpecModel):
+    """Pipeline-replica autoscaling of one role (issue 12); absent: replicas stay as the GearSet says."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("ScalingSpec"))
+
+    min_replicas: int = Field(default=1, ge=0, le=1024, description="Fewest pipeline replicas.")
+    max_replicas: int = Field(ge=1, le=1024, description="Most pipeline replicas.")
+    targets: ScalingTargets = Field(default_factory=ScalingTargets, description="What to scale on.")
+    windows: ScalingWindows = Field(default_factory=ScalingWindows, description="Stabilisation windows.")
+    compute_classes: list[Literal["high", "mid", "low"]] = Field(
+        default_factory=list,
+        max_length=3,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="Compute classes new replicas may use (GPUProfile computeClass); empty: any.",
+    )
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> ScalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"scaling.minReplicas ({self.min_replicas}) must be <= scaling.maxReplicas "
+                f"({self.max_replicas})"
+            )
+        if len(set(self.compute_classes)) != len(self.compute_classes):
+            raise ValueError(f"scaling.computeClasses: duplicate values in {self.compute_classes}")
+        return self
+
+
+class RoleSpec(SpecModel):
+    """One role (prefill or decode) of the service."""
+
+    gear_set_ref: GearSetRef = Field(description="The GearSet with this role's gears.")
+    scaling: ScalingSpec | None = Field(default=None, description="Pipeline-replica autoscaling.")
+
+
+def _weight(default: float, what: str) -> Any:
+    return Field(default=default, ge=0, le=1, description=f"{what} (seed 000 default {default}).")
+
+
+class PrefillWeights(SpecModel):
+    """Weights of seed 000's prefill node score; they sum to 1."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("PrefillWeights"))
+
+    compute: float = _weight(0.30, "GPU compute prior x sqrt(gpu count)")
+    load: float = _weight(0.25, "Headroom from 0.6 GPU util + 0.4 memory util")
+    queue: float = _weight(0.20, "Short queue")
+    network: float = _weight(0.15, "KV transfer time vs 100 ms")
+    cache: float = _weight(0.10, "Model or prefix already cached")
+
+    @model_validator(mode="after")
+    def _sum(self) -> PrefillWeights:
+        total = self.compute + self.load + self.queue + self.network + self.cache
+        if not WEIGHT_SUM_LOW <= total <= WEIGHT_SUM_HIGH:
+            raise ValueError(
+                "router.weights.prefill: compute + load + queue + network + cache must sum to 1, "
+                f"got {total:g}"
+            )
+        return self
+
+
+class DecodeWeights(SpecModel):
+    """Weights of seed 000's decode node score; they sum to 1."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("DecodeWeights"))
+
+    itl: float = _weight(0.35, "ITL vs the 50 ms target")
+    memory: float = _weight(0.25, "Free memory for the request's KV cache")
+    batch: float = _weight(0.20, "Batch near 70% of max")
+    bandwidth: float = _weight(0.15, "HBM bandwidth")
+    network: float = _weight(0.05, "KV transfer from the prefill node")
+
+    @model_validator(mode="after")
+    def _sum(self) -> DecodeWeights:
+        total = self.itl + self.memory + self.batch + self.bandwidth + self.network
+        if not WEIGHT_SUM_LOW <= total <= WEIGHT_SUM_HIGH:
+            raise ValueError(
+                "router.weights.decode: itl + memory + batch + bandwidth + network must sum to 1, "
+                f"got {total:g}"
+            )
+        return self
+
+
+class RouterWeights(SpecModel):
+    """Weights of the pd-score policy per role."""
+
+    prefill: PrefillWeights = Field(default_factory=PrefillWeights, description="Prefill score weights.")
+    decode: DecodeWeights = Field(default_factory=DecodeWeights, description="Decode score weights.")
+
+
+class RouterSpec(SpecModel):
+    """The router that picks a prefill and a decode pod per request."""
+
+    policy: RouterPolicy = Field(
+        default="pd-score",
+        description="pd-score (seed 000), shortest-queue (FastChat's default, seed 003), lottery (seed 003), "
+        "round-robin, power-of-two, least-request.",
+    )
+    weights: RouterWeights = Field(default_factory=RouterWeights, description="pd-score weights.")
+    replicas: int = Field(default=1, ge=1, le=64, description="Router pods.")
+    image: str | None = Field(
+        default=None, max_length=512, description="Router image; unset: the operator's."
+    )
+
+
+class SLOSpec(SpecModel):
+    """Service-level objectives; goodput counts requests that meet both."""
+
+    ttft_ms: float = Field(
+        default=200.0, gt=0, le=1e6, description="Time-to-first-token target, ms (seed 000)."
+    )
+    itl_ms: float = Field(
+        default=50.0, gt=0, le=1e6, description="Inter-token latency target, ms (seed 000)."
+    )
+
+
+class PDServiceSpec(SpecModel):
+    """Desired state of a PDService."""
+
+    model_config = ConfigDict(json_schema_extra=_cel("PDServiceSpec"))
+
+    model: ModelSpec = Field(description="The served model.")
+    engine: Engine = Field(default="vllm", description="vllm on real GPUs, sim for the simulated fleet.")
+    image: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Engine image; unset: the operator's default for the engine.",
+    )
+    prefill: RoleSpec = Field(description="The prefill role.")
+    decode: RoleSpec = Field(description="The decode role.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="Request router.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency targets.")
+    prometheus_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description="Prometheus base URL for signals; unset: the operator's --prometheus-url.",
+    )
+
+    @model_validator(mode="after")
+    def _distinct_roles(self) -> PDServiceSpec:
+        if self.prefill.gear_set_ref.name == self.decode.gear_set_ref.name:
+            raise ValueError(
+                f"decode.gearSetRef.name ({self.decode.gear_set_ref.name!r}) must differ from "
+                "prefill.gearSetRef.name: a GearSet serves one role"
+            )
+        return self
+
+
+class RoleStatus(StatusModel):
+    """Observed state of one role."""
+
+    gear_set: str | None = Field(default=None, max_length=253, description="GearSet name.")
+    active_gear: str | None = Field(default=None, max_length=63, description="Gear serving the role.")
+    ready_replicas: int = Field(default=0, ge=0, description="Pipeline replicas with every stage ready.")
+    desired_replicas: int = Field(default=0, ge=0, description="Pipeline replicas wanted.")
+    last_scale_time: datetime | None = Field(default=None, description="When replicas last changed.")
+    last_scale_reason: str | None = Field(
+        default=None, max_length=1024, description="Why replicas last changed."
+    )
+
+
+class PDServiceStatus(StatusModel):
+    """Observed state of a PDService."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation this status was computed from."
+    )
+    phase: ServicePhase | None = Field(
+        default=None, description="Pending, Progressing, Ready, Degraded, Failed."
+    )
+    prefill: RoleStatus | None = Field(default=None, description="The prefill role.")
+    decode: RoleStatus | None = Field(default=None, description="The decode role.")
+    router_ready: bool | None = Field(default=None, description="The router Deployment is available.")
+    endpoint: str | None = Field(default=None, max_length=1024, description="Client Service host:port.")
+    message: str | None = Field(default=None, max_length=MAX_MESSAGE, description="Last error or note.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=MAX_CONDITIONS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="Ready, Placed, Progressing, Degraded, ScalingActive.",
+    )
+
+
+class PDService(StatusModel):
+    """A whole PDService object: ``metadata`` stays a plain mapping (kopf's body), spec and status typed."""
+
+    api_version: Literal["gearshift.io/v1alpha1"] = Field(default=API_VERSION, description="API version.")
+    kind: Literal["PDService"] = Field(default="PDService", description="Kind.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Object metadata.")
+    spec: PDServiceSpec = Field(description="Desired state.")
+    status: PDServiceStatus = Field(default_factory=PDServiceStatus, description="Observed state.")
+
+    @model_validator(mode="after")
+    def _name_length(self) -> PDService:
+        name = str(self.metadata.get("name", ""))
+        if len(name) > MAX_SERVICE_NAME:
+            raise ValueError(
+                f"metadata.name {name!r} must be at most {MAX_SERVICE_NAME} characters (it prefixes the "
+                "StatefulSet names <pds>-<role>-<gear>-s<k>)"
+            )
+        return self
