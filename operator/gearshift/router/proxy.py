@@ -219,13 +219,14 @@ class Proxy:
         body: dict[str, Any],
         client_timeout: aiohttp.ClientTimeout,
         first: Backend | None = None,
+        raw: bytes | None = None,
     ) -> tuple[Backend, aiohttp.ClientResponse]:
         """POST to ``first`` (or a freshly picked pod); on a failed connect retry on another pod.
 
         Returns the pod and the open response. The pod's in-flight count is raised here; the caller lowers it.
         """
         tried: set[str] = set()
-        payload = json.dumps(body).encode()
+        payload = raw if raw is not None else json.dumps(body).encode()
         for attempt in range(self.cfg.retries + 1):
             if attempt == 0 and first is not None:
                 b = first
@@ -293,9 +294,9 @@ class Proxy:
         self.metrics.inflight.inc()
         outcome = "ok"
         try:
-            return await asyncio.wait_for(
-                self._forward(request, body, labels, t_in), self.cfg.request_timeout_s
-            )
+            # asyncio.timeout, unlike wait_for, runs the request in this task (no task per request).
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                return await self._forward(request, body, labels, t_in)
         except RequestError as err:
             outcome = err.outcome
             return error_response(err.status, err.message, err.err_type)
@@ -363,6 +364,8 @@ class Proxy:
             upstream_body,
             timeout,
             first=decode_choice if pd else None,
+            # Plain mode forwards the client's bytes unchanged: no re-encoding on the hot path.
+            raw=None if pd else await request.read(),
         )
         labels["decode"] = db.info.name
         if not pd:

@@ -390,7 +390,13 @@ def run(a: argparse.Namespace) -> int:
         len(settings.backends),
         settings.service or "-",
     )
-    web.run_app(router.app(), host=a.host, port=a.port, access_log=None, print=None)
+    try:
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux; stay correct without it
+        loop = asyncio.new_event_loop()
+    web.run_app(router.app(), host=a.host, port=a.port, access_log=None, print=None, loop=loop)
     return 0
 
 
