@@ -261,8 +261,9 @@ def profile_status_from_probe(
         "gpuCount": data["gpuCount"],
         "memoryGiB": s["memoryGiB"],
         "freeMemoryGiB": s["memoryFreeGiB"],
-        "computeScore": round(
-            compute_score_from_tflops(s["matmulTflops"], data["gpuCount"], reference_tflops), 6
+        # Six significant digits, not decimals: a CPU run scores ~1e-4.
+        "computeScore": float(
+            f"{compute_score_from_tflops(s['matmulTflops'], data['gpuCount'], reference_tflops):.6g}"
         ),
         "matmulTflops": s["matmulTflops"],
         "hbmGBps": s["hbmGBps"],
