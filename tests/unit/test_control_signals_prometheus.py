@@ -1,0 +1,166 @@
+"""The signal queries against a real Prometheus (Debian's binary) scraping a loopback exporter.
+
+The exporter (prometheus_client) serves the engine's metric names with known values; Prometheus scrapes
+it every second with the target labels pod discovery would give a gear's head pod. Expected quantiles
+follow Prometheus' documented ``histogram_quantile`` rule: linear interpolation inside the bucket that
+holds the rank (every observation here falls in one bucket, so the q quantile is lower + q × width).
+All traffic stays on 127.0.0.1; the test needs the ``prometheus`` binary and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from gearshift.control.signals import GearSelector, SignalsUnavailable, fetch_sample
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus binary (Debian package prometheus)"),
+]
+SEL = GearSelector("llm", "chat", "prefill", "bal")
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+RATE = 20.0  # requests/s the exporter reports
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def exporter() -> Iterator[tuple[int, Callable[[], float]]]:
+    registry = CollectorRegistry()
+    util = Gauge("gearshift:stage_utilization", "stage utilisation", ["stage"], registry=registry)
+    for stage, value in enumerate((0.95, 0.31, 0.42)):
+        util.labels(stage=str(stage)).set(value)
+    Gauge("vllm:num_requests_waiting", "waiting", registry=registry).set(7)
+    Gauge("vllm:num_requests_running", "running", registry=registry).set(3)
+    done = Counter("vllm:request_success", "finished", registry=registry)
+    ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", buckets=BUCKETS, registry=registry)
+    itl = Histogram("vllm:inter_token_latency_seconds", "itl", buckets=BUCKETS, registry=registry)
+    e2e = Histogram("vllm:e2e_request_latency_seconds", "e2e", buckets=BUCKETS, registry=registry)
+
+    class Metrics(BaseHTTPRequestHandler):
+        # Always the classic text format (0.0.4), as vLLM's engines are scraped: prometheus_client's
+        # OpenMetrics output, which Prometheus 2.42 negotiates, writes colons in names as underscores.
+        def do_GET(self) -> None:
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.wait(1.0 / RATE):
+            done.inc()
+            ttft.observe(0.15)  # bucket (0.1, 0.25]
+            itl.observe(0.02)  # bucket (0.01, 0.025]
+            e2e.observe(0.7)  # bucket (0.5, 1.0]
+
+    worker = threading.Thread(target=traffic, daemon=True)
+    started = time.monotonic()
+    worker.start()
+    yield port, lambda: done._value.get() / (time.monotonic() - started)  # the rate actually produced
+    stop.set()
+    worker.join(timeout=5)
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+@pytest.fixture
+def prometheus(exporter: tuple[int, Callable[[], float]], tmp_path: Path) -> Iterator[str]:
+    labels = {
+        "namespace": SEL.namespace,
+        "gearshift_io_service": SEL.service,
+        "gearshift_io_role": SEL.role,
+        "gearshift_io_gear": SEL.gear,
+    }
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "engine",
+                "static_configs": [{"targets": [f"127.0.0.1:{exporter[0]}"], "labels": labels}],
+            }
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def test_fetch_sample_from_real_prometheus(prometheus: str, exporter: tuple[int, Callable[[], float]]):
+    start = time.monotonic()
+    deadline = start + 45.0
+    last: Exception | None = None
+    sample = None
+    while time.monotonic() < deadline:
+        try:
+            sample = fetch_sample(prometheus, SEL, 0.0, window="10s", timeout_s=2.0)
+            # Once the 10 s window is full of scrapes, rate() no longer sees the series' start.
+            if time.monotonic() - start > 15.0 and sample.ttft_p99_ms is not None:
+                break
+        except SignalsUnavailable as err:  # not up yet, or fewer than two scrapes for rate()
+            last = err
+        time.sleep(1.0)
+    assert sample is not None, f"no sample within 45 s: {last}"
+    assert sample.stage_utilization == pytest.approx((0.95, 0.31, 0.42))
+    assert (sample.queue, sample.running) == (7.0, 3.0)
+    produced = exporter[1]()
+    assert sample.qps == pytest.approx(produced, rel=0.3)  # rate() extrapolates at the window's edges
+    assert sample.ttft_p99_ms == pytest.approx((0.1 + 0.99 * 0.15) * 1000, rel=1e-6)
+    assert sample.ttft_p50_ms == pytest.approx((0.1 + 0.50 * 0.15) * 1000, rel=1e-6)
+    assert sample.itl_p99_ms == pytest.approx((0.01 + 0.99 * 0.015) * 1000, rel=1e-6)
+    assert sample.e2e_p50_ms == pytest.approx((0.5 + 0.50 * 0.5) * 1000, rel=1e-6)
+
+    with pytest.raises(SignalsUnavailable, match="no series"):
+        fetch_sample(prometheus, GearSelector("llm", "chat", "prefill", "other"), 0.0, window="10s")
