@@ -1,0 +1,67 @@
+"""Adapters from the GearSet API models (:mod:`gearshift.api.gearset`) to the control code's plain types."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+
+from gearshift.api.gearset import Gear, GearHealth
+from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy
+from gearshift.control.decide import Decision, DecisionKind
+from gearshift.control.executor import ShiftRequest
+from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftPolicy, StageView
+
+#: The P99 each role's latency triggers read (DESIGN.md: prefill is judged by TTFT, decode by ITL).
+ROLE_METRIC = {"prefill": LatencyMetric.TTFT, "decode": LatencyMetric.ITL}
+
+
+def policy_from_api(
+    policy: ApiShiftPolicy, *, role: str, ttft_slo_ms: float, itl_slo_ms: float
+) -> ShiftPolicy:
+    """The control policy from ``GearSet.spec.policy``.
+
+    Every field the API model and :class:`ShiftPolicy` share (same snake-case name) is copied; the others
+    keep :class:`ShiftPolicy`'s defaults. ``targetP99Ms`` unset means the role's SLO from the PDService
+    (``ttft_slo_ms`` for prefill, ``itl_slo_ms`` for decode, ms).
+
+    Raises:
+        ValueError: ``role`` is neither ``prefill`` nor ``decode``.
+        PolicyError: a combination of values the control code cannot use, naming the field.
+    """
+    if role not in ROLE_METRIC:
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    shared = {f.name: getattr(policy, f.name) for f in fields(ShiftPolicy) if hasattr(policy, f.name)}
+    shared = {k: v for k, v in shared.items() if v is not None}
+    shared.setdefault("target_p99_ms", ttft_slo_ms if role == "prefill" else itl_slo_ms)
+    shared["latency_metric"] = ROLE_METRIC[role]
+    return ShiftPolicy(**shared)
+
+
+def gear_view(gear: Gear, health: GearHealth | None = None) -> GearView:
+    """One API gear as the decision sees it: intent, stage ranges and replicas, predictions, health."""
+    predicted = gear.predicted
+    return GearView(
+        name=gear.name,
+        intent=Intent(gear.intent),
+        stages=tuple(StageView(s.start, s.end, s.replicas) for s in gear.stages),
+        predicted_throughput_rps=None if predicted is None else predicted.throughput_qps,
+        predicted_p99_ms=None if predicted is None else predicted.p99_ms,
+        healthy=True if health is None else health.healthy,
+        unhealthy_reason="" if health is None or health.healthy else health.reason,
+    )
+
+
+def gear_views(gears: Sequence[Gear], health: Sequence[GearHealth] = ()) -> tuple[GearView, ...]:
+    """All gears with their ``status.gearHealth`` marks (a gear without a mark is healthy)."""
+    marks = {h.gear: h for h in health}
+    return tuple(gear_view(g, marks.get(g.name)) for g in gears)
+
+
+def shift_request(decision: Decision, table: GearTable) -> ShiftRequest | None:
+    """The executor's request for a SHIFT decision (with the target's predicted P99), else ``None``."""
+    if decision.kind is not DecisionKind.SHIFT or decision.target is None or decision.trigger is None:
+        return None
+    target = table.get(decision.target)
+    return ShiftRequest(
+        decision.target, decision.trigger, None if target is None else target.predicted_p99_ms
+    )
