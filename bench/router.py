@@ -96,6 +96,12 @@ def loadgen(url: str, trace: Path, *, time_scale: float, max_requests: int, seco
     return json.loads(out.stdout)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, s (``/proc/<pid>/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def write_trace(path: Path, rows: list[tuple[float, int, int]]) -> None:
     """A loadgen CSV from (offset s, prompt tokens, output tokens)."""
     base = 1_700_000_000.0
@@ -142,13 +148,14 @@ def overhead(seconds: float, rate: float, tmp: Path) -> dict[str, Any]:
         for k in ("null", "pre", "dec"):
             wait_http(f"http://127.0.0.1:{ports[k]}/health")
         common = ["--scrape-interval", "1", "--log-level", "WARNING", "--max-inflight", "2048"]
-        procs.start([str(BIN / "gearshift-router"), "--port", str(ports["r1"]), "--policy", "least-request",
-                     "--backend", f"both=http://127.0.0.1:{ports['null']}", *common],
-                    tmp / "r1.log")  # fmt: skip
-        procs.start([str(BIN / "gearshift-router"), "--port", str(ports["r2"]), "--policy", "pd-score",
-                     "--backend", f"prefill=http://127.0.0.1:{ports['pre']};gpu=H100-80GB",
-                     "--backend", f"decode=http://127.0.0.1:{ports['dec']};gpu=H100-80GB", *common],
-                    tmp / "r2.log")  # fmt: skip
+        router = str(BIN / "gearshift-router")
+        r1 = procs.start([router, "--port", str(ports["r1"]), "--policy", "least-request",
+                          "--backend", f"both=http://127.0.0.1:{ports['null']}", *common],
+                         tmp / "r1.log")  # fmt: skip
+        r2 = procs.start([router, "--port", str(ports["r2"]), "--policy", "pd-score",
+                          "--backend", f"prefill=http://127.0.0.1:{ports['pre']};gpu=H100-80GB",
+                          "--backend", f"decode=http://127.0.0.1:{ports['dec']};gpu=H100-80GB", *common],
+                         tmp / "r2.log")  # fmt: skip
         for k in ("r1", "r2"):
             wait_http(f"http://127.0.0.1:{ports[k]}/health")
         runs = {
@@ -159,11 +166,18 @@ def overhead(seconds: float, rate: float, tmp: Path) -> dict[str, Any]:
         # warm-up (connections, code paths), then the measured runs
         for url in runs.values():
             loadgen(url, trace, time_scale=1.0, max_requests=200, seconds=2, stream=False, drain=10)
+        pids = {"router_plain": r1.pid, "router_pd": r2.pid}
         for name, url in runs.items():
+            c0 = cpu_seconds(pids[name]) if name in pids else 0.0
             r = loadgen(
                 url, trace, time_scale=1.0, max_requests=n, seconds=seconds + 1, stream=False, drain=10
             )
             out[name] = brief(r)
+            if name in pids:
+                # CPU the router process spent per request: independent of how busy the shared machine is.
+                cpu = cpu_seconds(pids[name]) - c0
+                out[name]["router_cpu_us_per_request"] = cpu / max(1, r["issued"]) * 1e6
+                out[name]["router_cpu_share_of_one_core"] = cpu / max(r["duration_s"], 1e-9)
             print(name, json.dumps(out[name]["e2e_ms"]), "rate", round(r["request_rate"], 1), flush=True)
         d = out["direct"]["e2e_ms"]
         for name in ("router_plain", "router_pd"):
