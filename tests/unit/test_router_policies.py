@@ -97,7 +97,7 @@ class TestPrefillScore:
 
     def test_weights_are_configurable(self) -> None:
         # Only the queue term counts: B (empty queue) wins even though A is faster.
-        w = {"compute": 0, "load": 0, "queue": 1, "network": 0, "model": 0}
+        w = {"compute": 0, "load": 0, "queue": 1, "network": 0, "cache": 0}
         scored = P.score_prefill(self.pods(), self.req, self.decode, w)
         assert [s.score for s in scored] == pytest.approx([0.75, 1.0, 0.0])
         assert P.best(scored).pod.name == "b-a10"

@@ -63,7 +63,7 @@ PREFILL_WEIGHTS: dict[str, float] = {
     "load": 0.25,
     "queue": 0.20,
     "network": 0.15,
-    "model": 0.10,
+    "cache": 0.10,
 }
 #: Seed 000: decode weights.
 DECODE_WEIGHTS: dict[str, float] = {
@@ -318,7 +318,7 @@ def score_prefill(
     """Seed 000's prefill score of every pod (higher is better), in input order.
 
     Terms: compute (correction 2: divided by the candidates' largest), load, queue, network (KV transfer
-    of the prompt to ``decode_pod``), model (1.0 cached, 0.5 loadable).
+    of the prompt to ``decode_pod``), cache (1.0 model cached, 0.5 loadable; PDService key ``cache``).
     """
     if not pods:
         return []
@@ -330,7 +330,7 @@ def score_prefill(
             "load": prefill_load_score(p),
             "queue": queue_score(p),
             "network": network_score(request.prompt_kv_bytes, p, decode_pod),
-            "model": 1.0 if p.model_cached else 0.5,
+            "cache": 1.0 if p.model_cached else 0.5,
         }
         out.append(Scored(p, sum(terms[k] * weights.get(k, 0.0) for k in terms), terms))
     return out
