@@ -140,7 +140,7 @@ class TestCRD:
                 ".spec.policy.sampleIntervalS": 2.0,
                 ".spec.policy.emaAlpha": 0.3,
                 ".spec.policy.dwellS": 600.0,
-                ".spec.policy": {},
+                ".spec.policy.p99LowRatio": 0.7,
                 ".spec.mode": "explicit",
             },
             "PDService": {
@@ -153,6 +153,9 @@ class TestCRD:
         for path, value in expected.items():
             assert defaults[path] == value, path
         assert None not in defaults.values()
+        if kind == "GearSet":
+            # A nested object's default is whole: the API server checks it against CEL before nested defaults.
+            assert defaults[".spec.policy"]["imbalanceHighUtilization"] == 0.9
 
 
 def test_gear_stage_rules_use_two_variable_comprehension() -> None:

@@ -19,6 +19,7 @@ from gearshift.model import load_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
+LLAMA_CONFIG: dict[str, Any] = json.loads((EXAMPLES / "models" / "llama-3-8b.json").read_text())
 KIND_MODELS = {"GPUProfile": GPUProfile, "GearSet": GearSet, "PDService": PDService}
 
 
@@ -273,7 +274,14 @@ BAD_CASES: list[tuple[str, str, str, Any, str]] = [
         "llama3-8b-instruct-production",
         "name",
     ),
-    ("pds-hfconfig-and-numbers", "pdservice-llama3-8b.yaml", "spec.model.hfConfig", {"x": 1}, "hfConfig"),
+    ("pds-hfconfig-and-numbers", "pdservice-llama3-8b.yaml", "spec.model.hfConfig", LLAMA_CONFIG, "hfConfig"),
+    (
+        "pds-hfconfig-missing-layers",
+        "pdservice-llama3-8b.yaml",
+        "spec.model",
+        {"name": "m", "hfConfig": {k: v for k, v in LLAMA_CONFIG.items() if k != "num_hidden_layers"}},
+        "num_hidden_layers",
+    ),
     ("gpup-node-name-mismatch", "gpuprofile.yaml", "spec.nodeName", "gpu-a10-1", "nodeName"),
     (
         "gpup-available-until-not-a-time",

@@ -65,8 +65,9 @@ class CRDGenError(ValueError):
 
 
 class _DefaultsFromFactories(GenerateJsonSchema):
-    """pydantic's generator, but ``default_factory`` defaults appear too: ``{}`` for a nested model (its
-    fields' own defaults fill it in on the server), the list itself for a non-empty list."""
+    """pydantic's generator, but ``default_factory`` defaults appear too: a nested model's full JSON form
+    (not ``{}``: the API server checks a default against the CEL rules *before* nested defaults apply),
+    the list itself for a non-empty list."""
 
     def get_default_value(self, schema: core_schema.WithDefaultSchema) -> Any:
         factory = schema.get("default_factory")
@@ -74,7 +75,7 @@ class _DefaultsFromFactories(GenerateJsonSchema):
             return super().get_default_value(schema)
         value = factory()  # type: ignore[call-arg]
         if isinstance(value, BaseModel):
-            return {}
+            return value.model_dump(mode="json", by_alias=True, exclude_none=True)
         if isinstance(value, list | dict) and not value:
             return NoDefault
         return value
