@@ -69,8 +69,9 @@ def header(output: str) -> list[str]:
 
 class TestInstall:
     def test_examples_apply_and_show_the_columns(self, crds: Any, api_ns: str) -> None:
-        for name in EXAMPLES[1:]:
-            crds.kubectl("apply", "-n", api_ns, "-f", str(REPO / "examples" / name))
+        # examples/ also holds non-Kubernetes inputs (fleet and planner files), so the files are named.
+        files = [arg for name in EXAMPLES[1:] for arg in ("-f", str(REPO / "examples" / name))]
+        crds.kubectl("apply", "-n", api_ns, *files)
         # GPUProfiles are cluster-scoped and named after nodes; a server dry-run leaves real profiles alone.
         crds.kubectl("apply", "--dry-run=server", "-f", str(REPO / "examples" / EXAMPLES[0]))
 
@@ -137,13 +138,33 @@ class TestInstall:
         obj = crds.kubectl_json("get", "gs", "llama3-8b-prefill", "-n", api_ns)
         assert obj["spec"]["replicas"] == 3
 
-    def test_gpuprofile_columns(self, crds: Any) -> None:
-        out = crds.kubectl("get", "gpup").stdout or "NAME NODE GPU COUNT MEM(GIB) SCORE PHASE AGE"
-        if out.startswith("No resources"):
-            pytest.fail("unreachable: kubectl prints that on stderr")
-        lines = crds.kubectl("get", "gpup", "-o", "wide").stdout.splitlines()
-        if lines:
-            assert lines[0].split() == ["NAME", "NODE", "GPU", "COUNT", "MEM(GIB)", "SCORE", "PHASE", "AGE"]
+    def test_gpuprofile_columns_show_the_status(self, crds: Any) -> None:
+        # A profile of a node that does not exist, so the probe's real profiles are left alone.
+        name = f"gpu-e2e-api-{uuid.uuid4().hex[:6]}"
+        crds.apply({"apiVersion": "gearshift.io/v1alpha1", "kind": "GPUProfile", "metadata": {"name": name},
+                    "spec": {"nodeName": name}})  # fmt: skip
+        try:
+            status = {
+                "gpuModel": "A100-40GB",
+                "gpuCount": 2,
+                "memoryGiB": 40,
+                "computeScore": 0.54,
+                "phase": "Ready",
+            }
+            crds.kubectl(
+                "patch",
+                "gpup",
+                name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps({"status": status}),
+            )
+            out = crds.kubectl("get", "gpup", name).stdout
+            assert header(out) == ["NAME", "NODE", "GPU", "COUNT", "MEM(GIB)", "SCORE", "PHASE", "AGE"]
+            assert out.splitlines()[1].split()[:7] == [name, name, "A100-40GB", "2", "40", "0.54", "Ready"]
+        finally:
+            crds.kubectl("delete", "gpup", name, "--wait=false", check=False)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from gearshift.api.common import MAX_GEAR_NAME, format_validation_error
+from gearshift.api.common import MAX_GEAR_NAME, SpecError, format_validation_error, parse
 from gearshift.api.gearset import Gear, GearSet, GearSetSpec, GearSetStatus, ShiftPolicy, ShiftRecord
 from gearshift.api.gpuprofile import GPUProfile, GPUProfileStatus
 from gearshift.api.pdservice import ModelSpec, PDService, PDServiceSpec, RouterSpec, SLOSpec
@@ -334,3 +334,15 @@ def test_format_validation_error_gives_camel_case_paths() -> None:
     text = format_validation_error(info.value, prefix="spec")
     assert "spec.model.hfConfig.num_hidden_layers: Input should be greater than or equal to 1" in text
     assert "spec.prefill.gearSetRef: Field required" in text
+
+
+def test_parse_raises_spec_error_with_every_bad_field() -> None:
+    body = load_example("gearset-explicit.yaml")["spec"]
+    body = set_path(body, "gears[0].microBatch", 0)
+    body = set_path(body, "policy.emaAlpha", 2)
+    with pytest.raises(SpecError) as info:
+        parse(GearSetSpec, body, prefix="spec")
+    lines = str(info.value).splitlines()
+    assert any(line.startswith("spec.gears[0].microBatch: ") for line in lines)
+    assert any(line.startswith("spec.policy.emaAlpha: ") for line in lines)
+    assert parse(GearSetSpec, load_example("gearset-auto.yaml")["spec"]).mode == "auto"

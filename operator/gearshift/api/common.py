@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -44,6 +44,8 @@ MAX_CONDITIONS = 16
 MAX_HISTORY = 50
 MAX_PEERS = 256
 MAX_MESSAGE = 32768
+
+M = TypeVar("M", bound=BaseModel)
 
 DnsLabel = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)]
 NodeName = Annotated[str, Field(min_length=1, max_length=MAX_OBJECT_NAME)]
@@ -235,6 +237,19 @@ def condition_is_true(conditions: Sequence[Condition], type_: str) -> bool:
 # --- errors ---------------------------------------------------------------------------------------
 class SpecError(ValueError):
     """A custom resource that fails validation; the message names each bad field and what to do."""
+
+
+def parse(model: type[M], data: Any, prefix: str = "") -> M:
+    """Validate ``data`` (a kopf body or one of its parts) as ``model``.
+
+    Raises:
+        SpecError: one line per bad field, ``<prefix>.<path>: <message>`` (see
+            :func:`format_validation_error`); handlers turn it into an ``InvalidSpec`` condition.
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, prefix)) from exc
 
 
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
