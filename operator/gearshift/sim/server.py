@@ -229,7 +229,9 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                     "num_prompt_tokens": req.prompt_tokens,
                 }
             return web.json_response(out)
-        return await _stream(request, req, chat, rid, obj, created, pr.include_usage, cfg.served_model_name)
+        return await _stream(
+            request, engine, req, chat, rid, obj, created, pr.include_usage, cfg.served_model_name
+        )
     except (asyncio.CancelledError, ConnectionResetError):
         engine.abort(req)
         raise
@@ -250,6 +252,7 @@ def _blocks(engine: Engine, req: SimRequest) -> int:
 
 async def _stream(
     request: web.Request,
+    engine: Engine,
     req: SimRequest,
     chat: bool,
     rid: str,
@@ -266,17 +269,21 @@ async def _stream(
         first = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
         await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
     sent = 0
-    async for n in req.token_batches():
-        sent += n
-        finish = req.finish_reason if req.finished and sent >= req.generated else None
-        chunk = {**base, "choices": [_choice(chat, n, finish, delta=True)]}
-        # One write per step: all the tokens this request got from the step go in one chunk.
-        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-    if include_usage:
-        tail = {**base, "choices": [], "usage": _usage(req)}
-        await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    try:
+        async for n in req.token_batches():
+            sent += n
+            finish = req.finish_reason if req.finished and sent >= req.generated else None
+            chunk = {**base, "choices": [_choice(chat, n, finish, delta=True)]}
+            # One write per step: all the tokens this request got from the step go in one chunk.
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if include_usage:
+            tail = {**base, "choices": [], "usage": _usage(req)}
+            await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-stream (as vLLM does, the request is aborted and its blocks freed).
+        engine.abort(req)
     return resp
 
 
