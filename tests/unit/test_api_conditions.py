@@ -86,3 +86,9 @@ class TestSetCondition:
 def test_condition_types_are_distinct_camel_case() -> None:
     assert len(set(CONDITION_TYPES)) == len(CONDITION_TYPES)
     assert all(t[0].isupper() and t.isalnum() for t in CONDITION_TYPES)
+
+
+def test_naive_times_are_refused() -> None:
+    # Status times must carry a zone: the API server stores RFC 3339, and a naive time is ambiguous.
+    with pytest.raises(ValueError, match="timezone"):
+        set_condition([], COND_READY, "True", "Reconciled", "", datetime(2025, 1, 1, 12, 0))

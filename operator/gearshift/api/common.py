@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 #: API group and version of every gearshift kind.
@@ -174,7 +174,7 @@ class Condition(StatusModel):
         description="CamelCase reason of the last transition or update, for machines.",
     )
     message: str = Field(default="", max_length=MAX_MESSAGE, description="Human-readable details.")
-    last_transition_time: datetime | None = Field(
+    last_transition_time: AwareDatetime | None = Field(
         default=None, description="When status last changed (RFC 3339); unchanged by reason/message edits."
     )
     observed_generation: int | None = Field(

@@ -11,10 +11,9 @@ Every cross-field rule is written twice, here as a pydantic validator and in :da
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, ConfigDict, Field, model_validator
 
 from gearshift.api.common import (
     API_VERSION,
@@ -595,7 +594,7 @@ class GearSetSpec(SpecModel):
 class GearSignals(StatusModel):
     """The smoothed (EMA) signals of the last sample."""
 
-    sample_time: datetime | None = Field(default=None, description="When the sample was taken.")
+    sample_time: AwareDatetime | None = Field(default=None, description="When the sample was taken.")
     qps: float | None = Field(default=None, description="Requests/s over the last minute.")
     p99_ms: float | None = Field(
         default=None,
@@ -627,7 +626,7 @@ class GearHealth(StatusModel):
         default="", max_length=1024, description="CamelCase reason (OOMKilled, Timeout, ...)."
     )
     message: str = Field(default="", max_length=MAX_MESSAGE, description="Details.")
-    since: datetime | None = Field(default=None, description="When the gear was last marked.")
+    since: AwareDatetime | None = Field(default=None, description="When the gear was last marked.")
     profiles_hash: str | None = Field(
         default=None,
         max_length=128,
@@ -641,8 +640,8 @@ class ShiftRecord(StatusModel):
     from_gear: str | None = Field(default=None, alias="from", max_length=63, description="Gear shifted from.")
     to_gear: str = Field(alias="to", max_length=63, description="Gear shifted to.")
     trigger: ShiftTrigger = Field(description="What started the shift.")
-    started_at: datetime = Field(description="When the shift started.")
-    finished_at: datetime | None = Field(default=None, description="When it ended.")
+    started_at: AwareDatetime = Field(description="When the shift started.")
+    finished_at: AwareDatetime | None = Field(default=None, description="When it ended.")
     outcome: ShiftOutcome = Field(default="InProgress", description="How it ended.")
     message: str = Field(default="", max_length=MAX_MESSAGE, description="Details.")
 
@@ -654,10 +653,10 @@ class ExecutorState(StatusModel):
     from_gear: str | None = Field(default=None, max_length=63, description="Gear being left.")
     to_gear: str | None = Field(default=None, max_length=63, description="Gear being entered.")
     trigger: ShiftTrigger | None = Field(default=None, description="Trigger of the shift in progress.")
-    started_at: datetime | None = Field(default=None, description="When the shift started.")
-    step_started_at: datetime | None = Field(default=None, description="When the current step started.")
-    deadline: datetime | None = Field(default=None, description="When the current step times out.")
-    rollback_until: datetime | None = Field(default=None, description="End of the rollback window.")
+    started_at: AwareDatetime | None = Field(default=None, description="When the shift started.")
+    step_started_at: AwareDatetime | None = Field(default=None, description="When the current step started.")
+    deadline: AwareDatetime | None = Field(default=None, description="When the current step times out.")
+    rollback_until: AwareDatetime | None = Field(default=None, description="End of the rollback window.")
     degraded: bool = Field(default=False, description="Shadows run weights-only; KV pool grows after.")
     attempt: int = Field(default=0, ge=0, description="Retries of the current step.")
     in_flight: int | None = Field(default=None, ge=0, description="Requests still on the old gear.")
@@ -677,8 +676,8 @@ class ControlState(StatusModel):
         max_length=16,
         description="Steps each trigger's threshold was raised by re-triggers inside the dwell.",
     )
-    dwell_until: datetime | None = Field(default=None, description="No shift before this time.")
-    last_shift_time: datetime | None = Field(default=None, description="When the last shift finished.")
+    dwell_until: AwareDatetime | None = Field(default=None, description="No shift before this time.")
+    last_shift_time: AwareDatetime | None = Field(default=None, description="When the last shift finished.")
 
 
 class GearSetStatus(StatusModel):
@@ -712,7 +711,9 @@ class GearSetStatus(StatusModel):
         description="Health mark per gear.",
     )
     history: list[ShiftRecord] = Field(
-        default_factory=list, max_length=MAX_HISTORY, description="Recent shifts, oldest first."
+        default_factory=list,
+        max_length=MAX_HISTORY,
+        description=f"Recent shifts, oldest first; at most {MAX_HISTORY} (the oldest are dropped).",
     )
     executor: ExecutorState | None = Field(default=None, description="Persisted executor state.")
     control: ControlState | None = Field(default=None, description="Persisted decision-loop state.")

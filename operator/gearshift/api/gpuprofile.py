@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, ConfigDict, Field, model_validator
 
 from gearshift.api.common import (
     API_VERSION,
@@ -199,8 +199,8 @@ class GPUProfileStatus(StatusModel):
     source: ProfileSource | None = Field(
         default=None, description="Where the numbers come from: probe, datasheet or override."
     )
-    probe_time: datetime | None = Field(default=None, description="When the last successful probe ended.")
-    available_until: datetime | None = Field(
+    probe_time: AwareDatetime | None = Field(default=None, description="When the last good probe ended.")
+    available_until: AwareDatetime | None = Field(
         default=None, description="When the node will be reclaimed (time fragment), if known."
     )
     probe: ProbeInfo | None = Field(default=None, description="How the last probe ran.")

@@ -9,10 +9,9 @@ network + 0.10 cache; decode score = 0.35 ITL + 0.25 memory + 0.20 batch + 0.15 
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import AwareDatetime, ConfigDict, Field, ValidationError, model_validator
 
 from gearshift.api.common import (
     API_VERSION,
@@ -471,7 +470,7 @@ class RoleStatus(StatusModel):
     active_gear: str | None = Field(default=None, max_length=63, description="Gear serving the role.")
     ready_replicas: int = Field(default=0, ge=0, description="Pipeline replicas with every stage ready.")
     desired_replicas: int = Field(default=0, ge=0, description="Pipeline replicas wanted.")
-    last_scale_time: datetime | None = Field(default=None, description="When replicas last changed.")
+    last_scale_time: AwareDatetime | None = Field(default=None, description="When replicas last changed.")
     last_scale_reason: str | None = Field(
         default=None, max_length=1024, description="Why replicas last changed."
     )
