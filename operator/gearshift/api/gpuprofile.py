@@ -9,7 +9,7 @@ values: every field set there wins over the measurement (:meth:`GPUProfile.effec
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, ConfigDict, Field, model_validator
 
@@ -139,6 +139,23 @@ class ProbeInfo(StatusModel):
     schema_version: int | None = Field(default=None, ge=0, description="Probe output schema version.")
     duration_s: float | None = Field(default=None, ge=0, description="Probe run time, s.")
     attempts: int | None = Field(default=None, ge=0, description="Attempts since the last success.")
+    started_time: datetime | None = Field(default=None, description="When the current or last Job started.")
+    next_time: datetime | None = Field(
+        default=None, description="When the next probe is due (schedule, or retry after back-off)."
+    )
+    failure_reason: str | None = Field(
+        default=None, max_length=64, description="Reason of the last failed attempt (Timeout, OOMKilled, ...)."
+    )
+    gpu_key: str | None = Field(
+        default=None,
+        max_length=256,
+        description="The node's GPU when probed (product label x capacity); a change triggers a re-probe.",
+    )
+    reprobe_token: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Value of the node's gearshift.io/reprobe annotation last acted on.",
+    )
 
 
 class GPUProfileStatus(StatusModel):
@@ -204,6 +221,11 @@ class GPUProfileStatus(StatusModel):
         default=None, description="When the node will be reclaimed (time fragment), if known."
     )
     probe: ProbeInfo | None = Field(default=None, description="How the last probe ran.")
+    overridden: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Status fields whose value comes from spec.override instead of the measurement.",
+    )
     message: str | None = Field(default=None, max_length=MAX_MESSAGE, description="Last error or note.")
     conditions: list[Condition] = Field(
         default_factory=list,
