@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -126,10 +127,16 @@ def naive_attention(x: np.ndarray, w: dict[str, np.ndarray], arch: ModelArch) ->
     return out @ w["wo"]
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.fixture(params=backends())
+def bk(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A CPU backend, active: one BLAS/torch thread, as the probe runs it."""
+    backend = make_backend(request.param)
+    with backend.active():
+        yield backend
+
+
 class TestOperators:
-    def test_attention_matches_naive(self, backend):
-        bk = make_backend(backend)
+    def test_attention_matches_naive(self, bk):
         w = ops.make_layer(bk, SMALL)
         x = bk.randn((2, 8, SMALL.hidden_size))
         got = to_np(ops.attention_block(bk, w, x, SMALL))
@@ -138,8 +145,7 @@ class TestOperators:
         )
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6)
 
-    def test_ffn_is_swiglu(self, backend):
-        bk = make_backend(backend)
+    def test_ffn_is_swiglu(self, bk):
         w = ops.make_layer(bk, SMALL)
         x = bk.randn((2, 5, SMALL.hidden_size))
         xn = to_np(x).astype(np.float64)
@@ -147,8 +153,7 @@ class TestOperators:
         want = (g / (1 + np.exp(-g)) * u) @ to_np(w["w_down"])
         np.testing.assert_allclose(to_np(ops.ffn_block(bk, w, x, SMALL)), want, rtol=1e-3, atol=1e-7)
 
-    def test_matmul_tflops_is_flops_over_median(self, backend):
-        bk = make_backend(backend)
+    def test_matmul_tflops_is_flops_over_median(self, bk):
         r = ops.measure_matmul(bk, 128, Deadline(30), ops.Repeats(warmup=1, reps=5))
         assert r["flops"] == 2 * 128**3
         assert r["tflops"] == pytest.approx(2 * 128**3 / (r["timing"]["medianMs"] / 1e3) / 1e12)
@@ -159,8 +164,7 @@ class TestOperators:
         assert 0.02 < r["timing"]["minMs"] / best < 50
         assert r["timing"]["minMs"] <= r["timing"]["medianMs"] <= r["timing"]["maxMs"]
 
-    def test_copies_follow_stream_convention(self, backend):
-        bk = make_backend(backend)
+    def test_copies_follow_stream_convention(self, bk):
         r = ops.measure_copies(bk, 4 << 20, Deadline(30), ops.Repeats(warmup=1, reps=4))
         assert r["bytes"] == 4 << 20
         d2d = r["deviceToDevice"]
@@ -275,3 +279,24 @@ class TestMaxMicroBatch:
     def test_bad_arguments(self, cap, budget):
         with pytest.raises(ValueError):
             ops.measure_max_micro_batch(NumpyBackend(), SCORES_HEAVY, 8, budget, Deadline(1), cap=cap)
+
+
+class TestCpuThreads:
+    def test_numpy_backend_caps_blas_threads_while_active(self):
+        from threadpoolctl import threadpool_info
+
+        bk = NumpyBackend(threads=1)
+        with bk.active():
+            assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {1}
+        assert bk.describe()["threads"] == 1
+
+    @pytest.mark.skipif(not torch_available(), reason="torch not installed (extra 'probe')")
+    def test_torch_cpu_threads_restored_after(self):
+        import torch
+
+        from gearshift.probe.backends import TorchBackend
+
+        before = torch.get_num_threads()
+        with TorchBackend("cpu", threads=1).active():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == before

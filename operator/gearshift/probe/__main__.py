@@ -75,6 +75,12 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     dev.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     dev.add_argument("--dtype", default=None, help="torch dtype (default bfloat16 on CUDA, float32 on CPU)")
     dev.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="threads of a CPU run (0: the library default; 1: steadiest)",
+    )
+    dev.add_argument(
         "--model", default=None, help="HF config.json path, or llama-3-8b / tiny-llama (default by device)"
     )
     dev.add_argument("--seq-len", type=int, default=None, help="tokens per sequence in the blocks")
@@ -125,7 +131,9 @@ def _device(args: argparse.Namespace) -> dict[str, Any]:
         return _simulated(args)
     from gearshift.probe.backends import select_backends
 
-    backends = select_backends(args.backend, args.device, args.dtype)
+    if args.cpu_threads < 0:
+        raise UsageError(f"--cpu-threads must be >= 0, got {args.cpu_threads}")
+    backends = select_backends(args.backend, args.device, args.dtype, args.cpu_threads or None)
     cfg = _config(args, run.ProbeConfig() if backends[0].device == "cuda" else run.CPU_CONFIG)
     with _watchdog(cfg.time_budget_s + WATCHDOG_GRACE_S):
         return run.run_device_probe(backends, cfg, node=args.node)

@@ -11,7 +11,11 @@ Per backend:
   - peak memory: the CUDA caching allocator's peak on a GPU; ``tracemalloc`` for NumPy (NumPy reports
     its array buffers to it); none for PyTorch on the CPU (the memory probe then says ``formula``);
   - dtype: bf16 on a GPU (what serving uses); float32 on the CPU (NumPy has no bf16, and PyTorch's CPU
-    bf16 matmul is an emulation far slower than float32, which would say nothing about the host).
+    bf16 matmul is an emulation far slower than float32, which would say nothing about the host);
+  - CPU threads: one by default (``threads``). On cores shared with other processes, multi-threaded
+    BLAS threads wait on each other's descheduled peers: on the 2-core build host the CPU probe ran
+    3-5x longer at OpenBLAS's default thread count and its block times spread up to 200x between runs,
+    against about 2x at one thread (``bench/results/probe-cpu.json``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Backend:
     index: int
     dtype_name: str
     dtype_bytes: int
+    threads: int | None = None
+    """CPU threads the backend's kernels may use (None: the library's default)."""
 
     # --- arrays -----------------------------------------------------------------------------------
     def randn(self, shape: tuple[int, ...]) -> Any:
@@ -109,7 +115,10 @@ class Backend:
         yield
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "device": self.device, "index": self.index, "dtype": self.dtype_name}
+        out = {"backend": self.name, "device": self.device, "index": self.index, "dtype": self.dtype_name}
+        if self.device == "cpu":
+            out["threads"] = self.threads
+        return out
 
 
 class NumpyBackend(Backend):
@@ -118,11 +127,22 @@ class NumpyBackend(Backend):
     name = "numpy"
     device = "cpu"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, threads: int | None = 1) -> None:
         self.index = 0
         self.dtype_name = "float32"
         self.dtype_bytes = 4
+        self.threads = threads
         self._rng = np.random.default_rng(seed)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self.threads is None:
+            yield
+            return
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=self.threads, user_api="blas"):
+            yield
 
     def randn(self, shape: tuple[int, ...]) -> np.ndarray:
         x = self._rng.standard_normal(shape, dtype=np.float32)
@@ -184,7 +204,9 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, device: str, index: int = 0, dtype: str | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, device: str, index: int = 0, dtype: str | None = None, seed: int = 0, threads: int | None = 1
+    ) -> None:
         import torch
 
         self._torch = torch
@@ -200,6 +222,7 @@ class TorchBackend(Backend):
             raise BackendError(f"device must be 'cuda' or 'cpu', got {device!r}")
         self.device = device
         self.index = index
+        self.threads = threads if device == "cpu" else None
         self.dtype_name = dtype or ("bfloat16" if device == "cuda" else "float32")
         try:
             self._dtype = getattr(torch, self.dtype_name)
@@ -295,6 +318,10 @@ class TorchBackend(Backend):
             stack.enter_context(self._torch.inference_mode())
             if self.device == "cuda":
                 stack.enter_context(self._torch.cuda.device(self._dev))
+            elif self.threads is not None:
+                before = self._torch.get_num_threads()
+                self._torch.set_num_threads(self.threads)
+                stack.callback(self._torch.set_num_threads, before)
             yield
 
 
@@ -303,8 +330,10 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def select_backends(backend: str = "auto", device: str = "auto", dtype: str | None = None) -> list[Backend]:
-    """The backends to probe: one per CUDA device, or one CPU backend.
+def select_backends(
+    backend: str = "auto", device: str = "auto", dtype: str | None = None, threads: int | None = 1
+) -> list[Backend]:
+    """The backends to probe: one per CUDA device, or one CPU backend (``threads``: its CPU threads).
 
     ``backend``: ``auto`` (torch when importable, else numpy), ``torch`` or ``numpy``.
     ``device``: ``auto`` (every CUDA device when torch sees one, else the CPU), ``cuda`` or ``cpu``.
@@ -325,7 +354,7 @@ def select_backends(backend: str = "auto", device: str = "auto", dtype: str | No
             raise BackendError("--device cuda needs PyTorch: pip install 'gearshift[probe]'")
         if dtype not in (None, "float32"):
             raise BackendError(f"the numpy backend runs float32 only, got --dtype {dtype!r}")
-        return [NumpyBackend()]
+        return [NumpyBackend(threads=threads)]
     import torch
 
     has_cuda = torch.cuda.is_available()
@@ -333,7 +362,7 @@ def select_backends(backend: str = "auto", device: str = "auto", dtype: str | No
         raise BackendError("--device cuda: torch sees no CUDA device (driver, NVIDIA_VISIBLE_DEVICES?)")
     if device == "cuda" or (device == "auto" and has_cuda):
         return [TorchBackend("cuda", i, dtype) for i in range(torch.cuda.device_count())]
-    return [TorchBackend("cpu", 0, dtype)]
+    return [TorchBackend("cpu", 0, dtype, threads=threads)]
 
 
 def _host_memory() -> tuple[int, int]:

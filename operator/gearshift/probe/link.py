@@ -19,8 +19,8 @@ Which pairs (:func:`pairs_to_measure`), not all N²: nodes are grouped by (compu
      since the planner's link constraint needs the bandwidth between the kinds of node it may make
      neighbours, and nodes of one kind in one zone share a NIC type and fabric;
   2. each node with its ``nearest`` nearest peers (same zone first, then closest compute score, then
-     name), so every node has at least one measured link of its own and a node with a bad NIC or cable
-     shows up.
+     the next names after it, cyclically), so every node has at least one measured link of its own
+     and a node with a bad NIC or cable shows up; ties rotate so that no node becomes everyone's peer.
 That is at most ``G·(G+1)/2 + nearest·N`` pairs for G groups and N nodes. :func:`schedule_rounds` puts
 them into rounds where no node is in two pairs at once, so measurements do not share a NIC.
 """
@@ -28,6 +28,7 @@ them into rounds where no node is in two pairs at once, so measurements do not s
 from __future__ import annotations
 
 import contextlib
+import heapq
 import socket
 import statistics
 import struct
@@ -339,12 +340,20 @@ def pairs_to_measure(nodes: Sequence[LinkNode], nearest: int = 1) -> list[Pair]:
             gb = groups[kb]
             j = keys.index(kb)
             pairs.add(_pair(ga[j % len(ga)].name, gb[i % len(gb)].name))
+    order = {name: i for i, name in enumerate(sorted(names))}
     for n in nodes:
-        others = sorted(
+        # Ties go to the next node after n in name order (a ring), not to the first name: otherwise
+        # every node of a group would pick the same peer and that node would be in every round.
+        others = heapq.nsmallest(
+            nearest,
             (m for m in nodes if m.name != n.name),
-            key=lambda m: (m.zone != n.zone, abs(m.score - n.score), m.name),
+            key=lambda m: (
+                m.zone != n.zone,
+                abs(m.score - n.score),
+                (order[m.name] - order[n.name]) % len(names),
+            ),
         )
-        for m in others[:nearest]:
+        for m in others:
             pairs.add(_pair(n.name, m.name))
     return sorted(pairs)
 
