@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -269,7 +270,12 @@ def _watchdog(seconds: float) -> Iterator[None]:
     """Raise ProbeTimeoutError in the main thread after ``seconds`` (a hang past every Deadline check)."""
     from gearshift.probe.timing import ProbeTimeoutError
 
-    if not hasattr(signal, "SIGALRM") or seconds <= 0:
+    # Signal handlers can only be installed from the main thread (an embedding caller may use another).
+    if (
+        not hasattr(signal, "SIGALRM")
+        or seconds <= 0
+        or threading.current_thread() is not threading.main_thread()
+    ):
         yield
         return
 
