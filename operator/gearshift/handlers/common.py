@@ -1,0 +1,122 @@
+"""Shared handler pieces: event reasons, Kubernetes Events, condition updates, kopf error mapping.
+
+Every decision the operator takes becomes an Event on the object (reasons are CamelCase constants, most
+of them in :mod:`gearshift.api.common`); conditions change only through
+:func:`gearshift.api.common.set_condition`, which keeps ``lastTransitionTime`` unless the status flips,
+and an Event is emitted only when a condition actually changed (status, reason or message).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from gearshift.api.common import Condition, ConditionStatus, set_condition
+from gearshift.handlers.kubeapi import KubeApi, KubeApiError
+
+log = logging.getLogger(__name__)
+
+# --- reasons used by the reconciler beyond those in gearshift.api.common ---------------------------
+REASON_GEARSET_MISSING = "GearSetMissing"  # a gearSetRef names no GearSet (yet)
+REASON_GEARSET_MISMATCH = "GearSetMismatch"  # the GearSet serves another service or role
+REASON_PROFILES_MISSING = "ProfilesMissing"  # candidate GPU nodes have no usable GPUProfile
+REASON_ALL_PLACED = "AllPlaced"  # every stage of the running gears has its nodes
+REASON_ROLLING_OUT = "RollingOut"  # pods of a running gear are not all ready/updated
+REASON_ALL_READY = "AllReady"  # both roles and the router serve
+REASON_NOT_READY = "NotReady"  # some role or the router is not serving yet
+REASON_AS_PLANNED = "AsPlanned"  # every node under a running stage is there
+REASON_GEAR_SELECTED = "GearSelected"  # the role Service now selects a gear
+REASON_GEAR_ENSURED = "GearEnsured"  # a gear's StatefulSets were applied
+REASON_GEAR_DELETED = "GearDeleted"  # a gear's StatefulSets and headless Service were deleted
+REASON_UNSCHEDULABLE = "Unschedulable"  # the scheduler cannot place a stage pod (e.g. GPUs short)
+
+EVENT_SOURCE = "gearshift-operator"
+
+
+def now_utc() -> datetime:
+    """The current time, UTC, whole seconds (Kubernetes serialises times at second precision)."""
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+def event_body(
+    involved: Mapping[str, Any], reason: str, message: str, warning: bool, now: datetime
+) -> dict[str, Any]:
+    """A core/v1 Event about ``involved`` (a full object body with apiVersion, kind, metadata)."""
+    meta = involved.get("metadata", {})
+    ts = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta.get('name', 'gearshift')}.", "namespace": meta.get("namespace")},
+        "involvedObject": {
+            "apiVersion": involved.get("apiVersion"),
+            "kind": involved.get("kind"),
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": EVENT_SOURCE},
+        "reportingComponent": EVENT_SOURCE,
+        "firstTimestamp": ts,
+        "lastTimestamp": ts,
+        "count": 1,
+    }
+
+
+def emit(api: KubeApi, involved: Mapping[str, Any], reason: str, message: str, warning: bool = False) -> None:
+    """Record an Event; a failure to record is logged, never raised (events are best effort)."""
+    log.info(
+        "%s %s/%s: %s: %s",
+        involved.get("kind"),
+        involved.get("metadata", {}).get("namespace"),
+        involved.get("metadata", {}).get("name"),
+        reason,
+        message,
+    )
+    try:
+        api.create_event(event_body(involved, reason, message, warning, now_utc()))
+    except (KubeApiError, OSError) as exc:
+        log.warning("could not record event %s: %s", reason, exc)
+
+
+@dataclass
+class ConditionBook:
+    """Conditions being updated during one reconcile, and the events their changes call for."""
+
+    conditions: list[Condition]
+    generation: int | None
+    now: datetime
+    changes: list[tuple[str, str, bool]] = field(default_factory=list)
+    """``(reason, message, warning)`` for each condition that changed."""
+
+    def set(
+        self, type_: str, status: ConditionStatus, reason: str, message: str, warning: bool = False
+    ) -> None:
+        """Set a condition; remember an event when it changed (status, reason or message)."""
+        self.conditions, changed = set_condition(
+            self.conditions, type_, status, reason, message, self.now, self.generation
+        )
+        if changed:
+            self.changes.append((reason, f"{type_}={status}: {message}", warning))
+
+    def as_json(self) -> list[dict[str, Any]]:
+        """The conditions as the status stores them."""
+        return [c.to_json() for c in self.conditions]
+
+
+def conditions_from(raw: Sequence[Mapping[str, Any]] | None) -> list[Condition]:
+    """Parse stored conditions, skipping malformed entries (another writer's, an older operator's)."""
+    out = []
+    for c in raw or []:
+        try:
+            out.append(Condition.model_validate(dict(c)))
+        except ValueError:
+            continue
+    return out

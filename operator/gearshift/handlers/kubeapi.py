@@ -1,0 +1,199 @@
+"""The operator's narrow view of the Kubernetes API: get, list, server-side apply, delete, status, events.
+
+:class:`KubeApi` is the protocol the reconciler codes against; :class:`RestKubeApi` implements it with the
+``kubernetes`` client's REST layer (no discovery round trips: the few kinds gearshift touches have fixed
+paths in :data:`RESOURCES`). Applies use server-side apply with field manager ``gearshift`` and
+``force=true`` (the operator owns these objects), so applying the same manifest twice is a no-op that
+leaves ``resourceVersion`` unchanged, and a changed manifest patches only the fields that changed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+#: Field manager of every server-side apply by the operator.
+FIELD_MANAGER = "gearshift"
+
+#: (apiVersion, kind) -> (plural, namespaced).
+RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
+    ("v1", "Service"): ("services", True),
+    ("v1", "ServiceAccount"): ("serviceaccounts", True),
+    ("v1", "Pod"): ("pods", True),
+    ("v1", "Node"): ("nodes", False),
+    ("v1", "Event"): ("events", True),
+    ("apps/v1", "StatefulSet"): ("statefulsets", True),
+    ("apps/v1", "Deployment"): ("deployments", True),
+    ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
+    ("gearshift.io/v1alpha1", "PDService"): ("pdservices", True),
+    ("gearshift.io/v1alpha1", "GearSet"): ("gearsets", True),
+    ("gearshift.io/v1alpha1", "GPUProfile"): ("gpuprofiles", False),
+}
+
+
+class KubeApiError(RuntimeError):
+    """The API server refused a request; ``status`` is its HTTP status code (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def resource_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
+    """The REST path of a collection or object.
+
+    Raises:
+        KeyError: a kind gearshift does not handle.
+        ValueError: a namespaced kind without ``namespace``.
+    """
+    try:
+        plural, namespaced = RESOURCES[(api_version, kind)]
+    except KeyError:
+        raise KeyError(f"gearshift does not handle {api_version} {kind}") from None
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    if namespaced:
+        if namespace:
+            base += f"/namespaces/{namespace}"
+        elif name:
+            raise ValueError(f"{kind} {name!r} is namespaced: give its namespace")
+    path = f"{base}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+def label_selector(labels: Mapping[str, str] | None) -> str:
+    """``k=v,k2=v2`` from a mapping (sorted, so the same mapping gives the same string)."""
+    return ",".join(f"{k}={v}" for k, v in sorted((labels or {}).items()))
+
+
+class KubeApi(Protocol):
+    """What the reconciler needs from the API server."""
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        ...
+
+    def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Objects of a kind (in ``namespace``, or all), filtered by equality ``labels``."""
+        ...
+
+    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply ``manifest``; returns the object as stored."""
+        ...
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        """Delete an object (background propagation); False when it was already gone."""
+        ...
+
+    def patch_status(
+        self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of the status subresource."""
+        ...
+
+    def create_event(self, event: Mapping[str, Any]) -> None:
+        """Create a core/v1 Event."""
+        ...
+
+
+class RestKubeApi:
+    """:class:`KubeApi` over a ``kubernetes.client.ApiClient`` (sync; call it from threads)."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.client = api_client
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        try:
+            resp = self.client.call_api(
+                path,
+                method,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _return_http_data_only=True,
+            )
+        except ApiException as exc:
+            raise KubeApiError(
+                f"{method} {path}: {exc.status} {exc.reason}: {exc.body!r}", exc.status
+            ) from None
+        data = resp.data
+        return json.loads(data) if data else None
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", resource_path(api_version, kind, namespace, name))
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector(labels))] if labels else []
+        out = self._call("GET", resource_path(api_version, kind, namespace), query=query)
+        return list(out.get("items") or [])
+
+    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        meta = manifest["metadata"]
+        path = resource_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
+        return self._call(
+            "PATCH",
+            path,
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            body=dict(manifest),
+            content_type="application/apply-patch+yaml",
+        )
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        try:
+            self._call(
+                "DELETE",
+                resource_path(api_version, kind, namespace, name),
+                body={"propagationPolicy": "Background"},
+            )
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def patch_status(
+        self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        return self._call(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name) + "/status",
+            body={"status": dict(status)},
+            content_type="application/merge-patch+json",
+        )
+
+    def create_event(self, event: Mapping[str, Any]) -> None:
+        ns = event["metadata"]["namespace"]
+        self._call("POST", resource_path("v1", "Event", ns), body=dict(event))

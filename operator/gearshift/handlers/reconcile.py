@@ -1,0 +1,735 @@
+"""The PDService reconciler: read the PDService, its two GearSets and the fleet; plan ``auto`` GearSets;
+apply the owned objects; delete gears no longer wanted; write status, conditions and events.
+
+Level-triggered and idempotent: every call recomputes the whole desired state from what it reads, applies
+it with server-side apply (a no-op when nothing changed: no resourceVersion moves), and patches status only
+when it differs. It is plain synchronous code over :class:`~gearshift.handlers.kubeapi.KubeApi`, so unit
+tests drive it with an in-memory API and kopf runs it in its thread pool (handlers/pdservice.py).
+
+Exceptions (the kopf handlers turn them into kopf errors)::
+
+    ReconcileError
+     ├── SpecInvalid      the PDService or a GearSet cannot be used as written (permanent)
+     └── NotYet           something referenced is not there yet (retry after ``delay`` s)
+
+A shift in flight (GearSet ``status.executor.step`` in Warming/Draining/Switching/RollingBack) belongs to
+the gear executor (issue 9): the reconciler then keeps both gears' pods, leaves the role Service's
+selector alone and deletes no gear; the executor drives the objects through :func:`ensure_gear`,
+:func:`select_gear` and :func:`delete_gear`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from gearshift import planner
+from gearshift.api.common import (
+    COND_DEGRADED,
+    COND_PLACED,
+    COND_PLANNED,
+    COND_PROGRESSING,
+    COND_READY,
+    REASON_INVALID_SPEC,
+    REASON_NODE_LOST,
+    REASON_PLACEMENT_FAILED,
+    REASON_PLAN_FAILED,
+    REASON_PLANNED,
+    REASON_RECONCILED,
+    format_validation_error,
+)
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.pdservice import PDService
+from gearshift.handlers import common
+from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc
+from gearshift.handlers.kubeapi import KubeApi
+from gearshift.k8s import names
+from gearshift.k8s.desired import (
+    Images,
+    RoleDesire,
+    desired_objects,
+    engine_context,
+    gear_objects,
+    owner_reference,
+)
+from gearshift.k8s.engine import EngineSpecError
+from gearshift.k8s.fleetsplit import split_pools
+from gearshift.k8s.services import build_role_service
+from gearshift.k8s.statefulset import stage_replicas
+from gearshift.planner_input import (
+    api_gear,
+    gear_links,
+    initial_gear,
+    inputs_hash,
+    node_ready,
+    resource_profile,
+    role_candidates,
+    usable_profile,
+)
+
+log = logging.getLogger(__name__)
+
+PDS = ("gearshift.io/v1alpha1", "PDService")
+GS = ("gearshift.io/v1alpha1", "GearSet")
+GPUP = ("gearshift.io/v1alpha1", "GPUProfile")
+STS = ("apps/v1", "StatefulSet")
+SVC = ("v1", "Service")
+NODE = ("v1", "Node")
+POD = ("v1", "Pod")
+DEPLOY = ("apps/v1", "Deployment")
+
+#: Executor steps during which the executor, not the reconciler, owns the role's gears and selector.
+SHIFT_STEPS = ("Warming", "Draining", "Switching", "RollingBack")
+#: Retry delay when a referenced object is missing, s.
+NOT_YET_DELAY_S = 15.0
+#: Plans kept in memory, keyed by their inputs hash (many PDServices of one model share a fleet).
+PLAN_CACHE_SIZE = 128
+
+
+class ReconcileError(Exception):
+    """Base of the reconciler's errors."""
+
+
+class SpecInvalid(ReconcileError):
+    """The PDService or one of its GearSets cannot be used as written; retrying will not help."""
+
+
+class NotYet(ReconcileError):
+    """Something the PDService references is not there yet; retry after ``delay`` s."""
+
+    def __init__(self, message: str, delay: float = NOT_YET_DELAY_S) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Operator-wide settings (from ``gearshift operator`` flags)."""
+
+    images: Images = field(default_factory=Images)
+    prometheus_url: str | None = None
+    sim_requests: int = 500
+    """Requests per planner simulation run (bounds planning time per gear candidate)."""
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did (for metrics, logs and tests)."""
+
+    applied: int = 0
+    deleted: int = 0
+    planned: list[str] = field(default_factory=list)
+    phase: str = ""
+    ready: bool = False
+    placed: bool = True
+
+
+_plan_cache: OrderedDict[str, list[Gear]] = OrderedDict()
+_plan_lock = threading.Lock()
+_service_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_lock = threading.Lock()
+
+
+def service_lock(namespace: str, name: str) -> threading.Lock:
+    """The lock serialising reconciles of one PDService (kopf threads, fleet triggers, the executor)."""
+    with _locks_lock:
+        return _service_locks.setdefault((namespace, name), threading.Lock())
+
+
+def _in_flight(gs: GearSet) -> bool:
+    ex = gs.status.executor
+    return ex is not None and ex.step in SHIFT_STEPS
+
+
+def _labels_match(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _node_gpu_model(node: Mapping[str, Any], profiles: Mapping[str, Mapping[str, Any]]) -> str:
+    meta = node.get("metadata") or {}
+    name = meta.get("name", "")
+    eff = usable_profile(profiles[name]) if name in profiles else None
+    if eff and eff.gpu_model:
+        return eff.gpu_model
+    labels = meta.get("labels") or {}
+    ann = meta.get("annotations") or {}
+    return str(labels.get(names.NODE_GPU_MODEL) or ann.get(names.NODE_GPU_MODEL) or "unknown")
+
+
+def explicit_pool(
+    gears: Sequence[Gear], nodes: Mapping[str, Mapping[str, Any]], profiles: Mapping[str, Mapping[str, Any]]
+) -> dict[str, str]:
+    """``{node: GPU model}`` an explicit GearSet may use: nodes its stages name or select."""
+    out: dict[str, str] = {}
+    for g in gears:
+        for st in g.stages:
+            if st.nodes:
+                picked = [nodes[n] for n in st.nodes if n in nodes]
+            elif st.node_selector:
+                picked = [n for n in nodes.values() if _labels_match(n, st.node_selector)]
+            else:
+                picked = []
+            for n in picked:
+                out[n["metadata"]["name"]] = _node_gpu_model(n, profiles)
+    return out
+
+
+def placement_problems(
+    role: str, gear: Gear, nodes: Mapping[str, Mapping[str, Any]]
+) -> tuple[list[str], list[str]]:
+    """``(problems, lost)`` of one gear: what keeps stages from being placed, and named nodes that are gone
+    or not Ready. Pure."""
+    problems: list[str] = []
+    lost: list[str] = []
+    for k, st in enumerate(gear.stages):
+        where = f"{role} gear {gear.name!r} stage {k}"
+        if st.nodes:
+            gone = [n for n in st.nodes if n not in nodes or not node_ready(nodes[n])]
+            if gone:
+                lost += gone
+                problems.append(f"{where}: node(s) {', '.join(gone)} missing or not Ready")
+        elif st.node_selector:
+            ok = [n for n in nodes.values() if node_ready(n) and _labels_match(n, st.node_selector)]
+            if not ok:
+                sel = ",".join(f"{k2}={v}" for k2, v in sorted(st.node_selector.items()))
+                problems.append(f"{where}: no Ready node has labels {sel}")
+    return problems, lost
+
+
+def _cached_plan(
+    key: str, doc: dict[str, Any], pds: PDService, gs: GearSet, settings: Settings
+) -> list[Gear]:
+    with _plan_lock:
+        if key in _plan_cache:
+            _plan_cache.move_to_end(key)
+            return list(_plan_cache[key])
+    profile = planner.parse_profile(doc)
+    cost = planner.RooflineCostModel(pds.spec.model.to_model_arch())
+    intents = list(gs.spec.plan.intents) if gs.spec.plan else list(planner.INTENTS)
+    result = planner.plan(profile, cost, intents=intents, sim_requests=settings.sim_requests)
+    gears = [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
+    with _plan_lock:
+        _plan_cache[key] = gears
+        while len(_plan_cache) > PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return list(gears)
+
+
+def _gpu_counts(gears: list[Gear], profiles: Mapping[str, Mapping[str, Any]]) -> list[Gear]:
+    """Stage ``gpus`` = the least GPU count among the stage's nodes' profiles (the planner plans nodes)."""
+    out = []
+    for g in gears:
+        stages = []
+        for st in g.stages:
+            counts = []
+            for n in st.nodes:
+                eff = usable_profile(profiles[n]) if n in profiles else None
+                counts.append(eff.gpu_count if eff and eff.gpu_count else 1)
+            stages.append(st.model_copy(update={"gpus": min(counts) if counts else st.gpus}))
+        out.append(g.model_copy(update={"stages": stages}))
+    return out
+
+
+@dataclass
+class RoleState:
+    """What the reconciler worked out for one role."""
+
+    role: str
+    gs_body: dict[str, Any]
+    gs: GearSet
+    gears: list[Gear] = field(default_factory=list)
+    active: str | None = None
+    in_flight: bool = False
+    links: dict[str, list[dict[str, float]] | None] = field(default_factory=dict)
+    gs_status_patch: dict[str, Any] = field(default_factory=dict)
+    plan_error: str | None = None
+
+
+def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dict[str, RoleState]:
+    ns = body["metadata"]["namespace"]
+    name = body["metadata"]["name"]
+    out: dict[str, RoleState] = {}
+    missing = []
+    for role in names.ROLES:
+        ref = getattr(pds.spec, role).gear_set_ref.name
+        gs_body = api.get(*GS, ns, ref)
+        if gs_body is None:
+            missing.append(f"{role}.gearSetRef {ref!r}")
+            continue
+        try:
+            gs = GearSet.model_validate(gs_body)
+        except ValidationError as exc:
+            raise SpecInvalid(
+                f"GearSet {ref!r} is invalid:\n{format_validation_error(exc, 'spec')}"
+            ) from None
+        if gs.spec.role != role or gs.spec.service_name != name:
+            raise SpecInvalid(
+                f"{role}.gearSetRef names GearSet {ref!r}, which serves service "
+                f"{gs.spec.service_name!r} role {gs.spec.role!r}; set its spec.serviceName: {name} and "
+                f"spec.role: {role}, or refer to another GearSet"
+            )
+        out[role] = RoleState(role, gs_body, gs)
+    if missing:
+        raise NotYet(f"GearSet not found: {'; '.join(missing)}; create it in namespace {ns}")
+    return out
+
+
+def _plan_roles(
+    pds: PDService,
+    roles: dict[str, RoleState],
+    nodes: dict[str, dict[str, Any]],
+    profiles: dict[str, dict[str, Any]],
+    settings: Settings,
+    events: list[tuple[str, str, str, bool]],
+) -> list[str]:
+    """Plan the auto roles on their split pools; returns what is missing (for the Placed condition)."""
+    pools: dict[str, dict[str, str]] = {}
+    missing: list[str] = []
+    for role, rs in roles.items():
+        if rs.gs.spec.mode == "auto":
+            cons = rs.gs.spec.plan.constraints if rs.gs.spec.plan else None
+            cand = role_candidates(cons, nodes.values(), profiles)
+            pools[role] = cand.nodes
+            if cand.missing_profile:
+                missing.append(f"{role}: no usable GPUProfile for node(s) {', '.join(cand.missing_profile)}")
+        else:
+            pools[role] = explicit_pool(rs.gs.spec.gears, nodes, profiles)
+    pre, dec = split_pools(pools["prefill"], pools["decode"])
+    split = {"prefill": pre, "decode": dec}
+    arch = pds.spec.model.to_model_arch().to_dict()
+    for role, rs in roles.items():
+        if rs.gs.spec.mode != "auto":
+            rs.gears = list(rs.gs.spec.gears)
+            continue
+        plan_spec = rs.gs.spec.plan
+        cons = plan_spec.constraints if plan_spec else None
+        memutil = cons.memory_utilization if cons else 0.9
+        pool = sorted(split[role])
+        rs.gears = list(rs.gs.status.planned_gears)
+        if not pool:
+            rs.plan_error = (
+                f"{role}: no usable GPU node to plan on (constraints, profiles, or the other role's share)"
+            )
+            continue
+        doc = resource_profile(pool, profiles, nodes, memutil)
+        intents = list(plan_spec.intents) if plan_spec else list(planner.INTENTS)
+        key = inputs_hash(doc, cons.to_json() if cons else {}, arch, intents, settings.sim_requests)
+        profile = planner.parse_profile(doc)
+        if key != rs.gs.status.profiles_hash or not rs.gears:
+            try:
+                gears = _gpu_counts(_cached_plan(key, doc, pds, rs.gs, settings), profiles)
+            except planner.PlanError as exc:
+                rs.plan_error = f"{role}: the planner found no gear on {len(pool)} node(s): {exc}"
+                continue
+            rs.gears = gears
+            rs.gs_status_patch["plannedGears"] = [g.to_json() for g in gears]
+            rs.gs_status_patch["profilesHash"] = key
+            summary = "; ".join(
+                f"{g.name}: " + " | ".join(f"{s.layers}@{','.join(s.nodes)}" for s in g.stages) for g in gears
+            )
+            events.append(
+                (
+                    role,
+                    REASON_PLANNED,
+                    f"planned {len(gears)} gear(s) on {len(pool)} node(s): {summary}",
+                    False,
+                )
+            )
+        rs.links = {g.name: gear_links(g, profile) for g in rs.gears}
+    return missing
+
+
+def _gearset_status(rs: RoleState, now: Any) -> dict[str, Any]:
+    """The GearSet status patch: planned gears, active gear, phase, Planned condition."""
+    patch = dict(rs.gs_status_patch)
+    st = rs.gs.status
+    if rs.active and st.active_gear != rs.active and not rs.in_flight:
+        patch["activeGear"] = rs.active
+    if st.phase in (None, "Pending") and rs.active:
+        patch["phase"] = "Stable"
+    if rs.active:
+        sel = ",".join(
+            f"{k}={v}" for k, v in names.engine_labels(rs.gs.spec.service_name, rs.role, rs.active, 0).items()
+        )
+        if st.selector != sel:
+            patch["selector"] = sel
+    if rs.gs.spec.mode == "auto":
+        book = ConditionBook(list(st.conditions), rs.gs_body["metadata"].get("generation"), now)
+        if rs.plan_error:
+            book.set(COND_PLANNED, "False", REASON_PLAN_FAILED, rs.plan_error, warning=True)
+        elif rs.gears:
+            book.set(COND_PLANNED, "True", REASON_PLANNED, f"{len(rs.gears)} gear(s) planned")
+        if book.changes:
+            patch["conditions"] = book.as_json()
+    if patch:
+        patch["observedGeneration"] = rs.gs_body["metadata"].get("generation")
+    return patch
+
+
+def _role_readiness(
+    ctx_role: RoleState,
+    sts: Mapping[str, Mapping[str, Any]],
+    pds: PDService,
+    service: str,
+    ns: str,
+    images: Images,
+) -> tuple[int, int, bool]:
+    """``(ready pipelines, desired pipelines, rolled out)`` of a role's active gear."""
+    if not ctx_role.active:
+        return 0, 0, False
+    gear = next(g for g in ctx_role.gears if g.name == ctx_role.active)
+    desire = RoleDesire(ctx_role.role, [gear], ctx_role.active, ctx_role.gs.spec.replicas)
+    ctx = engine_context(service, ns, pds.spec, desire, images, gear)
+    want = [stage_replicas(ctx, gear, k) for k in range(len(gear.stages))]
+    desired = min(want) if want else 0
+    ready = desired
+    rolled = True
+    for k in range(len(gear.stages)):
+        obj = sts.get(names.stage_statefulset_name(service, ctx_role.role, gear.name, k))
+        s = (obj or {}).get("status") or {}
+        r = int(s.get("readyReplicas") or 0)
+        ready = min(ready, r)
+        gen_ok = obj is not None and s.get("observedGeneration") == obj["metadata"].get("generation")
+        if obj is None or not gen_ok or int(s.get("updatedReplicas") or 0) < want[k] or r < want[k]:
+            rolled = False
+    return ready, desired, rolled
+
+
+def _unschedulable(api: KubeApi, ns: str, service: str) -> list[str]:
+    out = []
+    for pod in api.list(*POD, ns, {names.LABEL_SERVICE: service}):
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if (
+                c.get("type") == "PodScheduled"
+                and c.get("status") == "False"
+                and c.get("reason") == "Unschedulable"
+            ):
+                out.append(f"pod {pod['metadata']['name']}: {c.get('message', 'unschedulable')}")
+    return sorted(out)
+
+
+def reconcile_service(
+    api: KubeApi,
+    namespace: str,
+    name: str,
+    settings: Settings | None = None,
+    body: Mapping[str, Any] | None = None,
+) -> Outcome:
+    """Reconcile one PDService (see the module docstring). Serialised per PDService.
+
+    Raises:
+        SpecInvalid: the PDService or a GearSet is unusable (status and an event say why).
+        NotYet: a GearSet is missing (status and an event say which).
+    """
+    with service_lock(namespace, name):
+        return _reconcile(api, namespace, name, settings or Settings(), body)
+
+
+def _reconcile(
+    api: KubeApi, ns: str, name: str, settings: Settings, body: Mapping[str, Any] | None
+) -> Outcome:
+    # Always read the newest body: a kopf body may be older than a status we wrote a moment ago.
+    fresh = api.get(*PDS, ns, name)
+    if fresh is None:
+        return Outcome(phase="Deleted")
+    body = fresh
+    if body["metadata"].get("deletionTimestamp"):
+        return Outcome(phase="Deleting")
+    out = Outcome()
+    now = now_utc()
+    gen = body["metadata"].get("generation")
+    old_status = dict(body.get("status") or {})
+    book = ConditionBook(conditions_from(old_status.get("conditions")), gen, now)
+
+    def finish(status: dict[str, Any]) -> None:
+        status["conditions"] = book.as_json()
+        status["observedGeneration"] = gen
+        merged = old_status | status
+        if merged != old_status:
+            api.patch_status(*PDS, ns, name, status)
+        for reason, message, warning in book.changes:
+            emit(api, body, reason, message, warning)
+
+    try:
+        pds = PDService.model_validate(body)
+    except ValidationError as exc:
+        msg = format_validation_error(exc)
+        book.set(COND_READY, "False", REASON_INVALID_SPEC, msg, warning=True)
+        finish({"phase": "Failed", "message": msg})
+        raise SpecInvalid(msg) from None
+    try:
+        roles = _read_gearsets(api, body, pds)
+    except SpecInvalid as exc:
+        book.set(COND_READY, "False", common.REASON_GEARSET_MISMATCH, str(exc), warning=True)
+        finish({"phase": "Failed", "message": str(exc)})
+        raise
+    except NotYet as exc:
+        book.set(COND_PLACED, "False", common.REASON_GEARSET_MISSING, str(exc), warning=True)
+        book.set(COND_READY, "False", common.REASON_GEARSET_MISSING, str(exc))
+        finish({"phase": "Pending", "message": str(exc)})
+        raise
+
+    nodes = {n["metadata"]["name"]: n for n in api.list(*NODE)}
+    profiles = {p["metadata"]["name"]: p for p in api.list(*GPUP)}
+    plan_events: list[tuple[str, str, str, bool]] = []
+    missing = _plan_roles(pds, roles, nodes, profiles, settings, plan_events)
+
+    problems: list[str] = []
+    lost: list[str] = []
+    desires: list[RoleDesire] = []
+    skip_gears: set[tuple[str, str]] = set()
+    for role, rs in roles.items():
+        if rs.plan_error:
+            problems.append(rs.plan_error)
+        if not rs.gears:
+            problems.append(f"{role}: GearSet {rs.gs.metadata['name']!r} has no gears yet")
+            continue
+        gnames = [g.name for g in rs.gears]
+        rs.in_flight = _in_flight(rs.gs)
+        st = rs.gs.status
+        rs.active = (
+            st.active_gear if st.active_gear in gnames else initial_gear(rs.gears, rs.gs.spec.initial_gear)
+        )
+        run = [rs.active]
+        if rs.in_flight and st.executor:
+            run += [g for g in (st.executor.from_gear, st.executor.to_gear, st.target_gear) if g in gnames]
+        run_gears = [g for g in rs.gears if g.name in dict.fromkeys(run)]
+        for g in run_gears:
+            p, lo = placement_problems(role, g, nodes)
+            problems += p
+            lost += lo
+            if p:
+                skip_gears.add((role, g.name))
+        pol = rs.gs.spec.policy
+        cons = rs.gs.spec.plan.constraints if rs.gs.spec.plan else None
+        desires.append(
+            RoleDesire(
+                role,
+                [g for g in run_gears if (role, g.name) not in skip_gears],
+                None if rs.in_flight else rs.active,
+                rs.gs.spec.replicas,
+                pol.drain_timeout_s,
+                cons.memory_utilization if cons else 0.9,
+                rs.links,
+            )
+        )
+
+    # GearSet status first: the executor and `kubectl get gs` see the plan and the active gear.
+    for role, rs in roles.items():
+        patch = _gearset_status(rs, now)
+        if patch:
+            api.patch_status(*GS, ns, rs.gs.metadata["name"], patch)
+            out.planned += [role] if "plannedGears" in patch else []
+    for role, reason, message, warning in plan_events:
+        emit(api, roles[role].gs_body, reason, message, warning)
+        emit(api, body, reason, message, warning)
+
+    owner = owner_reference(body)
+    try:
+        objs = desired_objects(name, ns, pds.spec, desires, settings.images, owner, settings.prometheus_url)
+    except EngineSpecError as exc:
+        book.set(COND_READY, "False", REASON_INVALID_SPEC, str(exc), warning=True)
+        finish({"phase": "Failed", "message": str(exc)})
+        raise SpecInvalid(str(exc)) from None
+    for obj in objs:
+        api.apply(obj)
+        out.applied += 1
+
+    # Gears no longer wanted (a spec edit renamed or removed one, a re-plan): delete unless a shift runs.
+    existing = api.list(*STS, ns, {names.LABEL_SERVICE: name, names.LABEL_COMPONENT: names.COMPONENT_ENGINE})
+    keep = {(d.role, g.name) for d in desires for g in d.gears} | skip_gears
+    flight = {r for r, rs in roles.items() if rs.in_flight}
+    wanted = {(d.role, g.name): len(g.stages) for d in desires for g in d.gears}
+    for obj in existing:
+        labels = obj["metadata"].get("labels") or {}
+        role, gear = labels.get(names.LABEL_ROLE, ""), labels.get(names.LABEL_GEAR, "")
+        if role in flight or (role, gear) in skip_gears:
+            continue
+        stages = wanted.get((role, gear))
+        # Gone from the wanted gears, or a stage past the end of a gear that lost stages.
+        if stages is None or int(labels.get(names.LABEL_STAGE, "0")) >= stages:
+            api.delete(*STS, ns, obj["metadata"]["name"])
+            out.deleted += 1
+    for svc in api.list(*SVC, ns, {names.LABEL_SERVICE: name, names.LABEL_COMPONENT: names.COMPONENT_ENGINE}):
+        labels = svc["metadata"].get("labels") or {}
+        role, gear = labels.get(names.LABEL_ROLE), labels.get(names.LABEL_GEAR)
+        if gear and role not in flight and (role, gear) not in keep:
+            api.delete(*SVC, ns, svc["metadata"]["name"])
+            out.deleted += 1
+    # --- status ---------------------------------------------------------------------------------
+    sts = {s["metadata"]["name"]: s for s in api.list(*STS, ns, {names.LABEL_SERVICE: name})}
+    unsched = _unschedulable(api, ns, name)
+    role_status: dict[str, Any] = {}
+    all_ready = True
+    rolled_all = True
+    for role, rs in roles.items():
+        ready, desired, rolled = _role_readiness(rs, sts, pds, name, ns, settings.images)
+        role_status[role] = {
+            "gearSet": rs.gs.metadata["name"],
+            "activeGear": rs.active,
+            "readyReplicas": ready,
+            "desiredReplicas": desired,
+        }
+        all_ready = all_ready and desired > 0 and ready >= desired
+        rolled_all = rolled_all and rolled
+    router = api.get(*DEPLOY, ns, names.router_name(name))
+    router_ready = bool(router and int((router.get("status") or {}).get("availableReplicas") or 0) >= 1)
+
+    placed_msgs = missing + problems + unsched
+    if placed_msgs:
+        reason = (
+            REASON_PLAN_FAILED
+            if any(rs.plan_error for rs in roles.values()) and not unsched
+            else (
+                common.REASON_UNSCHEDULABLE
+                if unsched and not (missing + problems)
+                else REASON_PLACEMENT_FAILED
+            )
+        )
+        if missing and not problems and not unsched:
+            reason = common.REASON_PROFILES_MISSING
+        book.set(COND_PLACED, "False", reason, "; ".join(placed_msgs), warning=True)
+    else:
+        book.set(
+            COND_PLACED, "True", common.REASON_ALL_PLACED, "every stage of the active gears has its nodes"
+        )
+    out.placed = not placed_msgs
+    if lost:
+        book.set(
+            COND_DEGRADED,
+            "True",
+            REASON_NODE_LOST,
+            f"node(s) {', '.join(sorted(set(lost)))} under running stages are gone or not Ready",
+            warning=True,
+        )
+    else:
+        book.set(
+            COND_DEGRADED, "False", common.REASON_AS_PLANNED, "every node under a running stage is Ready"
+        )
+    if rolled_all and router_ready:
+        book.set(COND_PROGRESSING, "False", REASON_RECONCILED, "owned objects match the spec")
+    else:
+        book.set(
+            COND_PROGRESSING, "True", common.REASON_ROLLING_OUT, "pods of the active gears are rolling out"
+        )
+    out.ready = all_ready and router_ready
+    if out.ready:
+        book.set(COND_READY, "True", common.REASON_ALL_READY, "prefill, decode and the router serve")
+    else:
+        waiting = [f"{r} {s['readyReplicas']}/{s['desiredReplicas']}" for r, s in role_status.items()]
+        book.set(
+            COND_READY,
+            "False",
+            common.REASON_NOT_READY,
+            f"ready pipelines: {', '.join(waiting)}; router {'ready' if router_ready else 'not ready'}",
+        )
+    if lost:
+        out.phase = "Degraded"
+    elif out.ready:
+        out.phase = "Ready"
+    elif placed_msgs and not any(s["readyReplicas"] for s in role_status.values()):
+        out.phase = "Pending"
+    else:
+        out.phase = "Progressing"
+    status = {
+        "phase": out.phase,
+        "prefill": role_status.get("prefill"),
+        "decode": role_status.get("decode"),
+        "routerReady": router_ready,
+        "endpoint": f"{name}.{ns}.svc:8000",
+        "message": "; ".join(placed_msgs)[:4000] if placed_msgs else "",
+    }
+    finish(status)
+    return out
+
+
+# --- the gear executor's operations (issue 9 calls these) ------------------------------------------
+def _context(
+    api: KubeApi, namespace: str, service: str, role: str
+) -> tuple[dict[str, Any], PDService, GearSet]:
+    body = api.get(*PDS, namespace, service)
+    if body is None:
+        raise NotYet(f"PDService {namespace}/{service} not found")
+    pds = PDService.model_validate(body)
+    ref = getattr(pds.spec, role).gear_set_ref.name
+    gs_body = api.get(*GS, namespace, ref)
+    if gs_body is None:
+        raise NotYet(f"GearSet {namespace}/{ref} not found")
+    return body, pds, GearSet.model_validate(gs_body)
+
+
+def ensure_gear_sync(
+    api: KubeApi, namespace: str, service: str, role: str, gear: str, settings: Settings | None = None
+) -> list[str]:
+    """Apply the headless Service and StatefulSets of ``gear`` of ``role``; returns the StatefulSet names.
+
+    Raises:
+        NotYet: the PDService or GearSet is missing; KeyError: no such gear in the GearSet.
+    """
+    settings = settings or Settings()
+    with service_lock(namespace, service):
+        body, pds, gs = _context(api, namespace, service, role)
+        g = next((x for x in gs.gears() if x.name == gear), None)
+        if g is None:
+            raise KeyError(
+                f"GearSet {gs.metadata['name']!r} has no gear {gear!r}: {[x.name for x in gs.gears()]}"
+            )
+        cons = gs.spec.plan.constraints if gs.spec.plan else None
+        desire = RoleDesire(
+            role,
+            [g],
+            None,
+            gs.spec.replicas,
+            gs.spec.policy.drain_timeout_s,
+            cons.memory_utilization if cons else 0.9,
+        )
+        objs = gear_objects(service, namespace, pds.spec, desire, g, settings.images, owner_reference(body))
+        for obj in objs:
+            api.apply(obj)
+        emit(
+            api,
+            body,
+            common.REASON_GEAR_ENSURED,
+            f"{role} gear {gear}: {len(objs) - 1} StatefulSet(s) applied",
+        )
+        return [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"]
+
+
+def select_gear_sync(api: KubeApi, namespace: str, service: str, role: str, gear: str) -> None:
+    """Point the role Service ``<pds>-<role>`` at the heads of ``gear`` (switching the role's traffic)."""
+    with service_lock(namespace, service):
+        body, _pds, _gs = _context(api, namespace, service, role)
+        api.apply(build_role_service(service, namespace, role, gear, owner_reference(body)))
+        emit(api, body, common.REASON_GEAR_SELECTED, f"{role} Service now selects gear {gear}")
+
+
+def delete_gear_sync(api: KubeApi, namespace: str, service: str, role: str, gear: str) -> int:
+    """Delete every StatefulSet and the headless Service of ``gear`` of ``role``; returns how many went."""
+    with service_lock(namespace, service):
+        labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: role, names.LABEL_GEAR: gear}
+        n = 0
+        for obj in api.list(*STS, namespace, labels):
+            n += bool(api.delete(*STS, namespace, obj["metadata"]["name"]))
+        n += bool(api.delete(*SVC, namespace, names.gear_headless_service_name(service, role, gear)))
+        body = api.get(*PDS, namespace, service)
+        if body is not None:
+            emit(api, body, common.REASON_GEAR_DELETED, f"{role} gear {gear}: {n} object(s) deleted")
+        return n
+
+
+def services_using(bodies: Iterable[Mapping[str, Any]], gearset: str) -> list[str]:
+    """Names of the PDServices among ``bodies`` whose prefill or decode refers to GearSet ``gearset``."""
+    out = []
+    for b in bodies:
+        spec = b.get("spec") or {}
+        refs = {(spec.get(r) or {}).get("gearSetRef", {}).get("name") for r in names.ROLES}
+        if gearset in refs:
+            out.append(b["metadata"]["name"])
+    return sorted(out)
