@@ -136,9 +136,26 @@ build_go_install() { # name dir version pkg...
   say "$name $version: done"
 }
 
+# kwok's default Stage documents: `gearshift sandbox up` hands them to kwokctl with its own changes
+# (operator/gearshift/sandbox/stages.py), so they must match the kwok that was built.
+copy_kwok_stages() {
+  local dest=$kwok_dir/stages
+  [[ -f $dest/pod-ready.yaml ]] && { say "kwok $KWOK_VERSION stages: cached"; return; }
+  local dir k=kustomize/stage
+  dir=$(cd "$cache" && go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
+  rm -rf "$dest.tmp" && mkdir -p "$dest.tmp"
+  cp "$dir/$k/node/fast/node-initialize.yaml" "$dir/$k/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
+    "$dir/$k/pod/fast/pod-ready.yaml" "$dir/$k/pod/fast/pod-complete.yaml" "$dir/$k/pod/fast/pod-delete.yaml" \
+    "$dest.tmp/"
+  chmod -R u+w "$dest.tmp"
+  rm -rf "$dest" && mv "$dest.tmp" "$dest"
+  say "kwok $KWOK_VERSION: default stages copied"
+}
+
 build_kubernetes
 build_etcd
 build_go_install kwok "$kwok_dir" "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl
+copy_kwok_stages
 build_go_install helm "$helm_dir" "$HELM_VERSION" helm.sh/helm/v3/cmd/helm
 say "all binaries ready"
 echo "$kube_dir:$etcd_dir:$kwok_dir:$helm_dir"
