@@ -128,6 +128,10 @@ class Outcome:
     phase: str = ""
     ready: bool = False
     placed: bool = True
+    auto: bool = False
+    """Some role plans from GPUProfiles (a fleet change may re-plan it)."""
+    nodes: set[str] = field(default_factory=set)
+    """Nodes named by the running gears' stages (a change of one of them concerns this service)."""
 
 
 _plan_cache: OrderedDict[str, list[Gear]] = OrderedDict()
@@ -531,6 +535,8 @@ def _reconcile(
         emit(api, roles[role].gs_body, reason, message, warning)
         emit(api, body, reason, message, warning)
 
+    out.auto = any(rs.gs.spec.mode == "auto" for rs in roles.values())
+    out.nodes = {n for d in desires for g in d.gears for st in g.stages for n in st.nodes}
     owner = owner_reference(body)
     try:
         objs = desired_objects(name, ns, pds.spec, desires, settings.images, owner, settings.prometheus_url)

@@ -1,0 +1,294 @@
+"""kopf handlers of PDServices, and the gear operations the gear executor calls.
+
+Thin: every handler ends in :func:`gearshift.handlers.reconcile.reconcile_service` (run in a thread, the
+``kubernetes`` client being synchronous). What triggers a reconcile:
+
+- the PDService is created, resumed (operator start) or its spec/metadata changes (kopf's create, resume
+  and update causes);
+- a timer every :data:`RETRY_S` while the PDService is not Ready or its status lags its generation (pods
+  rolling out, placement failed, a profile missing);
+- an owned StatefulSet or router Deployment changes (status refresh, debounced);
+- a GearSet's spec changes (:mod:`gearshift.handlers.gearset`);
+- the fleet changes: a Node's readiness, schedulability, GPU count or labels, or a GPUProfile's numbers
+  (debounced; only services that plan from profiles, are not placed/ready, or run on that node).
+
+The async :func:`ensure_gear`, :func:`select_gear` and :func:`delete_gear` are the gear executor's
+(issue 9) way to act on a role's objects; they share the reconciler's per-service lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from gearshift.api.common import GROUP, VERSION
+from gearshift.handlers import metrics
+from gearshift.handlers.kubeapi import KubeApi, KubeApiError, RestKubeApi
+from gearshift.handlers.reconcile import (
+    NotYet,
+    Outcome,
+    Settings,
+    SpecInvalid,
+    delete_gear_sync,
+    ensure_gear_sync,
+    reconcile_service,
+    select_gear_sync,
+)
+from gearshift.k8s import names
+
+log = logging.getLogger(__name__)
+
+PLURAL = "pdservices"
+#: Seconds between retries of a PDService that is not Ready (placement pending, pods rolling out).
+RETRY_S = 10.0
+#: Coalescing window of reconciles triggered by owned-object and fleet events, s.
+DEBOUNCE_S = 1.0
+#: Retry delay after an API error, s.
+API_ERROR_DELAY_S = 5.0
+
+_state_lock = threading.Lock()
+_settings = Settings()
+_api: KubeApi | None = None
+
+
+@dataclass
+class Known:
+    """What the last reconcile of a PDService found (decides which fleet events concern it)."""
+
+    outcome: Outcome
+
+
+_known: dict[tuple[str, str], Known] = {}
+_pending: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+
+def configure(settings: Settings, api: KubeApi | None = None) -> None:
+    """Set the operator-wide settings and, optionally, the API (tests pass a fake)."""
+    global _settings, _api
+    with _state_lock:
+        _settings = settings
+        if api is not None:
+            _api = api
+
+
+def api() -> KubeApi:
+    """The API the handlers use: the configured one, else a REST client from the kubeconfig/in-cluster."""
+    global _api
+    with _state_lock:
+        if _api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            _api = RestKubeApi(client.ApiClient())
+        return _api
+
+
+def known_services() -> dict[tuple[str, str], Outcome]:
+    """The last outcome per ``(namespace, name)`` (a copy)."""
+    with _state_lock:
+        return {k: v.outcome for k, v in _known.items()}
+
+
+def _record(namespace: str, name: str, outcome: Outcome | None) -> None:
+    with _state_lock:
+        if outcome is None or outcome.phase in ("Deleted", "Deleting"):
+            _known.pop((namespace, name), None)
+        else:
+            _known[(namespace, name)] = Known(outcome)
+        phases: dict[str, int] = {}
+        for k in _known.values():
+            phases[k.outcome.phase] = phases.get(k.outcome.phase, 0) + 1
+    for phase in ("Pending", "Progressing", "Ready", "Degraded", "Failed"):
+        metrics.SERVICES.labels(phase).set(phases.get(phase, 0))
+
+
+def run_reconcile(namespace: str, name: str, body: Mapping[str, Any] | None = None) -> Outcome:
+    """Reconcile one PDService with metrics; kopf-independent errors propagate (see :mod:`reconcile`)."""
+    start = time.perf_counter()
+    try:
+        out = reconcile_service(api(), namespace, name, _settings, body)
+    except SpecInvalid:
+        metrics.RECONCILES.labels("PDService", "invalid").inc()
+        _record(namespace, name, Outcome(phase="Failed"))
+        raise
+    except NotYet:
+        metrics.RECONCILES.labels("PDService", "waiting").inc()
+        _record(namespace, name, Outcome(phase="Pending", placed=False))
+        raise
+    except Exception as exc:
+        metrics.RECONCILES.labels("PDService", "error").inc()
+        metrics.ERRORS.labels("PDService", type(exc).__name__).inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.labels("PDService").observe(time.perf_counter() - start)
+    metrics.RECONCILES.labels("PDService", "ok").inc()
+    metrics.APPLIED.labels("PDService").inc(out.applied)
+    _record(namespace, name, out)
+    return out
+
+
+def _kopf_errors(namespace: str, name: str, body: Mapping[str, Any] | None) -> Outcome:
+    """Run a reconcile, turning the reconciler's errors into kopf's (permanent vs retry)."""
+    try:
+        return run_reconcile(namespace, name, body)
+    except SpecInvalid as exc:
+        raise kopf.PermanentError(str(exc)) from None
+    except NotYet as exc:
+        raise kopf.TemporaryError(str(exc), delay=exc.delay) from None
+    except KubeApiError as exc:
+        raise kopf.TemporaryError(str(exc), delay=API_ERROR_DELAY_S) from None
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """Reconcile on create, resume and spec/metadata updates; returns a short summary for kopf's log."""
+    out = _kopf_errors(namespace, name, body)
+    return {"phase": out.phase, "applied": out.applied, "deleted": out.deleted}
+
+
+def _needs_attention(body: kopf.Body, **_: Any) -> bool:
+    status = body.get("status") or {}
+    return status.get("phase") != "Ready" or status.get("observedGeneration") != body.get("metadata", {}).get(
+        "generation"
+    )
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_S, initial_delay=RETRY_S, when=_needs_attention)
+def pdservice_retry(namespace: str, name: str, **_: Any) -> None:
+    """Retry a PDService that is not Ready yet (placement pending, pods rolling out, profiles missing)."""
+    try:
+        run_reconcile(namespace, name)
+    except (SpecInvalid, NotYet, KubeApiError) as exc:
+        log.info("PDService %s/%s: %s", namespace, name, exc)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def pdservice_forget(namespace: str, name: str, type: str | None, **_: Any) -> None:
+    """Drop a deleted PDService from the known set (its objects go with it through owner references)."""
+    if type == "DELETED":
+        _record(namespace, name, None)
+
+
+# --- debounced triggers ------------------------------------------------------------------------------
+async def _later(namespace: str, name: str, delay: float) -> None:
+    try:
+        await asyncio.sleep(delay)
+    finally:
+        _pending.pop((namespace, name), None)
+    try:
+        await asyncio.to_thread(run_reconcile, namespace, name)
+    except (SpecInvalid, NotYet, KubeApiError) as exc:
+        log.info("PDService %s/%s: %s", namespace, name, exc)
+    except Exception:
+        log.exception("reconcile of PDService %s/%s failed", namespace, name)
+
+
+def poke(namespace: str, name: str, delay: float = DEBOUNCE_S) -> bool:
+    """Schedule a reconcile of one PDService in ``delay`` s unless one is already scheduled.
+
+    Must run in the event loop (kopf's). Returns True when a new reconcile was scheduled.
+    """
+    key = (namespace, name)
+    task = _pending.get(key)
+    if task is not None and not task.done():
+        return False
+    _pending[key] = asyncio.get_running_loop().create_task(_later(namespace, name, delay))
+    return True
+
+
+@kopf.on.event("apps", "v1", "statefulsets", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})
+@kopf.on.event("apps", "v1", "deployments", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})
+async def owned_changed(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+    """An owned StatefulSet or Deployment changed (pods became ready, a rollout moved): refresh status."""
+    service = labels.get(names.LABEL_SERVICE)
+    if service and namespace:
+        poke(namespace, service)
+
+
+_node_prints: dict[str, tuple[Any, ...]] = {}
+_profile_prints: dict[str, str] = {}
+
+
+def node_fingerprint(node: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What about a node matters to placement: readiness, schedulability, GPU count, gearshift labels."""
+    from gearshift.planner_input import node_gpus, node_ready
+
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    mine = tuple(sorted((k, v) for k, v in labels.items() if k.startswith(names.DOMAIN)))
+    return (node_ready(node), node_gpus(node), mine)
+
+
+def fleet_concerns(outcome: Outcome, node: str | None) -> bool:
+    """Whether a change of ``node`` (None: of some GPUProfile) may change this service's reconcile."""
+    return (
+        outcome.auto
+        or not outcome.placed
+        or not outcome.ready
+        or (node is not None and node in outcome.nodes)
+    )
+
+
+def _fleet_changed(node: str | None) -> None:
+    for (ns, name), out in known_services().items():
+        if fleet_concerns(out, node):
+            poke(ns, name, delay=2 * DEBOUNCE_S)
+
+
+@kopf.on.event("", "v1", "nodes")
+async def fleet_node_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
+    """A node appeared, went, or changed readiness/GPUs/labels: reconcile the services it concerns."""
+    if type == "DELETED":
+        if _node_prints.pop(name, None) is not None:
+            _fleet_changed(name)
+        return
+    fp = node_fingerprint(body)
+    if _node_prints.get(name) != fp:
+        first = name not in _node_prints
+        _node_prints[name] = fp
+        if not first or known_services():
+            _fleet_changed(name)
+
+
+@kopf.on.event(GROUP, VERSION, "gpuprofiles")
+async def fleet_profile_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
+    """A GPUProfile's numbers changed (a probe finished, an override): services planning on it re-plan."""
+    from gearshift.planner_input import inputs_hash
+
+    fp = (
+        "" if type == "DELETED" else inputs_hash(dict(body.get("spec") or {}), dict(body.get("status") or {}))
+    )
+    if _profile_prints.get(name) != fp:
+        _profile_prints[name] = fp
+        _fleet_changed(None)
+
+
+# --- the gear executor's API -------------------------------------------------------------------------
+async def ensure_gear(namespace: str, service: str, role: str, gear: str) -> list[str]:
+    """Create or update the StatefulSets and headless Service of ``gear`` of ``role`` (e.g. a shadow).
+
+    Returns the StatefulSet names. Raises NotYet (PDService/GearSet missing), KeyError (no such gear),
+    KubeApiError.
+    """
+    return await asyncio.to_thread(ensure_gear_sync, api(), namespace, service, role, gear, _settings)
+
+
+async def select_gear(namespace: str, service: str, role: str, gear: str) -> None:
+    """Point the role Service at ``gear``'s head pods (traffic moves as the EndpointSlices follow)."""
+    await asyncio.to_thread(select_gear_sync, api(), namespace, service, role, gear)
+
+
+async def delete_gear(namespace: str, service: str, role: str, gear: str) -> int:
+    """Delete ``gear``'s StatefulSets and headless Service; returns how many objects went."""
+    return await asyncio.to_thread(delete_gear_sync, api(), namespace, service, role, gear)

@@ -1,0 +1,171 @@
+"""``gearshift operator``: run the gearshift operator (kopf, in-process) against a cluster.
+
+Credentials: ``--kubeconfig`` (also exported as ``KUBECONFIG`` so every client in the process agrees),
+else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config`` (kopf's and the kubernetes client's own order).
+Scope: ``--namespace`` (repeatable, globs allowed as kopf allows them) or every namespace.
+Health: kopf's liveness endpoint ``http://<probe-host>:<probe-port>/healthz`` (answers once the operator
+runs; the chart uses it for liveness and readiness). Metrics: the operator's own Prometheus metrics
+(:mod:`gearshift.handlers.metrics`) on ``--metrics-port``. High availability: ``--peering NAME`` runs
+kopf's peering so that of several replicas only the highest-priority one handles resources (needs kopf's
+``KopfPeering``/``ClusterKopfPeering`` CRDs, installed by the chart); ``--standalone`` (default) skips it.
+
+kopf's finalizer and bookkeeping annotations live under the ``gearshift.io`` domain
+(``gearshift.io/finalizer``, ``gearshift.io/last-handled-configuration``, ``gearshift.io/<handler>``),
+as Twingate's operator does in its startup handler, rather than under ``kopf.zalando.org``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+#: Handler modules the operator loads; each registers its kopf handlers on import. Other features add a
+#: line here.
+HANDLER_MODULES: tuple[str, ...] = (
+    "gearshift.handlers.pdservice",
+    "gearshift.handlers.gearset",
+    "gearshift.handlers.nodes",
+    "gearshift.handlers.gpuprofile",
+)
+
+DOMAIN = "gearshift.io"
+FINALIZER = f"{DOMAIN}/finalizer"
+
+log = logging.getLogger("gearshift.operator")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``gearshift operator`` to the CLI."""
+    p = sub.add_parser("operator", help="run the gearshift operator (kopf) against a cluster")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The operator's flags."""
+    env = os.environ.get
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else $KUBECONFIG)"
+    )
+    p.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="namespace to watch (repeatable; default: all namespaces)",
+    )
+    peer = p.add_mutually_exclusive_group()
+    peer.add_argument("--peering", metavar="NAME", default=None, help="kopf peering object (active/standby)")
+    peer.add_argument("--standalone", action="store_true", help="no peering (the default without --peering)")
+    p.add_argument("--priority", type=int, default=0, help="peering priority (the highest one is active)")
+    p.add_argument(
+        "--probe-host", default=env("GEARSHIFT_PROBE_HOST", "127.0.0.1"), help="health endpoint host"
+    )
+    p.add_argument("--probe-port", type=int, default=8080, help="health endpoint port (/healthz); 0 disables")
+    p.add_argument("--metrics-host", default=env("GEARSHIFT_METRICS_HOST", "127.0.0.1"))
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port; 0 disables")
+    p.add_argument("--prometheus-url", default=env("GEARSHIFT_PROMETHEUS_URL"), help="Prometheus for signals")
+    p.add_argument(
+        "--vllm-image", default=None, help="engine image for engine: vllm when a PDService names none"
+    )
+    p.add_argument(
+        "--sim-image", default=None, help="engine image for engine: sim when a PDService names none"
+    )
+    p.add_argument("--router-image", default=None, help="router image when a PDService names none")
+    p.add_argument(
+        "--disable",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="skip a handler module (e.g. gearshift.handlers.gpuprofile); repeatable",
+    )
+    p.add_argument("--workers", type=int, default=8, help="threads for synchronous handlers")
+    p.add_argument("--log-level", default=env("GEARSHIFT_LOG_LEVEL", "INFO"))
+
+
+def load_handlers(disabled: list[str]) -> list[str]:
+    """Import the handler modules (registering their handlers); returns those loaded.
+
+    Raises:
+        SystemExit: a ``--disable`` names no known module (a typo would silently keep it on).
+    """
+    unknown = sorted(set(disabled) - set(HANDLER_MODULES))
+    if unknown:
+        raise SystemExit(
+            f"--disable {', '.join(unknown)}: not a handler module; known: {', '.join(HANDLER_MODULES)}"
+        )
+    loaded = []
+    for name in HANDLER_MODULES:
+        if name in disabled:
+            continue
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # A feature whose handlers are not built yet must not stop the others.
+            if exc.name == name:
+                log.warning("handler module %s not found; skipped", name)
+                continue
+            raise
+        loaded.append(name)
+    return loaded
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the operator until interrupted; returns the exit code."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
+
+    import kopf
+
+    from gearshift.handlers import pdservice
+    from gearshift.handlers.reconcile import Settings
+    from gearshift.k8s.desired import Images
+
+    images = Images()
+    images = Images(
+        vllm=args.vllm_image or images.vllm, sim=args.sim_image or images.sim, router=args.router_image
+    )
+    pdservice.configure(Settings(images=images, prometheus_url=args.prometheus_url))
+    loaded = load_handlers(args.disable)
+    log.info("handler modules: %s", ", ".join(loaded))
+
+    @kopf.on.startup()
+    def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=DOMAIN, key="last-handled-configuration"
+        )
+        # Our own events say what happened; kopf's per-handler events would double them.
+        settings.posting.level = logging.WARNING
+        settings.execution.max_workers = args.workers
+        # Server-side watch timeouts keep watches from hanging silently on a dropped connection
+        # (kopf docs, "Configuration: API timeouts"; nolar/kopf#232).
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.peering.priority = args.priority
+        if args.peering:
+            settings.peering.name = args.peering
+            settings.peering.mandatory = True
+
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
+    liveness = f"http://{args.probe_host}:{args.probe_port}/healthz" if args.probe_port else None
+    kopf.run(
+        standalone=not args.peering,
+        peering_name=args.peering,
+        priority=args.priority,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=liveness,
+    )
+    return 0
