@@ -35,6 +35,11 @@ ANNOTATION_AVAILABLE_UNTIL = f"{DOMAIN}/available-until"
 #: On a pod: run its container as a local process in the sandbox (the local pod runner).
 LABEL_SANDBOX_RUN = f"{DOMAIN}/sandbox-run"
 
+#: On a probe Job and its pods: the node measured (a label value; see ``probe_node_label_value``).
+LABEL_PROBE_NODE = f"{DOMAIN}/probe-node"
+#: On a probe Job: the full node name (node names may exceed a label value's 63 characters).
+ANNOTATION_PROBE_NODE = f"{DOMAIN}/probe-node"
+
 #: Component values.
 COMPONENT_ENGINE = "engine"
 COMPONENT_ROUTER = "router"
