@@ -284,3 +284,50 @@ def gear_links(gear: ApiGear, profile: planner.Profile) -> list[dict[str, float]
             return None
         out.append({"gbps": link.bandwidth_gbps, "latencyUs": link.latency_us})
     return out
+
+
+def datasheet_gpuprofile(node: Mapping[str, Any]) -> dict[str, Any]:
+    """A GPUProfile body (spec and status) for a GPU node from datasheet figures alone, ``source: datasheet``.
+
+    For planning before any probe has run (tests, sandboxes without the probe): GPU model from the
+    ``gearshift.io/gpu-model`` label or annotation, else ``nvidia.com/gpu.product``; GPU count from
+    ``nvidia.com/gpu.count`` (else allocatable ``nvidia.com/gpu``); memory and compute from
+    :mod:`gearshift.gpus`.
+
+    Raises:
+        ValueError: the node names no GPU model gearshift knows.
+    """
+    meta = node.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    ann = meta.get("annotations") or {}
+    raw = labels.get(NODE_GPU_MODEL) or ann.get(NODE_GPU_MODEL) or labels.get("nvidia.com/gpu.product", "")
+    try:
+        spec = gpu_spec(str(raw))
+    except UnknownGPUError as exc:
+        raise ValueError(f"node {meta.get('name')!r}: {exc.args[0]}") from None
+    # Physical cards: GPU feature discovery's count label; allocatable may count time-sliced replicas.
+    try:
+        count = int(labels["nvidia.com/gpu.count"])
+    except (KeyError, ValueError):
+        count = max(node_gpus(node), 1)
+    score = compute_score(spec.model) * count * (TP_EFFICIENCY if count > 1 else 1.0)
+    name = str(meta.get("name"))
+    return {
+        "apiVersion": "gearshift.io/v1alpha1",
+        "kind": "GPUProfile",
+        "metadata": {"name": name},
+        "spec": {"nodeName": name},
+        "status": {
+            "phase": "Ready",
+            "source": "datasheet",
+            "gpuModel": spec.model,
+            "gpuProduct": spec.product,
+            "gpuCount": count,
+            "memoryGiB": spec.memory_gib,
+            "computeScore": round(score, 6),
+            "matmulTflops": spec.bf16_tflops,
+            "hbmGBps": spec.hbm_gbps,
+            "maxMicroBatch": max_micro_batch(spec.memory_gib),
+            "generation": spec.generation,
+        },
+    }
