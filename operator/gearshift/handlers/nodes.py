@@ -1,0 +1,120 @@
+"""kopf handlers on Nodes: index the GPU nodes and give each one a GPUProfile named after it.
+
+GPU nodes are those with ``nvidia.com/gpu`` capacity that match ``GEARSHIFT_GPU_NODE_SELECTOR``
+(:class:`gearshift.probe_lifecycle.ProbeSettings`). Probing itself, staleness and labels are the
+GPUProfile timer's (:mod:`gearshift.handlers.gpuprofile`), which reads the ``gpu_nodes`` index kept here;
+these handlers only watch, so nothing is written onto a node except the profile labels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+import kopf
+
+from gearshift.api.common import API_VERSION, GROUP, VERSION
+from gearshift.probe_lifecycle import ProbeSettings, SettingsError
+from gearshift.profiles import NodeView, node_view, parse_selector
+
+PLURAL = "gpuprofiles"
+
+_lock = threading.Lock()
+_settings: ProbeSettings | None = None
+#: Nodes whose GPUProfile is known to exist; saves a create call on every node heartbeat.
+_ensured: set[str] = set()
+
+
+def configure(settings: ProbeSettings) -> None:
+    """Set the profiling settings (``gearshift operator`` calls this; else the startup handler reads env)."""
+    global _settings
+    with _lock:
+        _settings = settings
+
+
+def settings() -> ProbeSettings:
+    """The profiling settings in force (from the environment unless :func:`configure` set them)."""
+    global _settings
+    with _lock:
+        if _settings is None:
+            _settings = ProbeSettings.from_env(os.environ)
+        return _settings
+
+
+@functools.cache
+def _selector(text: str) -> tuple[Any, ...]:
+    return parse_selector(text)
+
+
+@functools.cache
+def api_client() -> Any:
+    """A ``kubernetes.client.ApiClient``: in-cluster credentials, else ``$KUBECONFIG`` (or ~/.kube/config)."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+@kopf.on.startup()
+def nodes_startup(logger: Any, **_: Any) -> None:
+    """Read and check the settings before any handler runs; a bad value stops the operator, named."""
+    try:
+        s = settings()
+    except SettingsError as exc:
+        raise kopf.PermanentError(str(exc)) from None
+    logger.info(
+        "GPU profiling: probe Jobs in %s (image %s, sandbox %s), selector %r, re-probe every %g s",
+        s.job.namespace,
+        s.job.image,
+        s.job.sandbox,
+        s.node_selector,
+        s.reprobe_interval_s,
+    )
+
+
+@kopf.index("", "v1", "nodes")
+def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView] | None:
+    """Index ``node name → NodeView`` of every GPU node (others are not indexed)."""
+    view = node_view(body, _selector(settings().node_selector))
+    return {name: view} if view is not None else None
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_event(type: str | None, name: str, body: kopf.Body, logger: Any, **_: Any) -> None:
+    """Ensure a GPUProfile exists for every GPU node (created once; the timer does the rest)."""
+    if type == "DELETED":
+        # The profile stays: its timer marks it Stale; a node that comes back is re-probed.
+        return
+    if node_view(body, _selector(settings().node_selector)) is None or name in _ensured:
+        return
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    api = client.CustomObjectsApi(api_client())
+    manifest = {
+        "apiVersion": API_VERSION,
+        "kind": "GPUProfile",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "gearshift"}},
+        "spec": {"nodeName": name},
+    }
+    try:
+        api.create_cluster_custom_object(GROUP, VERSION, PLURAL, manifest)
+        logger.info("created GPUProfile %s for GPU node %s", name, name)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise kopf.TemporaryError(
+                f"cannot create GPUProfile {name}: {exc.status} {exc.reason}", delay=5
+            ) from None
+    _ensured.add(name)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def gpuprofile_event_forget(type: str | None, name: str, **_: Any) -> None:
+    """A deleted GPUProfile of an existing GPU node is created again on the node's next event."""
+    if type == "DELETED":
+        _ensured.discard(name)
