@@ -119,7 +119,7 @@ def role_candidates(
         if any(labels.get(k) != v for k, v in c.node_selector.items()):
             continue
         eff = usable_profile(profiles[name]) if name in profiles else None
-        model = eff.gpu_model if eff else labels.get(NODE_GPU_MODEL)
+        model = eff.gpu_model if eff else _label_model(meta)
         if c.gpu_models and model not in c.gpu_models:
             continue
         if eff is None or eff.gpu_model is None:
@@ -127,6 +127,19 @@ def role_candidates(
             continue
         out[name] = eff.gpu_model
     return Candidates(dict(sorted(out.items())), tuple(sorted(missing)))
+
+
+def _label_model(meta: Mapping[str, Any]) -> str | None:
+    """GPU model of a node without a usable profile: gearshift's label or annotation, else GFD's product."""
+    labels = meta.get("labels") or {}
+    raw = labels.get(NODE_GPU_MODEL) or (meta.get("annotations") or {}).get(NODE_GPU_MODEL)
+    raw = raw or labels.get("nvidia.com/gpu.product")
+    if not raw:
+        return None
+    try:
+        return gpu_spec(str(raw)).model
+    except UnknownGPUError:
+        return str(raw)
 
 
 def _link_fallback(node: Mapping[str, Any] | None) -> tuple[float, float] | None:

@@ -1,0 +1,415 @@
+"""The PDService reconciler over an in-memory API (idempotence, planning, placement failures, gear ops),
+and the GPUProfile -> planner adapter."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gearshift import planner
+from gearshift.fleet import load_fleet
+from gearshift.handlers import reconcile as rec
+from gearshift.k8s import names
+from gearshift.planner_input import (
+    datasheet_gpuprofile,
+    initial_gear,
+    resource_profile,
+    role_candidates,
+)
+from gearshift.sandbox.nodes import sandbox_nodes
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "ns1"
+
+
+class FakeApi:
+    """In-memory API server: apply replaces the object's non-status content and bumps resourceVersion only
+    when it changed (as server-side apply does), status patches merge, deletes remove."""
+
+    def __init__(self) -> None:
+        self.store: dict[tuple[str, str, str | None, str], dict[str, Any]] = {}
+        self.rv = itertools.count(1)
+        self.events: list[dict[str, Any]] = []
+        self.applies = 0
+
+    def _key(
+        self, api_version: str, kind: str, ns: str | None, name: str
+    ) -> tuple[str, str, str | None, str]:
+        cluster = kind in ("Node", "GPUProfile")
+        return (api_version, kind, None if cluster else ns, name)
+
+    def put(self, obj: dict[str, Any], ns: str | None = None) -> dict[str, Any]:
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        if ns and obj["kind"] not in ("Node", "GPUProfile"):
+            meta["namespace"] = ns
+        meta.setdefault("uid", f"uid-{meta['name']}")
+        meta.setdefault("generation", 1)
+        meta["resourceVersion"] = str(next(self.rv))
+        self.store[self._key(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])] = obj
+        return obj
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        o = self.store.get(self._key(api_version, kind, namespace, name))
+        return copy.deepcopy(o) if o else None
+
+    def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        out = []
+        for (av, k, ns, _), o in self.store.items():
+            if av != api_version or k != kind or (namespace and ns != namespace):
+                continue
+            ol = o["metadata"].get("labels") or {}
+            if all(ol.get(a) == b for a, b in (labels or {}).items()):
+                out.append(copy.deepcopy(o))
+        return out
+
+    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        self.applies += 1
+        m = copy.deepcopy(dict(manifest))
+        key = self._key(m["apiVersion"], m["kind"], m["metadata"].get("namespace"), m["metadata"]["name"])
+        old = self.store.get(key)
+        if old is not None:
+            content = {k: v for k, v in old.items() if k != "status"}
+            meta = {
+                k: v
+                for k, v in content["metadata"].items()
+                if k not in ("resourceVersion", "uid", "generation")
+            }
+            if {**content, "metadata": meta} == m:
+                return copy.deepcopy(old)
+            m["metadata"].update(uid=old["metadata"]["uid"], generation=old["metadata"]["generation"] + 1)
+            if "status" in old:
+                m["status"] = old["status"]
+        m["metadata"].setdefault("uid", f"uid-{m['metadata']['name']}")
+        m["metadata"].setdefault("generation", 1)
+        m["metadata"]["resourceVersion"] = str(next(self.rv))
+        self.store[key] = m
+        return copy.deepcopy(m)
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        return self.store.pop(self._key(api_version, kind, namespace, name), None) is not None
+
+    def patch_status(
+        self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        o = self.store[self._key(api_version, kind, namespace, name)]
+        st = o.setdefault("status", {})
+        for k, v in status.items():
+            if v is None:
+                st.pop(k, None)
+            else:
+                st[k] = copy.deepcopy(v)
+        o["metadata"]["resourceVersion"] = str(next(self.rv))
+        return copy.deepcopy(o)
+
+    def create_event(self, event: Mapping[str, Any]) -> None:
+        self.events.append(dict(event))
+
+    # helpers
+    def sts(self) -> dict[str, dict[str, Any]]:
+        return {o["metadata"]["name"]: o for o in self.list("apps/v1", "StatefulSet", NS)}
+
+    def rvs(self) -> dict[tuple[str, str], str]:
+        return {
+            (k[1], k[3]): o["metadata"]["resourceVersion"]
+            for k, o in self.store.items()
+            if k[1] not in ("PDService", "GearSet")
+        }
+
+
+def _example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())
+
+
+def fleet_nodes() -> list[dict[str, Any]]:
+    nodes = []
+    for n in sandbox_nodes(load_fleet(ROOT / "examples" / "fleet-mixed.yaml"), 77):
+        n["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+        model = n["metadata"]["annotations"].get(names.NODE_GPU_MODEL)
+        if model:  # the label profiling writes (the probe operator's job)
+            n["metadata"]["labels"][names.NODE_GPU_MODEL] = model
+        nodes.append(n)
+    return nodes
+
+
+@pytest.fixture
+def api() -> FakeApi:
+    a = FakeApi()
+    for n in fleet_nodes():
+        a.put(n)
+        if n["status"]["allocatable"].get("nvidia.com/gpu"):
+            a.put(datasheet_gpuprofile(n))
+    a.put(_example("pdservice-llama3-8b.yaml"), NS)
+    a.put(_example("gearset-explicit.yaml"), NS)
+    a.put(_example("gearset-auto.yaml"), NS)
+    return a
+
+
+def reconcile(api: FakeApi) -> rec.Outcome:
+    return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
+
+
+class TestAdapter:
+    def test_profile_from_gpuprofiles(self) -> None:
+        nodes = {n["metadata"]["name"]: n for n in fleet_nodes()}
+        profiles = {n: datasheet_gpuprofile(b) for n, b in nodes.items() if not n.startswith("cpu")}
+        doc = resource_profile(["gpu-h100-0", "gpu-a10-1"], profiles, nodes, memory_utilization=0.9)
+        by = {x["node_id"]: x for x in doc["nodes"]}
+        assert by["gpu-h100-0"]["memory_gb"] == pytest.approx(80 * 0.9)
+        assert by["gpu-a10-1"]["compute_score"] == pytest.approx(125 / 989, rel=1e-5)
+        # no measured link: the slower NIC annotation (A10 node: 25 Gb/s) stands in
+        assert by["gpu-h100-0"]["interconnect"]["gpu-a10-1"] == {"bandwidth_gbps": 25.0, "latency_us": 10.0}
+        prof = planner.parse_profile(doc)  # the planner accepts it
+        assert prof.link("gpu-a10-1", "gpu-h100-0").bandwidth_gbps == 25.0
+
+    def test_measured_link_and_override_win(self) -> None:
+        nodes = {n["metadata"]["name"]: n for n in fleet_nodes()}
+        profiles = {n: datasheet_gpuprofile(nodes[n]) for n in ("gpu-h100-0", "gpu-h100-1")}
+        profiles["gpu-h100-0"]["status"]["interconnect"] = [
+            {"peer": "gpu-h100-1", "bandwidthGbps": 180.0, "latencyUs": 4.0}
+        ]
+        profiles["gpu-h100-1"]["spec"]["override"] = {"memoryGiB": 40}
+        doc = resource_profile(profiles, profiles, nodes, memory_utilization=1.0)
+        by = {x["node_id"]: x for x in doc["nodes"]}
+        assert by["gpu-h100-0"]["interconnect"] == {
+            "gpu-h100-1": {"bandwidth_gbps": 180.0, "latency_us": 4.0}
+        }
+        assert "gpu-h100-0" not in by["gpu-h100-1"]["interconnect"]  # measured by the other end: no fallback
+        assert by["gpu-h100-1"]["memory_gb"] == 40
+
+    def test_candidates_constraints_and_missing_profiles(self) -> None:
+        from gearshift.api.gearset import PlanConstraints
+
+        nodes = fleet_nodes()
+        profiles = {
+            n["metadata"]["name"]: datasheet_gpuprofile(n)
+            for n in nodes
+            if n["status"]["allocatable"].get("nvidia.com/gpu")
+        }
+        del profiles["gpu-a10-3"]
+        profiles["gpu-a100-1"]["status"]["phase"] = "Stale"
+        cons = PlanConstraints.model_validate(
+            {"gpuModels": ["H100-80GB", "A10-24GB", "A100-40GB"], "excludeNodes": ["gpu-h100-1"]}
+        )
+        c = role_candidates(cons, nodes, profiles)
+        assert set(c.nodes) == {"gpu-h100-0", "gpu-a100-0", "gpu-a10-0", "gpu-a10-1", "gpu-a10-2"}
+        assert c.missing_profile == ("gpu-a10-3", "gpu-a100-1")
+        assert "gpu-a10-3" not in c.nodes and "gpu-t4-0" not in c.nodes
+
+    def test_initial_gear(self) -> None:
+        from gearshift.api.gearset import Gear
+
+        g = [
+            Gear.model_validate({"name": n, "stages": [{"layers": [0, 4]}], "qpsRange": r})
+            for n, r in (("a", [5, 9]), ("b", [0, 5]))
+        ]
+        assert initial_gear(g, None) == "b"
+        assert initial_gear(g, "a") == "a"
+        assert initial_gear(g, "zzz") == "b"
+
+
+class TestReconcile:
+    def test_creates_placed_objects_and_plans_auto(self, api: FakeApi) -> None:
+        out = reconcile(api)
+        assert out.applied > 0 and out.planned == ["decode"]
+        sts = api.sts()
+        # prefill: explicit, initialGear balanced -> 4 stages on the named nodes
+        pre = [n for n in sts if n.startswith("llama3-8b-prefill-")]
+        assert sorted(pre) == [f"llama3-8b-prefill-balanced-s{k}" for k in range(4)]
+        # decode: the planner's gears, on the decode share of the fleet split
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+        planned = gs["status"]["plannedGears"]
+        assert [g["name"] for g in planned] == ["latency", "balanced", "throughput"]
+        active = gs["status"]["activeGear"]
+        gear = next(g for g in planned if g["name"] == active)
+        dec = sorted(n for n in sts if n.startswith("llama3-8b-decode-"))
+        assert dec == [f"llama3-8b-decode-{active}-s{k}" for k in range(len(gear["stages"]))]
+        decode_nodes = {n for g in planned for s in g["stages"] for n in s["nodes"]}
+        # fleet split: H100s, A100s and A10s shared with the explicit prefill pool; decode gets the
+        # second half of each model by name
+        assert decode_nodes <= {"gpu-h100-1", "gpu-a100-1", "gpu-a10-2", "gpu-a10-3"}
+        # the plan equals the planner run on the same split (independent call)
+        profs = {o["metadata"]["name"]: o for o in api.list("gearshift.io/v1alpha1", "GPUProfile")}
+        nodes = {o["metadata"]["name"]: o for o in api.list("v1", "Node")}
+        doc = resource_profile(["gpu-h100-1", "gpu-a100-1", "gpu-a10-2", "gpu-a10-3"], profs, nodes, 0.9)
+        from gearshift.api.pdservice import PDService
+
+        arch = PDService.model_validate(api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")).spec
+        want = planner.plan(
+            planner.parse_profile(doc),
+            planner.RooflineCostModel(arch.model.to_model_arch()),
+            sim_requests=200,
+        )
+        assert [[list(s.nodes) for s in g.stages] for g in want.gears] == [
+            [s["nodes"] for s in g["stages"]] for g in planned
+        ]
+        role_svc = api.get("v1", "Service", NS, "llama3-8b-decode")
+        assert role_svc["spec"]["selector"][names.LABEL_GEAR] == active
+        assert role_svc["spec"]["selector"][names.LABEL_STAGE] == "0"
+        st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+        assert st["prefill"]["activeGear"] == "balanced" and st["observedGeneration"] == 1
+        conds = {c["type"]: c for c in st["conditions"]}
+        assert conds["Placed"]["status"] == "True" and conds["Ready"]["status"] == "False"
+        assert any(e["reason"] == "Planned" for e in api.events)
+
+    def test_twice_changes_nothing(self, api: FakeApi) -> None:
+        reconcile(api)
+        before = api.rvs()
+        status_before = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["metadata"][
+            "resourceVersion"
+        ]
+        n_events = len(api.events)
+        out = reconcile(api)
+        assert api.rvs() == before and out.planned == [] and out.deleted == 0
+        assert (
+            api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["metadata"]["resourceVersion"]
+            == status_before
+        )
+        assert len(api.events) == n_events
+
+    def test_spec_edit_patches_only_what_changed(self, api: FakeApi) -> None:
+        reconcile(api)
+        before = api.rvs()
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        gs["spec"]["gears"][1]["stages"][3]["nodes"] = ["gpu-a10-0"]  # balanced, stage 3 moves
+        gs["spec"]["gears"][1]["stages"][3]["gpuModel"] = "A10-24GB"
+        api.put(gs, NS)
+        reconcile(api)
+        after = api.rvs()
+        changed = {k for k in after if before.get(k) != after[k]}
+        # the pipeline description (env) changes on every stage of the gear; nothing else moves
+        assert changed == {("StatefulSet", f"llama3-8b-prefill-balanced-s{k}") for k in range(4)}
+        aff = api.sts()["llama3-8b-prefill-balanced-s3"]["spec"]["template"]["spec"]["affinity"]
+        assert aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+            "matchExpressions"
+        ][0]["values"] == ["gpu-a10-0"]
+
+    def test_switching_initial_gear_deletes_the_old_gear(self, api: FakeApi) -> None:
+        reconcile(api)
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        gs["spec"]["gears"] = [g for g in gs["spec"]["gears"] if g["name"] != "balanced"]
+        gs["spec"]["initialGear"] = "throughput"
+        api.put(gs, NS)
+        out = reconcile(api)
+        pre = sorted(n for n in api.sts() if n.startswith("llama3-8b-prefill-"))
+        assert pre == sorted(f"llama3-8b-prefill-throughput-s{k}" for k in range(8))
+        assert out.deleted == 5  # 4 StatefulSets + the headless Service of the balanced gear
+        assert (
+            api.get("v1", "Service", NS, "llama3-8b-prefill")["spec"]["selector"][names.LABEL_GEAR]
+            == "throughput"
+        )
+
+    def test_missing_gearset_waits(self, api: FakeApi) -> None:
+        api.delete("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+        with pytest.raises(rec.NotYet, match="llama3-8b-decode"):
+            reconcile(api)
+        st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+        placed = next(c for c in st["conditions"] if c["type"] == "Placed")
+        assert placed["status"] == "False" and placed["reason"] == "GearSetMissing"
+        assert api.sts() == {}
+
+    def test_gearset_of_other_service_is_permanent(self, api: FakeApi) -> None:
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+        gs["spec"]["serviceName"] = "other"
+        api.put(gs, NS)
+        with pytest.raises(rec.SpecInvalid, match=r"spec\.serviceName: llama3-8b"):
+            reconcile(api)
+
+    def test_lost_node_keeps_serving_objects_and_reports(self, api: FakeApi) -> None:
+        reconcile(api)
+        before = api.rvs()
+        node = api.get("v1", "Node", None, "gpu-a100-0")
+        node["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+        api.put(node)
+        reconcile(api)
+        after = api.rvs()
+        pre = {k: v for k, v in after.items() if k[1].startswith("llama3-8b-prefill-balanced")}
+        assert pre == {k: v for k, v in before.items() if k[1].startswith("llama3-8b-prefill-balanced")}
+        st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+        conds = {c["type"]: c for c in st["conditions"]}
+        assert conds["Placed"]["status"] == "False" and "gpu-a100-0" in conds["Placed"]["message"]
+        assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "NodeLost"
+        assert st["phase"] == "Degraded"
+
+    def test_auto_role_replans_without_lost_node(self, api: FakeApi) -> None:
+        reconcile(api)
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+        used = {n for g in gs["status"]["plannedGears"] for s in g["stages"] for n in s["nodes"]}
+        victim = sorted(used)[0]
+        api.delete("v1", "Node", None, victim)
+        out = reconcile(api)
+        assert out.planned == ["decode"]
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+        now_used = {n for g in gs["status"]["plannedGears"] for s in g["stages"] for n in s["nodes"]}
+        assert victim not in now_used and now_used
+
+    def test_shift_in_flight_is_left_to_the_executor(self, api: FakeApi) -> None:
+        reconcile(api)
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        api.patch_status(
+            "gearshift.io/v1alpha1",
+            "GearSet",
+            NS,
+            "llama3-8b-prefill",
+            {
+                "executor": {"step": "Warming", "fromGear": "balanced", "toGear": "latency"},
+                "targetGear": "latency",
+            },
+        )
+        del gs
+        reconcile(api)
+        pre = sorted(n for n in api.sts() if n.startswith("llama3-8b-prefill-"))
+        assert pre == sorted(
+            [f"llama3-8b-prefill-balanced-s{k}" for k in range(4)]
+            + ["llama3-8b-prefill-latency-s0", "llama3-8b-prefill-latency-s1"]
+        )
+        assert (
+            api.get("v1", "Service", NS, "llama3-8b-prefill")["spec"]["selector"][names.LABEL_GEAR]
+            == "balanced"
+        )
+
+    def test_gear_operations(self, api: FakeApi) -> None:
+        reconcile(api)
+        made = rec.ensure_gear_sync(api, NS, "llama3-8b", "prefill", "latency")
+        assert made == ["llama3-8b-prefill-latency-s0", "llama3-8b-prefill-latency-s1"]
+        rec.select_gear_sync(api, NS, "llama3-8b", "prefill", "latency")
+        assert (
+            api.get("v1", "Service", NS, "llama3-8b-prefill")["spec"]["selector"][names.LABEL_GEAR]
+            == "latency"
+        )
+        assert rec.delete_gear_sync(api, NS, "llama3-8b", "prefill", "balanced") == 5
+        assert not [n for n in api.sts() if "-balanced-" in n and "prefill" in n]
+        with pytest.raises(KeyError, match="no gear"):
+            rec.ensure_gear_sync(api, NS, "llama3-8b", "prefill", "nope")
+
+    def test_status_counts_ready_pipelines(self, api: FakeApi) -> None:
+        reconcile(api)
+        for name, o in api.sts().items():
+            o["status"] = {
+                "readyReplicas": o["spec"]["replicas"],
+                "updatedReplicas": o["spec"]["replicas"],
+                "observedGeneration": o["metadata"]["generation"],
+            }
+            api.store[("apps/v1", "StatefulSet", NS, name)] = o
+        dep = api.get("apps/v1", "Deployment", NS, "llama3-8b-router")
+        dep["status"] = {"availableReplicas": 1}
+        api.store[("apps/v1", "Deployment", NS, "llama3-8b-router")] = dep
+        out = reconcile(api)
+        assert out.ready and out.phase == "Ready"
+        st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+        assert st["prefill"]["readyReplicas"] == st["prefill"]["desiredReplicas"] == 1
+        assert st["routerReady"] is True
+        conds = {c["type"]: c["status"] for c in st["conditions"]}
+        assert conds == {"Placed": "True", "Ready": "True", "Progressing": "False", "Degraded": "False"}
