@@ -38,7 +38,7 @@ test: venv binaries
 	$(VENV)/bin/pytest tests
 
 crds: venv
-	$(VENV)/bin/gearshift crds --out crds/
+	$(VENV)/bin/gearshift crds --out crds --out charts/gearshift/crds
 
 demo: venv binaries
 	$(VENV)/bin/gearshift demo
