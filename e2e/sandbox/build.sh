@@ -122,16 +122,20 @@ EOF
   say "etcd $ETCD_VERSION: done"
 }
 
-build_go_install() { # name dir version pkg...
-  local name=$1 dir=$2 version=$3; shift 3
+build_go_install() { # name dir version ldflags pkg...
+  local name=$1 dir=$2 version=$3 ldflags=$4; shift 4
   local missing=0 p
   for p in "$@"; do [[ -x $dir/$(basename "${p%@*}") ]] || missing=1; done
+  # A binary without the version stamp (built before this script stamped it) is rebuilt.
+  [[ $name == helm && -x $dir/helm ]] && [[ $("$dir/helm" version --short 2>/dev/null) != "$version"* ]] && missing=1
   ((missing)) || { say "$name $version: cached"; return; }
   say "$name $version: building"
   rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
   for p in "$@"; do
-    GOBIN="$dir.tmp" with_heartbeat "$name" go install -ldflags "-s -w" "$p@$version"
+    GOBIN="$dir.tmp" with_heartbeat "$name" go install -ldflags "-s -w $ldflags" "$p@$version"
   done
+  # Keep files that are not binaries (kwok's stages) across a rebuild.
+  [[ -d $dir/stages ]] && cp -r "$dir/stages" "$dir.tmp/"
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
   say "$name $version: done"
 }
@@ -154,8 +158,11 @@ copy_kwok_stages() {
 
 build_kubernetes
 build_etcd
-build_go_install kwok "$kwok_dir" "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl
+build_go_install kwok "$kwok_dir" "$KWOK_VERSION" "" sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl
 copy_kwok_stages
-build_go_install helm "$helm_dir" "$HELM_VERSION" helm.sh/helm/v3/cmd/helm
+# `go install` leaves helm's version at the source default ("v3.22"); stamp it as helm's Makefile does.
+hv=helm.sh/helm/v3/internal/version
+build_go_install helm "$helm_dir" "$HELM_VERSION" "-X $hv.version=$HELM_VERSION -X $hv.gitTreeState=clean" \
+  helm.sh/helm/v3/cmd/helm
 say "all binaries ready"
 echo "$kube_dir:$etcd_dir:$kwok_dir:$helm_dir"

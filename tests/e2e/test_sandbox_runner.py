@@ -105,8 +105,8 @@ def _pid(pod) -> int:
 
 
 def test_pod_ready_only_once_its_server_answers(sandbox, namespace, wait_for):
-    sandbox.apply(_echo_deployment("echo", ready_after=4.0), namespace)
-    # Running with a live process whose /health still says 503: not Ready yet.
+    # The server answers /health with 503 for its first 6 s: listening is not yet ready.
+    sandbox.apply(_echo_deployment("echo", ready_after=6.0), namespace)
     pod = wait_for(
         lambda: next(
             (p for p in _pods(sandbox, namespace, "app=echo") if p["status"].get("phase") == "Running"), None
@@ -116,8 +116,8 @@ def test_pod_ready_only_once_its_server_answers(sandbox, namespace, wait_for):
     )
     ip = pod["status"]["podIP"]
     status, _ = wait_for(lambda: _get(f"http://{ip}:8000/health"), 30, "the echo server to listen")
-    if status == 503:
-        assert not _ready(sandbox.kubectl_json("get", "pod", pod["metadata"]["name"], "-n", namespace))
+    assert status == 503
+    assert not _ready(sandbox.kubectl_json("get", "pod", pod["metadata"]["name"], "-n", namespace))
     pod = wait_for(
         lambda: next((p for p in _pods(sandbox, namespace, "app=echo") if _ready(p)), None),
         60,

@@ -150,7 +150,21 @@ def kwok_configuration(octet: int) -> dict[str, Any]:
     return {
         "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
         "kind": "KwokConfiguration",
-        "options": {"cidr": f"127.{octet}.255.0/24", "nodeIP": f"127.{octet}.0.254"},
+        "options": {
+            "cidr": f"127.{octet}.255.0/24",
+            "nodeIP": f"127.{octet}.0.254",
+            # A KwokConfiguration given to kwokctl is not defaulted (kwok v0.8.0), so kwok's defaults
+            # (``zz_generated.defaults.go``) are spelled out.
+            "podPlayStageParallelism": 4,
+            "nodePlayStageParallelism": 4,
+            "nodeLeaseParallelism": 4,
+            "podsOnNodeSyncParallelism": 1,
+            "enablePodsOnNodeSyncListPager": True,
+            "enablePodsOnNodeSyncStreamWatch": False,
+            "enableDebuggingHandlers": True,
+            "enableContentionProfiling": False,
+            "enableProfilingHandler": True,
+        },
     }
 
 
@@ -167,6 +181,8 @@ def kwokctl_configuration(binaries: dict[str, Path], kube_version: str) -> dict[
         "kind": "KwokctlConfiguration",
         "options": {
             "runtime": "binary",
+            # Every component listens on loopback only (kwokctl's default is 0.0.0.0).
+            "bindAddress": "127.0.0.1",
             "kubeVersion": kube_version,
             "kubeApiserverBinary": str(binaries["kube-apiserver"]),
             "kubeControllerManagerBinary": str(binaries["kube-controller-manager"]),
