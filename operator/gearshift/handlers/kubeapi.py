@@ -124,22 +124,23 @@ class RestKubeApi:
         if content_type:
             headers["Content-Type"] = content_type
         try:
-            resp = self.client.call_api(
-                path,
-                method,
+            # kubernetes >= 31 (OpenAPI generator 7): serialise, then send; errors come back as statuses.
+            m, url, hdrs, data, _post = self.client.param_serialize(
+                method=method,
+                resource_path=path,
                 query_params=query or [],
                 header_params=headers,
                 body=body,
                 auth_settings=["BearerToken"],
-                _preload_content=False,
-                _return_http_data_only=True,
             )
+            resp = self.client.call_api(m, url, header_params=hdrs, body=data)
+            raw = resp.read()
         except ApiException as exc:
-            raise KubeApiError(
-                f"{method} {path}: {exc.status} {exc.reason}: {exc.body!r}", exc.status
-            ) from None
-        data = resp.data
-        return json.loads(data) if data else None
+            raise KubeApiError(f"{method} {path}: {exc.status} {exc.reason}", exc.status or 0) from None
+        if resp.status >= 400:
+            text = raw.decode(errors="replace")[:2000] if raw else ""
+            raise KubeApiError(f"{method} {path}: {resp.status} {resp.reason}: {text}", resp.status)
+        return json.loads(raw) if raw else None
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
