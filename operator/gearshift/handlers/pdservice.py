@@ -264,11 +264,12 @@ async def fleet_node_changed(name: str, body: kopf.Body, type: str | None, **_: 
 @kopf.on.event(GROUP, VERSION, "gpuprofiles")
 async def fleet_profile_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
     """A GPUProfile's numbers changed (a probe finished, an override): services planning on it re-plan."""
-    from gearshift.planner_input import inputs_hash
+    from gearshift.planner_input import inputs_hash, usable_profile
 
-    fp = (
-        "" if type == "DELETED" else inputs_hash(dict(body.get("spec") or {}), dict(body.get("status") or {}))
-    )
+    # Only the numbers a plan reads: probe bookkeeping (times, attempts) must not trigger reconciles.
+    eff = None if type == "DELETED" else usable_profile(body)
+    skip = {"probe_time", "probe", "conditions", "message", "observed_generation"}
+    fp = "" if eff is None else inputs_hash(eff.model_dump(mode="json", exclude=skip))
     if _profile_prints.get(name) != fp:
         _profile_prints[name] = fp
         _fleet_changed(None)
