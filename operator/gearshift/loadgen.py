@@ -136,6 +136,8 @@ class LoadResult:
     stream: bool
     time_scale: float
     duration_s: float
+    issue_s: float
+    """Seconds over which requests were issued (the offered rate's denominator)."""
     issued: int
     completed: int
     failed: int
@@ -171,6 +173,7 @@ def summarize(
     issued: int,
     slo_ttft_ms: float | None,
     slo_itl_ms: float | None,
+    issue_s: float | None = None,
 ) -> LoadResult:
     """Percentiles, throughput and SLO goodput of finished ``records`` over a run of ``duration_s`` s."""
     done = [r for r in records if r.ok]
@@ -196,11 +199,12 @@ def summarize(
         stream=stream,
         time_scale=time_scale,
         duration_s=duration_s,
+        issue_s=duration_s if issue_s is None else issue_s,
         issued=issued,
         completed=len(done),
         failed=len(failed),
         incomplete=sum(1 for r in records if r.error == "incomplete"),
-        request_rate=issued / dur,
+        request_rate=issued / max(duration_s if issue_s is None else issue_s, 1e-9),
         throughput_rps=len(done) / dur,
         output_tokens_per_s=sum(r.output_tokens for r in done) / dur,
         ttft_ms=_pcts([r.ttft_s for r in done if r.ttft_s is not None]),
@@ -382,6 +386,7 @@ async def run_load(
             records.append(rec)
             tasks.append(asyncio.create_task(_one(session, url, tr, model, chat, stream, rec)))
         issued = len(tasks)
+        issue_s = max(time.perf_counter() - start, max_duration_s if trace[issued:max_requests] else 0.0)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=drain_s + max(0.0, deadline - time.perf_counter()))
             for t in pending:
@@ -397,6 +402,7 @@ async def run_load(
         issued=issued,
         slo_ttft_ms=slo_ttft_ms,
         slo_itl_ms=slo_itl_ms,
+        issue_s=issue_s,
     )
 
 
@@ -404,7 +410,8 @@ def format_table(res: LoadResult) -> str:
     """A short human-readable report of ``res``."""
     lines = [
         f"requests: issued {res.issued}, completed {res.completed}, failed {res.failed}, "
-        f"incomplete {res.incomplete} in {res.duration_s:.1f} s ({res.request_rate:.1f} req/s offered)",
+        f"incomplete {res.incomplete} in {res.duration_s:.1f} s ({res.request_rate:.1f} req/s offered "
+        f"over {res.issue_s:.1f} s)",
         f"throughput: {res.throughput_rps:.2f} req/s, {res.output_tokens_per_s:.0f} output tok/s",
         f"{'metric':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}  (ms)",
     ]
