@@ -448,7 +448,15 @@ async def serve(configs: Sequence[SimConfig], stop: asyncio.Event | None = None)
             loop.add_signal_handler(sig, stop.set)
     try:
         for cfg in configs:
-            runner = web.AppRunner(build_app(cfg, lag), access_log=None, handle_signals=False)
+            # Cancelling a handler whose client left aborts its request, as vLLM does; shutdown does not
+            # wait for simulated requests that may run for minutes.
+            runner = web.AppRunner(
+                build_app(cfg, lag),
+                access_log=None,
+                handle_signals=False,
+                handler_cancellation=True,
+                shutdown_timeout=1.0,
+            )
             await runner.setup()
             await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024).start()
             runners.append(runner)
