@@ -660,6 +660,16 @@ class ExecutorState(StatusModel):
     degraded: bool = Field(default=False, description="Shadows run weights-only; KV pool grows after.")
     attempt: int = Field(default=0, ge=0, description="Retries of the current step.")
     in_flight: int | None = Field(default=None, ge=0, description="Requests still on the old gear.")
+    predicted_p99_ms: float | None = Field(
+        default=None, ge=0, le=1e7, description="The target gear's predicted P99 (rollback check), ms."
+    )
+    failure: str | None = Field(
+        default=None, max_length=1024, description="CamelCase reason of the rollback in progress."
+    )
+    failure_message: str = Field(default="", max_length=MAX_MESSAGE, description="Why it rolls back.")
+    paused_at: AwareDatetime | None = Field(
+        default=None, description="When spec.paused held the shift (deadlines are extended by the pause)."
+    )
 
 
 class ControlState(StatusModel):
@@ -676,8 +686,22 @@ class ControlState(StatusModel):
         max_length=16,
         description="Steps each trigger's threshold was raised by re-triggers inside the dwell.",
     )
+    off_streaks: dict[str, int] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Consecutive samples each trigger has not held (hysteresis on the way out).",
+    )
+    latched: list[str] = Field(
+        default_factory=list, max_length=16, description="Triggers latched by hysteresis now."
+    )
     dwell_until: AwareDatetime | None = Field(default=None, description="No shift before this time.")
-    last_shift_time: AwareDatetime | None = Field(default=None, description="When the last shift finished.")
+    last_shift_time: AwareDatetime | None = Field(
+        default=None, description="When the last shift was decided (the dwell counts from it)."
+    )
+    last_retrigger_time: AwareDatetime | None = Field(
+        default=None, description="When a trigger last fired inside the dwell (raised thresholds reset "
+        "one dwell after it)."
+    )
 
 
 class GearSetStatus(StatusModel):
