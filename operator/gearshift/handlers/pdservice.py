@@ -78,6 +78,12 @@ def configure(settings: Settings, api: KubeApi | None = None) -> None:
             _api = api
 
 
+def settings() -> Settings:
+    """The operator-wide settings (images, Prometheus URL) the handlers use."""
+    with _state_lock:
+        return _settings
+
+
 def api() -> KubeApi:
     """The API the handlers use: the configured one, else a REST client from the kubeconfig/in-cluster."""
     global _api
@@ -152,10 +158,16 @@ def _kopf_errors(namespace: str, name: str, body: Mapping[str, Any] | None) -> O
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
-    """Reconcile on create, resume and spec/metadata updates; returns a short summary for kopf's log."""
+def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    """Reconcile on create, resume and spec/metadata updates.
+
+    Returns nothing: kopf would store a result under ``status.<handler>``, which the CRD's structural
+    schema prunes.
+    """
     out = _kopf_errors(namespace, name, body)
-    return {"phase": out.phase, "applied": out.applied, "deleted": out.deleted}
+    log.info(
+        "PDService %s/%s: %s, %d applied, %d deleted", namespace, name, out.phase, out.applied, out.deleted
+    )
 
 
 def _needs_attention(body: kopf.Body, **_: Any) -> bool:
