@@ -6,9 +6,12 @@ and leaves it Pending (see ``stages``); the runner then, for each container:
   - builds the command line (only gearshift's console scripts, resolved in the sandbox's virtualenv) and
     the environment (``podspec``), plus ``GEARSHIFT_HOST`` (the pod IP, unless the pod sets it),
     ``GEARSHIFT_POD_IP``, ``GEARSHIFT_TERMINATION_LOG`` (the file that stands for
-    ``terminationMessagePath``), ``HOSTNAME``, ``KUBECONFIG`` (the sandbox's: there is no in-cluster
-    service account), ``GEARSHIFT_SANDBOX_GPU_MODEL`` (the node's ``gearshift.io/gpu-model`` annotation)
-    and ``GEARSHIFT_SANDBOX_GPUS`` (the container's ``nvidia.com/gpu`` limit): the simulated device;
+    ``terminationMessagePath``), ``HOSTNAME``, ``KUBECONFIG`` (the sandbox's admin one: there is no
+    in-cluster service account; a pod annotated ``gearshift.io/sandbox-credentials: serviceaccount``
+    instead gets a kubeconfig with a TokenRequest token of its ServiceAccount, bound to the pod, so RBAC
+    applies to it as in a cluster), ``GEARSHIFT_SANDBOX_GPU_MODEL`` (the node's ``gearshift.io/gpu-model``
+    annotation) and ``GEARSHIFT_SANDBOX_GPUS`` (the container's ``nvidia.com/gpu`` limit): the simulated
+    device;
   - starts it in its own process group, output to ``<pods-dir>/<ns>_<pod>_<uid8>/<container>.log``;
   - reports to the pod status: Running once started, Ready once its readinessProbe (httpGet/tcpSocket on
     the pod IP) passes ``successThreshold`` times (no probe: once started); before the first success the
@@ -62,6 +65,9 @@ MAX_GRACE_S = 10.0
 #: Probe period before the first success (see the module docstring), s.
 FAST_PROBE_S = 1.0
 WATCH_TIMEOUT_S = 60
+#: Lifetime of a pod's ServiceAccount token, s. The token is bound to the pod (revoked when it is
+#: deleted) and not rotated, so it outlives any sandbox session.
+TOKEN_TTL_S = 7 * 24 * 3600
 
 
 def _now() -> str:
@@ -270,6 +276,45 @@ class PodRunner:
                 return None
             raise
 
+    def _credentials(self, pod: dict[str, Any], pod_dir: Path) -> Path | None:
+        """The kubeconfig the pod's containers get: the admin one, or its ServiceAccount's (see
+        ``podspec.service_account_for``); None when the pod must have no credentials.
+
+        Raises:
+            PodSpecError: the ServiceAccount does not exist, or the API refused the token.
+        """
+        import yaml
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        sa = podspec.service_account_for(pod)
+        if sa is None:
+            return self.kubeconfig
+        if not sa:
+            return None
+        meta = pod["metadata"]
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[],
+                expiration_seconds=TOKEN_TTL_S,
+                bound_object_ref=client.V1BoundObjectReference(
+                    api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]
+                ),
+            )
+        )
+        try:
+            token = self.core.create_namespaced_service_account_token(sa, meta["namespace"], request)
+        except ApiException as exc:
+            raise podspec.PodSpecError(
+                f"spec.serviceAccountName {sa!r}: cannot get a token ({exc.status} {exc.reason})"
+            ) from None
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        cfg = podspec.service_account_kubeconfig(admin, token.status.token, meta["namespace"])
+        path = pod_dir / "serviceaccount.kubeconfig"
+        path.touch(mode=0o600)
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
     def _start_pod(self, pod: dict[str, Any], node: dict[str, Any]) -> None:
         meta, spec = pod["metadata"], pod["spec"]
         uid, ns, name = meta["uid"], meta["namespace"], meta["name"]
@@ -284,6 +329,7 @@ class PodRunner:
             if spec.get("initContainers"):
                 raise podspec.PodSpecError("spec.initContainers are not supported by the sandbox runner")
             gpu_model = (node.get("metadata", {}).get("annotations") or {}).get("gearshift.io/gpu-model", "")
+            kubeconfig = self._credentials(pod, pod_dir)
             for c in spec.get("containers", []):
                 env = podspec.container_env(pod, c, self._lookup)
                 msg_file = pod_dir / f"{c['name']}.termination-log"
@@ -300,7 +346,7 @@ class PodRunner:
                     "LANG": "C.UTF-8",
                     "PYTHONUNBUFFERED": "1",
                     "HOSTNAME": name,
-                    "KUBECONFIG": str(self.kubeconfig),
+                    **({"KUBECONFIG": str(kubeconfig)} if kubeconfig else {}),
                     "GEARSHIFT_HOST": ip,
                     **env,
                     **extra,

@@ -279,3 +279,62 @@ def merge_conditions(
                 }
             )
     return out
+
+
+#: Pod annotation that asks the runner for the pod's own ServiceAccount credentials instead of the
+#: sandbox's admin kubeconfig (so RBAC applies to it as it would in a cluster).
+CREDENTIALS_ANNOTATION = "gearshift.io/sandbox-credentials"
+CREDENTIALS_SERVICE_ACCOUNT = "serviceaccount"
+
+
+def service_account_for(pod: dict[str, Any]) -> str | None:
+    """The ServiceAccount whose token the pod runs with, or None for the sandbox's admin kubeconfig.
+
+    A pod opts in with ``gearshift.io/sandbox-credentials: serviceaccount``; as the kubelet does, it then
+    gets ``spec.serviceAccountName`` (``default`` when unset) unless ``automountServiceAccountToken`` is
+    false, in which case it gets no credentials at all (empty string).
+
+    Raises:
+        PodSpecError: the annotation has another value (named, with the one accepted).
+    """
+    meta, spec = pod.get("metadata", {}), pod.get("spec", {})
+    mode = (meta.get("annotations") or {}).get(CREDENTIALS_ANNOTATION)
+    if mode is None:
+        return None
+    if mode != CREDENTIALS_SERVICE_ACCOUNT:
+        raise PodSpecError(
+            f"metadata.annotations[{CREDENTIALS_ANNOTATION}] {mode!r} is not supported; use "
+            f"{CREDENTIALS_SERVICE_ACCOUNT!r} or leave it out"
+        )
+    if spec.get("automountServiceAccountToken") is False:
+        return ""
+    return str(spec.get("serviceAccountName") or "default")
+
+
+def service_account_kubeconfig(admin: dict[str, Any], token: str, namespace: str) -> dict[str, Any]:
+    """A kubeconfig that reaches the same API server as ``admin`` (its current context's cluster: the
+    server's loopback address and CA) with a ServiceAccount ``token``; the context's namespace is the
+    pod's, as in-cluster clients default to it.
+
+    Raises:
+        PodSpecError: ``admin`` has no usable current context or cluster.
+    """
+    contexts = {c.get("name"): c.get("context") or {} for c in admin.get("contexts") or []}
+    ctx = contexts.get(admin.get("current-context"))
+    clusters = {c.get("name"): c.get("cluster") or {} for c in admin.get("clusters") or []}
+    cluster = clusters.get((ctx or {}).get("cluster"))
+    if not cluster or not cluster.get("server"):
+        raise PodSpecError("the sandbox kubeconfig has no current context with a cluster server")
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "sandbox", "cluster": dict(cluster)}],
+        "users": [{"name": "serviceaccount", "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "serviceaccount",
+                "context": {"cluster": "sandbox", "user": "serviceaccount", "namespace": namespace},
+            }
+        ],
+        "current-context": "serviceaccount",
+    }
