@@ -10,6 +10,8 @@ their pids in the state directory), and the pid-file-recorded Prometheus, pod ru
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
 import json
 import shutil
 import socket
@@ -27,7 +29,7 @@ import yaml
 from gearshift.fleet import load_fleet
 from gearshift.sandbox import procs
 from gearshift.sandbox.layout import REPO_ROOT, Layout, SandboxConfigError
-from gearshift.sandbox.nodes import POOL_LABEL, sandbox_nodes
+from gearshift.sandbox.nodes import sandbox_nodes
 from gearshift.sandbox.prometheus import prometheus_argv, prometheus_config
 from gearshift.sandbox.stages import (
     kwok_configuration,
@@ -39,6 +41,8 @@ from gearshift.sandbox.stages import (
 DEFAULT_FLEET = REPO_ROOT / "examples" / "fleet-mixed.yaml"
 #: Control-plane components kwokctl runs for us; all must be alive for the sandbox to count as up.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok-controller")
+#: Annotation on the nodes ``up`` created from the fleet file (value: the sandbox name).
+MANAGED_ANNOTATION = "gearshift.io/sandbox"
 CREATE_TIMEOUT_S = 180
 NODES_READY_TIMEOUT_S = 60
 PROMETHEUS_READY_TIMEOUT_S = 30
@@ -204,7 +208,8 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
     """Create or update the sandbox nodes to match ``manifests``; delete sandbox nodes not listed.
 
     Labels, annotations, taints and status (capacity, allocatable, addresses) are patched in place; a node
-    whose podCIDR must change (immutable) is recreated.
+    whose podCIDR must change (immutable) is recreated. Only nodes carrying ``MANAGED_ANNOTATION`` (set
+    here) are ever deleted.
     """
     from kubernetes import client
     from kubernetes.client.rest import ApiException
@@ -213,6 +218,9 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
     existing = {n.metadata.name: n for n in core.list_node().items}
     created = updated = 0
     for m in manifests:
+        m = copy.deepcopy(m)
+        # Marks the nodes `up` owns: nodes that tests add themselves are never removed here.
+        m["metadata"]["annotations"][MANAGED_ANNOTATION] = layout.name
         name = m["metadata"]["name"]
         node = existing.pop(name, None)
         if node is not None and node.spec.pod_cidr != m["spec"]["podCIDR"]:
@@ -225,15 +233,35 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-        else:
-            core.patch_node(name, {"metadata": m["metadata"], "spec": {"taints": m["spec"].get("taints")}})
+        elif _node_differs(node, m):
+            live = [{"key": t.key, "value": t.value, "effect": t.effect} for t in node.spec.taints or []]
+            # Taints are replaced as a list: keep the ones others set (node lifecycle, tests).
+            taints = live + [t for t in m["spec"].get("taints", []) if t not in live]
+            core.patch_node(name, {"metadata": m["metadata"], "spec": {"taints": taints or None}})
             updated += 1
+        else:
+            continue
         # Node status is a subresource: creation keeps it, but updates go through it.
         core.patch_node_status(name, {"status": m["status"]})
-    stale = [n for n, obj in existing.items() if POOL_LABEL in (obj.metadata.labels or {})]
+    stale = [n for n, obj in existing.items() if MANAGED_ANNOTATION in (obj.metadata.annotations or {})]
     for name in stale:
         core.delete_node(name)
     say(f"nodes: {created} created, {updated} updated, {len(stale)} removed")
+
+
+def _node_differs(node: Any, manifest: dict[str, Any]) -> bool:
+    """True when the live node lacks a label, annotation, taint or capacity figure of ``manifest``."""
+    meta, live_status = manifest["metadata"], node.status
+    labels, annotations = node.metadata.labels or {}, node.metadata.annotations or {}
+    if any(labels.get(k) != v for k, v in meta["labels"].items()):
+        return True
+    if any(annotations.get(k) != v for k, v in meta["annotations"].items()):
+        return True
+    taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in node.spec.taints or []]
+    if any(t not in taints for t in manifest["spec"].get("taints", [])):
+        return True
+    capacity = live_status.capacity or {}
+    return any(capacity.get(k) != v for k, v in manifest["status"]["capacity"].items())
 
 
 def wait_nodes_ready(layout: Layout, names: list[str], timeout_s: float = NODES_READY_TIMEOUT_S) -> None:
@@ -285,8 +313,10 @@ def _ensure_prometheus(layout: Layout, state: dict[str, Any], say: Say) -> str:
     pdir.mkdir(parents=True, exist_ok=True)
     targets = pdir / "pod-targets.json"
     sd_pidfile = layout.run_dir / "promsd.pid"
-    if procs.running(sd_pidfile) is None:
+    sd_code = code_fingerprint("promsd", "prometheus")
+    if procs.running(sd_pidfile) is None or state.get("promsd_code") != sd_code:
         procs.stop(sd_pidfile)
+        state["promsd_code"] = sd_code
         sd_argv = [
             sys.executable,
             "-m",
@@ -344,14 +374,24 @@ def _runner_argv(layout: Layout) -> list[str]:
     ]
 
 
-def _ensure_runner(layout: Layout, say: Say) -> int:
+def code_fingerprint(*modules: str) -> str:
+    """A hash of the sandbox modules' sources: a helper process started from older code is restarted."""
+    h = hashlib.sha256()
+    for name in modules:
+        h.update((Path(__file__).parent / f"{name}.py").read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say) -> int:
     pidfile = layout.run_dir / "podrunner.pid"
-    argv = _runner_argv(layout)
+    code = code_fingerprint("podrunner", "podspec", "procs", "nodes")
     pid = procs.running(pidfile)
-    if pid is not None:
+    if pid is not None and state.get("podrunner_code") == code:
         return pid
-    procs.stop(pidfile)
-    pid = procs.start(pidfile, argv, layout.logs_dir / "podrunner.log")
+    if procs.stop(pidfile):
+        say("pod runner: code changed, restarting (its pods' processes restart too)")
+    pid = procs.start(pidfile, _runner_argv(layout), layout.logs_dir / "podrunner.log")
+    state["podrunner_code"] = code
     say(f"pod runner: started (pid {pid}, log {layout.logs_dir / 'podrunner.log'})")
     return pid
 
@@ -412,7 +452,7 @@ def up(
         procs.stop(layout.run_dir / "prometheus.pid")
         procs.stop(layout.run_dir / "promsd.pid")
         state["prometheus_url"] = None
-    state["podrunner_pid"] = _ensure_runner(layout, say)
+    state["podrunner_pid"] = _ensure_runner(layout, state, say)
     _write_state(layout, state)
     return state
 

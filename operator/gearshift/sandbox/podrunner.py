@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from gearshift.sandbox import podspec
-from gearshift.sandbox.nodes import GPU_RESOURCE, POOL_LABEL, SANDBOX_RUN_LABEL
+from gearshift.sandbox.nodes import GPU_RESOURCE, SANDBOX_RUN_LABEL
 from gearshift.sandbox.procs import write_pidfile
 
 LABEL_SELECTOR = f"{SANDBOX_RUN_LABEL}=true"
@@ -158,6 +158,7 @@ class PodRunner:
         self.stop = threading.Event()
         self.probes = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
         self.nodes: dict[str, dict[str, Any]] = {}
+        self.waiting: dict[str, dict[str, Any]] = {}
         self.nodes_listed = 0.0
 
     # ------------------------------------------------------------------------------------ watching
@@ -194,9 +195,10 @@ class PodRunner:
                 self.stop.wait(1.0)
 
     def _node(self, name: str) -> dict[str, Any] | None:
-        if name not in self.nodes and time.monotonic() - self.nodes_listed > 2.0:
+        if name not in self.nodes and time.monotonic() - self.nodes_listed > 1.0:
             self.nodes_listed = time.monotonic()
-            nodes = self.core.list_node(label_selector=POOL_LABEL)
+            # Every node of the sandbox is kwok's; the pod IP check (loopback only) guards the rest.
+            nodes = self.core.list_node()
             self.nodes = {n.metadata.name: self.api.sanitize_for_serialization(n) for n in nodes.items}
         return self.nodes.get(name)
 
@@ -217,6 +219,8 @@ class PodRunner:
                         self._handle(kind, obj)
                 except queue.Empty:
                     pass
+                for pod in list(self.waiting.values()):
+                    self._handle("RETRY", pod)
                 for run in list(self.runs.values()):
                     try:
                         self._supervise(run)
@@ -235,6 +239,7 @@ class PodRunner:
         uid = meta["uid"]
         run = self.runs.get(uid)
         if kind == "DELETED":
+            self.waiting.pop(uid, None)
             if run:
                 self._forget(run, "pod deleted")
             self.finished.discard(uid)
@@ -257,7 +262,10 @@ class PodRunner:
             return  # not scheduled or no IP from kwok yet; a later event brings it
         node_obj = self._node(node)
         if node_obj is None:
-            return  # not a sandbox node
+            # A node created a moment ago may be missing from the cache: retry on the next ticks.
+            self.waiting[uid] = pod
+            return
+        self.waiting.pop(uid, None)
         self._start_pod(pod, node_obj)
 
     # ------------------------------------------------------------------------------------ starting
@@ -601,9 +609,14 @@ class PodRunner:
         _log(f"{run.key}: {why}; processes stopped")
 
     def _shutdown(self) -> None:
-        for run in list(self.runs.values()):
-            for c in run.containers:
-                self._kill(c, 5.0)
+        # Signal every process first, then wait once: stopping is not serialised over the pods.
+        containers = [c for run in self.runs.values() for c in run.containers if c.proc is not None]
+        for c in containers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5.0
+        for c in containers:
+            self._kill(c, max(0.1, deadline - time.monotonic()))
         self.probes.shutdown(wait=False, cancel_futures=True)
         _log("pod runner stopped")
 
