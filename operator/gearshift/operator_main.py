@@ -30,6 +30,7 @@ HANDLER_MODULES: tuple[str, ...] = (
     "gearshift.handlers.gearset",
     "gearshift.handlers.nodes",
     "gearshift.handlers.gpuprofile",
+    "gearshift.handlers.shifting",
 )
 
 DOMAIN = "gearshift.io"
@@ -43,6 +44,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the gearshift operator (kopf) against a cluster")
     add_arguments(p)
     p.set_defaults(func=run)
+
+
+#: Range of ``--priority random``: wide enough that two replicas practically never draw the same one.
+RANDOM_PRIORITY_MAX = 2**30
+
+
+def priority_arg(text: str) -> int:
+    """Parse ``--priority``: an integer, or ``random`` for one drawn in ``[1, RANDOM_PRIORITY_MAX]``.
+
+    Replicas of one Deployment share their arguments, but kopf runs only the highest-priority peer and lets
+    peers of *equal* priority all run (with a warning), so active/standby needs distinct priorities.
+
+    Raises:
+        argparse.ArgumentTypeError: neither an integer nor ``random``.
+    """
+    if text == "random":
+        import secrets
+
+        return 1 + secrets.randbelow(RANDOM_PRIORITY_MAX)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--priority {text!r}: give an integer or 'random'") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     peer = p.add_mutually_exclusive_group()
     peer.add_argument("--peering", metavar="NAME", default=None, help="kopf peering object (active/standby)")
     peer.add_argument("--standalone", action="store_true", help="no peering (the default without --peering)")
-    p.add_argument("--priority", type=int, default=0, help="peering priority (the highest one is active)")
+    p.add_argument(
+        "--priority",
+        type=priority_arg,
+        default=0,
+        help="peering priority (the highest one is active), or 'random' for replicas of one Deployment",
+    )
     p.add_argument(
         "--probe-host", default=env("GEARSHIFT_PROBE_HOST", "127.0.0.1"), help="health endpoint host"
     )
@@ -113,6 +142,43 @@ def load_handlers(disabled: list[str]) -> list[str]:
     return loaded
 
 
+#: kopf's peering resources (group kopf.dev): ``kopfpeerings`` serve namespaced operators (one object per
+#: watched namespace), ``clusterkopfpeerings`` cluster-wide ones.
+PEERING_GROUP, PEERING_VERSION = "kopf.dev", "v1"
+
+
+def ensure_peering(api_client: Any, name: str, namespaces: list[str]) -> list[str]:
+    """Create kopf's peering object ``name`` where this operator peers: a ``KopfPeering`` in each of
+    ``namespaces``, or one ``ClusterKopfPeering`` when it watches the whole cluster. kopf only patches an
+    existing peering object's status; without the object the replicas would not see each other.
+
+    Returns the objects created (``ns/name`` or ``name``); those that exist already are left alone.
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: any refusal but 409 (already exists).
+    """
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    api = client.CustomObjectsApi(api_client)
+    created = []
+    targets: list[str | None] = list(namespaces) if namespaces else [None]
+    for ns in targets:
+        kind = "KopfPeering" if ns else "ClusterKopfPeering"
+        body = {"apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}", "kind": kind, "metadata": {"name": name}}
+        try:
+            if ns:
+                api.create_namespaced_custom_object(PEERING_GROUP, PEERING_VERSION, ns, "kopfpeerings", body)
+            else:
+                api.create_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, "clusterkopfpeerings", body)
+        except ApiException as exc:
+            if exc.status == 409:
+                continue
+            raise
+        created.append(f"{ns}/{name}" if ns else name)
+    return created
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted; returns the exit code."""
     logging.basicConfig(
@@ -156,6 +222,23 @@ def run(args: argparse.Namespace) -> int:
         if args.peering:
             settings.peering.name = args.peering
             settings.peering.mandatory = True
+            from kubernetes import client, config
+            from kubernetes.client.exceptions import ApiException
+
+            try:
+                config.load_incluster_config()
+                api_client = client.ApiClient()
+            except config.ConfigException:
+                api_client = config.new_client_from_config()
+            try:
+                created = ensure_peering(api_client, args.peering, args.namespace)
+            except ApiException as exc:
+                # The peering CRD may be seconds from established (installed with the chart): retry.
+                raise kopf.TemporaryError(
+                    f"cannot create peering {args.peering}: {exc.status} {exc.reason}", delay=5
+                ) from None
+            if created:
+                log.info("created kopf peering object(s): %s", ", ".join(created))
 
     if args.metrics_port:
         from prometheus_client import start_http_server

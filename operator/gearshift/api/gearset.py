@@ -403,8 +403,35 @@ class ShiftPolicy(SpecModel):
         description="Most of a card's compute (and of mirrored traffic) a warming shadow may use "
         "(seed 002: 20%).",
     )
+    warm_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=86400,
+        description="How long a shadow gear must have been Ready before traffic moves to it, s (gearshift's "
+        "choice: a few hundred warm-up requests at typical rates).",
+    )
     warmup_timeout_s: float = Field(
         default=600.0, gt=0, le=86400, description="Shadows not ready and warm by then -> roll back, s."
+    )
+    max_retrigger_steps: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="Most steps a threshold can be raised by re-triggers inside the dwell "
+        "(gearshift's choice).",
+    )
+    transfer_gbps: float = Field(
+        default=2.0,
+        gt=0,
+        le=1e5,
+        description="Rate a shift loads weights and KV onto the new gear's cards, GB/s, for the cost-benefit "
+        "check (default: a local NVMe read; set the cluster's measured load rate).",
+    )
+    avg_context_tokens: int = Field(
+        default=1024,
+        ge=0,
+        le=10_000_000,
+        description="KV-cache tokens a running request holds on average (prices the KV a shift moves).",
     )
     drain_timeout_s: float = Field(
         default=120.0,
@@ -699,8 +726,9 @@ class ControlState(StatusModel):
         default=None, description="When the last shift was decided (the dwell counts from it)."
     )
     last_retrigger_time: AwareDatetime | None = Field(
-        default=None, description="When a trigger last fired inside the dwell (raised thresholds reset "
-        "one dwell after it)."
+        default=None,
+        description="When a trigger last fired inside the dwell (raised thresholds reset "
+        "one dwell after it).",
     )
 
 

@@ -84,8 +84,9 @@ NODE = ("v1", "Node")
 POD = ("v1", "Pod")
 DEPLOY = ("apps/v1", "Deployment")
 
-#: Executor steps during which the executor, not the reconciler, owns the role's gears and selector.
-SHIFT_STEPS = ("Warming", "Draining", "Switching", "RollingBack")
+#: Executor steps during which the executor, not the reconciler, owns the role's gears and selector
+#: (Degraded is the executor's weights-first warming).
+SHIFT_STEPS = ("Warming", "Draining", "Switching", "RollingBack", "Degraded")
 #: Retry delay when a referenced object is missing, s.
 NOT_YET_DELAY_S = 15.0
 #: Plans kept in memory, keyed by their inputs hash (many PDServices of one model share a fleet).
@@ -583,7 +584,8 @@ def _reconcile(
             "readyReplicas": ready,
             "desiredReplicas": desired,
         }
-        all_ready = all_ready and desired > 0 and ready >= desired
+        # Scaled to zero (GearSet replicas 0) is a served state too: every wanted pipeline is there.
+        all_ready = all_ready and ready >= desired
         rolled_all = rolled_all and rolled
     router = api.get(*DEPLOY, ns, names.router_name(name))
     router_ready = bool(router and int((router.get("status") or {}).get("availableReplicas") or 0) >= 1)

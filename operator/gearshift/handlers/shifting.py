@@ -1,0 +1,693 @@
+"""The gear-shifting loop: per GearSet, every ``spec.policy.sampleIntervalS``, signals → decision → executor.
+
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+
+1. read the GearSet and its PDService fresh; skip until the reconciler has set ``status.activeGear``;
+2. observe the role's world: StatefulSets and pods per gear (Ready, Ready since, OOM/crash loops), the
+   gear the role Service ``<pds>-<role>`` selects, whether free GPUs hold a full shadow of another gear;
+3. fetch one sample of the serving gear from Prometheus (``PDService.spec.prometheusUrl``, else the
+   operator's ``--prometheus-url``); during ``Draining`` also the old gear's in-flight requests. No
+   Prometheus, an error or a missing series → ``SignalsAvailable=False`` and the decision holds (no shift
+   starts; a shift already running still finishes, its steps need no signals);
+4. :func:`gearshift.control.decide.decide` → :func:`gearshift.control.adapt.shift_request` →
+   :func:`gearshift.control.executor.step`;
+5. persist the new executor and decision state, smoothed signals, history, gear health and the
+   condition in ``GearSet.status`` (under the reconciler's per-service lock, so a concurrent reconcile
+   sees either the old or the new executor step, never a half), *then* apply the actions through the
+   reconciler's :func:`~gearshift.handlers.reconcile.ensure_gear_sync`, ``select_gear_sync`` and
+   ``delete_gear_sync`` and record events.
+
+Persisting before acting is what makes a restart safe: the executor step is level-triggered and re-emits
+whatever the world still lacks (a gear to create, a selector to set, a leftover to delete), so an
+operator killed between the two steps, or anywhere in a phase, resumes from ``status``.
+
+Times: the loop passes wall-clock seconds (``time.time()``) as ``now`` because the state outlives the
+process; status stores them as RFC 3339 times.
+
+The kopf side is a *daemon* per GearSet rather than a ``kopf.timer``: a timer's interval is fixed when it
+is registered, while ``spec.policy.sampleIntervalS`` is per object and may be edited; the daemon re-reads
+it every turn. Both need kopf's finalizer on the GearSet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import kopf
+from pydantic import ValidationError
+
+from gearshift.api.common import (
+    COND_SIGNALS_AVAILABLE,
+    GROUP,
+    MAX_HISTORY,
+    REASON_SIGNALS_MISSING,
+    VERSION,
+)
+from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearSet, GearSignals
+from gearshift.api.pdservice import PDService
+from gearshift.control.adapt import gear_views, policy_from_api, shift_request
+from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, TriggerTrack, decide
+from gearshift.control.executor import (
+    Action,
+    DeleteGear,
+    EnsureGear,
+    Event,
+    GearObservation,
+    MarkUnhealthy,
+    Outcome,
+    Phase,
+    RecordShift,
+    SelectGear,
+    ShiftState,
+    World,
+    step,
+)
+from gearshift.control.policy import GearTable, PolicyError, ShiftPolicy
+from gearshift.control.signals import (
+    GearSelector,
+    SignalsUnavailable,
+    fetch_sample,
+    queue_query,
+    running_query,
+)
+from gearshift.control.smoothing import Sample
+from gearshift.control.triggers import TRIGGERS, Trigger
+from gearshift.handlers import metrics
+from gearshift.handlers.common import ConditionBook, conditions_from, emit
+from gearshift.handlers.kubeapi import KubeApi, KubeApiError
+from gearshift.handlers.reconcile import (
+    GS,
+    NODE,
+    PDS,
+    POD,
+    STS,
+    SVC,
+    NotYet,
+    Settings,
+    delete_gear_sync,
+    ensure_gear_sync,
+    select_gear_sync,
+    service_lock,
+)
+from gearshift.k8s import names
+from gearshift.k8s.placement import GPU_RESOURCE
+from gearshift.planner_input import node_gpus
+
+log = logging.getLogger(__name__)
+
+PLURAL = "gearsets"
+#: Condition reason when signals are there.
+REASON_SIGNALS_OK = "SignalsOk"
+#: Condition reason when neither the PDService nor the operator names a Prometheus.
+REASON_NO_PROMETHEUS = "NoPrometheus"
+#: The shortest loop period, s, whatever ``sampleIntervalS`` says (keeps a typo from spinning the loop).
+MIN_INTERVAL_S = 0.2
+#: Container waiting/terminated reasons that mark a gear as failed (seed 002: OOM, crash loops).
+FAILURE_REASONS = ("OOMKilled", "CrashLoopBackOff")
+
+
+# --- time ----------------------------------------------------------------------------------------------
+def to_time(ts: float | None) -> str | None:
+    """Epoch seconds → RFC 3339 UTC with microseconds (as status stores times), ``None`` passes."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def from_time(dt: datetime | str | None) -> float | None:
+    """RFC 3339 time (or an aware datetime) → epoch seconds; ``None`` passes."""
+    if dt is None:
+        return None
+    if isinstance(dt, str):
+        dt = datetime.fromisoformat(dt.replace("Z", "+00:00"))
+    return dt.timestamp()
+
+
+# --- executor state <-> status ---------------------------------------------------------------------------
+def executor_from_status(active: str, ex: ExecutorState | None) -> ShiftState:
+    """The executor's :class:`ShiftState` from ``status.activeGear`` and ``status.executor``.
+
+    ``Pending`` (never written by the executor) reads as ``Stable``.
+    """
+    if ex is None:
+        return ShiftState(active=active)
+    step_name = ex.step if ex.step != "Pending" else "Stable"
+    return ShiftState(
+        active=active,
+        phase=Phase(step_name),
+        from_gear=ex.from_gear,
+        to_gear=ex.to_gear,
+        trigger=ex.trigger,
+        started_at=from_time(ex.started_at),
+        step_started_at=from_time(ex.step_started_at),
+        deadline=from_time(ex.deadline),
+        degraded=ex.degraded,
+        predicted_p99_ms=ex.predicted_p99_ms,
+        failure=ex.failure,
+        failure_message=ex.failure_message,
+        paused_at=from_time(ex.paused_at),
+    )
+
+
+def executor_to_status(state: ShiftState, in_flight: int | None = None) -> dict[str, Any]:
+    """``status.executor`` (camelCase JSON) of ``state``; ``state.active`` goes to ``status.activeGear``."""
+    return {
+        "step": state.phase.value,
+        "fromGear": state.from_gear,
+        "toGear": state.to_gear,
+        "trigger": state.trigger,
+        "startedAt": to_time(state.started_at),
+        "stepStartedAt": to_time(state.step_started_at),
+        "deadline": to_time(state.deadline),
+        "rollbackUntil": to_time(state.deadline) if state.phase is Phase.SWITCHING else None,
+        "degraded": state.degraded,
+        "inFlight": in_flight,
+        "predictedP99Ms": state.predicted_p99_ms,
+        "failure": state.failure,
+        "failureMessage": state.failure_message,
+        "pausedAt": to_time(state.paused_at),
+    }
+
+
+_SAMPLE_KEYS = {
+    "at": "at",
+    "queue": "queue",
+    "running": "running",
+    "qps": "qps",
+    "ttft_p50_ms": "ttftP50Ms",
+    "ttft_p99_ms": "ttftP99Ms",
+    "itl_p50_ms": "itlP50Ms",
+    "itl_p99_ms": "itlP99Ms",
+    "e2e_p50_ms": "e2eP50Ms",
+    "e2e_p99_ms": "e2eP99Ms",
+}
+
+
+def _sample_to_ema(s: Sample) -> dict[str, float]:
+    out = {key: float(v) for f, key in _SAMPLE_KEYS.items() if (v := getattr(s, f)) is not None}
+    out |= {f"stage{k}": float(u) for k, u in enumerate(s.stage_utilization)}
+    return out
+
+
+def _ema_to_sample(ema: Mapping[str, float]) -> Sample | None:
+    if "at" not in ema:
+        return None
+    stages = []
+    while f"stage{len(stages)}" in ema:
+        stages.append(float(ema[f"stage{len(stages)}"]))
+    values: dict[str, Any] = {f: ema.get(key) for f, key in _SAMPLE_KEYS.items()}
+    for f in ("queue", "running", "qps"):
+        values[f] = values[f] or 0.0
+    return Sample(stage_utilization=tuple(stages), **values)
+
+
+def control_from_status(c: ControlState | None) -> DecisionState:
+    """The decision's :class:`DecisionState` from ``status.control`` (``None``: the initial state)."""
+    if c is None:
+        return DecisionState()
+    tracks = {
+        t: TriggerTrack(
+            on=c.streaks.get(t.value, 0),
+            off=c.off_streaks.get(t.value, 0),
+            latched=t.value in c.latched,
+            level=c.threshold_steps.get(t.value, 0),
+        )
+        for t in TRIGGERS
+    }
+    return DecisionState(
+        smoothed=_ema_to_sample(c.ema),
+        tracks=tracks,
+        last_shift_at=from_time(c.last_shift_time),
+        last_retrigger_at=from_time(c.last_retrigger_time),
+    )
+
+
+def control_to_status(d: DecisionState, policy: ShiftPolicy) -> dict[str, Any]:
+    """``status.control`` (camelCase JSON) of ``d``; ``dwellUntil`` is informational (last shift + dwell)."""
+    tracks: Mapping[Trigger, TriggerTrack] = d.tracks
+    return {
+        "ema": {} if d.smoothed is None else _sample_to_ema(d.smoothed),
+        "streaks": {t.value: tr.on for t, tr in tracks.items()},
+        "offStreaks": {t.value: tr.off for t, tr in tracks.items()},
+        "latched": [t.value for t, tr in tracks.items() if tr.latched],
+        "thresholdSteps": {t.value: tr.level for t, tr in tracks.items()},
+        "lastShiftTime": to_time(d.last_shift_at),
+        "dwellUntil": None if d.last_shift_at is None else to_time(d.last_shift_at + policy.dwell_s),
+        "lastRetriggerTime": to_time(d.last_retrigger_at),
+    }
+
+
+def signals_to_status(s: Sample, policy: ShiftPolicy, replicas: int) -> dict[str, Any]:
+    """``status.signals`` from the smoothed sample (``queueLength`` per pipeline replica)."""
+    sig = GearSignals(
+        sample_time=datetime.fromtimestamp(s.at, UTC),
+        qps=round(s.qps, 3),
+        p99_ms=_round(s.p99_ms(policy.latency_metric)),
+        p50_ttft_ms=_round(s.ttft_p50_ms),
+        p99_ttft_ms=_round(s.ttft_p99_ms),
+        p50_itl_ms=_round(s.itl_p50_ms),
+        p99_itl_ms=_round(s.itl_p99_ms),
+        p50_e2e_ms=_round(s.e2e_p50_ms),
+        p99_e2e_ms=_round(s.e2e_p99_ms),
+        queue_length=round(s.queue / max(replicas, 1), 3),
+        stage_utilization=[round(u, 4) for u in s.stage_utilization],
+    )
+    return sig.to_json()
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+# --- the observed world (pure) -------------------------------------------------------------------------
+def _pod_ready_since(pod: Mapping[str, Any]) -> float | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            if c.get("status") != "True":
+                return None
+            return from_time(c.get("lastTransitionTime")) or 0.0
+    return None
+
+
+def _pod_failure(pod: Mapping[str, Any]) -> str | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in FAILURE_REASONS:
+            return str(waiting["reason"])
+        for st in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated")):
+            if st and st.get("reason") in FAILURE_REASONS:
+                return str(st["reason"])
+    return None
+
+
+def observe_gear(
+    gear: Gear | None, statefulsets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
+) -> GearObservation:
+    """One gear's :class:`GearObservation` from its StatefulSets and pods (all stages).
+
+    Ready: a StatefulSet for every stage of ``gear`` (when known), each with all its replicas Ready, and
+    every pod Ready; ``ready_since`` is the latest pod Ready transition (s). A pod whose container is
+    OOM-killed or in a crash loop sets ``failure``.
+    """
+    if not statefulsets:
+        return GearObservation(exists=False)
+    failure = next((f for p in pods if (f := _pod_failure(p))), None)
+    stages = {int((s["metadata"].get("labels") or {}).get(names.LABEL_STAGE, "0")) for s in statefulsets}
+    complete = gear is None or stages >= set(range(len(gear.stages)))
+    want = 0
+    sts_ready = True
+    for s in statefulsets:
+        n = int((s.get("spec") or {}).get("replicas") or 0)
+        want += n
+        if int((s.get("status") or {}).get("readyReplicas") or 0) < n:
+            sts_ready = False
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    since = [_pod_ready_since(p) for p in live]
+    ready = complete and sts_ready and len(live) >= want and all(t is not None for t in since)
+    return GearObservation(
+        exists=True,
+        ready=ready,
+        ready_since=max((t for t in since if t is not None), default=None) if ready else None,
+        failure=failure,
+    )
+
+
+def selected_gear(role_service: Mapping[str, Any] | None) -> str | None:
+    """The gear the role Service's selector names, or ``None`` (no Service yet)."""
+    if not role_service:
+        return None
+    return ((role_service.get("spec") or {}).get("selector") or {}).get(names.LABEL_GEAR)
+
+
+def _gpu_requests(pod: Mapping[str, Any]) -> int:
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        raw = (res.get("limits") or {}).get(GPU_RESOURCE) or (res.get("requests") or {}).get(GPU_RESOURCE)
+        total += int(str(raw)) if raw else 0
+    return total
+
+
+def shadow_fits(
+    gear: Gear, pipeline_replicas: int, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> bool:
+    """Whether free GPUs hold every pod of ``gear`` beside everything running now.
+
+    Free GPUs of a node = allocatable ``nvidia.com/gpu`` − GPUs of its unfinished pods. Stages take nodes
+    greedily in order (a named node list, else the nodes matching the stage's selector, else any GPU
+    node), one pod per node for a stage (the builders' anti-affinity). GPUs are whole devices here, so
+    "memory short for a full shadow" means "not enough free cards" (a first fit, not an optimal packing).
+    """
+    node_list = list(nodes)
+    free = {n["metadata"]["name"]: node_gpus(n) for n in node_list}
+    for p in pods:
+        phase = (p.get("status") or {}).get("phase")
+        host = (p.get("spec") or {}).get("nodeName")
+        if host in free and phase not in ("Succeeded", "Failed"):
+            free[host] -= _gpu_requests(p)
+    labels = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}) for n in node_list}
+    for st in gear.stages:
+        if st.nodes:
+            cands = [n for n in st.nodes if n in free]
+        else:
+            cands = [n for n in free if all(labels[n].get(k) == v for k, v in st.node_selector.items())]
+        need = st.replicas * max(pipeline_replicas, 1)
+        for n in sorted(cands, key=lambda x: -free[x]):
+            if need == 0:
+                break
+            if free[n] >= st.gpus:
+                free[n] -= st.gpus
+                need -= 1
+        if need > 0:
+            return False
+    return True
+
+
+# --- signals -----------------------------------------------------------------------------------------
+class SignalSource(Protocol):
+    """Where a tick gets its numbers (Prometheus in the operator, a fake in unit tests)."""
+
+    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
+        """One raw sample of ``sel``'s gear; raises SignalsUnavailable."""
+        ...
+
+    def in_flight(self, url: str, sel: GearSelector) -> int:
+        """Requests running or waiting on ``sel``'s head pods; raises SignalsUnavailable."""
+        ...
+
+
+class PrometheusSignals:
+    """:class:`SignalSource` over Prometheus' HTTP API (prometheus-api-client, no retries)."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.timeout_s = timeout_s
+
+    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
+        return fetch_sample(url, sel, at, timeout_s=self.timeout_s)
+
+    def in_flight(self, url: str, sel: GearSelector) -> int:
+        import requests
+        from prometheus_api_client import PrometheusConnect
+        from prometheus_api_client.exceptions import PrometheusApiClientException
+        from urllib3.util.retry import Retry
+
+        prom = PrometheusConnect(url=url, disable_ssl=True, timeout=self.timeout_s, retry=Retry(total=0))
+        total = 0.0
+        for q in (running_query(sel), queue_query(sel)):
+            try:
+                result = prom.custom_query(q)
+            except (PrometheusApiClientException, requests.RequestException) as err:
+                raise SignalsUnavailable(f"Prometheus at {url} did not answer {q!r}: {err}") from err
+            if not result:
+                raise SignalsUnavailable(f"no series for {q!r}")
+            total += float(result[0]["value"][1])
+        return round(total)
+
+
+# --- one tick ------------------------------------------------------------------------------------------
+@dataclass
+class TickResult:
+    """What one tick did (for logs, metrics and tests)."""
+
+    skipped: str = ""
+    """Why nothing was decided (no active gear yet, GearSet gone, ...); empty when it ran."""
+    phase: Phase | None = None
+    decision: Decision | None = None
+    actions: list[Action] = field(default_factory=list)
+    signals_ok: bool = False
+    message: str = ""
+
+
+_last_hold: dict[tuple[str, str], str] = {}
+_hold_lock = threading.Lock()
+
+
+def _history(raw: list[dict[str, Any]], rec: RecordShift, message_limit: int = 4000) -> list[dict[str, Any]]:
+    entry = {
+        "from": rec.from_gear,
+        "to": rec.to_gear,
+        "trigger": rec.trigger,
+        "startedAt": to_time(rec.started_at),
+        "finishedAt": to_time(rec.finished_at),
+        "outcome": rec.outcome.value,
+        "message": rec.message[:message_limit],
+    }
+    out = list(raw)
+    for i, h in enumerate(out):
+        same_start = (
+            from_time(h.get("startedAt")) is not None
+            and abs((from_time(h.get("startedAt")) or 0.0) - rec.started_at) < 1e-3
+        )
+        if same_start and h.get("to") == rec.to_gear:
+            out[i] = entry
+            break
+    else:
+        out.append(entry)
+    return out[-MAX_HISTORY:]
+
+
+def _health(raw: list[dict[str, Any]], mark: MarkUnhealthy, now: float, profiles_hash: str | None) -> list:
+    entry = {
+        "gear": mark.gear,
+        "healthy": False,
+        "reason": mark.reason,
+        "message": mark.message[:4000],
+        "since": to_time(now),
+        "profilesHash": profiles_hash,
+    }
+    return [h for h in raw if h.get("gear") != mark.gear] + [entry]
+
+
+def tick(
+    api: KubeApi,
+    namespace: str,
+    name: str,
+    *,
+    now: float,
+    settings: Settings,
+    signals: SignalSource,
+) -> TickResult:
+    """One turn of the shifting loop for GearSet ``namespace/name`` (see the module docstring).
+
+    Raises:
+        KubeApiError: the API server refused a read or write (the loop retries next turn).
+    """
+    gs_body = api.get(*GS, namespace, name)
+    if gs_body is None or (gs_body.get("metadata") or {}).get("deletionTimestamp"):
+        return TickResult(skipped="GearSet gone")
+    try:
+        gs = GearSet.model_validate(gs_body)
+    except ValidationError as exc:
+        return TickResult(skipped=f"GearSet invalid: {exc.error_count()} error(s)")
+    role, service = gs.spec.role, gs.spec.service_name
+    pds_body = api.get(*PDS, namespace, service)
+    if pds_body is None:
+        return TickResult(skipped=f"PDService {service!r} not found")
+    try:
+        pds = PDService.model_validate(pds_body)
+    except ValidationError:
+        return TickResult(skipped=f"PDService {service!r} invalid")
+    if getattr(pds.spec, role).gear_set_ref.name != name:
+        return TickResult(skipped=f"PDService {service!r} {role} refers to another GearSet")
+    gears = gs.gears()
+    gear_names = [g.name for g in gears]
+    st = gs.status
+    if not gears or not st.active_gear:
+        return TickResult(skipped="no active gear yet (the reconciler sets it)")
+    if st.active_gear not in gear_names:
+        return TickResult(skipped=f"active gear {st.active_gear!r} is not among {gear_names}")
+    try:
+        policy = policy_from_api(gs.spec.policy, role=role, ttft_slo_ms=pds.spec.slo.ttft_ms,
+                                 itl_slo_ms=pds.spec.slo.itl_ms)  # fmt: skip
+    except PolicyError as exc:
+        emit(api, gs_body, "InvalidPolicy", str(exc), True)
+        return TickResult(skipped=str(exc))
+
+    state = executor_from_status(st.active_gear, st.executor)
+    dstate = control_from_status(st.control)
+
+    # --- observe -------------------------------------------------------------------------------------
+    labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: role}
+    sts_all = api.list(*STS, namespace, {**labels, names.LABEL_COMPONENT: names.COMPONENT_ENGINE})
+    pods_all = api.list(*POD, namespace, labels)
+    by_gear: dict[str, list[dict[str, Any]]] = {}
+    for s in sts_all:
+        by_gear.setdefault((s["metadata"].get("labels") or {}).get(names.LABEL_GEAR, ""), []).append(s)
+    selected = selected_gear(api.get(*SVC, namespace, names.role_service_name(service, role)))
+    url = pds.spec.prometheus_url or settings.prometheus_url
+    sample_gear = selected if selected in by_gear else state.active
+    sample: Sample | None = None
+    why = ""
+    if not url:
+        why = "no Prometheus URL: set PDService spec.prometheusUrl or the operator's --prometheus-url"
+    else:
+        try:
+            sample = signals.sample(url, GearSelector(namespace, service, role, sample_gear), now)
+        except SignalsUnavailable as exc:
+            why = str(exc)
+    in_flight_old: int | None = None
+    if state.phase is Phase.DRAINING and state.from_gear in by_gear and url:
+        try:
+            in_flight_old = signals.in_flight(url, GearSelector(namespace, service, role, state.from_gear))
+        except SignalsUnavailable as exc:
+            log.info(
+                "GearSet %s/%s: in-flight requests of %s unknown: %s", namespace, name, state.from_gear, exc
+            )
+    observations: dict[str, GearObservation] = {}
+    spec_gears = {g.name: g for g in gears}
+    for gname, objs in by_gear.items():
+        pods = [p for p in pods_all if (p["metadata"].get("labels") or {}).get(names.LABEL_GEAR) == gname]
+        obs = observe_gear(spec_gears.get(gname), objs, pods)
+        if gname == state.from_gear and state.phase is Phase.DRAINING:
+            # Unknown in-flight counts hold the drain until its timeout rather than cut requests off.
+            obs = replace(obs, in_flight=1 if in_flight_old is None else in_flight_old)
+        if sample is not None and gname == sample_gear:
+            obs = replace(obs, p99_ms=sample.p99_ms(policy.latency_metric))
+        observations[gname] = obs
+    # --- decide and step -----------------------------------------------------------------------------
+    marks = [h for h in st.gear_health if h.profiles_hash in (None, st.profiles_hash)]
+    table = GearTable(gear_views(gears, marks), active=state.active, arch=pds.spec.model.to_model_arch())
+    t0 = time.perf_counter()
+    overrides = Overrides(force_gear=gs.spec.force_gear, paused=gs.spec.paused)
+    new_dstate, decision = decide(dstate, sample, policy, table, now, overrides=overrides, busy=state.busy)
+    metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
+    request = shift_request(decision, table)
+    fits = True
+    if (
+        request is not None
+        and not state.busy
+        and request.target in spec_gears
+        and request.target not in by_gear
+    ):
+        # Only a shift about to start needs the cluster-wide view of free GPUs.
+        fits = shadow_fits(spec_gears[request.target], gs.spec.replicas, api.list(*NODE), api.list(*POD))
+    world = World(now=now, gears=observations, selected=selected, full_shadow_fits=fits)
+    new_state, actions = step(state, world, policy, request=request, paused=gs.spec.paused)
+
+    # --- status --------------------------------------------------------------------------------------
+    gen = gs_body["metadata"].get("generation")
+    book = ConditionBook(conditions_from([c.to_json() for c in st.conditions]), gen, _now_dt(now))
+    if sample is not None:
+        book.set(COND_SIGNALS_AVAILABLE, "True", REASON_SIGNALS_OK, f"Prometheus at {url} answers")
+    else:
+        reason = REASON_NO_PROMETHEUS if not url else REASON_SIGNALS_MISSING
+        book.set(COND_SIGNALS_AVAILABLE, "False", reason, f"{why}; no gear shift starts", warning=True)
+    raw = gs_body.get("status") or {}
+    history = list(raw.get("history") or [])
+    health = list(raw.get("gearHealth") or [])
+    for a in actions:
+        if isinstance(a, RecordShift):
+            history = _history(history, a)
+            if a.outcome is not Outcome.IN_PROGRESS:
+                metrics.SHIFTS.labels(role, a.outcome.value).inc()
+        elif isinstance(a, MarkUnhealthy):
+            health = _health(health, a, now, st.profiles_hash)
+    patch: dict[str, Any] = {
+        "phase": new_state.phase.value,
+        "activeGear": new_state.active,
+        "targetGear": new_state.to_gear if new_state.busy else None,
+        "executor": executor_to_status(new_state, in_flight_old),
+        "control": control_to_status(new_dstate, policy),
+        "history": history,
+        "gearHealth": health,
+        "conditions": book.as_json(),
+        "observedGeneration": gen,
+    }
+    if new_dstate.smoothed is not None and sample is not None:
+        patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas)
+    with service_lock(namespace, service):
+        api.patch_status(*GS, namespace, name, patch)
+
+    # --- act -----------------------------------------------------------------------------------------
+    for a in actions:
+        match a:
+            case EnsureGear(gear=g):
+                ensure_gear_sync(api, namespace, service, role, g, settings)
+            case SelectGear(gear=g):
+                select_gear_sync(api, namespace, service, role, g)
+            case DeleteGear(gear=g):
+                delete_gear_sync(api, namespace, service, role, g)
+            case Event(reason=r, message=m, warning=w):
+                emit(api, gs_body, r, m, w)
+            case _:
+                pass
+    for reason, message, warning in book.changes:
+        emit(api, gs_body, reason, message, warning)
+    _decision_event(api, gs_body, namespace, name, decision)
+    return TickResult(
+        phase=new_state.phase, decision=decision, actions=actions, signals_ok=sample is not None, message=why
+    )
+
+
+def _now_dt(now: float) -> datetime:
+    return datetime.fromtimestamp(now, UTC).replace(microsecond=0)
+
+
+def _decision_event(
+    api: KubeApi, body: Mapping[str, Any], namespace: str, name: str, decision: Decision
+) -> None:
+    """Events for decisions that did something (raised a threshold, vetoed) or a hold that changed why."""
+    if decision.kind in (DecisionKind.THRESHOLD_RAISED, DecisionKind.VETOED):
+        emit(api, body, decision.kind.value, decision.message, decision.kind is DecisionKind.VETOED)
+        return
+    if decision.kind is not DecisionKind.HOLD:
+        return
+    key = (namespace, name)
+    with _hold_lock:
+        changed = _last_hold.get(key) != decision.reason
+        _last_hold[key] = decision.reason
+    notable = decision.reason not in ("Steady", "ShiftInProgress", "ForcedGear")
+    if changed and notable:
+        emit(api, body, decision.reason, decision.message, decision.reason.startswith("Force"))
+
+
+# --- kopf ----------------------------------------------------------------------------------------------
+_signals: SignalSource = PrometheusSignals()
+
+
+def configure(signals: SignalSource) -> None:
+    """Swap the signal source (tests)."""
+    global _signals
+    _signals = signals
+
+
+def run_tick(namespace: str, name: str) -> TickResult:
+    """One tick with the operator's API client and settings (see :func:`tick`)."""
+    from gearshift.handlers import pdservice
+
+    return tick(
+        pdservice.api(), namespace, name, now=time.time(), settings=pdservice.settings(), signals=_signals
+    )
+
+
+def _interval(body: Mapping[str, Any]) -> float:
+    raw = ((body.get("spec") or {}).get("policy") or {}).get("sampleIntervalS", 2.0)
+    try:
+        return max(float(raw), MIN_INTERVAL_S)
+    except (TypeError, ValueError):
+        return 2.0
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+async def gearset_shifting(
+    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
+    while not stopped:
+        start = time.monotonic()
+        try:
+            res = await asyncio.to_thread(run_tick, namespace, name)
+            if res.skipped:
+                log.debug("GearSet %s/%s: %s", namespace, name, res.skipped)
+        except (KubeApiError, NotYet, KeyError) as exc:
+            log.warning("GearSet %s/%s: shifting tick failed: %s", namespace, name, exc)
+        except Exception:
+            log.exception("GearSet %s/%s: shifting tick failed", namespace, name)
+        await stopped.wait(max(0.0, _interval(body) - (time.monotonic() - start)))

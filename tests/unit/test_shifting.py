@@ -1,0 +1,411 @@
+"""The gear-shifting loop (handlers/shifting.py) over an in-memory API: state round trips, the observed
+world, free-GPU check, and whole shifts driven tick by tick (forced, restarts, signals lost, paused)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
+
+from gearshift.api.gearset import ControlState, ExecutorState, Gear
+from gearshift.control.decide import DecisionState, TriggerTrack
+from gearshift.control.executor import Phase, ShiftState
+from gearshift.control.policy import ShiftPolicy
+from gearshift.control.signals import GearSelector, SignalsUnavailable
+from gearshift.control.smoothing import Sample
+from gearshift.control.triggers import Trigger
+from gearshift.handlers import reconcile as rec
+from gearshift.handlers import shifting as sh
+from gearshift.k8s import names
+from gearshift.planner_input import datasheet_gpuprofile
+
+GS_NAME = "llama3-8b-prefill"
+T0 = 1_800_000_000.0
+
+
+class FakeSignals:
+    """A signal source with a switch: up (a steady sample, no in-flight requests) or down."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.in_flight_n = 0
+        self.asked: list[str] = []
+
+    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
+        self.asked.append(sel.gear)
+        if not self.up:
+            raise SignalsUnavailable(f"Prometheus at {url} did not answer: connection refused")
+        return Sample(at=at, stage_utilization=(0.5, 0.5), qps=3.0, ttft_p99_ms=150.0, itl_p99_ms=20.0)
+
+    def in_flight(self, url: str, sel: GearSelector) -> int:
+        if not self.up:
+            raise SignalsUnavailable("down")
+        return self.in_flight_n
+
+
+def _policy_patch(api: FakeApi, **policy: Any) -> None:
+    key = api._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    api.store[key]["spec"]["policy"].update(policy)
+
+
+def kubelet(api: FakeApi, now: float) -> None:
+    """Play the StatefulSet controller and kubelet: every StatefulSet gets Ready pods (Ready at ``now``)."""
+    for s in api.list("apps/v1", "StatefulSet", NS):
+        n = int(s["spec"]["replicas"])
+        for i in range(n):
+            pname = f"{s['metadata']['name']}-{i}"
+            if api.get("v1", "Pod", NS, pname):
+                continue
+            api.put(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": pname, "labels": s["spec"]["template"]["metadata"]["labels"]},
+                    "spec": {"containers": s["spec"]["template"]["spec"]["containers"]},
+                    "status": {
+                        "phase": "Running",
+                        "conditions": [
+                            {"type": "Ready", "status": "True", "lastTransitionTime": sh.to_time(now)}
+                        ],
+                    },
+                },
+                NS,
+            )
+        key = api._key("apps/v1", "StatefulSet", NS, s["metadata"]["name"])
+        api.store[key]["status"] = {"readyReplicas": n, "replicas": n}
+    # pods of deleted StatefulSets go
+    live = {s["metadata"]["name"] for s in api.list("apps/v1", "StatefulSet", NS)}
+    for p in api.list("v1", "Pod", NS):
+        if p["metadata"]["name"].rsplit("-", 1)[0] not in live:
+            api.delete("v1", "Pod", NS, p["metadata"]["name"])
+
+
+@pytest.fixture
+def world() -> FakeApi:
+    a = FakeApi()
+    for n in fleet_nodes():
+        a.put(n)
+        if n["status"]["allocatable"].get("nvidia.com/gpu"):
+            a.put(datasheet_gpuprofile(n))
+    pds = _example("pdservice-llama3-8b.yaml")
+    pds["spec"]["prometheusUrl"] = "http://127.0.0.1:9"
+    a.put(pds, NS)
+    a.put(_example("gearset-explicit.yaml"), NS)
+    a.put(_example("gearset-auto.yaml"), NS)
+    rec.reconcile_service(a, NS, "llama3-8b", rec.Settings(sim_requests=200))
+    kubelet(a, T0 - 100)
+    return a
+
+
+def run(api: FakeApi, sig: FakeSignals, now: float) -> sh.TickResult:
+    return sh.tick(api, NS, GS_NAME, now=now, settings=rec.Settings(), signals=sig)
+
+
+def status(api: FakeApi) -> dict[str, Any]:
+    return api.get("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)["status"]
+
+
+def selected(api: FakeApi) -> str:
+    return api.get("v1", "Service", NS, "llama3-8b-prefill")["spec"]["selector"][names.LABEL_GEAR]
+
+
+def gear_ready(api: FakeApi, gear: str) -> bool:
+    sts = api.list("apps/v1", "StatefulSet", NS, {names.LABEL_ROLE: "prefill", names.LABEL_GEAR: gear})
+    return bool(sts) and all(s.get("status", {}).get("readyReplicas") == s["spec"]["replicas"] for s in sts)
+
+
+def prefill_gears(api: FakeApi) -> set[str]:
+    sts = api.list("apps/v1", "StatefulSet", NS, {names.LABEL_ROLE: "prefill"})
+    return {s["metadata"]["labels"][names.LABEL_GEAR] for s in sts}
+
+
+class TestStateRoundTrip:
+    @pytest.mark.parametrize("phase", list(Phase))
+    def test_executor(self, phase: Phase) -> None:
+        s = ShiftState(
+            active="balanced",
+            phase=phase,
+            from_gear="balanced",
+            to_gear="latency",
+            trigger="p99-high",
+            started_at=T0 + 0.25,
+            step_started_at=T0 + 10.5,
+            deadline=T0 + 70.125,
+            degraded=phase is Phase.DEGRADED,
+            predicted_p99_ms=120.0,
+            failure="NotReadyInTime" if phase is Phase.ROLLING_BACK else None,
+            failure_message="late" if phase is Phase.ROLLING_BACK else "",
+            paused_at=T0 + 20.0,
+        )
+        raw = sh.executor_to_status(s, in_flight=3)
+        back = sh.executor_from_status("balanced", ExecutorState.model_validate(raw))
+        assert back == s
+        assert raw["rollbackUntil"] == (raw["deadline"] if phase is Phase.SWITCHING else None)
+
+    def test_control(self) -> None:
+        d = DecisionState(
+            smoothed=Sample(at=T0, stage_utilization=(0.95, 0.2, 0.1), qps=7.5, queue=2.0, ttft_p99_ms=250.0),
+            tracks={
+                Trigger.IMBALANCE: TriggerTrack(on=2, off=0, latched=False, level=1),
+                Trigger.LATENCY_HIGH: TriggerTrack(on=3, off=0, latched=True, level=0),
+                Trigger.LATENCY_LOW: TriggerTrack(on=0, off=5, latched=False, level=2),
+            },
+            last_shift_at=T0 - 30,
+            last_retrigger_at=T0 - 10,
+        )
+        raw = sh.control_to_status(d, ShiftPolicy(dwell_s=600))
+        assert raw["dwellUntil"] == sh.to_time(T0 + 570)
+        back = sh.control_from_status(ControlState.model_validate(raw))
+        assert back == d
+
+    def test_initial(self) -> None:
+        assert sh.control_from_status(None) == DecisionState()
+        assert sh.executor_from_status("x", None) == ShiftState(active="x")
+
+
+def _sts(stage: int, replicas: int, ready: int) -> dict[str, Any]:
+    return {
+        "metadata": {"labels": {names.LABEL_STAGE: str(stage)}},
+        "spec": {"replicas": replicas},
+        "status": {"readyReplicas": ready},
+    }
+
+
+def _pod(ready: bool, at: float, waiting: str | None = None) -> dict[str, Any]:
+    cs = [{"state": {"waiting": {"reason": waiting}}}] if waiting else []
+    return {
+        "metadata": {},
+        "status": {
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True" if ready else "False",
+                    "lastTransitionTime": sh.to_time(at),
+                }
+            ],
+            "containerStatuses": cs,
+        },
+    }
+
+
+class TestObserveGear:
+    gear = Gear.model_validate({"name": "g", "stages": [{"layers": [0, 16]}, {"layers": [16, 32]}]})
+
+    def test_absent(self) -> None:
+        assert not sh.observe_gear(self.gear, [], []).exists
+
+    def test_ready_since_latest_pod(self) -> None:
+        o = sh.observe_gear(self.gear, [_sts(0, 1, 1), _sts(1, 1, 1)], [_pod(True, T0), _pod(True, T0 + 7)])
+        assert o.exists and o.ready and o.ready_since == pytest.approx(T0 + 7)
+
+    @pytest.mark.parametrize(
+        ("sts", "pods"),
+        [
+            ([_sts(0, 1, 1)], [_pod(True, T0)]),  # stage 1 missing
+            ([_sts(0, 1, 1), _sts(1, 1, 0)], [_pod(True, T0), _pod(False, T0)]),  # a pod not Ready
+            ([_sts(0, 1, 1), _sts(1, 2, 2)], [_pod(True, T0), _pod(True, T0)]),  # a pod not there yet
+        ],
+    )
+    def test_not_ready(self, sts: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
+        o = sh.observe_gear(self.gear, sts, pods)
+        assert o.exists and not o.ready and o.ready_since is None
+
+    def test_crash_loop_is_a_failure(self) -> None:
+        o = sh.observe_gear(
+            self.gear, [_sts(0, 1, 0), _sts(1, 1, 1)], [_pod(False, T0, "CrashLoopBackOff"), _pod(True, T0)]
+        )
+        assert o.failure == "CrashLoopBackOff"
+
+    def test_selected_gear(self) -> None:
+        assert sh.selected_gear(None) is None
+        assert sh.selected_gear({"spec": {"selector": {names.LABEL_GEAR: "x"}}}) == "x"
+
+
+class TestShadowFits:
+    def _gear(self, stages: list[dict[str, Any]]) -> Gear:
+        return Gear.model_validate({"name": "g", "stages": stages})
+
+    def test_free_and_taken_cards(self) -> None:
+        nodes = fleet_nodes()
+        g = self._gear(
+            [
+                {"layers": [0, 20], "nodes": ["gpu-h100-0"]},
+                {"layers": [20, 32], "nodeSelector": {names.NODE_GPU_MODEL: "A100-40GB"}},
+            ]
+        )
+        assert sh.shadow_fits(g, 1, nodes, [])
+        busy = {
+            "spec": {
+                "nodeName": "gpu-h100-0",
+                "containers": [{"resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+            },
+            "status": {"phase": "Running"},
+        }
+        assert not sh.shadow_fits(g, 1, nodes, [busy])
+        done = copy.deepcopy(busy)
+        done["status"]["phase"] = "Succeeded"
+        assert sh.shadow_fits(g, 1, nodes, [done])
+        # two A100 nodes: two pipeline replicas fit the A100 stage, three do not (the H100 stage: one node)
+        g2 = self._gear([{"layers": [0, 32], "nodeSelector": {names.NODE_GPU_MODEL: "A100-40GB"}}])
+        assert sh.shadow_fits(g2, 2, nodes, []) and not sh.shadow_fits(g2, 3, nodes, [])
+
+
+class TestTicks:
+    def test_waits_for_the_reconciler(self, world: FakeApi) -> None:
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["status"].pop("activeGear")
+        assert run(world, FakeSignals(), T0).skipped.startswith("no active gear")
+
+    def test_steady_writes_signals_and_condition(self, world: FakeApi) -> None:
+        sig = FakeSignals()
+        r = run(world, sig, T0)
+        assert r.signals_ok and r.phase is Phase.STABLE and not r.actions
+        st = status(world)
+        assert st["signals"]["qps"] == 3.0 and st["signals"]["p99Ms"] == 150.0  # prefill: TTFT P99
+        assert st["signals"]["stageUtilization"] == [0.5, 0.5]
+        cond = next(c for c in st["conditions"] if c["type"] == "SignalsAvailable")
+        assert cond["status"] == "True"
+        assert sig.asked == ["balanced"]  # the gear the role Service selects
+
+    def test_forced_shift_end_to_end_keeps_a_ready_gear_selected(self, world: FakeApi) -> None:
+        _policy_patch(world, warmS=5, rollbackWindowS=10, drainTimeoutS=30)
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        phases = []
+        now = T0
+        for _ in range(40):
+            r = run(world, sig, now)
+            phases.append(r.phase)
+            assert gear_ready(world, selected(world)), f"role Service on a gear not Ready at {now - T0}"
+            kubelet(world, now)
+            now += 2.0
+            if r.phase is Phase.STABLE and status(world)["activeGear"] == "latency" and len(phases) > 3:
+                break
+        # every phase of a shift, in order
+        order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+        assert order == [Phase.WARMING, Phase.DRAINING, Phase.SWITCHING, Phase.STABLE]
+        st = status(world)
+        assert st["activeGear"] == "latency" and "targetGear" not in st
+        assert selected(world) == "latency" and prefill_gears(world) == {"latency"}
+        (h,) = st["history"]
+        assert (h["from"], h["to"], h["trigger"], h["outcome"]) == (
+            "balanced",
+            "latency",
+            "forced",
+            "Succeeded",
+        )
+        reasons = [e["reason"] for e in world.events]
+        for r in ("ShiftStarted", "ShadowReady", "DrainStarted", "Switched", "ShiftCompleted"):
+            assert r in reasons
+
+    def test_drain_waits_for_in_flight_requests(self, world: FakeApi) -> None:
+        _policy_patch(world, warmS=0, drainTimeoutS=100)
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        sig.in_flight_n = 4
+        now = T0
+        for _ in range(3):
+            run(world, sig, now)
+            kubelet(world, now)
+            now += 2
+        assert status(world)["phase"] == "Draining" and status(world)["executor"]["inFlight"] == 4
+        run(world, sig, now + 2)
+        assert status(world)["phase"] == "Draining"
+        sig.in_flight_n = 0
+        run(world, sig, now + 4)
+        assert status(world)["phase"] == "Switching"
+
+    def test_crash_between_persist_and_act_resumes(self, world: FakeApi) -> None:
+        """The operator dies after writing Warming/Draining but before acting: the next tick repairs."""
+        _policy_patch(world, warmS=0, rollbackWindowS=0)
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        real_apply = world.apply
+
+        def dying(manifest: Any) -> Any:
+            raise RuntimeError("SIGKILL")
+
+        world.apply = dying  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            run(world, sig, T0)
+        assert status(world)["phase"] == "Warming" and "latency" not in prefill_gears(world)
+        world.apply = real_apply  # type: ignore[method-assign]
+        run(world, sig, T0 + 2)  # restarted: the shadow is created now
+        assert "latency" in prefill_gears(world)
+        kubelet(world, T0 + 2)
+        world.apply = dying  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            run(world, sig, T0 + 4)  # → Draining persisted, the selector not moved yet
+        assert status(world)["phase"] == "Draining" and selected(world) == "balanced"
+        world.apply = real_apply  # type: ignore[method-assign]
+        for i in range(3, 8):
+            run(world, sig, T0 + 2 * i)
+            kubelet(world, T0 + 2 * i)
+        assert status(world)["phase"] == "Stable" and selected(world) == "latency"
+        assert prefill_gears(world) == {"latency"}
+
+    def test_no_signals_no_shift_then_resume(self, world: FakeApi) -> None:
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        sig.up = False
+        for i in range(5):
+            r = run(world, sig, T0 + 2 * i)
+            assert r.phase is Phase.STABLE and not r.signals_ok
+        st = status(world)
+        cond = next(c for c in st["conditions"] if c["type"] == "SignalsAvailable")
+        assert (cond["status"], cond["reason"]) == ("False", "SignalsMissing")
+        assert "connection refused" in cond["message"] and prefill_gears(world) == {"balanced"}
+        assert [e["reason"] for e in world.events].count("SignalsMissing") == 1  # once, on the change
+        sig.up = True
+        r = run(world, sig, T0 + 20)
+        assert r.phase is Phase.WARMING and "latency" in prefill_gears(world)
+        cond = next(c for c in status(world)["conditions"] if c["type"] == "SignalsAvailable")
+        assert cond["status"] == "True"
+
+    def test_no_prometheus_url(self, world: FakeApi) -> None:
+        key = world._key("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+        del world.store[key]["spec"]["prometheusUrl"]
+        r = run(world, FakeSignals(), T0)
+        assert not r.signals_ok and "prometheusUrl" in r.message
+        cond = next(c for c in status(world)["conditions"] if c["type"] == "SignalsAvailable")
+        assert cond["reason"] == "NoPrometheus"
+
+    def test_paused_holds(self, world: FakeApi) -> None:
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        world.store[key]["spec"]["paused"] = True
+        r = run(world, FakeSignals(), T0)
+        assert r.phase is Phase.STABLE and r.decision is not None and r.decision.reason == "Paused"
+        assert prefill_gears(world) == {"balanced"}
+
+    def test_not_ready_in_time_rolls_back_and_marks_unhealthy(self, world: FakeApi) -> None:
+        _policy_patch(world, warmupTimeoutS=10)
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        for i in range(8):  # no kubelet: the shadow never becomes Ready
+            run(world, sig, T0 + 2 * i)
+            assert selected(world) == "balanced"
+        st = status(world)
+        assert st["phase"] == "Stable" and st["activeGear"] == "balanced"
+        assert st["history"][-1]["outcome"] == "RolledBack"
+        (mark,) = st["gearHealth"]
+        assert (mark["gear"], mark["healthy"], mark["reason"]) == ("latency", False, "NotReadyInTime")
+        assert prefill_gears(world) == {"balanced"}
+        # the forced gear is now unhealthy: no new attempt
+        r = run(world, sig, T0 + 40)
+        assert r.decision is not None and r.decision.reason == "ForceGearUnhealthy"
+        assert prefill_gears(world) == {"balanced"}
+
+    def test_a_reconcile_mid_shift_keeps_both_gears(self, world: FakeApi) -> None:
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        run(world, FakeSignals(), T0)
+        rec.reconcile_service(world, NS, "llama3-8b", rec.Settings(sim_requests=200))
+        assert prefill_gears(world) == {"balanced", "latency"} and selected(world) == "balanced"
