@@ -51,9 +51,13 @@ def operator(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "GEARSHIFT_PROBE_BACKOFF_MAX_S": "4",
         "GEARSHIFT_PROBE_TTL_S": "300",
     }
+    # operator_main.run directly rather than through the `gearshift` CLI, so that a sub-command module
+    # of another feature cannot keep the operator from starting.
     cmd = [
-        str(Path(sys.executable).parent / "gearshift"),
-        "operator",
+        sys.executable,
+        "-c",
+        "import argparse, sys; from gearshift import operator_main as m; p = argparse.ArgumentParser(); "
+        "m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))",
         "--kubeconfig",
         str(sandbox.kubeconfig),
         "--probe-port",
