@@ -430,7 +430,9 @@ def probe_succeeded(
         measured["interconnect"] = interconnect
     old = status
     fresh = GPUProfileStatus.model_validate(measured)
-    info = _probe_info(old).model_copy(update=fresh.probe.model_dump(exclude_none=True) if fresh.probe else {})
+    # Only what the document says: bookkeeping (reprobe token, job) of the run stays.
+    measured_info = fresh.probe.model_dump(exclude_none=True) if fresh.probe else {}
+    info = _probe_info(old).model_copy(update=measured_info)
     info.attempts, info.failure_reason, info.gpu_key = 0, None, node.gpu_key
     info.next_time = now + timedelta(seconds=reprobe_interval_s) if reprobe_interval_s > 0 else None
     fresh.probe = info
