@@ -135,8 +135,13 @@ def test_pod_ready_only_once_its_server_answers(sandbox, namespace, wait_for):
     assert env["NODE_NAME"] == pod["spec"]["nodeName"]
     assert env["ECHO_APP"] == "echo"
     assert env["ECHO_URL"] == f"http://{ip}:8000/"
-    dep = sandbox.kubectl_json("get", "deploy", "echo", "-n", namespace)
-    assert dep["status"].get("readyReplicas") == 1
+    wait_for(
+        lambda: (
+            sandbox.kubectl_json("get", "deploy", "echo", "-n", namespace)["status"].get("readyReplicas") == 1
+        ),
+        30,
+        "the Deployment to count the Ready pod",
+    )
 
 
 def test_prometheus_scrapes_an_annotated_pod(sandbox, namespace, wait_for):

@@ -1,0 +1,161 @@
+"""The pod runner's state machine with real local processes and a recording stand-in for the API server.
+
+The processes are ``gearshift sandbox exit-with`` (the real console script); only the Kubernetes API is
+replaced, by an object that records the status patches. The e2e tests run the same code against the
+sandbox's API server.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from gearshift.sandbox.podrunner import PodRunner
+
+VENV_BIN = Path(sys.executable).parent
+NODE = {"metadata": {"name": "gpu-t4-0", "annotations": {"gearshift.io/gpu-model": "T4-16GB"}}}
+
+
+class RecordingApi:
+    """Just enough of ApiClient + CoreV1Api: statuses are merged into the stored pod and recorded."""
+
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.patches: list[dict[str, Any]] = []
+        self.deleted: list[str] = []
+
+    def sanitize_for_serialization(self, obj: Any) -> Any:
+        return obj.raw if isinstance(obj, SimpleNamespace) else obj
+
+    def list_node(self, **_: Any) -> Any:
+        return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name="gpu-t4-0"), raw=NODE)])
+
+    def patch_namespaced_pod_status(self, name: str, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.patches.append(body["status"])
+        pod = self.pods[(ns, name)]
+        pod["status"] = {**pod["status"], **body["status"]}
+        return pod
+
+    def delete_namespaced_pod(self, name: str, ns: str, body: Any = None) -> None:
+        self.deleted.append(name)
+
+
+def make_runner(tmp_path: Path) -> tuple[PodRunner, RecordingApi]:
+    api = RecordingApi()
+    runner = PodRunner.__new__(PodRunner)
+    PodRunner.__init__(runner, api, tmp_path / "kubeconfig", tmp_path / "pods", VENV_BIN)
+    runner.core = api  # the stand-in answers CoreV1Api's calls too
+    return runner, api
+
+
+def pod(name: str, command: list[str], restart: str = "Never") -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": f"uid-{name}",
+            "labels": {"gearshift.io/sandbox-run": "true"},
+        },
+        "spec": {
+            "nodeName": "gpu-t4-0",
+            "restartPolicy": restart,
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "w",
+                    "command": command,
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                }
+            ],
+        },
+        "status": {"phase": "Pending", "podIP": "127.77.1.5", "hostIP": "127.77.0.1"},
+    }
+
+
+def drive(runner: PodRunner, until, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "the runner did not reach the expected state"
+        for run in list(runner.runs.values()):
+            runner._supervise(run)
+        time.sleep(0.05)
+
+
+def test_job_pod_ends_failed_with_exit_code_and_message(tmp_path):
+    runner, api = make_runner(tmp_path)
+    p = pod(
+        "probe",
+        [
+            "gearshift",
+            "sandbox",
+            "exit-with",
+            "--code",
+            "3",
+            "--message",
+            "no device: $(GEARSHIFT_SANDBOX_GPU_MODEL)",
+        ],
+    )
+    api.pods[("ns", "probe")] = p
+    runner._handle("ADDED", p)
+    drive(runner, lambda: api.patches and api.patches[-1]["phase"] in ("Succeeded", "Failed"))
+    final = api.patches[-1]
+    term = final["containerStatuses"][0]["state"]["terminated"]
+    assert final["phase"] == "Failed"
+    # $(VAR) expansion sees the runner's variables too: the node's GPU model.
+    assert (term["exitCode"], term["reason"], term["message"]) == (3, "Error", "no device: T4-16GB")
+    phases = [p["phase"] for p in api.patches]
+    assert [ph for i, ph in enumerate(phases) if i == 0 or phases[i - 1] != ph] == [
+        "Pending",
+        "Running",
+        "Failed",
+    ]
+    assert "uid-probe" in runner.finished and not runner.runs
+
+
+def test_disallowed_program_fails_without_running(tmp_path):
+    runner, api = make_runner(tmp_path)
+    p = pod("evil", ["python3", "-c", "print(1)"])
+    api.pods[("ns", "evil")] = p
+    runner._handle("ADDED", p)
+    final = api.patches[-1]
+    assert final["phase"] == "Failed"
+    msg = final["containerStatuses"][0]["state"]["terminated"]["message"]
+    assert "'python3' is not allowed" in msg
+    assert not list((tmp_path / "pods").glob("*/*.pid"))
+
+
+def test_always_pod_restarts_and_counts(tmp_path):
+    runner, api = make_runner(tmp_path)
+    p = pod(
+        "crash", ["gearshift", "sandbox", "exit-with", "--code", "2", "--message", "bye"], restart="Always"
+    )
+    api.pods[("ns", "crash")] = p
+    runner._handle("ADDED", p)
+    drive(
+        runner,
+        lambda: api.patches and api.patches[-1]["containerStatuses"][0]["restartCount"] >= 2,
+        timeout=30,
+    )
+    cs = api.patches[-1]["containerStatuses"][0]
+    assert cs["lastState"]["terminated"]["exitCode"] == 2
+    assert cs["lastState"]["terminated"]["message"] == "bye"
+    assert api.patches[-1]["phase"] == "Running"
+    waits = [s["containerStatuses"][0]["state"].get("waiting", {}).get("reason") for s in api.patches]
+    assert "CrashLoopBackOff" in waits
+    runner._shutdown()
+
+
+def test_deletion_stops_the_process(tmp_path):
+    runner, api = make_runner(tmp_path)
+    p = pod("slow", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")
+    api.pods[("ns", "slow")] = p
+    runner._handle("ADDED", p)
+    drive(runner, lambda: runner.runs["uid-slow"].containers[0].proc is not None)
+    proc = runner.runs["uid-slow"].containers[0].proc
+    gone = {**p, "metadata": {**p["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    runner._handle("MODIFIED", gone)
+    drive(runner, lambda: api.deleted == ["slow"])
+    assert proc.poll() is not None
