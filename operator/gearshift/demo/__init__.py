@@ -1,0 +1,76 @@
+"""``gearshift demo``: the README's first command — serve a real trace on the sandbox and write a report.
+
+Brings up the sandbox with the mixed GPU fleet (or reuses it), runs the operator, waits for every GPU node
+to be profiled, applies the example PDService with ``auto`` GearSets, replays the Azure LLM trace through
+the router's pod IP with a live line, and writes ``demo-report/`` (``report.md`` and PNG plots).
+
+Modules: :mod:`~gearshift.demo.trace` (windowing), :mod:`~gearshift.demo.series` (time series from
+measurements), :mod:`~gearshift.demo.gears` (gear tables), :mod:`~gearshift.demo.live` (the live line),
+:mod:`~gearshift.demo.report` and :mod:`~gearshift.demo.plots` (the report) are pure;
+:mod:`~gearshift.demo.kube` and :mod:`~gearshift.demo.run` do the I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+#: The repository root (operator/gearshift/demo/__init__.py → four levels up).
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "pdservice-demo.yaml"
+DEFAULT_FLEET = REPO_ROOT / "examples" / "fleet-mixed.yaml"
+DEFAULT_NAMESPACE = "gearshift-demo"
+#: The issue's bound on a default run: the replay takes at most 10 minutes.
+DEFAULT_DURATION_S = 540.0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``gearshift demo``."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "demo",
+        help="the end-to-end demo: sandbox + mixed GPU fleet, serve a real trace, write demo-report/",
+        description="Bring up the sandbox (or reuse it), run the operator, profile every GPU node, "
+        "deploy the example PDService with auto GearSets, replay a trace through the router "
+        "(time-compressed, live progress) and write a report with plots. Traffic goes to loopback only.",
+    )
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="CSV trace (Azure LLM 2023 format)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="replay this many times faster than recorded (default: fit the whole trace into --duration)",
+    )
+    p.add_argument(
+        "--duration", type=float, default=DEFAULT_DURATION_S, help="cap on the replay's issuing time, s (540)"
+    )
+    p.add_argument("--start", type=float, default=0.0, help="where in the trace to start, trace seconds (0)")
+    p.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="fleet file for the sandbox's GPU nodes")
+    p.add_argument(
+        "--model", type=Path, default=None, help="HF config.json of the model to serve (default: Llama-3-8B)"
+    )
+    p.add_argument("--example", type=Path, default=DEFAULT_EXAMPLE, help="PDService + GearSets to apply")
+    p.add_argument(
+        "--namespace", default=DEFAULT_NAMESPACE, help=f"namespace to deploy in ({DEFAULT_NAMESPACE})"
+    )
+    keep = p.add_mutually_exclusive_group()
+    keep.add_argument("--keep", dest="down", action="store_false", help="leave the cluster up (default)")
+    keep.add_argument("--down", dest="down", action="store_true", help="tear the sandbox down at the end")
+    p.set_defaults(down=False)
+    p.add_argument("--report-dir", type=Path, default=Path("demo-report"), help="where to write the report")
+    p.add_argument(
+        "--install",
+        choices=("auto", "helm", "local"),
+        default="auto",
+        help="how to run the operator: the Helm chart, or a local `gearshift operator` process (auto: "
+        "the chart when it is installable, else local)",
+    )
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the service (300)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gearshift.demo.run import main
+
+    return main(args)
