@@ -346,12 +346,18 @@ def _ensure_prometheus(layout: Layout, state: dict[str, Any], say: Say) -> str:
         port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = prometheus_argv(binary, cfg, pdir / "data", port)
-    procs.start(pidfile, argv, layout.logs_dir / "prometheus.log")
+    proc = procs.start(pidfile, argv, layout.logs_dir / "prometheus.log")
     state["prometheus_port"] = port
     deadline = time.monotonic() + PROMETHEUS_READY_TIMEOUT_S
     while not prometheus_ready(url):
-        if procs.running(pidfile) is None or time.monotonic() > deadline:
-            raise SandboxError(f"prometheus did not start; see {layout.logs_dir / 'prometheus.log'}")
+        code = proc.poll()
+        if code is not None or time.monotonic() > deadline:
+            why = (
+                f"exited with {code}"
+                if code is not None
+                else f"not ready after {PROMETHEUS_READY_TIMEOUT_S}s"
+            )
+            raise SandboxError(f"prometheus {why}; see {layout.logs_dir / 'prometheus.log'}")
         time.sleep(0.3)
     say(f"prometheus: started at {url}")
     return url
@@ -390,7 +396,7 @@ def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say) -> int:
         return pid
     if procs.stop(pidfile):
         say("pod runner: code changed, restarting (its pods' processes restart too)")
-    pid = procs.start(pidfile, _runner_argv(layout), layout.logs_dir / "podrunner.log")
+    pid = procs.start(pidfile, _runner_argv(layout), layout.logs_dir / "podrunner.log").pid
     state["podrunner_code"] = code
     say(f"pod runner: started (pid {pid}, log {layout.logs_dir / 'podrunner.log'})")
     return pid

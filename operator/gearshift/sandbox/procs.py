@@ -31,10 +31,13 @@ def is_ours(pid: int, argv: list[str]) -> bool:
     return _cmdline(pid) == argv
 
 
-def start(pidfile: Path, argv: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+def start(
+    pidfile: Path, argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``argv`` detached (own session, stdin closed, output appended to ``log``); write ``pidfile``.
 
-    Returns the pid. Raises OSError when the program cannot be executed.
+    Returns the process (its ``poll()`` tells whether it still runs while this caller lives; later
+    callers use ``running(pidfile)``). Raises OSError when the program cannot be executed.
     """
     log.parent.mkdir(parents=True, exist_ok=True)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +51,7 @@ def start(pidfile: Path, argv: list[str], log: Path, env: dict[str, str] | None 
             start_new_session=True,
         )
     write_pidfile(pidfile, proc.pid, argv)
-    return proc.pid
+    return proc
 
 
 def write_pidfile(pidfile: Path, pid: int, argv: list[str]) -> None:
