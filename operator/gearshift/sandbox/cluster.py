@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import hashlib
 import json
 import shutil
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -405,6 +406,22 @@ def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say) -> int:
 # ------------------------------------------------------------------------------------------ commands
 
 
+@contextlib.contextmanager
+def _locked(layout: Layout, say: Say) -> Iterator[None]:
+    """Hold the sandbox's lock: concurrent ``up``/``down`` (parallel test sessions) run one at a time."""
+    layout.state_dir.mkdir(parents=True, exist_ok=True)
+    with (layout.state_dir / "lock").open("w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("waiting for another `gearshift sandbox` command on this sandbox")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def up(
     layout: Layout,
     fleet_path: Path = DEFAULT_FLEET,
@@ -420,6 +437,11 @@ def up(
         SandboxError: a part did not start; names its log.
     """
     say = say or Progress()
+    with _locked(layout, say):
+        return _up(layout, fleet_path, cpu_nodes, prometheus, say)
+
+
+def _up(layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say: Say) -> dict[str, Any]:
     missing = layout.missing_binaries()
     if missing:
         raise SandboxConfigError(
@@ -480,12 +502,13 @@ def _stop_local(layout: Layout, say: Say) -> None:
 def down(layout: Layout, say: Say | None = None) -> None:
     """Stop everything this sandbox started and delete its cluster; keeps ``logs/`` for post-mortems."""
     say = say or Progress()
-    _stop_local(layout, say)
-    _delete_cluster(layout, say)
-    shutil.rmtree(layout.pods_dir, ignore_errors=True)
-    shutil.rmtree(layout.state_dir / "prometheus", ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        layout.state_file.unlink()
+    with _locked(layout, say):
+        _stop_local(layout, say)
+        _delete_cluster(layout, say)
+        shutil.rmtree(layout.pods_dir, ignore_errors=True)
+        shutil.rmtree(layout.state_dir / "prometheus", ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            layout.state_file.unlink()
     say("down")
 
 
