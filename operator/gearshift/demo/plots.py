@@ -154,16 +154,17 @@ def plot_utilization(
     run_s: float,
     out: Path,
     title: str = "",
+    spans: Sequence[GearSpan] = (),
 ) -> Path:
-    """One panel per role, one line per ``gear/stage`` series (0..1 busy fraction); writes ``out``."""
+    """One panel per role, one line per ``gear/stage`` series (0..1 busy fraction); gears that served
+    traffic (``spans``) are drawn solid, the others (shadows, planned gears) faint. Writes ``out``."""
     roles = list(per_role) or ["(none)"]
     fig, axes = plt.subplots(len(roles), 1, figsize=(11, 3.2 * len(roles) + 0.6), sharex=True, squeeze=False)
     for ax, role in zip(axes[:, 0], roles, strict=True):
         series = per_role.get(role, [])
-        gears = sorted({s.name.split("/")[0] for s in series})
+        served = {sp.gear for sp in spans if sp.role == role}
         for s in series:
             gear, _, stage = s.name.partition("/")
-            idx = gears.index(gear)
             styles = ["-", "--", "-.", ":"]
             ax.plot(
                 s.t,
@@ -171,7 +172,7 @@ def plot_utilization(
                 label=f"{gear} s{stage}",
                 color=gear_colour(gear),
                 linestyle=styles[int(stage) % 4] if stage.isdigit() else "-",
-                alpha=0.55 + 0.45 * (idx == 0),
+                alpha=1.0 if gear in served or not served else 0.45,
                 linewidth=1.2,
             )
         ax.set_ylim(0, 1.05)
@@ -179,7 +180,7 @@ def plot_utilization(
         ax.set_ylabel(f"{role}\nbusy fraction")
         ax.grid(alpha=0.3)
         if series:
-            ax.legend(loc="upper left", fontsize=7, ncol=4)
+            ax.legend(loc="best", fontsize=7, ncol=4)
         else:
             ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center")
         _mark_shifts(ax, [m for m in marks if m.role == role], label=True)
@@ -220,7 +221,11 @@ class StageCell:
 def plot_placement(nodes: Sequence[NodeRow], cells: Sequence[StageCell], out: Path, title: str = "") -> Path:
     """A grid: rows are GPU nodes (labelled with model, memory, score), columns are ``role/gear``; a cell
     holds ``s<k> L<a>–<b>`` where that gear puts stage k on that node. Writes ``out``."""
-    cols = sorted({(c.role, c.gear) for c in cells}, key=lambda rg: (rg[0] != "prefill", rg[1]))
+    order = list(GEAR_COLOURS)  # latency, balanced, throughput: shallow to deep
+    cols = sorted(
+        {(c.role, c.gear) for c in cells},
+        key=lambda rg: (rg[0] != "prefill", order.index(rg[1]) if rg[1] in order else len(order), rg[1]),
+    )
     rows = list(nodes)
     fig_h = 1.2 + 0.42 * max(len(rows), 1)
     fig, ax = plt.subplots(figsize=(2.0 + 1.6 * max(len(cols), 1) + 2.6, fig_h))

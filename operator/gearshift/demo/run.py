@@ -525,7 +525,7 @@ def _write_report(
     )
     files["QPS and P99 latency over time, gear shifts marked"] = "traffic.png"
     util = _prom_util(ctx, rep)
-    plots.plot_utilization(util, marks, rep.run_s, out_dir / "utilization.png")
+    plots.plot_utilization(util, marks, rep.run_s, out_dir / "utilization.png", spans=spans)
     files["Per-stage utilisation over time (Prometheus)"] = "utilization.png"
     ran = {(s.role, s.gear) for s in spans}
     cells = [
