@@ -280,13 +280,15 @@ class TestServicesAndRouter:
         assert dep["spec"]["template"]["metadata"]["labels"][names.LABEL_SANDBOX_RUN] == "true"
         assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "llama3-8b-router"
 
-    def test_router_role_reads_slices_and_pods_only(self) -> None:
+    def test_router_role_reads_slices_pods_and_gets_services_only(self) -> None:
         sa, role, binding = build_router_rbac("s", "ns")
         assert sa["kind"] == "ServiceAccount"
         verbs = {(r["apiGroups"][0], r["resources"][0]): r["verbs"] for r in role["rules"]}
         assert verbs == {
             ("discovery.k8s.io", "endpointslices"): ["get", "list", "watch"],
             ("", "pods"): ["get", "list", "watch"],
+            # the role Services' selectors, for the loopback fallback (router/membership.py)
+            ("", "services"): ["get"],
         }
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
 

@@ -110,7 +110,8 @@ def build_router_deployment(
 def build_router_rbac(
     service: str, namespace: str, owner: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """ServiceAccount, Role (read endpointslices and pods) and RoleBinding, all named ``<pds>-router``."""
+    """ServiceAccount, Role (read endpointslices and pods, get services) and RoleBinding, all named
+    ``<pds>-router``."""
     name = names.router_name(service)
     read = ["get", "list", "watch"]
     return [
@@ -122,6 +123,9 @@ def build_router_rbac(
             "rules": [
                 {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": read},
                 {"apiGroups": [""], "resources": ["pods"], "verbs": read},
+                # The role Services' selectors, for membership where EndpointSlices cannot hold the
+                # pods' addresses (loopback pod IPs in the sandbox; router/membership.py).
+                {"apiGroups": [""], "resources": ["services"], "verbs": ["get"]},
             ],
         },
         {

@@ -5,6 +5,12 @@ rewrites that Service's slices, and the watch here moves traffic to the new gear
 router also wants its GPU: the node's ``gearshift.io/gpu-model`` label and, when the node has a
 GPUProfile, its measured ``computeScore`` / ``hbmGBps``, plus the pod's ``GEARSHIFT_PIPELINE`` (the
 stages behind a head pod) to derive a pipeline speed.
+
+Loopback pod IPs (the sandbox, where every pod IP is in 127.0.0.0/8) never reach an EndpointSlice: the API
+server refuses them ("may not be in the loopback range"). So for a role whose slices hold no endpoint the
+watcher also polls the role Service's selector and its Ready pods, and builds the slice the EndpointSlice
+controller would have written (:func:`slices_from_pods`). In a real cluster that fallback finds nothing
+the slices lack: a role without endpoints has no Ready pod either.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from gearshift.router.pool import BackendInfo
 log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+#: Period of the loopback fallback's Service/pod poll, s.
+POD_POLL_S = 2.0
 _BACKEND_KEYS = {
     "name": str,
     "gpu": str,
@@ -177,6 +185,94 @@ def infos_from_slices(
     return list(out.values())
 
 
+def _selected(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def _target_port(port: Mapping[str, Any], pod: Mapping[str, Any]) -> int | None:
+    target = port.get("targetPort", port.get("port"))
+    if isinstance(target, int):
+        return target
+    if isinstance(target, str) and target.isdigit():
+        return int(target)
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for cp in c.get("ports") or []:
+            if cp.get("name") == target:
+                return int(cp["containerPort"])
+    return None
+
+
+def slices_from_pods(
+    services: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """EndpointSlice-shaped dicts for ``services`` (API JSON) from the Ready, Running ``pods`` their selectors
+    pick, as the EndpointSlice controller builds them (one slice per Service; ports by name, target ports
+    resolved against the pod). Pure; used where the API server refuses the pods' (loopback) addresses."""
+    pods = list(pods)
+    out = []
+    for svc in services:
+        meta, spec = svc.get("metadata") or {}, svc.get("spec") or {}
+        selector = spec.get("selector") or {}
+        ports = spec.get("ports") or []
+        endpoints: list[dict[str, Any]] = []
+        slice_ports: dict[str, int] = {}
+        for pod in pods:
+            pmeta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            if not _selected(pmeta.get("labels") or {}, selector) or pmeta.get("deletionTimestamp"):
+                continue
+            ready = any(
+                c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+            )
+            if status.get("phase") != "Running" or not status.get("podIP"):
+                continue
+            for port in ports:
+                number = _target_port(port, pod)
+                if number is not None:
+                    slice_ports.setdefault(str(port.get("name") or ""), number)
+            endpoints.append(
+                {
+                    "addresses": [status["podIP"]],
+                    "conditions": {"ready": ready},
+                    "nodeName": (pod.get("spec") or {}).get("nodeName"),
+                    "targetRef": {
+                        "kind": "Pod",
+                        "name": pmeta.get("name"),
+                        "namespace": pmeta.get("namespace"),
+                    },
+                }
+            )
+        out.append(
+            {
+                "metadata": {
+                    "name": f"{meta.get('name')}-pods",
+                    "labels": {SERVICE_NAME_LABEL: meta.get("name", "")},
+                },
+                "ports": [{"name": n, "port": v} for n, v in slice_ports.items()],
+                "endpoints": sorted(endpoints, key=lambda e: str(e["targetRef"]["name"])),
+            }
+        )
+    return out
+
+
+def merge_slices(
+    watched: Iterable[Mapping[str, Any]], from_pods: Iterable[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """The watched EndpointSlices, plus the pod-built slice of every Service whose watched slices hold no
+    endpoint at all (the loopback case). Pure."""
+    watched = list(watched)
+    with_endpoints = {
+        (s.get("metadata") or {}).get("labels", {}).get(SERVICE_NAME_LABEL)
+        for s in watched
+        if s.get("endpoints")
+    }
+    extra = [
+        s
+        for s in from_pods
+        if (s.get("metadata") or {}).get("labels", {}).get(SERVICE_NAME_LABEL) not in with_endpoints
+    ]
+    return [*watched, *extra]
+
+
 def node_facts(node: Mapping[str, Any], profile: Mapping[str, Any] | None) -> dict[str, Any]:
     """A node's GPU facts: the ``gearshift.io/gpu-model`` label, overridden by a GPUProfile's status."""
     labels = (node.get("metadata") or {}).get("labels") or {}
@@ -263,22 +359,58 @@ class EndpointSliceMembership:
                     cache_envs[pod] = {}
             return cache_envs[pod]
 
+        lock = threading.Lock()
+        from_pods: list[dict[str, Any]] = []
+
         def push() -> None:
-            nodes, envs = {}, {}
-            for sl in slices.values():
-                for ep in sl.get("endpoints") or []:
-                    if ep.get("nodeName"):
-                        nodes[ep["nodeName"]] = facts_for(ep["nodeName"])
-                    pod = (ep.get("targetRef") or {}).get("name")
-                    if pod:
-                        envs[pod] = env_for(pod)
-            infos = infos_from_slices(slices.values(), self.role_of_service, nodes, envs)
+            with lock:
+                merged = merge_slices(slices.values(), from_pods)
+                nodes, envs = {}, {}
+                for sl in merged:
+                    for ep in sl.get("endpoints") or []:
+                        if ep.get("nodeName"):
+                            nodes[ep["nodeName"]] = facts_for(ep["nodeName"])
+                        pod = (ep.get("targetRef") or {}).get("name")
+                        if pod:
+                            envs[pod] = env_for(pod)
+                infos = infos_from_slices(merged, self.role_of_service, nodes, envs)
             self.loop.call_soon_threadsafe(self.on_change, infos)
+
+        def poll_pods() -> None:
+            # The loopback fallback (module docstring): Services' selectors and their pods, every
+            # POD_POLL_S; pushes only when the pod-built slices change.
+            nonlocal from_pods
+            warned = False
+            while not self._stop.wait(POD_POLL_S):
+                try:
+                    svcs = [
+                        ser(core.read_namespaced_service(n, self.namespace)) for n in self.role_of_service
+                    ]
+                    pods = ser(core.list_namespaced_pod(self.namespace).items)
+                    built = slices_from_pods(svcs, pods)
+                except Exception as exc:  # RBAC without services/pods, or a Service not created yet
+                    if not warned:
+                        log.info(
+                            "pod-selector fallback for %s/%s unavailable: %s",
+                            self.namespace,
+                            self.service,
+                            exc,
+                        )
+                        warned = True
+                    continue
+                with lock:
+                    changed = built != from_pods
+                    from_pods = built
+                if changed:
+                    push()
+
+        threading.Thread(target=poll_pods, name="pod-selector-poll", daemon=True).start()
 
         while not self._stop.is_set():
             try:
                 listed = disco.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
-                slices = {s.metadata.name: ser(s) for s in listed.items}
+                with lock:
+                    slices = {s.metadata.name: ser(s) for s in listed.items}
                 push()
                 w = watch.Watch()
                 for ev in w.stream(
@@ -290,10 +422,11 @@ class EndpointSliceMembership:
                 ):
                     obj = ser(ev["object"])
                     name = obj["metadata"]["name"]
-                    if ev["type"] == "DELETED":
-                        slices.pop(name, None)
-                    else:
-                        slices[name] = obj
+                    with lock:
+                        if ev["type"] == "DELETED":
+                            slices.pop(name, None)
+                        else:
+                            slices[name] = obj
                     push()
                     if self._stop.is_set():
                         w.stop()
