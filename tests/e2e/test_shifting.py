@@ -1,0 +1,446 @@
+"""Gear shifting on the sandbox twin: a real API server, the sandbox's Prometheus, simulated engines and the
+router as local processes, and the operator as a subprocess watching only this module's namespace.
+
+One PDService (a small Llama-shaped model, sim engine) with two explicit prefill gears on the A10 cards
+and one decode gear on a T4; steady load from the load generator against the router's pod IP (loopback).
+The tests run in order on the same service (GPUs in the shared sandbox are few):
+
+1. ``spec.forceGear`` → Warming (full shadow) → Draining → Switching → Stable, zero failed requests, and
+   the role Service selects a Ready gear at every poll;
+2. the operator is SIGKILLed (by its pid) in Warming and in Draining; restarted, the shift completes or
+   rolls back, and the role Service stays on a Ready gear;
+3. Prometheus unreachable (the PDService points at a closed loopback port; the sandbox's Prometheus is
+   shared and offers no stop) → ``SignalsAvailable=False`` and no shift; restored → the shift runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SERVICE = "tiny"
+PREFILL_GS = "tiny-prefill"
+DECODE_GS = "tiny-decode"
+#: Llama-3.2-1B's shape (its config.json): 16 layers, hidden 2048, 32/8 heads, head dim 64.
+MODEL = {
+    "name": "meta-llama/Llama-3.2-1B",
+    "numLayers": 16,
+    "hiddenSize": 2048,
+    "numHeads": 32,
+    "numKvHeads": 8,
+    "headDim": 64,
+    "intermediateSize": 8192,
+    "vocabSize": 128256,
+    "dtype": "bfloat16",
+}
+A10 = {"gearshift.io/gpu-model": "A10-24GB"}
+T4 = {"gearshift.io/gpu-model": "T4-16GB"}
+#: Shortened policy (stated in the test): warm 4 s, rollback window 6 s; signals every 1 s.
+POLICY = {"sampleIntervalS": 1, "warmS": 4, "rollbackWindowS": 6, "drainTimeoutS": 30, "warmupTimeoutS": 120,
+          "dwellS": 600}  # fmt: skip
+LOAD_RPS = 4.0
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # closed: nothing listens there
+    return port
+
+
+def manifests(namespace: str, prom_url: str) -> list[dict[str, Any]]:
+    prefill = {
+        "apiVersion": "gearshift.io/v1alpha1",
+        "kind": "GearSet",
+        "metadata": {"name": PREFILL_GS, "namespace": namespace},
+        "spec": {
+            "serviceName": SERVICE,
+            "role": "prefill",
+            "mode": "explicit",
+            "initialGear": "one",
+            "gears": [
+                {"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+                 "stages": [{"layers": [0, 16], "nodeSelector": A10, "gpuModel": "A10-24GB"}]},
+                {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32,
+                 "stages": [{"layers": [0, 8], "nodeSelector": A10, "gpuModel": "A10-24GB"},
+                            {"layers": [8, 16], "nodeSelector": A10, "gpuModel": "A10-24GB"}]},
+            ],
+            "policy": POLICY,
+        },
+    }  # fmt: skip
+    decode = {
+        "apiVersion": "gearshift.io/v1alpha1",
+        "kind": "GearSet",
+        "metadata": {"name": DECODE_GS, "namespace": namespace},
+        "spec": {
+            "serviceName": SERVICE,
+            "role": "decode",
+            "mode": "explicit",
+            "gears": [
+                {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+                 "stages": [{"layers": [0, 16], "nodeSelector": T4, "gpuModel": "T4-16GB"}]},
+            ],
+            "policy": POLICY,
+        },
+    }  # fmt: skip
+    pds = {
+        "apiVersion": "gearshift.io/v1alpha1",
+        "kind": "PDService",
+        "metadata": {"name": SERVICE, "namespace": namespace},
+        "spec": {
+            "model": MODEL,
+            "engine": "sim",
+            "prefill": {"gearSetRef": {"name": PREFILL_GS}},
+            "decode": {"gearSetRef": {"name": DECODE_GS}},
+            "slo": {"ttftMs": 200, "itlMs": 50},
+            "prometheusUrl": prom_url,
+        },
+    }
+    return [prefill, decode, pds]
+
+
+class Operator:
+    """The operator as a subprocess on one namespace (only handlers that stay inside it)."""
+
+    def __init__(self, sandbox: Any, namespace: str, log_dir: Path) -> None:
+        self.sandbox = sandbox
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.log_dir / f"operator-{self.starts}.log", "wb")  # noqa: SIM115 (lives with the proc)
+        code = (
+            "import argparse, sys; from gearshift import operator_main as m; "
+            "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))"
+        )
+        argv = [
+            sys.executable, "-c", code, "--kubeconfig", str(self.sandbox.kubeconfig), "--namespace",
+            self.namespace, "--standalone", "--probe-port", "0", "--metrics-port", "0",
+            "--disable", "gearshift.handlers.gpuprofile", "--disable", "gearshift.handlers.nodes",
+            "--workers", "4",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.sandbox.env)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+class SelectorLoad:
+    """Steady PD load that follows the role Services' selectors, as the router would through EndpointSlices.
+
+    The sandbox cannot give Services endpoints: the API server rejects loopback addresses in
+    EndpointSlices ("may not be in the loopback range"), so the router's EndpointSlice membership sees
+    no pods there. This client does what the EndpointSlice controller and the router's watch do: every
+    0.3 s it resolves ``<pds>-prefill`` and ``<pds>-decode``'s selectors to Ready pod IPs (loopback), and
+    each request runs the PD protocol (docs/ARCHITECTURE.md) against the pods selected at that moment.
+    ``LOAD_RPS`` requests/s, bounded in count and time; every failure is counted.
+    """
+
+    def __init__(self, sandbox: Any, ns: str, seconds: float) -> None:
+        self.sandbox, self.ns = sandbox, ns
+        self.n = int(seconds * LOAD_RPS)
+        self.ok = 0
+        self.failed: list[str] = []
+        self.by_gear: dict[str, int] = {}
+        self.pods: dict[str, list[tuple[str, str]]] = {"prefill": [], "decode": []}
+        self._stop = threading.Event()
+        self._refresh()
+        self.refresher = threading.Thread(target=self._refresh_loop, daemon=True)
+        self.refresher.start()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self.thread.start()
+
+    def _refresh(self) -> None:
+        for role in ("prefill", "decode"):
+            try:
+                gear, _ok = _selection_ok(self.sandbox, self.ns, role)
+                label = (
+                    f"gearshift.io/service={SERVICE},gearshift.io/role={role},gearshift.io/gear={gear},"
+                    "gearshift.io/stage=0"
+                )
+                items = self.sandbox.kubectl_json("get", "pods", "-n", self.ns, "-l", label)["items"]
+            except Exception:  # a kubectl hiccup: keep the last view, as a watch would
+                continue
+            ready = [
+                (p["status"]["podIP"], gear)
+                for p in items
+                if p.get("status", {}).get("podIP")
+                and not p["metadata"].get("deletionTimestamp")
+                and any(
+                    c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])
+                )
+            ]
+            assert all(ip.startswith("127.") for ip, _ in ready)
+            self.pods[role] = ready
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(0.3):
+            self._refresh()
+
+    async def _one(self, session: Any, i: int) -> None:
+        import aiohttp
+
+        body = {"model": MODEL["name"], "prompt": " ".join(["hello"] * 32), "max_tokens": 8}
+        try:
+            pre, dec = self.pods["prefill"], self.pods["decode"]
+            if not pre or not dec:
+                raise RuntimeError("no Ready pod selected")
+            (pip, gear), (dip, _) = pre[i % len(pre)], dec[i % len(dec)]
+            kv_ask = {"do_remote_decode": True, "do_remote_prefill": False}
+            first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": kv_ask}
+            timeout = aiohttp.ClientTimeout(total=30)
+            async with session.post(f"http://{pip}:8000/v1/completions", json=first, timeout=timeout) as r:
+                r.raise_for_status()
+                kv = (await r.json())["kv_transfer_params"]
+            async with session.post(
+                f"http://{dip}:8000/v1/completions", json={**body, "kv_transfer_params": kv}, timeout=timeout
+            ) as r:
+                r.raise_for_status()
+                out = await r.json()
+                assert out["choices"][0]["text"]
+            self.ok += 1
+            self.by_gear[gear] = self.by_gear.get(gear, 0) + 1
+        except Exception as exc:
+            self.failed.append(f"{type(exc).__name__}: {exc}")
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        start = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            tasks = []
+            for i in range(self.n):
+                await asyncio.sleep(max(0.0, start + i / LOAD_RPS - time.monotonic()))
+                tasks.append(asyncio.create_task(self._one(session, i)))
+            await asyncio.gather(*tasks)
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        self._stop.set()
+        self.refresher.join(10)
+        assert not self.thread.is_alive(), "load did not finish"
+
+
+@pytest.fixture(scope="module")
+def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if not sandbox.prometheus_url:
+        pytest.skip("needs the sandbox's Prometheus")
+    ns = f"e2e-shift-{uuid.uuid4().hex[:6]}"
+    sandbox.kubectl("create", "namespace", ns)
+    op = Operator(sandbox, ns, tmp_path_factory.mktemp("operator"))
+    try:
+        sandbox.apply(manifests(ns, sandbox.prometheus_url))
+        op.start()
+        ctx = {"ns": ns, "op": op}
+        # Not the PDService's Ready: it waits for the router, which has no endpoints in the sandbox (see
+        # SelectorLoad).
+        for role in ("prefill", "decode"):
+            sandbox.wait_for(lambda r=role: _selection_ok(sandbox, ns, r)[1], 180, f"{role} gear Ready")
+        sandbox.wait_for(lambda: _signals_ok(sandbox, ns), 90, "SignalsAvailable=True on the prefill GearSet")
+        yield ctx
+    finally:
+        op.stop()
+        for kind in ("pdservice", "gearset"):
+            sandbox.kubectl("delete", kind, "--all", "-n", ns, "--wait=false", check=False)
+        for name in (PREFILL_GS, DECODE_GS, SERVICE):
+            kind = "pdservice" if name == SERVICE else "gearset"
+            sandbox.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p",
+                            '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+        sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def _gs(sandbox: Any, ns: str) -> dict[str, Any]:
+    return sandbox.kubectl_json("get", "gearset", PREFILL_GS, "-n", ns)
+
+
+def _signals_ok(sandbox: Any, ns: str) -> bool:
+    conds = (_gs(sandbox, ns).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "SignalsAvailable" and c["status"] == "True" for c in conds)
+
+
+def _selection_ok(sandbox: Any, ns: str, role: str = "prefill") -> tuple[str, bool]:
+    """The gear the role Service selects, and whether every one of its head pods is Ready (and some exist)."""
+    svc = sandbox.kubectl_json("get", "service", f"{SERVICE}-{role}", "-n", ns)
+    sel = svc["spec"]["selector"]
+    label = ",".join(f"{k}={v}" for k, v in sel.items())
+    pods = sandbox.kubectl_json("get", "pods", "-n", ns, "-l", label)["items"]
+    ready = bool(pods) and all(
+        any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (p.get("status") or {}).get("conditions", [])
+        )
+        for p in pods
+    )
+    return sel["gearshift.io/gear"], ready
+
+
+class Poller:
+    """Polls the role Service's selection in a thread while a shift runs; records every bad observation."""
+
+    def __init__(self, sandbox: Any, ns: str) -> None:
+        self.bad: list[str] = []
+        self.seen: list[str] = []
+        self.polls = 0
+        self._stop = threading.Event()
+
+        def go() -> None:
+            while not self._stop.is_set():
+                try:
+                    gear, ok = _selection_ok(sandbox, ns)
+                    self.polls += 1
+                    if not self.seen or self.seen[-1] != gear:
+                        self.seen.append(gear)
+                    if not ok:
+                        self.bad.append(gear)
+                except Exception as exc:  # kubectl hiccup: not a selection failure
+                    self.bad.append(f"poll error {exc}") if "selector" in str(exc) else None
+                self._stop.wait(0.5)
+
+        self.thread = threading.Thread(target=go, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(30)
+
+
+def _force(sandbox: Any, ns: str, gear: str | None) -> None:
+    value = "null" if gear is None else f'"{gear}"'
+    sandbox.kubectl(
+        "patch", "gearset", PREFILL_GS, "-n", ns, "--type=merge", "-p", f'{{"spec":{{"forceGear":{value}}}}}'
+    )
+
+
+def _status(sandbox: Any, ns: str) -> dict[str, Any]:
+    return _gs(sandbox, ns).get("status") or {}
+
+
+def _stable_on(sandbox: Any, ns: str, gear: str) -> bool:
+    st = _status(sandbox, ns)
+    return st.get("phase") == "Stable" and st.get("activeGear") == gear
+
+
+def test_forced_shift_without_failed_requests(sandbox: Any, env: dict[str, Any]) -> None:
+    ns = env["ns"]
+    load = SelectorLoad(sandbox, ns, seconds=60)
+    poll = Poller(sandbox, ns)
+    try:
+        time.sleep(3)  # load flowing before the shift
+        _force(sandbox, ns, "two")
+        phases: list[str] = []
+
+        def progressed() -> bool:
+            st = _status(sandbox, ns)  # one read: the phase and the active gear of the same status
+            p = st.get("phase")
+            if p and (not phases or phases[-1] != p):
+                phases.append(p)
+            return p == "Stable" and st.get("activeGear") == "two"
+
+        sandbox.wait_for(progressed, 120, "shift one → two to finish", interval=0.3)
+    finally:
+        poll.stop()
+    load.join(120)
+    st = _status(sandbox, ns)
+    h = st["history"][-1]
+    assert (h["from"], h["to"], h["trigger"], h["outcome"]) == ("one", "two", "forced", "Succeeded")
+    assert "Warming" in phases and phases[-1] == "Stable", phases
+    assert poll.polls > 5 and poll.bad == [], (poll.bad, poll.seen)
+    assert poll.seen[0] == "one" and poll.seen[-1] == "two"
+    assert load.failed == [], load.failed[:5]
+    assert load.ok == load.n > 100
+    assert load.by_gear.get("one", 0) > 0 and load.by_gear.get("two", 0) > 0, load.by_gear  # traffic moved
+    # the old gear's StatefulSets are gone
+    sts = sandbox.kubectl_json("get", "statefulsets", "-n", ns, "-l", "gearshift.io/role=prefill")["items"]
+    assert {s["metadata"]["labels"]["gearshift.io/gear"] for s in sts} == {"two"}
+
+
+@pytest.mark.parametrize("kill_in", ["Warming", "Draining"])
+def test_operator_killed_mid_shift_resumes(sandbox: Any, env: dict[str, Any], kill_in: str) -> None:
+    ns, op = env["ns"], env["op"]
+    start = _status(sandbox, ns)["activeGear"]
+    target = "one" if start == "two" else "two"
+    poll = Poller(sandbox, ns)
+    try:
+        _force(sandbox, ns, target)
+        sandbox.wait_for(
+            lambda: _status(sandbox, ns).get("phase") == kill_in, 90, f"phase {kill_in}", interval=0.1
+        )
+        op.kill()
+        killed_in = _status(sandbox, ns).get("phase")
+        time.sleep(3)  # nobody drives the shift now; the selection must still be on a Ready gear
+        op.start()
+        sandbox.wait_for(
+            lambda: _status(sandbox, ns).get("phase") == "Stable", 150, "the shift to complete or roll back"
+        )
+    finally:
+        poll.stop()
+    st = _status(sandbox, ns)
+    assert killed_in in (kill_in, "Draining", "Switching")
+    assert poll.bad == [], (poll.bad, poll.seen)
+    assert st["history"][-1]["outcome"] in ("Succeeded", "RolledBack")
+    assert st["activeGear"] == (target if st["history"][-1]["outcome"] == "Succeeded" else start)
+    gear, ok = _selection_ok(sandbox, ns)
+    assert ok and gear == st["activeGear"]
+
+
+def test_no_shift_while_prometheus_is_unreachable(sandbox: Any, env: dict[str, Any]) -> None:
+    ns = env["ns"]
+    start = _status(sandbox, ns)["activeGear"]
+    target = "one" if start == "two" else "two"
+    _force(sandbox, ns, None)
+    closed = f"http://127.0.0.1:{_free_port()}"
+    sandbox.kubectl("patch", "pdservice", SERVICE, "-n", ns, "--type=merge", "-p",
+                    f'{{"spec":{{"prometheusUrl":"{closed}"}}}}')  # fmt: skip
+    try:
+
+        def down() -> bool:
+            conds = _status(sandbox, ns).get("conditions") or []
+            return any(c["type"] == "SignalsAvailable" and c["status"] == "False" for c in conds)
+
+        sandbox.wait_for(down, 30, "SignalsAvailable=False")
+        cond = next(c for c in _status(sandbox, ns)["conditions"] if c["type"] == "SignalsAvailable")
+        assert cond["reason"] == "SignalsMissing" and "127.0.0.1" in cond["message"]
+        n_history = len(_status(sandbox, ns).get("history") or [])
+        _force(sandbox, ns, target)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # ten samples at 1 s: no shift may start
+            st = _status(sandbox, ns)
+            assert st["phase"] == "Stable" and st["activeGear"] == start
+            assert len(st.get("history") or []) == n_history
+            time.sleep(1)
+    finally:
+        sandbox.kubectl("patch", "pdservice", SERVICE, "-n", ns, "--type=merge", "-p",
+                        f'{{"spec":{{"prometheusUrl":"{sandbox.prometheus_url}"}}}}')  # fmt: skip
+    sandbox.wait_for(lambda: _signals_ok(sandbox, ns), 30, "SignalsAvailable=True again")
+    sandbox.wait_for(
+        lambda: _stable_on(sandbox, ns, target), 120, f"the shift to {target} once signals return"
+    )
