@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+
+from gearshift.fleet import FleetNode
+from gearshift.gpus import gpu_spec
+from gearshift.sandbox.nodes import gpu_node_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,8 +74,63 @@ def test_nodes_match_the_fleet_file(sandbox):
     assert "NVIDIA-H100-80GB-HBM3" in out and "Tesla-T4" in out
 
 
-def test_statefulset_lands_on_matching_gpu_nodes_and_gets_ready(sandbox, namespace, wait_for):
+@pytest.fixture
+def own_gpu_nodes(sandbox):
+    """Factory of GPU nodes private to one test: a unique pool and taint keep other users' pods off them
+    (the sandbox is shared), and the test's pods select and tolerate them. Deleted afterwards."""
     _needs_sandbox(sandbox)
+    tag = uuid.uuid4().hex[:6]
+    made: list[str] = []
+
+    def make(models: list[str]) -> tuple[str, list[str]]:
+        pool = f"e2e-{tag}"
+        names = []
+        for model in models:
+            name = f"gpu-{pool}-{len(made)}"
+            # podCIDR indices 150-199: away from the fleet's (from 1) and other tests' nodes.
+            index = 150 + (int(tag, 16) + len(made)) % 50
+            node = gpu_node_manifest(FleetNode(name, pool, gpu_spec(model), 1, 25, 10), index, sandbox.octet)
+            node["spec"]["taints"].append({"key": "gearshift.io/e2e", "value": tag, "effect": "NoSchedule"})
+            status = node.pop("status")
+            sandbox.apply(node)
+            sandbox.kubectl(
+                "patch",
+                "node",
+                name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps({"status": status}),
+            )
+            made.append(name)
+            names.append(name)
+        return pool, names
+
+    make.toleration = {"key": "gearshift.io/e2e", "operator": "Equal", "value": tag, "effect": "NoSchedule"}
+    yield make
+    for name in made:
+        sandbox.kubectl("delete", "node", name, "--wait=false", check=False)
+
+
+def test_statefulset_lands_on_matching_gpu_nodes_and_gets_ready(sandbox, namespace, own_gpu_nodes, wait_for):
+    pool, names = own_gpu_nodes(["A10-24GB", "T4-16GB", "A10-24GB", "A10-24GB"])
+    a10s = {n for n, m in zip(names, ["A10", "T4", "A10", "A10"], strict=True) if m == "A10"}
+    wait_for(
+        lambda: all(
+            {
+                c["type"]: c["status"]
+                for c in sandbox.kubectl_json("get", "node", n)["status"].get("conditions", [])
+            }.get("Ready")
+            == "True"
+            for n in names
+        ),
+        60,
+        "the test's nodes to be Ready",
+    )
+    match = [
+        {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A10"]},
+        {"key": "gearshift.io/node-pool", "operator": "In", "values": [pool]},
+    ]
     sts = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -86,21 +146,11 @@ def test_statefulset_lands_on_matching_gpu_nodes_and_gets_ready(sandbox, namespa
                     "affinity": {
                         "nodeAffinity": {
                             "requiredDuringSchedulingIgnoredDuringExecution": {
-                                "nodeSelectorTerms": [
-                                    {
-                                        "matchExpressions": [
-                                            {
-                                                "key": "nvidia.com/gpu.product",
-                                                "operator": "In",
-                                                "values": ["NVIDIA-A10"],
-                                            }
-                                        ]
-                                    }
-                                ]
+                                "nodeSelectorTerms": [{"matchExpressions": match}]
                             }
                         }
                     },
-                    "tolerations": [GPU_TOLERATION],
+                    "tolerations": [GPU_TOLERATION, own_gpu_nodes.toleration],
                     "containers": [
                         {
                             "name": "engine",
@@ -118,7 +168,7 @@ def test_statefulset_lands_on_matching_gpu_nodes_and_gets_ready(sandbox, namespa
         s = sandbox.kubectl_json("get", "statefulset", "a10-pool", "-n", namespace)
         return s["status"].get("readyReplicas") == 3
 
-    wait_for(ready, 60, "3 ready replicas of the A10 StatefulSet")
+    wait_for(ready, 90, "3 ready replicas of the A10 StatefulSet")
     pods = sandbox.kubectl_json("get", "pods", "-n", namespace, "-l", "app=a10-pool")["items"]
     nodes = {n["metadata"]["name"]: n for n in sandbox.kubectl_json("get", "nodes")["items"]}
     used = set()
@@ -127,23 +177,25 @@ def test_statefulset_lands_on_matching_gpu_nodes_and_gets_ready(sandbox, namespa
         assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-A10"
         assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(node["spec"]["podCIDR"])
         used.add(pod["spec"]["nodeName"])
-    # One GPU per A10 node: three pods need three distinct nodes.
-    assert len(used) == 3
+    # One GPU per node: three pods need the three A10 nodes, never the T4.
+    assert used == a10s
 
 
-def test_scheduler_respects_gpu_capacity(sandbox, namespace, wait_for):
-    _needs_sandbox(sandbox)
-    h100s = [n for n in _expected_nodes(sandbox.fleet_file) if n.startswith("gpu-h100-")]
+def test_scheduler_respects_gpu_capacity(sandbox, namespace, own_gpu_nodes, wait_for):
+    pool, names = own_gpu_nodes(["H100-80GB", "H100-80GB"])
     pods = []
-    for i in range(len(h100s) + 1):
+    for i in range(len(names) + 1):
         pods.append(
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {"name": f"big-{i}"},
                 "spec": {
-                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                    "tolerations": [GPU_TOLERATION],
+                    "nodeSelector": {
+                        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                        "gearshift.io/node-pool": pool,
+                    },
+                    "tolerations": [GPU_TOLERATION, own_gpu_nodes.toleration],
                     "containers": [
                         {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
                     ],
@@ -160,12 +212,12 @@ def test_scheduler_respects_gpu_capacity(sandbox, namespace, wait_for):
             for p in items
             if any(c.get("reason") == "Unschedulable" for c in p["status"].get("conditions", []))
         ]
-        return (bound, unsched) if len(bound) == len(h100s) and len(unsched) == 1 else None
+        return (bound, unsched) if len(bound) == len(names) and len(unsched) == 1 else None
 
-    bound, unsched = wait_for(settled, 60, f"{len(h100s)} pods bound and one unschedulable")
-    assert sorted(p["spec"]["nodeName"] for p in bound) == sorted(h100s)
+    bound, unsched = wait_for(settled, 90, f"{len(names)} pods bound and one unschedulable")
+    assert sorted(p["spec"]["nodeName"] for p in bound) == sorted(names)
     msg = next(c["message"] for c in unsched[0]["status"]["conditions"] if c["type"] == "PodScheduled")
-    assert "nvidia.com/gpu" in msg
+    assert "Insufficient nvidia.com/gpu" in msg
 
 
 def test_job_completes(sandbox, namespace, wait_for):
