@@ -118,15 +118,21 @@ def main() -> int:
         mport = s.getsockname()[1]
     log = open(REPO / "bench" / "results" / "reconcile-operator.log", "w")  # noqa: SIM115
     op = subprocess.Popen(
-        [sys.executable, "-m", "gearshift.cli", "operator", "--kubeconfig", str(kubeconfig),
+        # operator_main directly: the CLI imports every sub-command module, any of which may be mid-edit.
+        [sys.executable, "-c", "import argparse, sys; from gearshift import operator_main as m; "
+         "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))",
+         "--kubeconfig", str(kubeconfig),
          "--namespace", ns, "--disable", "gearshift.handlers.nodes",
          "--disable", "gearshift.handlers.gpuprofile",
          "--probe-port", "0", "--metrics-port", str(mport), "--log-level", "WARNING"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
+    time.sleep(0.5)
+    load = os.getloadavg()
     result: dict[str, Any] = {
         "benchmark": "reconcile",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True,
+                    "loadavg_1m_at_start": round(load[0], 2)},
         "setup": {"engine": "vllm", "gearset_replicas": 0, "statefulsets_per_service": STS_PER_SERVICE,
                   "nodes": len(api.list("v1", "Node"))},
     }  # fmt: skip

@@ -158,6 +158,8 @@ def api() -> FakeApi:
 
 
 def reconcile(api: FakeApi) -> rec.Outcome:
+    # The operator drops its fleet cache on every Node/GPUProfile event; tests change nodes directly.
+    rec.forget_fleet()
     return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
 
 

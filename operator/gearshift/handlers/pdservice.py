@@ -5,8 +5,8 @@ Thin: every handler ends in :func:`gearshift.handlers.reconcile.reconcile_servic
 
 - the PDService is created, resumed (operator start) or its spec/metadata changes (kopf's create, resume
   and update causes);
-- a timer every :data:`RETRY_S` while the PDService is not Ready or its status lags its generation (pods
-  rolling out, placement failed, a profile missing);
+- a timer every :data:`RETRY_S` while the PDService's status lags its generation or its phase is Pending
+  or Degraded (placement failed, a profile missing, a node lost);
 - an owned StatefulSet or router Deployment changes (status refresh, debounced);
 - a GearSet's spec changes (:mod:`gearshift.handlers.gearset`);
 - the fleet changes: a Node's readiness, schedulability, GPU count or labels, or a GPUProfile's numbers
@@ -38,6 +38,7 @@ from gearshift.handlers.reconcile import (
     SpecInvalid,
     delete_gear_sync,
     ensure_gear_sync,
+    forget_fleet,
     reconcile_service,
     select_gear_sync,
 )
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 PLURAL = "pdservices"
 #: Seconds between retries of a PDService that is not Ready (placement pending, pods rolling out).
-RETRY_S = 10.0
+RETRY_S = 30.0
 #: Coalescing window of reconciles triggered by owned-object and fleet events, s.
 DEBOUNCE_S = 1.0
 #: Retry delay after an API error, s.
@@ -171,10 +172,12 @@ def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) ->
 
 
 def _needs_attention(body: kopf.Body, **_: Any) -> bool:
+    # Rollouts are followed through owned-object events and fleet changes through node/profile events; the
+    # timer is the safety net for what no event announces: a status behind its generation, a placement
+    # still pending, a degraded service. Ready and Progressing services cost nothing while idle.
     status = body.get("status") or {}
-    return status.get("phase") != "Ready" or status.get("observedGeneration") != body.get("metadata", {}).get(
-        "generation"
-    )
+    lagging = status.get("observedGeneration") != body.get("metadata", {}).get("generation")
+    return lagging or status.get("phase") in ("Pending", "Degraded")
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_S, initial_delay=RETRY_S, when=_needs_attention)
@@ -253,6 +256,7 @@ def fleet_concerns(outcome: Outcome, node: str | None) -> bool:
 
 
 def _fleet_changed(node: str | None) -> None:
+    forget_fleet()
     for (ns, name), out in known_services().items():
         if fleet_concerns(out, node):
             poke(ns, name, delay=2 * DEBOUNCE_S)

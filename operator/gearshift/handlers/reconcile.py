@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -145,6 +146,32 @@ def service_lock(namespace: str, name: str) -> threading.Lock:
     """The lock serialising reconciles of one PDService (kopf threads, fleet triggers, the executor)."""
     with _locks_lock:
         return _service_locks.setdefault((namespace, name), threading.Lock())
+
+
+#: Seconds a read of the fleet (Nodes, GPUProfiles) serves other reconciles: a wave of reconciles after a
+#: fleet event or at start-up reads the cluster-scoped lists once, not once per PDService.
+FLEET_TTL_S = 2.0
+_fleet_cache: dict[int, tuple[float, dict[str, Any], dict[str, Any]]] = {}
+
+
+def fleet(api: KubeApi) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """``(nodes, profiles)`` by name, read at most every :data:`FLEET_TTL_S` s per API object."""
+    now = time.monotonic()
+    with _plan_lock:
+        hit = _fleet_cache.get(id(api))
+    if hit is not None and now - hit[0] < FLEET_TTL_S:
+        return hit[1], hit[2]
+    nodes = {n["metadata"]["name"]: n for n in api.list(*NODE)}
+    profiles = {p["metadata"]["name"]: p for p in api.list(*GPUP)}
+    with _plan_lock:
+        _fleet_cache[id(api)] = (now, nodes, profiles)
+    return nodes, profiles
+
+
+def forget_fleet() -> None:
+    """Drop the cached fleet (a Node or GPUProfile changed)."""
+    with _plan_lock:
+        _fleet_cache.clear()
 
 
 def _in_flight(gs: GearSet) -> bool:
@@ -481,8 +508,7 @@ def _reconcile(
         finish({"phase": "Pending", "message": str(exc)})
         raise
 
-    nodes = {n["metadata"]["name"]: n for n in api.list(*NODE)}
-    profiles = {p["metadata"]["name"]: p for p in api.list(*GPUP)}
+    nodes, profiles = fleet(api)
     plan_events: list[tuple[str, str, str, bool]] = []
     missing = _plan_roles(pds, roles, nodes, profiles, settings, plan_events)
 
