@@ -305,3 +305,74 @@ def test_disallowed_command_fails_with_a_clear_message(sandbox, namespace, wait_
     )
     msg = failed["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
     assert "/bin/sh" in msg and "not allowed" in msg and "gearshift-sim" in msg
+
+
+def test_simulated_engine_statefulset_serves_and_is_scraped(sandbox, namespace, wait_for):
+    """The pod contract end to end with the real ``gearshift-sim`` (docs/ARCHITECTURE.md)."""
+    model = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json"
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "sim"},
+        "spec": {
+            "replicas": 2,
+            "serviceName": "sim",
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {"app": "sim"}},
+            "template": {
+                "metadata": {
+                    "labels": {"app": "sim", **RUN},
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8000"},
+                },
+                "spec": {
+                    "nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "gearshift-worker:dev",
+                            "command": ["gearshift-sim"],
+                            "env": [
+                                {"name": "GEARSHIFT_MODEL", "value": str(model)},
+                                {"name": "GEARSHIFT_SERVED_MODEL_NAME", "value": "llama3-8b"},
+                            ],
+                            "ports": [{"name": "http", "containerPort": 8000}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": "http"},
+                                "periodSeconds": 2,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    sandbox.apply(sts, namespace)
+    wait_for(
+        lambda: (
+            sandbox.kubectl_json("get", "sts", "sim", "-n", namespace)["status"].get("readyReplicas") == 2
+        ),
+        90,
+        "2 Ready simulated-engine pods",
+    )
+    pods = _pods(sandbox, namespace, "app=sim")
+    for pod in pods:
+        ip = pod["status"]["podIP"]
+        req = urllib.request.Request(
+            f"http://{ip}:8000/v1/completions",
+            data=json.dumps({"model": "llama3-8b", "prompt": "hello", "max_tokens": 4}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body = json.loads(resp.read())
+        assert body["usage"]["completion_tokens"] == 4
+    series = wait_for(
+        lambda: (
+            (r := sandbox.prometheus_query(f'vllm:num_requests_running{{namespace="{namespace}"}}'))
+            and len(r) == 2
+            and r
+        ),
+        30,
+        "vllm:num_requests_running of both pods in Prometheus",
+    )
+    assert {s["metric"]["pod"] for s in series} == {"sim-0", "sim-1"}
