@@ -175,3 +175,26 @@ class TestPrometheus:
         path.write_text(yaml.safe_dump(prometheus_config(targets)))
         proc = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+class TestCli:
+    def test_env_and_status_of_a_sandbox_that_is_not_up(self, tmp_path, monkeypatch, capsys):
+        from gearshift.cli import main
+
+        monkeypatch.setenv("GEARSHIFT_SANDBOX_DIR", str(tmp_path / "sb"))
+        assert main(["sandbox", "env"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        lay = Layout.from_env()
+        assert out[0] == f"export KUBECONFIG={lay.kubeconfig}"
+        assert out[1].startswith(f"export PATH={lay.part_dir('kubernetes')}:")
+        assert main(["sandbox", "status"]) == 1
+        assert "DOWN" in capsys.readouterr().out
+
+    def test_up_without_binaries_names_the_fix(self, tmp_path, monkeypatch, capsys):
+        from gearshift.cli import main
+
+        monkeypatch.setenv("GEARSHIFT_SANDBOX_DIR", str(tmp_path / "sb"))
+        monkeypatch.setenv("GEARSHIFT_CACHE", str(tmp_path / "empty-cache"))
+        assert main(["sandbox", "up", "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert "missing sandbox binaries" in err and "make binaries" in err
