@@ -28,8 +28,23 @@ DEMO_TIMEOUT_S = 280
 
 @pytest.fixture
 def demo_namespace(sandbox: Any) -> Any:
+    """A namespace for the demo, deleted afterwards. The demo stops its local operator when it ends, so
+    nothing would remove the operator's finalizers: they are dropped here first, or the namespace would
+    stay Terminating."""
     name = f"e2e-demo-{uuid.uuid4().hex[:6]}"
     yield name
+    for kind in ("pdservices", "gearsets"):
+        for obj in sandbox.kubectl("get", kind, "-n", name, "-o", "name", check=False).stdout.split():
+            sandbox.kubectl(
+                "patch",
+                obj,
+                "-n",
+                name,
+                "--type=merge",
+                "-p",
+                '{"metadata":{"finalizers":null}}',
+                check=False,
+            )
     sandbox.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 

@@ -165,6 +165,10 @@ def _start_operator(ctx: Ctx) -> None:
         "0",
         "--metrics-port",
         "0",
+        # Only the demo's namespace: PDServices elsewhere (other users of a shared sandbox) are left
+        # alone. Nodes and GPUProfiles are cluster-scoped, and kopf serves those cluster-wide regardless.
+        "--namespace",
+        ctx.args.namespace,
     ]
     if ctx.state.get("prometheus_url"):
         argv += ["--prometheus-url", str(ctx.state["prometheus_url"])]
@@ -645,10 +649,19 @@ def main(args: argparse.Namespace) -> int:
             say("sandbox: down")
         elif ctx is not None:
             say("the cluster stays up. Explore it with:")
-            say.block(
-                '  eval "$(.venv/bin/gearshift sandbox env)"\n'
-                "  kubectl get gearshift -A\n"
-                f"  kubectl get gearsets,pods -n {args.namespace} -o wide\n"
-                "tear down: .venv/bin/gearshift sandbox down   (make sandbox-down)"
-            )
+            lines = [
+                '  eval "$(.venv/bin/gearshift sandbox env)"',
+                "  kubectl get gearshift -A",
+                f"  kubectl get gearsets,pods -n {args.namespace} -o wide",
+            ]
+            if ctx.install == "local":
+                # The local operator stopped with the demo: resources stay as they are, and deleting them
+                # waits for its finalizers. Say how to run it again.
+                lines += [
+                    "  the operator stopped with the demo; to keep reconciling (and to delete the service):",
+                    f"    GEARSHIFT_SANDBOX=1 .venv/bin/gearshift operator --namespace {args.namespace} \\",
+                    f"      --kubeconfig {ctx.layout.kubeconfig} --probe-port 0 --metrics-port 0",
+                ]
+            lines.append("tear down: .venv/bin/gearshift sandbox down   (make sandbox-down)")
+            say.block("\n".join(lines))
     return code
