@@ -32,6 +32,9 @@ ANNOTATION_REPROBE = f"{DOMAIN}/reprobe"
 #: On a node: RFC 3339 time after which the node is reclaimed (a "time fragment", seed 002).
 ANNOTATION_AVAILABLE_UNTIL = f"{DOMAIN}/available-until"
 
+#: On a head pod: the autoscaler is draining it before a scale-down; the router stops picking it (``"true"``).
+LABEL_DRAINING = f"{DOMAIN}/draining"
+
 #: On a pod: run its container as a local process in the sandbox (the local pod runner).
 LABEL_SANDBOX_RUN = f"{DOMAIN}/sandbox-run"
 

@@ -11,6 +11,10 @@ server refuses them ("may not be in the loopback range"). So for a role whose sl
 watcher also polls the role Service's selector and its Ready pods, and builds the slice the EndpointSlice
 controller would have written (:func:`slices_from_pods`). In a real cluster that fallback finds nothing
 the slices lack: a role without endpoints has no Ready pod either.
+
+Pods labelled ``gearshift.io/draining: "true"`` (the autoscaler drains a pipeline replica before a
+scale-down, issue 12) are left out of the pod set whatever the slices say, so no new request goes to them
+while their in-flight requests finish; the same poll that feeds the fallback finds them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gearshift.gpus import GPU_SPECS, compute_score
-from gearshift.k8s.names import NODE_GPU_MODEL, role_service_name
+from gearshift.k8s.names import LABEL_DRAINING, NODE_GPU_MODEL, role_service_name
 from gearshift.router.policies import pipeline_speed
 from gearshift.router.pool import BackendInfo
 
@@ -183,6 +187,20 @@ def infos_from_slices(
                 speed=speed,
             )
     return list(out.values())
+
+
+def draining_pods(pods: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    """Names of the pods labelled ``gearshift.io/draining: "true"`` (the autoscaler drains them). Pure."""
+    return frozenset(
+        str((p.get("metadata") or {}).get("name"))
+        for p in pods
+        if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_DRAINING) == "true"
+    )
+
+
+def without_draining(infos: Iterable[BackendInfo], draining: frozenset[str]) -> list[BackendInfo]:
+    """``infos`` less the draining pods. Pure."""
+    return [b for b in infos if b.name not in draining]
 
 
 def _selected(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
@@ -361,6 +379,7 @@ class EndpointSliceMembership:
 
         lock = threading.Lock()
         from_pods: list[dict[str, Any]] = []
+        draining: frozenset[str] = frozenset()
 
         def push() -> None:
             with lock:
@@ -373,13 +392,15 @@ class EndpointSliceMembership:
                         pod = (ep.get("targetRef") or {}).get("name")
                         if pod:
                             envs[pod] = env_for(pod)
-                infos = infos_from_slices(merged, self.role_of_service, nodes, envs)
+                infos = without_draining(
+                    infos_from_slices(merged, self.role_of_service, nodes, envs), draining
+                )
             self.loop.call_soon_threadsafe(self.on_change, infos)
 
         def poll_pods() -> None:
             # The loopback fallback (module docstring): Services' selectors and their pods, every
             # POD_POLL_S; pushes only when the pod-built slices change.
-            nonlocal from_pods
+            nonlocal from_pods, draining
             warned = False
             while not self._stop.wait(POD_POLL_S):
                 try:
@@ -388,6 +409,7 @@ class EndpointSliceMembership:
                     ]
                     pods = ser(core.list_namespaced_pod(self.namespace).items)
                     built = slices_from_pods(svcs, pods)
+                    now_draining = draining_pods(pods)
                 except Exception as exc:  # RBAC without services/pods, or a Service not created yet
                     if not warned:
                         log.info(
@@ -399,8 +421,9 @@ class EndpointSliceMembership:
                         warned = True
                     continue
                 with lock:
-                    changed = built != from_pods
+                    changed = built != from_pods or now_draining != draining
                     from_pods = built
+                    draining = now_draining
                 if changed:
                     push()
 

@@ -25,6 +25,7 @@ class RouterMetrics:
     e2e: Histogram
     retries: Counter
     rejects: Counter
+    no_decode_headroom: Counter
     inflight: Gauge
     queued: Gauge
     pods_available: Gauge
@@ -83,6 +84,12 @@ def make_metrics() -> RouterMetrics:
         ),
         rejects=Counter(
             "gearshift_router_rejects", "Requests refused by the router, by reason.", ["reason"], registry=reg
+        ),
+        no_decode_headroom=Counter(
+            "gearshift_router_no_decode_headroom",
+            "Requests no decode pod had free KV memory >= 1.2 x their KV cache for (seed 000: scale up); "
+            "the operator's autoscaler reads it as an immediate scale-up signal (issue 12).",
+            registry=reg,
         ),
         inflight=Gauge("gearshift_router_inflight", "Requests admitted and not finished.", registry=reg),
         queued=Gauge("gearshift_router_queued", "Requests waiting for admission.", registry=reg),

@@ -201,6 +201,7 @@ class Proxy:
             self.scale_up_requests += 1
             self.last_scale_up_kv_bytes = exc.kv_bytes
             self.metrics.rejects.labels("no_kv_capacity").inc()
+            self.metrics.no_decode_headroom.inc()
             raise RequestError(
                 503, str(exc) + "; scale-up requested", "service_unavailable", "no_pod"
             ) from exc
