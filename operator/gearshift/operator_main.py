@@ -31,6 +31,7 @@ HANDLER_MODULES: tuple[str, ...] = (
     "gearshift.handlers.nodes",
     "gearshift.handlers.gpuprofile",
     "gearshift.handlers.shifting",
+    "gearshift.handlers.autoscale",
 )
 
 DOMAIN = "gearshift.io"

@@ -732,6 +732,35 @@ class ControlState(StatusModel):
     )
 
 
+class ScalingStatus(StatusModel):
+    """The pipeline-replica autoscaler's report and memory (issue 12; ``PDService.spec.<role>.scaling``)."""
+
+    desired_replicas: int | None = Field(default=None, ge=0, description="Pipeline replicas asked for.")
+    ready_replicas: int | None = Field(default=None, ge=0, description="Pipeline replicas Ready.")
+    last_decision: str | None = Field(
+        default=None, max_length=64, description="Hold, ScaleUp or ScaleDown (the latest decision)."
+    )
+    last_reason: str | None = Field(default=None, max_length=128, description="CamelCase reason of it.")
+    last_message: str = Field(default="", max_length=MAX_MESSAGE, description="Details of it.")
+    last_scale_time: AwareDatetime | None = Field(default=None, description="When replicas last changed.")
+    up_since: AwareDatetime | None = Field(default=None, description="Start of the scale-up window run.")
+    up_floor: int | None = Field(default=None, ge=0, description="Lowest recommendation in that run.")
+    down_since: AwareDatetime | None = Field(default=None, description="Start of the scale-down window run.")
+    down_ceiling: int | None = Field(default=None, ge=0, description="Highest recommendation in that run.")
+    idle_since: AwareDatetime | None = Field(default=None, description="Since when nothing runs or waits.")
+    router_rejections: float | None = Field(
+        default=None, ge=0, description="Router no-decode-headroom counter at the last read (its baseline)."
+    )
+    draining: list[str] = Field(
+        default_factory=list, max_length=1024, description="Head pods being drained for a scale-down."
+    )
+    drain_target: int | None = Field(default=None, ge=0, description="Replicas the drain scales down to.")
+    drain_started_at: AwareDatetime | None = Field(default=None, description="When the drain began.")
+    placement: str = Field(
+        default="", max_length=MAX_MESSAGE, description="Nodes the last scale-up expects its new pods on."
+    )
+
+
 class GearSetStatus(StatusModel):
     """Observed state of a GearSet: the gear status that `kubectl get gearsets` prints."""
 
@@ -769,6 +798,7 @@ class GearSetStatus(StatusModel):
     )
     executor: ExecutorState | None = Field(default=None, description="Persisted executor state.")
     control: ControlState | None = Field(default=None, description="Persisted decision-loop state.")
+    scaling: ScalingStatus | None = Field(default=None, description="Pipeline-replica autoscaler (issue 12).")
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=MAX_CONDITIONS,

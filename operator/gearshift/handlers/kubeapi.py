@@ -195,6 +195,17 @@ class RestKubeApi:
             content_type="application/merge-patch+json",
         )
 
+    def patch(
+        self, api_version: str, kind: str, namespace: str | None, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of the object (not its status): e.g. ``{"spec": {"replicas": 3}}``."""
+        return self._call(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name),
+            body=dict(body),
+            content_type="application/merge-patch+json",
+        )
+
     def create_event(self, event: Mapping[str, Any]) -> None:
         ns = event["metadata"]["namespace"]
         self._call("POST", resource_path("v1", "Event", ns), body=dict(event))

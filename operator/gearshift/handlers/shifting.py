@@ -603,6 +603,7 @@ def tick(
     if new_dstate.smoothed is not None and sample is not None:
         patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas)
     with service_lock(namespace, service):
+        patch["conditions"] = _keep_other_conditions(api, namespace, name, patch["conditions"])
         api.patch_status(*GS, namespace, name, patch)
 
     # --- act -----------------------------------------------------------------------------------------
@@ -624,6 +625,17 @@ def tick(
     return TickResult(
         phase=new_state.phase, decision=decision, actions=actions, signals_ok=sample is not None, message=why
     )
+
+
+def _keep_other_conditions(
+    api: KubeApi, namespace: str, name: str, mine: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``mine`` plus the conditions of other types as stored now (the autoscaler writes ScalingActive
+    between this tick's read and its write; a stale copy must not drop it)."""
+    fresh = api.get(*GS, namespace, name) or {}
+    types = {c.get("type") for c in mine}
+    others = [c for c in (fresh.get("status") or {}).get("conditions") or [] if c.get("type") not in types]
+    return list(mine) + others
 
 
 def _now_dt(now: float) -> datetime:
