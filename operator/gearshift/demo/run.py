@@ -115,6 +115,8 @@ def _start_operator(ctx: Ctx) -> None:
         want = "helm" if CHART_READY and chart_installable(ctx.layout) else "local"
     ctx.install = want
     ctx.kube.ensure_namespace(SYSTEM_NAMESPACE)
+    # The chart binds its namespaced permissions in each watched namespace: it must exist first.
+    ctx.kube.ensure_namespace(ctx.args.namespace)
     if want == "helm":
         chart = names_repo() / "charts" / "gearshift"
         ctx.say(f"operator: helm upgrade --install {HELM_RELEASE} {chart} -n {SYSTEM_NAMESPACE}")
@@ -133,6 +135,14 @@ def _start_operator(ctx: Ctx) -> None:
             # One replica: the sandbox shares two cores with everything else, and peering needs none.
             "--set",
             "replicaCount=1",
+            # The sandbox's fake nodes have little allocatable CPU to spare for the operator pod.
+            "--set",
+            "resources.requests.cpu=10m",
+            "--set",
+            "resources.requests.memory=32Mi",
+            # Only the demo's namespace: PDServices of other users of a shared sandbox are left alone.
+            "--set",
+            f"watchNamespaces[0]={ctx.args.namespace}",
             "--set",
             f"prometheusUrl={ctx.state.get('prometheus_url') or ''}",
             "--wait",
