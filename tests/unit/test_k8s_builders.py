@@ -259,6 +259,7 @@ class TestServicesAndRouter:
     def test_role_service_selects_active_gear_heads(self) -> None:
         svc = build_role_service("s", "ns", "decode", "throughput")
         assert svc["metadata"]["name"] == "s-decode"
+        assert svc["spec"]["clusterIP"] == "None"  # the router reads its EndpointSlices, no VIP needed
         assert svc["spec"]["selector"] == {
             names.LABEL_SERVICE: "s",
             names.LABEL_ROLE: "decode",

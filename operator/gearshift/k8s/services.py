@@ -62,13 +62,22 @@ def role_selector(service: str, role: str, gear: str) -> dict[str, str]:
 def build_role_service(
     service: str, namespace: str, role: str, gear: str, owner: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """``<pds>-<role>``: the Service whose selector names the role's active ``gear`` and stage 0."""
+    """``<pds>-<role>``: the Service whose selector names the role's active ``gear`` and stage 0.
+
+    Headless: nothing sends traffic to a role VIP (the router picks pods from the Service's
+    EndpointSlices), and a ClusterIP per role would exhaust small service CIDRs (the sandbox's /24 ran
+    out at ~100 PDServices with two role VIPs each).
+    """
     labels = names.common_labels(service, names.COMPONENT_ENGINE) | {names.LABEL_ROLE: role}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(names.role_service_name(service, role), namespace, labels, owner),
-        "spec": {"selector": role_selector(service, role, gear), "ports": _http_port(ENGINE_PORT)},
+        "spec": {
+            "clusterIP": "None",
+            "selector": role_selector(service, role, gear),
+            "ports": _http_port(ENGINE_PORT),
+        },
     }
 
 
