@@ -26,6 +26,7 @@ from gearshift.planner.errors import (
 from gearshift.planner.gears import INTENTS, Gear, PlanResult, Prediction, Stage, plan
 from gearshift.planner.partition import Pipeline, PipelineStage, evaluate, even_split, min_bottleneck
 from gearshift.planner.profile import LINK_CAP, Link, Node, Profile, load_cluster, parse_profile
+from gearshift.planner.windows import Windows
 
 __all__ = [
     "INTENTS",
@@ -51,6 +52,7 @@ __all__ = [
     "RooflineAssumptions",
     "RooflineCostModel",
     "Stage",
+    "Windows",
     "evaluate",
     "even_split",
     "load_cluster",

@@ -17,6 +17,14 @@ Capacity is ``micro_batch × 1000 / effective bottleneck``, where a stage served
 ``t_j`` accepts a micro-batch every ``1 / Σ 1/t_j`` ms and a link shared by R pipelines every
 ``cap / R`` ms. A gear suits QPS up to 80% of its capacity (queues stay short below that utilisation);
 sorted by capacity, each gear's range starts where the previous one's ends.
+
+Time-limited nodes (:class:`~gearshift.planner.windows.Windows`, issue 13): a windowed node whose window
+closes before the dwell and margin end is left out; the others are *cheap-only*. Single pipelines are
+planned on durable nodes alone, a replicated pipeline keeps at least one durable node per stage (durable
+nodes first, so pipeline replica 0 is wholly durable; a stage that came out all windowed swaps in a spare
+durable node at least as fast and as large, or the candidate is dropped), and hot-stage extras prefer
+cheap-only nodes. So a windowed node never holds the only copy of a stage, and dropping it costs
+capacity only.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError
 from gearshift.planner.partition import Pipeline, fewest_stages, min_bottleneck
 from gearshift.planner.profile import Profile
 from gearshift.planner.simulate import SimResult, simulate
+from gearshift.planner.windows import Windows
 
 INTENTS: dict[str, tuple[int, ...]] = {"latency": (1, 2, 4), "balanced": (4, 8), "throughput": (8, 16)}
 #: Utilisation up to which a gear is said to suit a load.
@@ -179,9 +188,11 @@ def _link_bound(profile: Profile, c: _Candidate) -> float:
     return bound / c.pipeline.replicas
 
 
-def _add_extras(profile: Profile, c: _Candidate, free: list[str]) -> None:
-    """Give leftover nodes to the hottest stage while they fit its memory, link to both neighbours, and
-    lower the effective bottleneck."""
+def _add_extras(
+    profile: Profile, c: _Candidate, free: list[str], cheap: frozenset[str] = frozenset()
+) -> None:
+    """Give leftover nodes to the hottest stage while they fit its memory and link to both neighbours;
+    cheap-only (time-limited) nodes first, then the fastest."""
     while free:
         rates = [
             sum(1.0 / _stage_ms(c.costs, st.start, st.end, profile.node(n).compute_score) for n in ids)
@@ -199,7 +210,7 @@ def _add_extras(profile: Profile, c: _Candidate, free: list[str]) -> None:
                 fits.append(nid)
         if not fits:
             return
-        best = max(fits, key=lambda n: profile.node(n).compute_score)
+        best = max(fits, key=lambda n: (n in cheap, profile.node(n).compute_score))
         c.nodes[k].append(best)
         free.remove(best)
 
@@ -217,7 +228,45 @@ def _tables(profile: Profile, model: CostModel, c: _Candidate) -> tuple[list, li
     return stage_ms, link_ms
 
 
-def _candidates(profile: Profile, model: CostModel, intent: str, single_pipeline: bool) -> list[_Candidate]:
+def _secure(
+    profile: Profile, stages: list[list[str]], cheap: frozenset[str], eligible: list[str]
+) -> list[list[str]] | None:
+    """``stages`` (node ids per stage) with durable nodes first in each stage, or None when some stage
+    holds only cheap-only nodes and no spare durable node (at least as fast, as large, linked to the
+    neighbouring stages) can take one of their places."""
+    used = {n for ids in stages for n in ids}
+    spare = [n for n in eligible if n not in cheap and n not in used]
+    out: list[list[str]] = []
+    for k, ids_in in enumerate(stages):
+        ids = list(ids_in)
+        if all(n in cheap for n in ids):
+            neighbours = (out[k - 1] if k else []) + (stages[k + 1] if k + 1 < len(stages) else [])
+            swap = next(
+                (
+                    (w, d)
+                    for w in ids
+                    for d in spare
+                    if profile.node(d).compute_score >= profile.node(w).compute_score
+                    and profile.node(d).memory_gb >= profile.node(w).memory_gb
+                    and all(profile.link(d, m) is not None for m in neighbours)
+                ),
+                None,
+            )
+            if swap is None:
+                return None
+            ids[ids.index(swap[0])] = swap[1]
+            spare.remove(swap[1])
+        out.append(sorted(ids, key=lambda n: n in cheap))  # stable: durable first
+    return out
+
+
+def _candidates(
+    profile: Profile,
+    model: CostModel,
+    intent: str,
+    single_pipeline: bool,
+    cheap: frozenset[str] = frozenset(),
+) -> list[_Candidate]:
     out: list[_Candidate] = []
     last_error: PlanError | None = None
     sizes = list(INTENTS[intent])
@@ -232,15 +281,22 @@ def _candidates(profile: Profile, model: CostModel, intent: str, single_pipeline
                 f"no node runs a micro-batch of {mb} (max_batch_microbatch); the {intent} gear needs one"
             )
             continue
+        durable = [n for n in eligible if n not in cheap]
+        if not durable:
+            last_error = EmptyFleetError(
+                f"every node that runs a micro-batch of {mb} is time-limited; the only copy of a stage "
+                "needs a node without a window"
+            )
+            continue
         costs = model.at(mb)
         try:
-            kmin = fewest_stages(profile, costs, node_ids=eligible)
+            kmin = fewest_stages(profile, costs, node_ids=durable)
         except PlanError as exc:
             last_error = exc
             continue
         if kmin is None:
             try:  # let the partitioner explain why nothing fits
-                min_bottleneck(profile, costs, node_ids=eligible)
+                min_bottleneck(profile, costs, node_ids=durable)
             except InfeasibleError as exc:
                 last_error = exc
             continue
@@ -254,15 +310,20 @@ def _candidates(profile: Profile, model: CostModel, intent: str, single_pipeline
         for cap in caps:
             for r in range(1, 2 if single_pipeline else MAX_PIPELINES + 1):
                 try:
-                    p = min_bottleneck(profile, costs, replicas=r, max_stages=cap, node_ids=eligible)
+                    # One pipeline: durable nodes only; more: any, then one durable node per stage.
+                    ids = durable if r == 1 else eligible
+                    p = min_bottleneck(profile, costs, replicas=r, max_stages=cap, node_ids=ids)
                 except InfeasibleError as exc:
                     if r == 1:
                         last_error = exc
                     break
-                c = _Candidate(intent, mb, p, costs, [list(s.node_ids) for s in p.stages])
+                secured = _secure(profile, [list(s.node_ids) for s in p.stages], cheap, eligible)
+                if secured is None:
+                    continue
+                c = _Candidate(intent, mb, p, costs, secured)
                 if intent != "throughput" and not single_pipeline:
-                    used = set(p.node_ids)
-                    _add_extras(profile, c, [n for n in eligible if n not in used])
+                    used = {n for ids_ in secured for n in ids_}
+                    _add_extras(profile, c, [n for n in eligible if n not in used], cheap)
                 out.append(c)
     if not out:
         raise last_error or EmptyFleetError(f"no {intent} gear fits the fleet")
@@ -295,6 +356,7 @@ def plan(
     single_pipeline: bool = False,
     sim_requests: int = 2000,
     seed: int = 0,
+    windows: Windows | None = None,
 ) -> PlanResult:
     """Plan the gears of ``model`` on ``profile``.
 
@@ -307,6 +369,8 @@ def plan(
             minimum-bottleneck pipeline at micro-batch 8 (16 if no node runs 8).
         sim_requests: requests per simulated run (bounds the planning time).
         seed: seed of the simulated arrivals.
+        windows: time-limited nodes (seconds left, dwell, margin): those closing within dwell + margin
+            are left out, the others hold only cheap-to-drop replicas (module docstring).
 
     Returns:
         A :class:`PlanResult` with one :class:`Gear` per intent, in the order asked.
@@ -322,7 +386,19 @@ def plan(
         raise PlanError(f"qps must be > 0, got {qps}")
     if not profile.nodes:
         raise EmptyFleetError("the resource profile lists no nodes")
-    pools = {i: _candidates(profile, model, i, single_pipeline) for i in intents}
+    cheap: frozenset[str] = frozenset()
+    if windows is not None:
+        ids = [n.node_id for n in profile.nodes]
+        gone = windows.excluded(ids)
+        if gone:
+            profile = profile.subset(frozenset(ids) - gone)
+            if not profile.nodes:
+                raise EmptyFleetError(
+                    f"every node's window closes within dwell + margin "
+                    f"({windows.dwell_s:g} + {windows.margin_s:g} s): {', '.join(sorted(gone))}"
+                )
+        cheap = windows.cheap_only(ids)
+    pools = {i: _candidates(profile, model, i, single_pipeline, cheap) for i in intents}
     for cands in pools.values():
         for c in cands:
             _finish(profile, model, c)
