@@ -40,6 +40,7 @@ from gearshift.api.common import (
     set_condition,
 )
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
+from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.k8s.probejob import ProbeJobConfig, ProbeJobError, tolerations_from_json
 from gearshift.probe.report import ProbeOutputError, profile_status_from_probe, validate_probe_output
 from gearshift.profiles import NodeView, apply_override, parse_selector
@@ -441,11 +442,7 @@ def probe_succeeded(
     fresh.phase = "Ready"
     fresh.observed_generation = generation
     fresh.message = None
-    if node.available_until:
-        try:
-            fresh.available_until = datetime.fromisoformat(node.available_until.replace("Z", "+00:00"))
-        except ValueError:
-            fresh.available_until = None
+    fresh.available_until = old.available_until  # window_step keeps it in step with the node
     eff, pinned = apply_override(fresh, override)
     step = Step(eff)
     summary = (
@@ -463,20 +460,95 @@ def probe_succeeded(
         now,
         generation,
     )
-    if eff.available_until is not None:
-        _cond(
-            step,
-            COND_WINDOWED,
-            "True",
-            "AvailableUntil",
-            f"node reclaimed at {node.available_until}",
-            now,
-            generation,
-        )
     if pinned and pinned != list(old.overridden):
         step.events.append(
             Event("Normal", "Overridden", f"spec.override pins {', '.join(pinned)} over the measurement")
         )
+    return step
+
+
+#: Condition reasons of ``Windowed`` (issue 13).
+REASON_WINDOW_DECLARED = "AvailableUntil"
+REASON_WINDOW_INVALID = "InvalidAvailableUntil"
+REASON_NO_WINDOW = "NoWindow"
+
+
+def parse_rfc3339(text: str) -> datetime:
+    """An RFC 3339 time with an offset (``2025-01-31T18:00:00Z``) as an aware datetime.
+
+    Raises:
+        ValueError: not a date-time, or no offset (RFC 3339 requires one).
+    """
+    t = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    if "T" not in text.upper() or t.tzinfo is None:
+        raise ValueError(f"{text!r} is not an RFC 3339 date-time with an offset")
+    return t
+
+
+def window_step(
+    status: GPUProfileStatus,
+    node: NodeView,
+    override: ProfileOverride | None,
+    *,
+    now: datetime,
+    generation: int | None,
+) -> Step | None:
+    """``status.availableUntil`` and the ``Windowed`` condition from the node's window (issue 13).
+
+    The node annotation ``gearshift.io/available-until`` (RFC 3339) declares when the node is reclaimed;
+    ``spec.override.availableUntil`` pins it instead. A value that is not RFC 3339 is ignored (no
+    window) and reported in ``Windowed=False`` (reason ``InvalidAvailableUntil``, naming the annotation
+    and the expected format) with a Warning event. Returns None when nothing changes.
+    """
+    step = Step(status.model_copy(deep=True))
+    raw = node.available_until
+    pinned = override.available_until if override is not None else None
+    until: datetime | None = None
+    if pinned is not None:
+        until = parse_rfc3339(pinned)  # validated by the spec model
+        _cond(
+            step,
+            COND_WINDOWED,
+            "True",
+            REASON_WINDOW_DECLARED,
+            f"spec.override.availableUntil: reclaimed at {until.isoformat()}",
+            now,
+            generation,
+            "Normal",
+        )
+    elif raw:
+        try:
+            until = parse_rfc3339(raw)
+        except ValueError:
+            _cond(
+                step,
+                COND_WINDOWED,
+                "False",
+                REASON_WINDOW_INVALID,
+                f"node annotation {ANNOTATION_AVAILABLE_UNTIL}={raw!r} is not an RFC 3339 time "
+                "(expected e.g. 2025-01-31T18:00:00Z); the window is ignored",
+                now,
+                generation,
+                "Warning",
+            )
+        else:
+            # The message names the deadline only (not the seconds left), so it changes -- and an event
+            # is recorded -- only when the deadline does.
+            _cond(
+                step,
+                COND_WINDOWED,
+                "True",
+                REASON_WINDOW_DECLARED,
+                f"node annotation {ANNOTATION_AVAILABLE_UNTIL}: reclaimed at {until.isoformat()}",
+                now,
+                generation,
+                "Normal",
+            )
+    elif find_condition(status.conditions, COND_WINDOWED) is not None:
+        _cond(step, COND_WINDOWED, "False", REASON_NO_WINDOW, "the node declares no window", now, generation)
+    step.status.available_until = until
+    if step.status == status:
+        return None
     return step
 
 
@@ -577,5 +649,6 @@ __all__ = [
     "probe_failed",
     "probe_succeeded",
     "start_probe",
+    "window_step",
     "with_class",
 ]

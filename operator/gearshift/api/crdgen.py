@@ -266,6 +266,12 @@ KINDS: tuple[Kind, ...] = (
             _col("MEM(GiB)", ".status.memoryGiB", "number", "Memory per GPU, GiB."),
             _col("SCORE", ".status.computeScore", "number", "Compute relative to one H100 SXM."),
             _col("PHASE", ".status.phase", description="Pending, Probing, Ready, Failed, Stale."),
+            _col(
+                "WINDOW",
+                ".status.availableUntil",
+                "date",
+                "When the node is reclaimed (time-limited node), if declared.",
+            ),
             _AGE,
         ],
         root_rules=gpuprofile.CEL["GPUProfile"],

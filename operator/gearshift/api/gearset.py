@@ -761,6 +761,25 @@ class ScalingStatus(StatusModel):
     )
 
 
+class WindowedNode(StatusModel):
+    """A time-limited node of this role (issue 13): its deadline, what runs on it, when work leaves it."""
+
+    node: str = Field(max_length=253, description="Node name.")
+    available_until: AwareDatetime = Field(description="When the node is reclaimed (its GPUProfile).")
+    leave_by: AwareDatetime = Field(
+        description="When work must have left it: availableUntil - windowMarginS - max(dwellS, warmS + "
+        "drainTimeoutS); from then on the planner leaves it out."
+    )
+    stages: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="What runs on it: '<gear>/s<k>' of the planned gears (empty: nothing).",
+    )
+    state: Literal["InUse", "Unused", "Left"] = Field(
+        default="Unused", description="InUse (a gear places work on it), Unused, Left (past leaveBy)."
+    )
+
+
 class GearSetStatus(StatusModel):
     """Observed state of a GearSet: the gear status that `kubectl get gearsets` prints."""
 
@@ -799,6 +818,11 @@ class GearSetStatus(StatusModel):
     executor: ExecutorState | None = Field(default=None, description="Persisted executor state.")
     control: ControlState | None = Field(default=None, description="Persisted decision-loop state.")
     scaling: ScalingStatus | None = Field(default=None, description="Pipeline-replica autoscaler (issue 12).")
+    windowed_nodes: list[WindowedNode] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Time-limited nodes this role may plan on (issue 13): deadline, stages, leave-by time.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=MAX_CONDITIONS,

@@ -40,6 +40,7 @@ from gearshift.probe_lifecycle import (
     probe_failed,
     probe_succeeded,
     start_probe,
+    window_step,
     with_class,
 )
 from gearshift.profiles import (
@@ -289,6 +290,16 @@ def gpuprofile_reconcile(
                 step = Step(eff)
 
     current = step.status if step is not None else status
+    if node is not None:
+        # The node's window (gearshift.io/available-until), whatever the probe is doing (issue 13).
+        win = window_step(current, node, override, now=now, generation=generation)
+        if win is not None:
+            if step is None:
+                step = win
+            else:
+                step.status = win.status
+                step.events += win.events
+            current = step.status
     if current.phase in ("Ready", "Probing") and current.probe_time is not None:
         cls = with_class(current, fleet_classes(profile_scores).get(name), override)
         if cls != current.compute_class:
