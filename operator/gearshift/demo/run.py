@@ -11,7 +11,10 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import shlex
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -31,9 +34,9 @@ from gearshift.k8s import names
 #: Namespace of the operator (chart release or local process) and of the probe Jobs.
 SYSTEM_NAMESPACE = "gearshift-system"
 HELM_RELEASE = "gearshift"
-#: Whether ``--install auto`` uses the Helm chart. Off while the chart's sandbox install is unproven: the
-#: demo then runs ``gearshift operator`` as a local process (the same code the chart's pod runs).
-CHART_READY = False
+#: Whether ``--install auto`` uses the Helm chart (its sandbox install is covered by tests/e2e/test_helm.py);
+#: False makes the demo run ``gearshift operator`` as a local process instead (the code the chart's pod runs).
+CHART_READY = True
 #: Live-line refresh and router scrape interval, s (the sandbox's Prometheus scrapes every 2 s too).
 TICK_S = 2.0
 #: Window of the live line's QPS and P99, s.
@@ -73,6 +76,8 @@ class Ctx:
     slo: dict[str, float] = field(default_factory=dict)
     install: str = "local"
     notes: list[str] = field(default_factory=list)
+    operator: subprocess.Popen[bytes] | None = None
+    """The local ``gearshift operator`` process, when the demo started one."""
 
 
 # ------------------------------------------------------------------------------ 1. sandbox, operator
@@ -102,14 +107,8 @@ def names_repo() -> Path:
     return REPO_ROOT
 
 
-def _operator_pidfile(ctx: Ctx) -> Path:
-    return Path(ctx.layout.run_dir) / "demo-operator.pid"
-
-
 def _start_operator(ctx: Ctx) -> None:
-    """Install the chart, or start ``gearshift operator`` as a local process (pid file in the sandbox)."""
-    from gearshift.sandbox import procs
-
+    """Install the chart, or start ``gearshift operator`` as a local child process of the demo."""
     want = ctx.args.install
     if want == "auto":
         want = "helm" if CHART_READY and chart_installable(ctx.layout) else "local"
@@ -149,8 +148,6 @@ def _start_operator(ctx: Ctx) -> None:
             "--timeout",
             "180s",
         ]
-        import subprocess
-
         proc = subprocess.run(
             argv, capture_output=True, text=True, env=ctx.kube.env, timeout=240, check=False
         )
@@ -159,12 +156,6 @@ def _start_operator(ctx: Ctx) -> None:
         return
     # The CRDs come with the chart; a local operator needs them applied first.
     ctx.kube.run("apply", "--server-side", "--force-conflicts", "-f", str(names_repo() / "crds"))
-    pidfile = _operator_pidfile(ctx)
-    if procs.running(pidfile):
-        ctx.say(
-            f"operator: a local operator from an earlier demo is running (pid file {pidfile}); reusing it"
-        )
-        return
     log = Path(ctx.layout.logs_dir) / "demo-operator.log"
     argv = [
         str(Path(sys.executable).parent / "gearshift"),
@@ -186,18 +177,39 @@ def _start_operator(ctx: Ctx) -> None:
     # Sandbox mode: probe pods run on the pod runner with the simulated device; profiles are Ready in
     # seconds rather than minutes.
     env.update({"GEARSHIFT_SANDBOX": "1", "GEARSHIFT_PROBE_NAMESPACE": SYSTEM_NAMESPACE})
-    pid = procs.start(pidfile, argv, log, env=env)
-    ctx.say(f"operator: started `gearshift operator` locally (pid {pid}, log {log}); the chart is not used")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # The demo holds the process handle and stops it by that pid (its own session) when it ends.
+    with log.open("ab") as out:
+        ctx.operator = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    ctx.say(
+        f"operator: started `gearshift operator` locally (pid {ctx.operator.pid}, log {log}); no Helm chart"
+    )
     ctx.notes.append(
         "The operator ran as a local `gearshift operator` process (sandbox mode), not from the Helm chart."
     )
 
 
 def _stop_operator(ctx: Ctx) -> None:
-    from gearshift.sandbox import procs
-
-    if ctx.install == "local" and procs.stop(_operator_pidfile(ctx)):
-        ctx.say("operator: local process stopped (the cluster and its resources stay)")
+    """Stop the local operator the demo started (SIGTERM to its session, SIGKILL after 15 s)."""
+    proc = ctx.operator
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+    ctx.say("operator: local process stopped (the cluster and its resources stay)")
 
 
 def _gpu_nodes(ctx: Ctx) -> list[str]:
