@@ -155,6 +155,7 @@ REASON_SIGNALS_MISSING = "SignalsMissing"  # Prometheus unreachable or a series 
 REASON_SCALED_UP = "ScaledUp"  # pipeline replicas raised
 REASON_SCALED_DOWN = "ScaledDown"  # pipeline replicas lowered after a drain
 REASON_WINDOW_CLOSING = "WindowClosing"  # work leaves a time-limited node before its deadline
+REASON_WINDOWED_IN_USE = "WindowedInUse"  # a planned gear places work on a time-limited node
 REASON_INVALID_SPEC = "InvalidSpec"  # the spec failed validation in the operator
 REASON_PAUSED = "Paused"  # spec.paused stops gear shifting
 

@@ -490,6 +490,11 @@ class PDServiceStatus(StatusModel):
     router_ready: bool | None = Field(default=None, description="The router Deployment is available.")
     endpoint: str | None = Field(default=None, max_length=1024, description="Client Service host:port.")
     message: str | None = Field(default=None, max_length=MAX_MESSAGE, description="Last error or note.")
+    window_leave_by: AwareDatetime | None = Field(
+        default=None,
+        description="Earliest leaveBy of a time-limited node in use (issue 13; GearSet status.windowedNodes "
+        "lists them); the operator re-plans without the node then.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=MAX_CONDITIONS,

@@ -177,7 +177,9 @@ def _needs_attention(body: kopf.Body, **_: Any) -> bool:
     # still pending, a degraded service. Ready and Progressing services cost nothing while idle.
     status = body.get("status") or {}
     lagging = status.get("observedGeneration") != body.get("metadata", {}).get("generation")
-    return lagging or status.get("phase") in ("Pending", "Degraded")
+    # A time-limited node in use (issue 13): look again every RETRY_S so the re-plan happens at leaveBy.
+    windowed = status.get("windowLeaveBy") is not None
+    return lagging or windowed or status.get("phase") in ("Pending", "Degraded")
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_S, initial_delay=RETRY_S, when=_needs_attention)

@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,10 +44,13 @@ from gearshift.api.common import (
     REASON_PLAN_FAILED,
     REASON_PLANNED,
     REASON_RECONCILED,
+    REASON_WINDOW_CLOSING,
+    REASON_WINDOWED_IN_USE,
     format_validation_error,
 )
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import PDService
+from gearshift.control.windows import WindowTiming, next_leave_by, planner_windows, windowed_nodes
 from gearshift.handlers import common
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc
 from gearshift.handlers.kubeapi import KubeApi
@@ -236,7 +240,12 @@ def placement_problems(
 
 
 def _cached_plan(
-    key: str, doc: dict[str, Any], pds: PDService, gs: GearSet, settings: Settings
+    key: str,
+    doc: dict[str, Any],
+    pds: PDService,
+    gs: GearSet,
+    settings: Settings,
+    windows: planner.Windows | None = None,
 ) -> list[Gear]:
     with _plan_lock:
         if key in _plan_cache:
@@ -245,7 +254,7 @@ def _cached_plan(
     profile = planner.parse_profile(doc)
     cost = planner.RooflineCostModel(pds.spec.model.to_model_arch())
     intents = list(gs.spec.plan.intents) if gs.spec.plan else list(planner.INTENTS)
-    result = planner.plan(profile, cost, intents=intents, sim_requests=settings.sim_requests)
+    result = planner.plan(profile, cost, intents=intents, sim_requests=settings.sim_requests, windows=windows)
     gears = [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
     with _plan_lock:
         _plan_cache[key] = gears
@@ -282,6 +291,8 @@ class RoleState:
     links: dict[str, list[dict[str, float]] | None] = field(default_factory=dict)
     gs_status_patch: dict[str, Any] = field(default_factory=dict)
     plan_error: str | None = None
+    window_leave_by: str | None = None
+    """Earliest leaveBy of a time-limited node in use by this role's gears (RFC 3339)."""
 
 
 def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dict[str, RoleState]:
@@ -320,8 +331,12 @@ def _plan_roles(
     profiles: dict[str, dict[str, Any]],
     settings: Settings,
     events: list[tuple[str, str, str, bool]],
+    now: datetime,
 ) -> list[str]:
-    """Plan the auto roles on their split pools; returns what is missing (for the Placed condition)."""
+    """Plan the auto roles on their split pools; returns what is missing (for the Placed condition).
+
+    Also reports each role's time-limited nodes (``windowedNodes``, events when work lands on one or
+    must leave it; :mod:`gearshift.control.windows`)."""
     pools: dict[str, dict[str, str]] = {}
     missing: list[str] = []
     for role, rs in roles.items():
@@ -352,11 +367,19 @@ def _plan_roles(
             continue
         doc = resource_profile(pool, profiles, nodes, memutil)
         intents = list(plan_spec.intents) if plan_spec else list(planner.INTENTS)
-        key = inputs_hash(doc, cons.to_json() if cons else {}, arch, intents, settings.sim_requests)
+        # Time-limited nodes (issue 13): the fingerprint moves only when one crosses its leaveBy.
+        deadlines = _deadlines(pool, profiles)
+        pol = rs.gs.spec.policy
+        timing = WindowTiming(
+            cons.window_margin_s if cons else 300.0, pol.dwell_s, pol.warm_s + pol.drain_timeout_s
+        )
+        windows, wkey = planner_windows(deadlines, now, timing) if deadlines else (None, {})
+        parts: list[Any] = [doc, cons.to_json() if cons else {}, arch, intents, settings.sim_requests]
+        key = inputs_hash(*parts, wkey) if wkey else inputs_hash(*parts)
         profile = planner.parse_profile(doc)
         if key != rs.gs.status.profiles_hash or not rs.gears:
             try:
-                gears = _gpu_counts(_cached_plan(key, doc, pds, rs.gs, settings), profiles)
+                gears = _gpu_counts(_cached_plan(key, doc, pds, rs.gs, settings, windows), profiles)
             except planner.PlanError as exc:
                 rs.plan_error = f"{role}: the planner found no gear on {len(pool)} node(s): {exc}"
                 continue
@@ -375,7 +398,43 @@ def _plan_roles(
                 )
             )
         rs.links = {g.name: gear_links(g, profile) for g in rs.gears}
+        report = windowed_nodes(deadlines, rs.gears, now, timing)
+        rs.window_leave_by = next_leave_by(report)
+        before = {w.node: w.state for w in rs.gs.status.windowed_nodes}
+        if report != [w.to_json() for w in rs.gs.status.windowed_nodes]:
+            rs.gs_status_patch["windowedNodes"] = report
+        for w in report:
+            if w["state"] == "Left" and before.get(w["node"]) == "InUse":
+                events.append(
+                    (
+                        role,
+                        REASON_WINDOW_CLOSING,
+                        f"node {w['node']} is reclaimed at {w['availableUntil']}: past its leaveBy "
+                        f"{w['leaveBy']}, re-planned without it",
+                        False,
+                    )
+                )
+            elif w["state"] == "InUse" and before.get(w["node"]) != "InUse":
+                events.append(
+                    (
+                        role,
+                        REASON_WINDOWED_IN_USE,
+                        f"time-limited node {w['node']} (reclaimed at {w['availableUntil']}) holds "
+                        f"{', '.join(w['stages'])}; work leaves it by {w['leaveBy']}",
+                        False,
+                    )
+                )
     return missing
+
+
+def _deadlines(pool: Iterable[str], profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, datetime]:
+    """``{node: status.availableUntil}`` of the time-limited nodes of ``pool`` (effective profiles)."""
+    out = {}
+    for n in pool:
+        eff = usable_profile(profiles[n]) if n in profiles else None
+        if eff is not None and eff.available_until is not None:
+            out[n] = eff.available_until
+    return out
 
 
 def _gearset_status(rs: RoleState, now: Any) -> dict[str, Any]:
@@ -510,7 +569,7 @@ def _reconcile(
 
     nodes, profiles = fleet(api)
     plan_events: list[tuple[str, str, str, bool]] = []
-    missing = _plan_roles(pds, roles, nodes, profiles, settings, plan_events)
+    missing = _plan_roles(pds, roles, nodes, profiles, settings, plan_events, now)
 
     problems: list[str] = []
     lost: list[str] = []
@@ -680,6 +739,9 @@ def _reconcile(
         "endpoint": f"{name}.{ns}.svc:8000",
         "message": "; ".join(placed_msgs)[:4000] if placed_msgs else "",
     }
+    leave_by = min((rs.window_leave_by for rs in roles.values() if rs.window_leave_by), default=None)
+    if leave_by is not None or old_status.get("windowLeaveBy") is not None:
+        status["windowLeaveBy"] = leave_by  # None deletes it (merge patch)
     finish(status)
     return out
 
