@@ -421,7 +421,8 @@ def plan(
                 pick = max(ok, key=lambda c: c.capacity / c.sim.p99_ms)  # type: ignore[union-attr]
         chosen[intent] = pick
     ranges = _qps_ranges({i: c.capacity for i, c in chosen.items()})
-    gears = tuple(_gear(profile, chosen[i], ranges[i]) for i in intents)
+    kv_batch = kv_resident_sequences(model)
+    gears = tuple(_gear(profile, chosen[i], ranges[i], kv_batch) for i in intents)
     return PlanResult(model.name, gears, load)
 
 
@@ -434,7 +435,18 @@ def _qps_ranges(capacity: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _gear(profile: Profile, c: _Candidate, qps_range: tuple[float, float]) -> Gear:
+def kv_resident_sequences(model: CostModel) -> int:
+    """Sequences whose KV cache the cost model reserved on every stage (0 when it reserved none).
+
+    The roofline model sizes each stage's memory for ``kv_sequences`` sequences of ``kv_context_tokens``
+    tokens (:class:`~gearshift.planner.costs.RooflineAssumptions`), so continuous batching of that many
+    running sequences fits on every stage by construction. A layer-cost file states no such count.
+    """
+    assumptions = getattr(model, "assumptions", None)
+    return int(getattr(assumptions, "kv_sequences", 0) or 0)
+
+
+def _gear(profile: Profile, c: _Candidate, qps_range: tuple[float, float], kv_batch: int = 0) -> Gear:
     assert c.sim is not None
     stages = []
     for st, ids in zip(c.pipeline.stages, c.nodes, strict=True):
@@ -447,7 +459,10 @@ def _gear(profile: Profile, c: _Candidate, qps_range: tuple[float, float]) -> Ge
         name=c.intent,
         stages=tuple(stages),
         micro_batch=c.micro_batch,
-        max_batch=c.micro_batch * len(stages),
+        # Running sequences per pipeline (vLLM's --max-num-seqs): at least enough micro-batches to keep
+        # every stage busy, and as many as the KV cache reserved on every stage holds -- decode steps
+        # batch all running sequences, so capping at micro-batch × stages would serialise decode.
+        max_batch=max(c.micro_batch * len(stages), kv_batch),
         pipelines=c.pipeline.replicas,
         bottleneck_ms=c.pipeline.bottleneck_ms,
         effective_ms=c.effective_ms,
