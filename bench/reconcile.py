@@ -116,7 +116,8 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         mport = s.getsockname()[1]
-    log = open(REPO / "bench" / "results" / "reconcile-operator.log", "w")  # noqa: SIM115
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{ns}-operator.log"
+    log = log_path.open("w")  # the operator's log, for a failed run; not a result
     op = subprocess.Popen(
         # operator_main directly: the CLI imports every sub-command module, any of which may be mid-edit.
         [sys.executable, "-c", "import argparse, sys; from gearshift import operator_main as m; "
@@ -218,6 +219,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    print(f"operator log: {log_path}", file=sys.stderr)
     return 0
 
 

@@ -105,10 +105,15 @@ def _ensure_fleet_profiles(sandbox: Any, api: RestKubeApi) -> None:
 
 
 def _owned(api: RestKubeApi, ns: str) -> dict[tuple[str, str], str]:
+    """What the operator writes, per owned object: the spec generation of workloads (their controllers
+    write status, which moves resourceVersion but not generation) and the resourceVersion of Services."""
     out = {}
     for av, kind in (("apps/v1", "StatefulSet"), ("v1", "Service"), ("apps/v1", "Deployment")):
         for o in api.list(av, kind, ns, {names.LABEL_SERVICE: "llama3-8b"}):
-            out[(kind, o["metadata"]["name"])] = o["metadata"]["resourceVersion"]
+            meta = o["metadata"]
+            out[(kind, meta["name"])] = str(
+                meta["generation"] if kind != "Service" else meta["resourceVersion"]
+            )
     return out
 
 
