@@ -118,10 +118,11 @@ def merge_results(key: str, value: Any) -> None:
     if RESULTS.exists():
         doc = json.loads(RESULTS.read_text())
     doc[key] = value
-    doc["machine"] = {
-        "cpus": os.cpu_count(),
-        "note": "2 shared CPU cores; other builds/tests ran concurrently",
-    }
+    machine = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    machine.update(
+        cpus=os.cpu_count(), note="2 shared CPU cores; other helpers' builds/tests ran concurrently"
+    )
+    doc["machine"] = machine
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -297,7 +298,7 @@ def policies(seconds: float, loads: list[float], names: list[str], max_out: int,
                 except OSError:
                     picks = []
                 procs.stop(r)
-                point = brief(res) | {"target_rps": rate, "picks": picks}
+                point = brief(res) | {"target_rps": rate, "picks": picks, "loadavg_1m": os.getloadavg()[0]}
                 out["points"].setdefault(f"{int(load * 100)}%", {})[name] = point
                 ttft = point["ttft_ms"] or {}
                 print(f"load {load:.2f} {name:24s} ttft p50 {ttft.get('p50', float('nan')):8.1f} "
@@ -335,11 +336,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gs-router-bench-") as d:
         tmp = Path(d)
         if a.part == "overhead":
-            merge_results("overhead", overhead(a.seconds, a.rate, tmp))
+            before = os.getloadavg()
+            res = overhead(a.seconds, a.rate, tmp)
+            res["loadavg_1_5_15"] = {"before": before, "after": os.getloadavg()}
+            merge_results("overhead", res)
         else:
             loads = [float(x) for x in a.loads.split(",")]
             names = [x for x in a.policies.split(",") if x]
-            merge_results("policies", policies(a.seconds, loads, names, a.max_output, tmp))
+            before = os.getloadavg()
+            res = policies(a.seconds, loads, names, a.max_output, tmp)
+            res["loadavg_1_5_15"] = {"before": before, "after": os.getloadavg()}
+            merge_results("policies", res)
     print(f"wrote {RESULTS}")
     return 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gearshift.router.membership import (
     SERVICE_NAME_LABEL,
     infos_from_slices,
@@ -73,6 +75,21 @@ class TestSlicesFromPods:
         slices = slices_from_pods([service("s-decode", HEAD)], [pod("a", HEAD)])
         [info] = infos_from_slices(slices, {"s-decode": "decode"}, {}, {})
         assert (info.name, info.role, info.url) == ("a", "decode", "http://127.9.1.2:8001")
+
+    def test_unreadable_node_falls_back_to_the_pipeline_head_card(self) -> None:
+        # The router's namespaced Role cannot read nodes: no node facts, only the pod's GEARSHIFT_PIPELINE.
+        slices = slices_from_pods([service("s-decode", HEAD)], [pod("a", HEAD)])
+        pipe = '{"stages": [{"layers": [0, 16], "gpu": "T4-16GB", "gpus": 2}]}'
+        [info] = infos_from_slices(slices, {"s-decode": "decode"}, {}, {"a": {"GEARSHIFT_PIPELINE": pipe}})
+        assert (info.gpu_model, info.gpu_count, info.tp_size) == ("T4-16GB", 2, 2)
+        # T4 HBM 320 GB/s over H100 SXM's 3350, × 2 cards (membership's decode speed)
+        assert info.speed == pytest.approx(320 / 3350 * 2)
+        # node facts, when readable, win
+        [info] = infos_from_slices(
+            slices, {"s-decode": "decode"}, {"gpu-h100-0": {"gpuModel": "H100-80GB"}},
+            {"a": {"GEARSHIFT_PIPELINE": pipe}},
+        )  # fmt: skip
+        assert (info.gpu_model, info.gpu_count) == ("H100-80GB", 1)
 
 
 class TestMergeSlices:

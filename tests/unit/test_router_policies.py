@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -290,3 +291,74 @@ class TestPoolPick:
             PolicyConfig(prefill_weights={"speed": 1.0})
         with pytest.raises(P.PolicyError, match=r"router\.weights\.decode\.itl"):
             PolicyConfig(decode_weights={"itl": -1.0})
+
+
+class TestQueueAsExpectedFinish:
+    """Correction 8: the prefill queue term is ``1 − (depth + 1) × service_ms / target_ttft_ms`` (by hand)."""
+
+    # 30 ms prefill on the reference card; the A10 is given speed 0.125 (8× slower), so 240 ms there.
+    req = P.RequestView(prompt_tokens=1000, max_tokens=16, prefill_ms_ref=30.0)
+
+    @staticmethod
+    def h100(depth: int, util: float = 1.0) -> P.PodView:
+        return pv("h100", role="prefill", gpu_model="H100-80GB", speed=1.0, gpu_util=util, waiting=depth)
+
+    @staticmethod
+    def a10(depth: int, util: float = 1.0) -> P.PodView:
+        return pv("a10", role="prefill", gpu_model="A10-24GB", speed=0.125, gpu_util=util, waiting=depth)
+
+    @staticmethod
+    def seed_score(compute: float, util: float, queue: float) -> float:
+        # seed 000 weights; no decode peer → network 0.5; model cached → 1.0; kv_usage 0
+        return 0.30 * compute + 0.25 * (1 - 0.6 * util) + 0.20 * queue + 0.15 * 0.5 + 0.10 * 1.0
+
+    def test_term_values(self) -> None:
+        assert P.queue_score(self.h100(4), self.req) == pytest.approx(1 - 5 * 30 / 200)  # 0.25
+        assert P.queue_score(self.a10(0), self.req) == pytest.approx(1 - 240 / 200)  # −0.2, not clamped
+        assert P.queue_score(self.h100(4), self.req, target_ttft_ms=400) == pytest.approx(1 - 150 / 400)
+        # unknown prefill time → the seed's count form 1 − min(depth / 16, 1)
+        assert P.queue_score(self.h100(4), P.RequestView(prompt_tokens=1000)) == pytest.approx(0.75)
+        assert P.queue_score(self.h100(40), None) == 0.0
+
+    def test_fast_pod_keeps_a_moderate_queue(self) -> None:
+        # H100 busy with 4 queued (finish 150 ms); A10 idle (finish 240 ms).
+        pods = [self.h100(4), self.a10(0, util=0.0)]
+        scored = P.score_prefill(pods, self.req)
+        h = self.seed_score(1.0, 1.0, 0.25)  # 0.30 + 0.10 + 0.05 + 0.075 + 0.10 = 0.625
+        a = self.seed_score(0.3, 0.0, -0.2)  # 0.09 + 0.25 − 0.04 + 0.075 + 0.10 = 0.475
+        assert [s.score for s in scored] == pytest.approx([h, a])
+        assert (round(h, 6), round(a, 6)) == (0.625, 0.475)
+        assert P.best(scored).pod.name == "h100"
+
+    def test_deep_fast_queue_spills_to_slow_pod(self) -> None:
+        # Both busy; H100 has 20 queued (finish 630 ms), A10 one (finish 480 ms).
+        pods = [self.h100(20), self.a10(1)]
+        scored = P.score_prefill(pods, self.req)
+        h = self.seed_score(1.0, 1.0, 1 - 21 * 30 / 200)  # 0.30 + 0.10 − 0.43 + 0.175 = 0.145
+        a = self.seed_score(0.3, 1.0, 1 - 2 * 240 / 200)  # 0.09 + 0.10 − 0.28 + 0.175 = 0.085
+        assert (round(h, 6), round(a, 6)) == (0.145, 0.085)
+        assert [s.score for s in scored] == pytest.approx([h, a])
+        # 630 ms vs 480 ms: within the compute term's ~210 ms preference, the H100 still wins ...
+        assert P.best(scored).pod.name == "h100"
+        # ... at 30 queued (finish 930 ms, 450 ms later than the A10) it no longer does.
+        deeper = P.score_prefill([self.h100(30), self.a10(1)], self.req)
+        assert deeper[0].score == pytest.approx(self.seed_score(1.0, 1.0, 1 - 31 * 30 / 200))  # −0.155
+        assert P.best(deeper).pod.name == "a10"
+        # The seed's saturating count form keeps the H100 at any depth: 0.575 against 0.5525.
+        seed = P.score_prefill([self.h100(30), self.a10(1)], P.RequestView(prompt_tokens=1000))
+        assert [s.score for s in seed] == pytest.approx([0.575, 0.5525])
+        assert P.best(seed).pod.name == "h100"
+
+
+def test_prefill_ms_per_token_is_the_roofline() -> None:
+    from gearshift.router.server import prefill_ms_per_token
+
+    # Llama-3-8B per layer: attention 2·4096² + 2·4096·1024, MLP 3·4096·14336; 2 FLOPs per weight;
+    # 32 layers; H100 SXM 989 TFLOPS bf16 at MFU 0.5.
+    h, kv, ff = 4096, 1024, 14336
+    flops = 32 * 2 * (2 * h * h + 2 * h * kv + 3 * h * ff)
+    expected_ms = flops / (989e12 * 0.5) * 1e3
+    model = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json"
+    assert prefill_ms_per_token(str(model)) == pytest.approx(expected_ms, rel=1e-9)
+    assert 1155 * expected_ms == pytest.approx(32.6, abs=0.1)
+    assert prefill_ms_per_token(None) == 0.0

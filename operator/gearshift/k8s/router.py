@@ -47,6 +47,8 @@ def router_args(service: str, namespace: str, spec: PDServiceSpec) -> list[str]:
         json.dumps(weights, sort_keys=True, separators=(",", ":")),
         "--target-itl-ms",
         f"{spec.slo.itl_ms:g}",
+        "--target-ttft-ms",
+        f"{spec.slo.ttft_ms:g}",
         "--served-model-name",
         spec.model.name,
     ]

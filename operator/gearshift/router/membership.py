@@ -146,6 +146,7 @@ def infos_from_slices(
 
     ``nodes``: node name → {"gpuModel", "gpuCount", "computeScore", "hbmGBps", "nicGbps"} (any subset).
     ``pod_envs``: pod name → its container env (for ``GEARSHIFT_PIPELINE``). Only ready endpoints count.
+    A pod whose node gave no GPU model (the router may not read nodes) takes its pipeline's head-stage card.
     """
     out: dict[str, BackendInfo] = {}
     for sl in slices:
@@ -167,19 +168,26 @@ def infos_from_slices(
             node = ep.get("nodeName")
             facts = nodes.get(node or "", {})
             gpu = facts.get("gpuModel")
+            gpus = facts.get("gpuCount")
             env = pod_envs.get(pod, {})
             speed = None
             if "GEARSHIFT_PIPELINE" in env:
-                with contextlib.suppress(ValueError):
-                    speed = speed_from_pipeline(json.loads(env["GEARSHIFT_PIPELINE"]), role)
+                with contextlib.suppress(ValueError, TypeError, KeyError, IndexError, AttributeError):
+                    pipeline = json.loads(env["GEARSHIFT_PIPELINE"])
+                    speed = speed_from_pipeline(pipeline, role)
+                    if gpu is None:
+                        # The node unreadable (the router's namespaced Role cannot grant nodes): the head
+                        # stage's card as the engine itself was told (docs/ARCHITECTURE.md).
+                        head = pipeline["stages"][0]
+                        gpu, gpus = head["gpu"], gpus or head.get("gpus", 1)
             host = f"[{addr}]" if ":" in addr else addr
             out[pod] = BackendInfo(
                 name=pod,
                 url=f"http://{host}:{port}",
                 role=role,  # type: ignore[arg-type]
                 gpu_model=gpu if gpu in GPU_SPECS else None,
-                gpu_count=int(facts.get("gpuCount", 1) or 1),
-                tp_size=int(facts.get("gpuCount", 1) or 1),
+                gpu_count=int(gpus or 1),
+                tp_size=int(gpus or 1),
                 node=node,
                 nic_gbps=float(facts.get("nicGbps", 100.0)),
                 compute_score=facts.get("computeScore"),

@@ -23,6 +23,22 @@ Policies (``POLICIES``):
       6. *request KV size* — the seed leaves it open; we use ``(prompt + max_tokens) × kv_bytes_per_token``:
          the cache the request will hold at its end, which is what the headroom filter protects.
       7. *batch score* with ``max_batch`` 0 — guarded (score 0) rather than a division by zero.
+      8. *queue term as expected prefill finish* — the seed's ``1 − min(depth / max_queue, 1)`` counts
+         requests, not time, and saturates: 4 requests queued on an H100 wait ~130 ms while 4 on an A10
+         wait ~1 s, yet both score the same; past ``max_queue`` (16) every deeper queue scores 0, so the
+         compute term's fixed preference for the fast card (0.30 × (1 − 0.30) = 0.21 between an H100 and
+         an A10) can never be overcome by a term whose whole swing is 0.20, and the fast pod's queue grows
+         without bound under load. We score the time until this request's prefill would finish:
+         ``1 − (depth + 1) × service_ms / target_ttft_ms``, with ``service_ms`` this request's prefill
+         time on the pod (``RequestView.prefill_ms_ref`` on the reference card ÷ the pod's prefill speed;
+         each queued request is priced as this one) and the seed's target TTFT (200 ms); not clamped
+         below 0, so a finish ``k`` × the target away costs ``k`` × the weight. The ``+ 1`` (the request's
+         own prefill) matters: without it an idle slow pod scores a full 1.0 however long the prompt,
+         and long prompts — the TTFT tail — went to the A10s (P99 TTFT 1.04 s against 0.55 s with the
+         seed's form in bench/router_des.py at 50 % load). With the seed's weights a busy H100 keeps a
+         request while its expected finish is less than ~210 ms (0.21 / 0.20 × 200 ms) later than a busy
+         A10's: close to join-the-shortest-expected-finish. With no prefill time (no model description)
+         the seed's count form is kept.
   - ``shortest-queue``: FastChat's default (seed 003): ``argmin(queue_length / speed)``, first minimum wins,
     and the pick is counted at once (the caller adds 1 to the pod's queue length until the next scrape
     overwrites it). Speed is the pod's GPU-profile speed instead of FastChat's fixed 1 (``speed_one=True``
@@ -83,6 +99,8 @@ MAX_TRANSFER_MS = 100.0
 IDEAL_BATCH_FRACTION = 0.7
 #: Seed 000: score of the network term when the peer pod is not known yet.
 UNKNOWN_PEER_NETWORK_SCORE = 0.5
+#: Seed 000: target TTFT, ms (the scale of the prefill queue term, correction 8).
+TARGET_TTFT_MS = 200.0
 
 
 class PolicyError(ValueError):
@@ -175,6 +193,11 @@ class RequestView:
     kv_bytes_per_token: float = 0.0
     """KV-cache bytes one token holds across all layers (``ModelArch.kv_bytes_per_token``); 0 → unknown."""
     model: str | None = None
+    prefill_ms_ref: float | None = None
+    """Prefill time of this prompt on the reference card (speed 1, H100 SXM), ms; None → unknown.
+
+    The router prices it from the model description: ``prompt × FLOPs per token / (989 TFLOPS × 0.5 MFU)``
+    (:func:`gearshift.router.server.prefill_ms_per_token`, the planner's roofline assumptions)."""
 
     @property
     def kv_bytes(self) -> float:
@@ -302,8 +325,28 @@ def prefill_load_score(pod: PodView) -> float:
     return min(1.0, max(0.0, 1.0 - (0.6 * pod.gpu_util + 0.4 * pod.kv_usage)))
 
 
-def queue_score(pod: PodView) -> float:
-    """Seed 000: ``1 − min(depth / max_queue, 1)`` with depth from correction 3."""
+def prefill_service_ms(pod: PodView, request: RequestView) -> float | None:
+    """This request's prefill time on ``pod``, ms: reference-card time ÷ the pod's prefill speed.
+
+    None when the request's reference time is unknown.
+    """
+    if request.prefill_ms_ref is None:
+        return None
+    return request.prefill_ms_ref / max(pod_speed(pod, "prefill"), 1e-9)
+
+
+def queue_score(
+    pod: PodView, request: RequestView | None = None, target_ttft_ms: float = TARGET_TTFT_MS
+) -> float:
+    """Prefill queue term (correction 8): ``1 − (depth + 1) × service_ms / target_ttft_ms``, range (−∞, 1).
+
+    ``depth`` from correction 3, ``service_ms`` from :func:`prefill_service_ms` (each queued request is
+    priced as this one; ``+ 1`` is this request's own prefill). Without a service time (no request, or no
+    model description): seed 000's ``1 − min(depth / max_queue, 1)``.
+    """
+    service = prefill_service_ms(pod, request) if request is not None else None
+    if service is not None and target_ttft_ms > 0:
+        return 1.0 - (pod.queue_depth + 1.0) * service / target_ttft_ms
     if pod.max_queue <= 0:
         return 0.0
     return 1.0 - min(pod.queue_depth / pod.max_queue, 1.0)
@@ -314,11 +357,13 @@ def score_prefill(
     request: RequestView,
     decode_pod: PodView | None = None,
     weights: Mapping[str, float] = PREFILL_WEIGHTS,
+    target_ttft_ms: float = TARGET_TTFT_MS,
 ) -> list[Scored]:
     """Seed 000's prefill score of every pod (higher is better), in input order.
 
-    Terms: compute (correction 2: divided by the candidates' largest), load, queue, network (KV transfer
-    of the prompt to ``decode_pod``), cache (1.0 model cached, 0.5 loadable; PDService key ``cache``).
+    Terms: compute (correction 2: divided by the candidates' largest), load, queue (correction 8: expected
+    prefill finish against ``target_ttft_ms``, ms), network (KV transfer of the prompt to ``decode_pod``),
+    cache (1.0 model cached, 0.5 loadable; PDService key ``cache``).
     """
     if not pods:
         return []
@@ -328,7 +373,7 @@ def score_prefill(
         terms = {
             "compute": raw_compute(p) / top,
             "load": prefill_load_score(p),
-            "queue": queue_score(p),
+            "queue": queue_score(p, request, target_ttft_ms),
             "network": network_score(request.prompt_kv_bytes, p, decode_pod),
             "cache": 1.0 if p.model_cached else 0.5,
         }

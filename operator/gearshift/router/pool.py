@@ -98,6 +98,8 @@ class PolicyConfig:
     prefill_weights: Mapping[str, float] = field(default_factory=lambda: dict(P.PREFILL_WEIGHTS))
     decode_weights: Mapping[str, float] = field(default_factory=lambda: dict(P.DECODE_WEIGHTS))
     target_itl_ms: float = P.TARGET_ITL_MS
+    target_ttft_ms: float = P.TARGET_TTFT_MS
+    """Scale of pd-score's prefill queue term (expected wait), ms (PDService ``slo.ttftMs``)."""
     speed_one: bool = False
     """FastChat's fixed speed 1 for ``shortest-queue``/``lottery`` (the benchmark baseline)."""
 
@@ -176,7 +178,7 @@ class Pool:
                 if not scored:
                     raise P.NoDecodeCapacityError(request.kv_bytes)
             else:
-                scored = P.score_prefill(views, request, peer_view, cfg.prefill_weights)
+                scored = P.score_prefill(views, request, peer_view, cfg.prefill_weights, cfg.target_ttft_ms)
             chosen_name = P.best(scored).pod.name
             idx = next(i for i, v in enumerate(views) if v.name == chosen_name)
         elif policy == "shortest-queue":

@@ -55,6 +55,8 @@ class ProxyConfig:
     eject_after: int = 1
     eject_s: float = 5.0
     kv_bytes_per_token: float = 0.0
+    prefill_ms_per_token: float = 0.0
+    """Prefill ms per prompt token on the reference card (speed 1); 0 → unknown (pd-score's seed queue)."""
     default_max_tokens: int = 16
     text_tokens: str = "chars"
     """How text prompts are counted: ``chars`` (÷4, real tokenizers) or ``words`` (gearshift-sim)."""
@@ -323,11 +325,15 @@ class Proxy:
         max_tokens = (
             body.get("max_tokens") or body.get("max_completion_tokens") or self.cfg.default_max_tokens
         )
+        prompt_tokens = estimate_prompt_tokens(body, self.cfg.text_tokens)
         req = P.RequestView(
-            prompt_tokens=estimate_prompt_tokens(body, self.cfg.text_tokens),
+            prompt_tokens=prompt_tokens,
             max_tokens=int(max_tokens),
             kv_bytes_per_token=self.cfg.kv_bytes_per_token,
             model=body.get("model"),
+            prefill_ms_ref=prompt_tokens * self.cfg.prefill_ms_per_token
+            if self.cfg.prefill_ms_per_token > 0
+            else None,
         )
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
         pd = self.pool.has_role("prefill") and self.pool.has_role("decode")

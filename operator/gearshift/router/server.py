@@ -4,7 +4,13 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming pa
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the router's own, prometheus_client),
 ``GET /debug/pods`` (every pod's signals and counters), ``GET /debug/decisions`` (the latest
 :mod:`gearshift.control.pd_balance` round: what rebalancing and adaptive batching would change; the
-operator reads it, or calls :func:`balance_round` itself, and applies it through the Kubernetes API).
+operator reads it, or calls :func:`balance_round` itself, and applies it through the Kubernetes API —
+the JSON contract is in docs/ARCHITECTURE.md, "Router decisions → operator"; the operator-side reader
+is not built yet).
+
+Membership: with ``--service`` the router watches the role Services' EndpointSlices; where those hold no
+endpoint (the sandbox: the API server refuses loopback pod IPs) it falls back to the Services' selectors
+and the Ready pods they select (router/membership.py; tests/e2e/test_router.py runs this path).
 
 Background loops: membership (EndpointSlice watch or static ``--backend`` list), signal scraping (pods'
 ``/metrics`` or ``--prometheus``), active health checks, and the 5 s balance round.
@@ -268,6 +274,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--target-itl-ms", type=float, default=P.TARGET_ITL_MS)
     p.add_argument(
+        "--target-ttft-ms",
+        type=float,
+        default=P.TARGET_TTFT_MS,
+        help="pd-score: target TTFT, ms, the scale of the prefill queue (expected wait) term",
+    )
+    p.add_argument(
         "--model",
         default=env("GEARSHIFT_MODEL"),
         help="HF config.json path or ModelArch JSON, for KV bytes per token [GEARSHIFT_MODEL]",
@@ -306,8 +318,40 @@ def kv_bytes_per_token(model: str | None) -> float:
     Raises:
         SettingsError: unreadable or invalid model description.
     """
-    if not model:
+    arch = load_model_arch(model)
+    return float(arch.kv_bytes_per_token) if arch is not None else 0.0
+
+
+def prefill_ms_per_token(model: str | None) -> float:
+    """Prefill time per prompt token of ``--model`` on the reference card (H100 SXM, speed 1), ms; 0 unknown.
+
+    ``num_layers × layer_flops_per_token(0) / (989 TFLOPS × 0.5 MFU)``: the planner's roofline assumptions
+    (gearshift.planner.costs.RooflineAssumptions: MFU 0.5, PaLM Table 3) at the datasheet peak
+    (gearshift.gpus). Llama-3-8B: ≈ 0.028 ms/token (a 1,155-token prompt ≈ 33 ms; the simulated engine's
+    perf model gives 33.3 ms).
+
+    Raises:
+        SettingsError: unreadable or invalid model description.
+    """
+    from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL
+    from gearshift.planner.costs import RooflineAssumptions
+
+    arch = load_model_arch(model)
+    if arch is None:
         return 0.0
+    flops = arch.num_layers * arch.layer_flops_per_token(context=0)
+    peak = GPU_SPECS[REFERENCE_MODEL].bf16_tflops * 1e12 * RooflineAssumptions().mfu
+    return flops / peak * 1e3
+
+
+def load_model_arch(model: str | None) -> Any:
+    """The :class:`gearshift.model.ModelArch` of ``--model``; None when not given.
+
+    Raises:
+        SettingsError: unreadable or invalid model description.
+    """
+    if not model:
+        return None
     from gearshift.model import ModelArch, ModelConfigError, arch_from_hf_config
 
     try:
@@ -318,7 +362,7 @@ def kv_bytes_per_token(model: str | None) -> float:
             arch = load_hf_config(Path(model))
     except (OSError, ValueError, TypeError, ModelConfigError) as exc:
         raise SettingsError(f"--model {model[:80]!r}: {exc}") from exc
-    return float(arch.kv_bytes_per_token)
+    return arch
 
 
 def settings_from_args(a: argparse.Namespace) -> RouterSettings:
@@ -343,6 +387,7 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             prefill_weights=weights.get("prefill", {}),
             decode_weights=weights.get("decode", {}),
             target_itl_ms=a.target_itl_ms,
+            target_ttft_ms=a.target_ttft_ms,
             speed_one=a.speed_one,
         )
     except P.PolicyError as exc:
@@ -361,6 +406,7 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             retries=a.retries,
             eject_s=a.eject_s,
             kv_bytes_per_token=kv_bytes_per_token(a.model),
+            prefill_ms_per_token=prefill_ms_per_token(a.model),
             text_tokens=a.text_tokens,
         ),
         served_model_name=a.served_model_name,
