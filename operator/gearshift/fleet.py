@@ -4,6 +4,7 @@ A fleet file names node pools of one GPU model each (see ``examples/fleet-mixed.
 
     name: mixed
     network: {latencyUs: 10}
+    gpuSharing: {strategy: time-slicing, replicas: 2}   # optional; default whole cards
     nodePools:
       - {name: h100, gpu: H100-80GB, nodes: 2, gpusPerNode: 1, nicGbps: 200}
 
@@ -62,6 +63,8 @@ class Fleet:
 
     name: str
     nodes: tuple[FleetNode, ...]
+    gpu_replicas: int = 1
+    """Schedulable ``nvidia.com/gpu`` per physical card (NVIDIA time-slicing ``replicas``; 1: whole cards)."""
 
     def link(self, a: FleetNode, b: FleetNode) -> tuple[float, float]:
         """Bandwidth (Gb/s) and latency (µs) between two distinct nodes: the slower NIC bounds the link."""
@@ -93,6 +96,12 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
     name = _field(doc, "name", "fleet", str)
     network = doc.get("network") or {}
     latency = _field(network, "latencyUs", "network", float, 10.0)
+    sharing = doc.get("gpuSharing") or {}
+    if not isinstance(sharing, dict):
+        raise FleetError("fleet.gpuSharing must be a mapping like {strategy: time-slicing, replicas: 2}")
+    gpu_replicas = _field(sharing, "replicas", "gpuSharing", int, 1)
+    if gpu_replicas < 1:
+        raise FleetError(f"gpuSharing.replicas must be >= 1, got {gpu_replicas}")
     pools = _field(doc, "nodePools", "fleet", list)
     if not pools:
         raise FleetError("fleet.nodePools must list at least one pool")
@@ -118,7 +127,7 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
                 raise FleetError(f"{where}.{key} must be > 0, got {value}")
         for k in range(count):
             nodes.append(FleetNode(f"gpu-{pname}-{k}", pname, spec, gpus, nic, latency))
-    return Fleet(name, tuple(nodes))
+    return Fleet(name, tuple(nodes), gpu_replicas)
 
 
 def load_fleet(path: str | Path) -> Fleet:

@@ -40,6 +40,7 @@ from gearshift.k8s.names import (
 GPU_RESOURCE = "nvidia.com/gpu"
 #: GPU feature discovery's product label (``NVIDIA-H100-80GB-HBM3``).
 GFD_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GFD_REPLICAS_LABEL = "nvidia.com/gpu.replicas"
 #: Clusters closer than this score ratio are one class (see the module docstring).
 MIN_CLASS_RATIO = 1.5
 MAX_CLASSES = 3
@@ -146,7 +147,11 @@ def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> 
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     labels = dict(meta.get("labels") or {})
-    count = _quantity_int((status.get("capacity") or {}).get(GPU_RESOURCE))
+    slots = _quantity_int((status.get("capacity") or {}).get(GPU_RESOURCE))
+    # With NVIDIA time-slicing each card is advertised ``nvidia.com/gpu.replicas`` times; the profile
+    # describes physical cards (GPU feature discovery's own convention for nvidia.com/gpu.count).
+    replicas = max(1, _quantity_int(labels.get(GFD_REPLICAS_LABEL, "1")))
+    count = slots // replicas
     if count < 1 or not all(r.matches(labels) for r in selector):
         return None
     annotations = {

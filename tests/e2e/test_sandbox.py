@@ -37,7 +37,11 @@ def _expected_nodes(fleet_file: Path) -> dict[str, dict]:
     out = {}
     for pool in doc["nodePools"]:
         for i in range(pool["nodes"]):
-            out[f"gpu-{pool['name']}-{i}"] = {"gpu": pool["gpu"], "gpus": pool.get("gpusPerNode", 1)}
+            out[f"gpu-{pool['name']}-{i}"] = {
+                "gpu": pool["gpu"],
+                "gpus": pool.get("gpusPerNode", 1),
+                "replicas": (doc.get("gpuSharing") or {}).get("replicas", 1),
+            }
     return out
 
 
@@ -57,8 +61,11 @@ def test_nodes_match_the_fleet_file(sandbox):
         assert labels["nvidia.com/gpu.family"] == family
         assert labels["nvidia.com/gpu.count"] == str(want["gpus"])
         assert labels["kubernetes.io/hostname"] == name
-        assert node["status"]["capacity"]["nvidia.com/gpu"] == str(want["gpus"])
-        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(want["gpus"])
+        # Cards are time-sliced: each is advertised gpuSharing.replicas times.
+        slots = str(want["gpus"] * want["replicas"])
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == slots
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == slots
+        assert labels["nvidia.com/gpu.replicas"] == str(want["replicas"])
         assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in node["spec"]["taints"]
         ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
         assert ready == "True"

@@ -4,6 +4,7 @@ and the GPUProfile -> planner adapter."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Mapping
 from pathlib import Path
@@ -133,9 +134,11 @@ def _example(name: str) -> dict[str, Any]:
     return yaml.safe_load((ROOT / "examples" / name).read_text())
 
 
-def fleet_nodes() -> list[dict[str, Any]]:
+def fleet_nodes(gpu_replicas: int = 1) -> list[dict[str, Any]]:
+    """The mixed fleet's Node objects; ``gpu_replicas`` GPUs advertised per card (1: whole cards)."""
     nodes = []
-    for n in sandbox_nodes(load_fleet(ROOT / "examples" / "fleet-mixed.yaml"), 77):
+    fleet = dataclasses.replace(load_fleet(ROOT / "examples" / "fleet-mixed.yaml"), gpu_replicas=gpu_replicas)
+    for n in sandbox_nodes(fleet, 77):
         n["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
         model = n["metadata"]["annotations"].get(names.NODE_GPU_MODEL)
         if model:  # the label profiling writes (the probe operator's job)

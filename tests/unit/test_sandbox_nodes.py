@@ -87,7 +87,12 @@ class TestGpuNode:
 
     def test_capacity_and_taint(self, nodes):
         node = nodes["gpu-a10-2"]
-        assert node["status"]["capacity"]["nvidia.com/gpu"] == "1"
+        # One A10 card, time-sliced into MIXED.gpu_replicas schedulable GPUs (examples/fleet-mixed.yaml: 2).
+        assert MIXED.gpu_replicas == 2
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "2"
+        assert node["metadata"]["labels"]["nvidia.com/gpu.count"] == "1"
+        assert node["metadata"]["labels"]["nvidia.com/gpu.replicas"] == "2"
+        assert node["metadata"]["labels"]["nvidia.com/gpu.sharing-strategy"] == "time-slicing"
         assert node["status"]["allocatable"] == node["status"]["capacity"]
         assert node["spec"]["taints"] == [
             {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}

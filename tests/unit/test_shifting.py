@@ -247,6 +247,11 @@ class TestShadowFits:
         done = copy.deepcopy(busy)
         done["status"]["phase"] = "Succeeded"
         assert sh.shadow_fits(g, 1, nodes, [done])
+        # Time-sliced cards (2 nvidia.com/gpu each, as the sandbox's fleet advertises them): the shadow
+        # takes the second slot of the busy card, a third pod would not fit.
+        sliced = fleet_nodes(gpu_replicas=2)
+        assert sh.shadow_fits(g, 1, sliced, [busy])
+        assert not sh.shadow_fits(g, 1, sliced, [busy, copy.deepcopy(busy)])
         # two A100 nodes: two pipeline replicas fit the A100 stage, three do not (the H100 stage: one node)
         g2 = self._gear([{"layers": [0, 32], "nodeSelector": {names.NODE_GPU_MODEL: "A100-40GB"}}])
         assert sh.shadow_fits(g2, 2, nodes, []) and not sh.shadow_fits(g2, 3, nodes, [])

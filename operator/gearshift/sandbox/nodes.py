@@ -115,13 +115,15 @@ def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, str]:
     return res
 
 
-def gpu_node_manifest(node: FleetNode, index: int, octet: int) -> dict[str, Any]:
+def gpu_node_manifest(node: FleetNode, index: int, octet: int, gpu_replicas: int = 1) -> dict[str, Any]:
     """The Node manifest (with ``status`` capacity/allocatable/addresses) of one fleet node.
 
     Args:
         node: the fleet node (``gearshift.fleet``); its datasheet comes from ``gearshift.gpus``.
         index: the node's position in the sandbox's node list (sets its podCIDR and IP).
         octet: the sandbox's second octet.
+        gpu_replicas: ``nvidia.com/gpu`` advertised per card (time-slicing, as NVIDIA's device plugin
+            does with ``replicas``; labels ``nvidia.com/gpu.replicas`` and ``.sharing-strategy`` say so).
     """
     spec = node.gpu
     manifest = _base_node(node.name, node.pool, index, octet)
@@ -133,8 +135,8 @@ def gpu_node_manifest(node: FleetNode, index: int, octet: int) -> dict[str, Any]
             "nvidia.com/gpu.memory": str(round(spec.memory_gib * 1024)),
             "nvidia.com/gpu.count": str(node.gpus),
             "nvidia.com/gpu.family": GFD_FAMILY.get(spec.generation, spec.generation),
-            "nvidia.com/gpu.replicas": "1",
-            "nvidia.com/gpu.sharing-strategy": "none",
+            "nvidia.com/gpu.replicas": str(gpu_replicas),
+            "nvidia.com/gpu.sharing-strategy": "time-slicing" if gpu_replicas > 1 else "none",
         }
     )
     meta["annotations"].update(
@@ -150,7 +152,9 @@ def gpu_node_manifest(node: FleetNode, index: int, octet: int) -> dict[str, Any]
         }
     )
     manifest["spec"]["taints"] = [dict(GPU_TAINT)]
-    res = _resources(GPU_NODE_CPU_PER_GPU * node.gpus, GPU_NODE_MEMORY_GIB_PER_GPU * node.gpus, node.gpus)
+    res = _resources(
+        GPU_NODE_CPU_PER_GPU * node.gpus, GPU_NODE_MEMORY_GIB_PER_GPU * node.gpus, node.gpus * gpu_replicas
+    )
     manifest["status"].update({"capacity": res, "allocatable": dict(res)})
     return manifest
 
@@ -175,7 +179,7 @@ def sandbox_nodes(fleet: Fleet, octet: int, cpu_nodes: int = DEFAULT_CPU_NODES) 
             f"the fleet has {len(fleet.nodes)} GPU nodes + {cpu_nodes} CPU nodes = {total}; "
             f"a sandbox holds at most {MAX_NODES}: use a smaller fleet file"
         )
-    out = [gpu_node_manifest(n, i, octet) for i, n in enumerate(fleet.nodes)]
+    out = [gpu_node_manifest(n, i, octet, fleet.gpu_replicas) for i, n in enumerate(fleet.nodes)]
     out += [cpu_node_manifest(k, len(fleet.nodes) + k, octet) for k in range(cpu_nodes)]
     return out
 
