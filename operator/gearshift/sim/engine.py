@@ -17,6 +17,11 @@ The scheduler follows vLLM V1's (vllm/v1/core/sched/scheduler.py) in outline:
 Time: one timer per step, not per token. A step's duration comes from :meth:`PerfModel.step`; all its
 sequences advance at its end. When the step timer fires late (the simulator's own overhead) the next
 step starts from the planned end, up to :data:`MAX_CATCH_UP_S`, so the modelled GPU throughput holds.
+
+Virtual time (benchmarks, tests): :meth:`Engine.begin_step` and :meth:`Engine.end_step` are the two halves
+of one step of :meth:`Engine.run` without the timer, so a discrete-event driver can run engines with a
+virtual ``clock`` and no wall-clock sleeps (``bench/gears.py``); :meth:`Engine.next_transfer_at` says
+when an idle engine has work again without a new request.
 """
 
 from __future__ import annotations
@@ -109,6 +114,19 @@ class SimRequest:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         self.pending = 0
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One engine step chosen by :meth:`Engine.begin_step`: its batch and modelled timing, times in s."""
+
+    batch: list[tuple[SimRequest, int]]
+    start: float
+    """When the step starts (the engine's clock)."""
+    end: float
+    """When it ends: ``start`` + the modelled period."""
+    stage_busy_s: list[float]
+    """Busy time of each stage within the step, s."""
 
 
 class Engine:
@@ -352,16 +370,45 @@ class Engine:
             m.generation_tokens.inc(gen)
 
     # --- the step loop ---------------------------------------------------------------------------
-    def _next_transfer(self) -> float | None:
+    def next_transfer_at(self) -> float | None:
+        """When the earliest pending KV transfer lands (s, the engine's clock), or ``None``."""
         return min((r.ready_at for r in self.transferring), default=None)
+
+    _next_transfer = next_transfer_at
+
+    def begin_step(self, start: float, *, schedule_at: float | None = None) -> PlannedStep | None:
+        """Schedule the step that starts at ``start`` (s) and model its duration; ``None`` when nothing is
+        schedulable now (idle, a KV transfer pending, or blocks short). Call :meth:`end_step` at its end.
+
+        ``schedule_at`` (default ``start``): the time the scheduler sees (KV transfers landed by then);
+        :meth:`run` passes the wall clock while ``start`` catches up on a late timer."""
+        batch = self.schedule(start if schedule_at is None else schedule_at)
+        if not batch:
+            return None
+        timing = self.model.step(Work(n, r.computed) for r, n in batch)
+        return PlannedStep(batch, start, start + timing.period_s, timing.stage_busy_s)
+
+    def end_step(self, step: PlannedStep, at: float | None = None) -> None:
+        """Apply a step begun by :meth:`begin_step`: count it, record stage utilisation over
+        ``[start, end]``, and emit its tokens at ``at`` (s; default the planned end, as in virtual time).
+        ``at`` later than the planned end is counted as timer lag."""
+        actual = step.end if at is None else at
+        lag = max(0.0, actual - step.end)
+        self.steps += 1
+        self.planned_s += step.end - step.start
+        self.lag_s += lag
+        self.lag_max_s = max(self.lag_max_s, lag)
+        self.metrics.step_lag.observe(lag)
+        self._util.append((step.start, step.end, step.stage_busy_s))
+        self.complete(step.batch, actual)
 
     async def run(self) -> None:
         """Run steps forever (cancel the task to stop): one timer per step."""
         start = self.clock()
         while True:
             now = self.clock()
-            batch = self.schedule(max(start, now))
-            if not batch:
+            planned = self.begin_step(start, schedule_at=max(start, now))
+            if planned is None:
                 self._wake.clear()
                 nxt = self._next_transfer()
                 if nxt is None and not self.waiting:
@@ -373,19 +420,11 @@ class Engine:
                         await asyncio.wait_for(self._wake.wait(), delay)
                 start = self.clock()
                 continue
-            timing = self.model.step(Work(n, r.computed) for r, n in batch)
-            end = start + timing.period_s
+            end = planned.end
             await asyncio.sleep(end - self.clock())
             actual = self.clock()
-            lag = max(0.0, actual - end)
-            self.steps += 1
-            self.planned_s += timing.period_s
-            self.lag_s += lag
-            self.lag_max_s = max(self.lag_max_s, lag)
-            self.metrics.step_lag.observe(lag)
-            self._util.append((start, end, timing.stage_busy_s))
-            self.complete(batch, actual)
-            start = end if lag < MAX_CATCH_UP_S else actual
+            self.end_step(planned, actual)
+            start = end if actual - end < MAX_CATCH_UP_S else actual
 
     def stats(self) -> dict[str, float | int]:
         """Counters of the simulator's own accuracy: steps, modelled step seconds, total/max lag (s)."""
