@@ -399,6 +399,35 @@ class TestReconcile:
         with pytest.raises(KeyError, match="no gear"):
             rec.ensure_gear_sync(api, NS, "llama3-8b", "prefill", "nope")
 
+    def test_shadow_from_the_executor_matches_the_reconciler(self, api: FakeApi) -> None:
+        """ensure_gear_sync (the executor's shadow and its un-shadowing) applies the same pod template as
+        the reconciler, pipeline links included: otherwise each apply rolls the gear's pods and the shift
+        rolls back with "stopped being Ready while draining" (the demo's failed shifts)."""
+        reconcile(api)
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+        active = gs["status"]["activeGear"]
+        deep = next(g for g in gs["status"]["plannedGears"] if len(g["stages"]) > 1 and g["name"] != active)
+        made = rec.ensure_gear_sync(api, NS, "llama3-8b", "decode", deep["name"])
+        env = {
+            e["name"]: e.get("value")
+            for e in api.get("apps/v1", "StatefulSet", NS, made[0])["spec"]["template"]["spec"]["containers"][
+                0
+            ]["env"]
+        }
+        assert '"links"' in env["GEARSHIFT_PIPELINE"]
+        rvs = {n: api.get("apps/v1", "StatefulSet", NS, n)["metadata"]["resourceVersion"] for n in made}
+        api.patch_status(
+            "gearshift.io/v1alpha1",
+            "GearSet",
+            NS,
+            "llama3-8b-decode",
+            {"executor": {"step": "Warming", "fromGear": active, "toGear": deep["name"]}},
+        )
+        reconcile(api)  # keeps both gears of the shift in flight
+        rec.ensure_gear_sync(api, NS, "llama3-8b", "decode", deep["name"])  # the switch's un-shadowing
+        after = {n: api.get("apps/v1", "StatefulSet", NS, n)["metadata"]["resourceVersion"] for n in made}
+        assert after == rvs
+
     def test_status_counts_ready_pipelines(self, api: FakeApi) -> None:
         reconcile(api)
         for name, o in api.sts().items():

@@ -778,13 +778,18 @@ def ensure_gear_sync(
                 f"GearSet {gs.metadata['name']!r} has no gear {gear!r}: {[x.name for x in gs.gears()]}"
             )
         cons = gs.spec.plan.constraints if gs.spec.plan else None
+        memutil = cons.memory_utilization if cons else 0.9
         desire = RoleDesire(
             role,
             [g],
             None,
             gs.spec.replicas,
             gs.spec.policy.drain_timeout_s,
-            cons.memory_utilization if cons else 0.9,
+            memutil,
+            # The same links the reconciler gives the gear: a pod template that differs from the
+            # reconciler's would roll the gear's pods each time either one applies (a shadow restarted
+            # by its own switch is "not Ready while draining" and the shift rolls back).
+            {g.name: _auto_gear_links(api, gs, g, memutil)},
         )
         objs = gear_objects(service, namespace, pds.spec, desire, g, settings.images, owner_reference(body))
         for obj in objs:
@@ -796,6 +801,22 @@ def ensure_gear_sync(
             f"{role} gear {gear}: {len(objs) - 1} StatefulSet(s) applied",
         )
         return [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"]
+
+
+def _auto_gear_links(api: KubeApi, gs: GearSet, gear: Gear, memutil: float) -> list[dict[str, float]] | None:
+    """The simulated pipeline links of ``gear`` as :func:`reconcile` computes them: an ``auto`` role's
+    gear gets the links between its stages' nodes from their GPUProfiles; explicit gears get none."""
+    if gs.spec.mode != "auto":
+        return None
+    gear_nodes = {n for st in gear.stages for n in st.nodes}
+    if not gear_nodes:
+        return None
+    nodes, profiles = fleet(api)
+    try:
+        doc = resource_profile(gear_nodes, profiles, nodes, memutil)
+        return gear_links(gear, planner.parse_profile(doc))
+    except (KeyError, ValueError, planner.PlanInputError):
+        return None
 
 
 def select_gear_sync(api: KubeApi, namespace: str, service: str, role: str, gear: str) -> None:
