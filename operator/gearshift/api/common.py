@@ -156,6 +156,8 @@ REASON_SCALED_UP = "ScaledUp"  # pipeline replicas raised
 REASON_SCALED_DOWN = "ScaledDown"  # pipeline replicas lowered after a drain
 REASON_WINDOW_CLOSING = "WindowClosing"  # work leaves a time-limited node before its deadline
 REASON_WINDOWED_IN_USE = "WindowedInUse"  # a planned gear places work on a time-limited node
+REASON_WINDOW_VACATED = "WindowVacated"  # nothing of the service is left on a time-limited node
+REASON_WINDOW_NO_TARGET = "WindowNoTarget"  # no healthy gear off the closing node(s) to shift to
 REASON_INVALID_SPEC = "InvalidSpec"  # the spec failed validation in the operator
 REASON_PAUSED = "Paused"  # spec.paused stops gear shifting
 

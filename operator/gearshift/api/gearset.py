@@ -767,16 +767,19 @@ class WindowedNode(StatusModel):
     node: str = Field(max_length=253, description="Node name.")
     available_until: AwareDatetime = Field(description="When the node is reclaimed (its GPUProfile).")
     leave_by: AwareDatetime = Field(
-        description="When work must have left it: availableUntil - windowMarginS - max(dwellS, warmS + "
-        "drainTimeoutS); from then on the planner leaves it out."
+        description="When work must leave it: availableUntil - windowMarginS - max(dwellS, warmS + "
+        "drainTimeoutS + rollbackWindowS); from then on the planner leaves it out and the executor shifts "
+        "the serving gear off it (trigger window)."
     )
     stages: list[Annotated[str, Field(max_length=128)]] = Field(
         default_factory=list,
         max_length=64,
         description="What runs on it: '<gear>/s<k>' of the planned gears (empty: nothing).",
     )
-    state: Literal["InUse", "Unused", "Left"] = Field(
-        default="Unused", description="InUse (a gear places work on it), Unused, Left (past leaveBy)."
+    state: Literal["InUse", "Unused", "Leaving", "Left"] = Field(
+        default="Unused",
+        description="InUse (a gear places work on it), Unused, Leaving (past leaveBy; the serving gear is "
+        "being shifted off it), Left (past leaveBy, nothing on it).",
     )
 
 

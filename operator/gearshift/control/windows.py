@@ -3,21 +3,32 @@
 A node whose GPUProfile carries ``status.availableUntil`` (its deadline) is planned on only while a gear
 placed now can stay its expected time and still leave with a margin:
 
-    leaveBy = availableUntil − windowMarginS − lead,   lead = max(dwellS, warmS + drainTimeoutS)
+    leaveBy = availableUntil − windowMarginS − lead,
+    lead = max(dwellS, warmS + drainTimeoutS + rollbackWindowS)
 
-``dwellS`` is how long a gear stays once shifted to (seed 002's minimum dwell); ``warmS + drainTimeoutS``
-bounds one shadow → drain → switch. Before ``leaveBy`` the planner may use the node for cheap-to-drop
+``dwellS`` is how long a gear stays once shifted to (seed 002's minimum dwell); ``warmS + drainTimeoutS +
+rollbackWindowS`` bounds one shadow → drain → switch (the old gear's pods stay for the rollback window
+after the switch). Before ``leaveBy`` the planner may use the node for cheap-to-drop
 replicas (:mod:`gearshift.planner.windows`); from ``leaveBy`` on it leaves the node out, so the plan's
 fingerprint changes and the reconciler re-plans without it -- with the margin still ahead for the move.
 The planner's own test (``seconds left ≥ dwell + margin`` with dwell := ``lead``) is the same inequality,
 so the plan changes exactly at ``leaveBy`` and not at every reconcile.
+
+**Vacating** (the move off the node at ``leaveBy``) goes through the gear executor, never an in-place
+update of the serving StatefulSets (a rolling restart would cut in-flight requests): the reconciler
+publishes the window-free plan with the replacement of a running gear under a new name
+(:func:`vacate_name`) and keeps the running gear as it is; the shifting loop sees the active gear on a
+node the report marks ``Leaving`` (:func:`closing_nodes`) and shifts to :func:`vacate_target` with trigger
+``window`` (shadow → drain → switch); the executor deletes the old gear after the rollback window.
 
 Pure: ``now`` is passed in; no clock, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import hashlib
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,7 +45,8 @@ class WindowTiming:
     dwell_s: float
     """``policy.dwellS``."""
     shift_s: float
-    """Time one shadow → drain → switch may take (``policy.warmS + policy.drainTimeoutS``)."""
+    """Time one shadow → drain → switch may take
+    (``policy.warmS + policy.drainTimeoutS + policy.rollbackWindowS``)."""
 
     @property
     def lead_s(self) -> float:
@@ -69,13 +81,19 @@ def windowed_nodes(
     deadlines: Mapping[str, datetime], gears: Iterable[Any], now: datetime, timing: WindowTiming
 ) -> list[dict[str, Any]]:
     """``GearSet.status.windowedNodes``: per windowed node its deadline, ``leaveBy``, the stages of
-    ``gears`` on it, and ``state`` (``Left`` past ``leaveBy``, else ``InUse`` or ``Unused``)."""
+    ``gears`` on it, and ``state``: before ``leaveBy`` ``InUse`` or ``Unused``; past it ``Leaving`` while a
+    gear (the serving one, until the executor has shifted off it) still holds stages there, else
+    ``Left``."""
     gears = list(gears)
     out = []
     for n in sorted(deadlines):
         by = timing.leave_by(deadlines[n])
         stages = stages_on(n, gears)
-        state = "Left" if now >= by else ("InUse" if stages else "Unused")
+        # The planner's own test (Windows.usable), so the state flips with the plan's fingerprint.
+        if (deadlines[n] - now).total_seconds() < timing.lead_s + timing.margin_s:
+            state = "Leaving" if stages else "Left"
+        else:
+            state = "InUse" if stages else "Unused"
         out.append(
             {
                 "node": n,
@@ -89,6 +107,62 @@ def windowed_nodes(
 
 
 def next_leave_by(report: Iterable[Mapping[str, Any]]) -> str | None:
-    """The earliest ``leaveBy`` among nodes still ``InUse`` (when the reconciler must look again)."""
-    times = [r["leaveBy"] for r in report if r.get("state") == "InUse"]
+    """The earliest ``leaveBy`` among nodes ``InUse`` or ``Leaving`` (while set, the reconciler looks again
+    every retry period: to re-plan at ``leaveBy``, then to drop the old gear once the shift is done)."""
+    times = [r["leaveBy"] for r in report if r.get("state") in ("InUse", "Leaving")]
     return min(times) if times else None
+
+
+# --- vacating: the move off a node past its leaveBy --------------------------------------------------
+#: The executor trigger of a shift that vacates time-limited nodes (``GearSet`` ``ShiftTrigger``).
+TRIGGER_WINDOW = "window"
+
+
+def closing_nodes(report: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    """The nodes of a ``windowedNodes`` report past their ``leaveBy`` (``Leaving`` or ``Left``).
+
+    The shifting loop reads this from status rather than comparing ``leaveBy`` with its own clock: the
+    reconciler writes the state in the same patch as the window-free plan, so the replacement gear is
+    there whenever a node reads as closing.
+    """
+    return frozenset(str(r["node"]) for r in report if r.get("state") in ("Leaving", "Left"))
+
+
+def uses(gear: Any, nodes: Collection[str]) -> bool:
+    """Whether some stage of ``gear`` (``.stages[k].nodes``) names one of ``nodes``."""
+    return any(n in nodes for st in gear.stages for n in (st.nodes or []))
+
+
+def vacate_name(gear: Any, max_len: int, taken: Collection[str] = ()) -> str:
+    """A fresh name for the window-free replacement of a running gear: ``<intent>-w<hash>``.
+
+    The hash is of the gear's content (stages, batches), so the same plan gives the same name on every
+    reconcile; it never equals a name in ``taken`` (the running gears). ``gear`` has ``.intent`` and
+    ``.to_json()``; ``max_len`` is the longest gear name (``MAX_GEAR_NAME``).
+    """
+    doc = {k: v for k, v in gear.to_json().items() if k != "name"}
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+    for salt in range(64):
+        digest = hashlib.sha256(f"{raw}#{salt}".encode()).hexdigest()
+        name = f"{str(gear.intent)[: max_len - 5]}-w{digest[:3]}"
+        if name not in taken:
+            return name
+    raise ValueError(f"no free name for a replacement of gear {gear.name!r}")  # pragma: no cover
+
+
+def vacate_target(
+    gears: Sequence[Any], active: str, closing: Collection[str], unhealthy: Collection[str] = ()
+) -> str | None:
+    """The gear to shift to when ``active`` holds stages on a ``closing`` node, else ``None``.
+
+    Candidates use no closing node and are healthy; one of the active gear's intent comes first (the
+    reconciler's replacement), then the others in plan order. ``None`` also when ``active`` is not on a
+    closing node, or no candidate exists (the caller reports it).
+    """
+    cur = next((g for g in gears if g.name == active), None)
+    if cur is None or not uses(cur, closing):
+        return None
+    cands = [g for g in gears if g.name != active and g.name not in unhealthy and not uses(g, closing)]
+    same = [g for g in cands if g.intent == cur.intent]
+    pick = (same or cands or [None])[0]
+    return None if pick is None else pick.name

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -38,6 +38,7 @@ from gearshift.api.common import (
     COND_PLANNED,
     COND_PROGRESSING,
     COND_READY,
+    MAX_GEAR_NAME,
     REASON_INVALID_SPEC,
     REASON_NODE_LOST,
     REASON_PLACEMENT_FAILED,
@@ -45,12 +46,19 @@ from gearshift.api.common import (
     REASON_PLANNED,
     REASON_RECONCILED,
     REASON_WINDOW_CLOSING,
+    REASON_WINDOW_VACATED,
     REASON_WINDOWED_IN_USE,
     format_validation_error,
 )
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import PDService
-from gearshift.control.windows import WindowTiming, next_leave_by, planner_windows, windowed_nodes
+from gearshift.control.windows import (
+    WindowTiming,
+    next_leave_by,
+    planner_windows,
+    vacate_name,
+    windowed_nodes,
+)
 from gearshift.handlers import common
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc
 from gearshift.handlers.kubeapi import KubeApi
@@ -371,18 +379,23 @@ def _plan_roles(
         deadlines = _deadlines(pool, profiles)
         pol = rs.gs.spec.policy
         timing = WindowTiming(
-            cons.window_margin_s if cons else 300.0, pol.dwell_s, pol.warm_s + pol.drain_timeout_s
+            cons.window_margin_s if cons else 300.0,
+            pol.dwell_s,
+            pol.warm_s + pol.drain_timeout_s + pol.rollback_window_s,
         )
         windows, wkey = planner_windows(deadlines, now, timing) if deadlines else (None, {})
         parts: list[Any] = [doc, cons.to_json() if cons else {}, arch, intents, settings.sim_requests]
         key = inputs_hash(*parts, wkey) if wkey else inputs_hash(*parts)
         profile = planner.parse_profile(doc)
+        running = _running(rs.gs)
+        closing = {n for n, state in wkey.items() if state == "left"}
         if key != rs.gs.status.profiles_hash or not rs.gears:
             try:
                 gears = _gpu_counts(_cached_plan(key, doc, pds, rs.gs, settings, windows), profiles)
             except planner.PlanError as exc:
                 rs.plan_error = f"{role}: the planner found no gear on {len(pool)} node(s): {exc}"
                 continue
+            gears = merge_plan(rs.gs.status.planned_gears, gears, running, closing, nodes)
             rs.gears = gears
             rs.gs_status_patch["plannedGears"] = [g.to_json() for g in gears]
             rs.gs_status_patch["profilesHash"] = key
@@ -397,6 +410,10 @@ def _plan_roles(
                     False,
                 )
             )
+        kept = drop_superseded(rs.gears, running)
+        if len(kept) != len(rs.gears):  # the executor has shifted off a gear a re-plan superseded
+            rs.gears = kept
+            rs.gs_status_patch["plannedGears"] = [g.to_json() for g in kept]
         rs.links = {g.name: gear_links(g, profile) for g in rs.gears}
         report = windowed_nodes(deadlines, rs.gears, now, timing)
         rs.window_leave_by = next_leave_by(report)
@@ -404,13 +421,24 @@ def _plan_roles(
         if report != [w.to_json() for w in rs.gs.status.windowed_nodes]:
             rs.gs_status_patch["windowedNodes"] = report
         for w in report:
-            if w["state"] == "Left" and before.get(w["node"]) == "InUse":
+            if w["state"] in ("Leaving", "Left") and before.get(w["node"]) == "InUse":
+                moving = f"; {', '.join(w['stages'])} shift(s) off it" if w["stages"] else ""
                 events.append(
                     (
                         role,
                         REASON_WINDOW_CLOSING,
                         f"node {w['node']} is reclaimed at {w['availableUntil']}: past its leaveBy "
-                        f"{w['leaveBy']}, re-planned without it",
+                        f"{w['leaveBy']}, re-planned without it{moving}",
+                        False,
+                    )
+                )
+            elif w["state"] == "Left" and before.get(w["node"]) == "Leaving":
+                events.append(
+                    (
+                        role,
+                        REASON_WINDOW_VACATED,
+                        f"nothing of this role runs on node {w['node']} any more (reclaimed at "
+                        f"{w['availableUntil']})",
                         False,
                     )
                 )
@@ -425,6 +453,76 @@ def _plan_roles(
                     )
                 )
     return missing
+
+
+def _running(gs: GearSet) -> list[str]:
+    """Gears with objects: the active gear, and a shift's ``from``/``to``/target while one is in flight."""
+    st = gs.status
+    out = [st.active_gear]
+    if _in_flight(gs) and st.executor is not None:
+        out += [st.executor.from_gear, st.executor.to_gear, st.target_gear]
+    return [g for g in dict.fromkeys(out) if g]
+
+
+def merge_plan(
+    old: Sequence[Gear],
+    new: Sequence[Gear],
+    running: Sequence[str],
+    closing: Collection[str],
+    nodes: Mapping[str, Mapping[str, Any]],
+) -> list[Gear]:
+    """A re-plan's gears (``new``, one per intent, named after it) with the running gears kept safe. Pure.
+
+    - A running gear with stages on a ``closing`` node (past its leaveBy) that is still Ready is *vacated*
+      through the executor: it stays as it is (appended after the plan's gears), and the plan's gear of
+      the same name comes under a fresh name (``<intent>-w<hash>``), so no StatefulSet of a serving gear
+      is rolled in place; the shifting loop then shifts to it (trigger ``window``). A node that is
+      already gone or not Ready is a node loss instead: the gear follows the plan in place, as before.
+    - Otherwise the active gear keeps its name: when an earlier vacate renamed it, the plan's gear of its
+      intent takes that name (its layout follows the plan, as a re-plan always did).
+    - A running gear whose name the plan no longer has is kept (a shift in flight finishes on it).
+    """
+    by_name = {g.name: g for g in old}
+    live = [by_name[n] for n in running if n in by_name]
+    vacating = [
+        g
+        for g in live
+        if any(n in closing and n in nodes and node_ready(nodes[n]) for st in g.stages for n in st.nodes)
+    ]
+    out = list(new)
+    if vacating:
+        away = {g.name for g in vacating}
+        taken = {g.name for g in live} | {g.name for g in out}
+        renamed = []
+        for g in out:
+            if g.name in away:
+                g = g.model_copy(update={"name": vacate_name(g, MAX_GEAR_NAME, taken)})
+                taken.add(g.name)
+            renamed.append(g)
+        out = renamed + vacating
+    elif running and running[0] in by_name and running[0] not in {g.name for g in out}:
+        active = by_name[running[0]]
+        same = next((g for g in out if g.intent == active.intent), None)
+        if same is not None:
+            out = [g.model_copy(update={"name": active.name}) if g is same else g for g in out]
+    have = {g.name for g in out}
+    return out + [g for g in live if g.name not in have]
+
+
+def drop_superseded(gears: Sequence[Gear], running: Collection[str]) -> list[Gear]:
+    """``gears`` without those a re-plan superseded once nothing runs on them. Pure.
+
+    The plan's gears come first, one per intent (:func:`merge_plan` appends kept ones), so a gear that is
+    not running and follows another gear of its intent is a superseded one.
+    """
+    seen: set[str] = set()
+    out = []
+    for g in gears:
+        if g.intent in seen and g.name not in running:
+            continue
+        seen.add(g.intent)
+        out.append(g)
+    return out
 
 
 def _deadlines(pool: Iterable[str], profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, datetime]:

@@ -10,7 +10,10 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
    Prometheus, an error or a missing series → ``SignalsAvailable=False`` and the decision holds (no shift
    starts; a shift already running still finishes, its steps need no signals);
 4. :func:`gearshift.control.decide.decide` → :func:`gearshift.control.adapt.shift_request` →
-   :func:`gearshift.control.executor.step`;
+   :func:`gearshift.control.executor.step`; when the active gear holds stages on a time-limited node the
+   reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``), :func:`window_request`
+   replaces the decision's request with a shift (trigger ``window``) to the reconciler's window-free
+   replacement, signals or not (issue 13);
 5. persist the new executor and decision state, smoothed signals, history, gear health and the
    condition in ``GearSet.status`` (under the reconciler's per-service lock, so a concurrent reconcile
    sees either the old or the new executor step, never a half), *then* apply the actions through the
@@ -48,6 +51,7 @@ from gearshift.api.common import (
     GROUP,
     MAX_HISTORY,
     REASON_SIGNALS_MISSING,
+    REASON_WINDOW_NO_TARGET,
     VERSION,
 )
 from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearSet, GearSignals
@@ -65,6 +69,7 @@ from gearshift.control.executor import (
     Phase,
     RecordShift,
     SelectGear,
+    ShiftRequest,
     ShiftState,
     World,
     step,
@@ -79,6 +84,7 @@ from gearshift.control.signals import (
 )
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import TRIGGERS, Trigger
+from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError
@@ -426,6 +432,7 @@ class TickResult:
 
 
 _last_hold: dict[tuple[str, str], str] = {}
+_last_window: dict[tuple[str, str], str] = {}
 _hold_lock = threading.Lock()
 
 
@@ -559,6 +566,9 @@ def tick(
     new_dstate, decision = decide(dstate, sample, policy, table, now, overrides=overrides, busy=state.busy)
     metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
     request = shift_request(decision, table)
+    vacate = window_request(gs, table, state)
+    if isinstance(vacate, ShiftRequest):
+        request = vacate  # the node's deadline comes before any trigger, dwell or forced gear
     fits = True
     if (
         request is not None
@@ -621,10 +631,52 @@ def tick(
                 pass
     for reason, message, warning in book.changes:
         emit(api, gs_body, reason, message, warning)
+    if isinstance(vacate, str):
+        _once(api, gs_body, namespace, name, REASON_WINDOW_NO_TARGET, vacate, True)
     _decision_event(api, gs_body, namespace, name, decision)
     return TickResult(
         phase=new_state.phase, decision=decision, actions=actions, signals_ok=sample is not None, message=why
     )
+
+
+def window_request(gs: GearSet, table: GearTable, state: ShiftState) -> ShiftRequest | str | None:
+    """The shift that vacates time-limited nodes, when the active gear holds stages on one the reconciler
+    reports past its leaveBy (``status.windowedNodes`` state ``Leaving``); issue 13.
+
+    Returns a :class:`ShiftRequest` with trigger ``window`` to the reconciler's window-free replacement
+    (:func:`gearshift.control.windows.vacate_target`), a message when no healthy gear is off those nodes,
+    or ``None`` (nothing to vacate, or a shift already runs: it finishes first).
+    """
+    if state.busy:
+        return None
+    closing = closing_nodes(w.to_json() for w in gs.status.windowed_nodes)
+    if not closing:
+        return None
+    gears = gs.gears()
+    unhealthy = {g.name for g in table.gears if not g.healthy}
+    target = vacate_target(gears, state.active, closing, unhealthy)
+    if target is None:
+        cur = next((g for g in gears if g.name == state.active), None)
+        if cur is None or not uses(cur, closing):
+            return None
+        return (
+            f"gear {state.active!r} runs on node(s) {', '.join(sorted(closing))} past their leaveBy and no "
+            "healthy gear is off them to shift to; it stays until the node goes (then: node loss)"
+        )
+    view = table.get(target)
+    return ShiftRequest(target, TRIGGER_WINDOW, None if view is None else view.predicted_p99_ms)
+
+
+def _once(
+    api: KubeApi, body: Mapping[str, Any], namespace: str, name: str, reason: str, message: str, warning: bool
+) -> None:
+    """Emit an event unless the last one of this GearSet had the same reason (the loop ticks every few s)."""
+    key = (namespace, name)
+    with _hold_lock:
+        if _last_window.get(key) == message:
+            return
+        _last_window[key] = message
+    emit(api, body, reason, message, warning)
 
 
 def _keep_other_conditions(
