@@ -144,7 +144,9 @@ class ProbeInfo(StatusModel):
         default=None, description="When the next probe is due (schedule, or retry after back-off)."
     )
     failure_reason: str | None = Field(
-        default=None, max_length=64, description="Reason of the last failed attempt (Timeout, OOMKilled, ...)."
+        default=None,
+        max_length=64,
+        description="Reason of the last failed attempt (Timeout, OOMKilled, ...).",
     )
     gpu_key: str | None = Field(
         default=None,
