@@ -24,6 +24,8 @@ from gearshift.control.executor import (
     ShiftRequest,
     ShiftState,
     StepRecord,
+    draining_gear,
+    rollback_p99_limit,
     simulate_steps,
     step,
 )
@@ -77,6 +79,7 @@ class TestHappyPath:
         w = world()
         records = run(w)
         assert transitions(records) == [(0, "Warming"), (50, "Draining"), (52, "Switching"), (112, "Stable")]
+        assert w.lost == {}
         assert of(records, EnsureGear)[0] == (0, EnsureGear("thr", shadow=True, warm_share=0.2, kv_pool=True))
         assert of(records, SelectGear) == [(50, SelectGear("thr"))]
         assert of(records, DeleteGear) == [(112, DeleteGear("bal"))]
@@ -108,9 +111,11 @@ class TestHappyPath:
 
 class TestRollback:
     def test_not_ready_in_time(self):
+        # Timed out at 600: marked, the never-selected shadow drains (0 in flight) one step, deleted at 602.
         w = world(new=GearScript(ready_after_s=10_000))
         records = run(w)
-        assert transitions(records) == [(0, "Warming"), (600, "Stable")]
+        assert transitions(records) == [(0, "Warming"), (600, "RollingBack"), (602, "Stable")]
+        assert of(records, DeleteGear) == [(602, DeleteGear("thr"))]
         assert w.unhealthy == {"thr": FAIL_NOT_READY}
         assert w.selected == "bal" and set(w.created) == {"bal"}
         assert of(records, RecordShift)[-1][1].outcome is Outcome.ROLLED_BACK
@@ -118,17 +123,24 @@ class TestRollback:
     def test_crash_loop_while_warming(self):
         w = world(new=GearScript(ready_after_s=20, fail_after_s=10, failure="OOMKilled"))
         records = run(w)
-        assert transitions(records) == [(0, "Warming"), (10, "Stable")]
+        assert transitions(records) == [(0, "Warming"), (10, "RollingBack"), (12, "Stable")]
         assert w.unhealthy == {"thr": "OOMKilled"}
 
     def test_p99_regression_in_the_window(self):
-        # P99 500 ms > 2 × predicted 200 ms: seen at the first Switching step (54), traffic back to bal.
+        # No baseline (the request has none, bal reports no P99): limit 2 × target 200 = 400 ms. P99 500 ms
+        # is seen at the first Switching step (54): traffic back to bal; thr holds nothing, deleted at 56.
         w = world(new=GearScript(ready_after_s=20, p99_ms=500.0))
         records = run(w)
-        assert transitions(records) == [(0, "Warming"), (50, "Draining"), (52, "Switching"), (54, "Stable")]
+        assert transitions(records) == [
+            (0, "Warming"),
+            (50, "Draining"),
+            (52, "Switching"),
+            (54, "RollingBack"),
+            (56, "Stable"),
+        ]
         assert of(records, SelectGear) == [(50, SelectGear("thr")), (54, SelectGear("bal"))]
-        assert of(records, DeleteGear) == [(54, DeleteGear("thr"))]
-        assert w.unhealthy == {"thr": FAIL_P99} and w.selected == "bal"
+        assert of(records, DeleteGear) == [(56, DeleteGear("thr"))]
+        assert w.unhealthy == {"thr": FAIL_P99} and w.selected == "bal" and w.lost == {}
 
     def test_p99_within_ratio_keeps_the_new_gear(self):
         w = world(new=GearScript(ready_after_s=20, p99_ms=390.0))
@@ -138,15 +150,107 @@ class TestRollback:
     def test_new_gear_crashes_after_the_switch(self):
         w = world(new=GearScript(ready_after_s=20, fail_after_s=80))
         records = run(w)
-        assert transitions(records)[-1] == (80, "Stable")
+        assert transitions(records)[-2:] == [(80, "RollingBack"), (82, "Stable")]
         assert w.selected == "bal" and w.unhealthy == {"thr": "CrashLoopBackOff"}
+
+    def test_rollback_drains_the_failed_gear_before_deleting_it(self):
+        # thr serves 8 requests when its P99 (500 > 400) rolls it back at 54: bal is selected again at 54,
+        # thr finishes 2/s (8 − 2·2 = 4 at 56, 0 at 58) and is deleted at 58 with nothing in flight.
+        w = world(new=GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=2.0))
+        records = run(w)
+        assert transitions(records) == [
+            (0, "Warming"),
+            (50, "Draining"),
+            (52, "Switching"),
+            (54, "RollingBack"),
+            (58, "Stable"),
+        ]
+        assert of(records, SelectGear) == [(50, SelectGear("thr")), (54, SelectGear("bal"))]
+        assert of(records, DeleteGear) == [(58, DeleteGear("thr"))]
+        assert [r.world.gear("thr").in_flight for r in records if 54 <= r.now <= 58] == [8, 4, 0]
+        assert w.lost == {} and w.selected == "bal"
+        assert [e.reason for e in w.events][-3:] == ["GearUnhealthy", "DrainStarted", "RolledBack"]
+        t, rec = of(records, RecordShift)[-1]
+        assert (t, rec.outcome, rec.started_at, rec.finished_at) == (58, Outcome.ROLLED_BACK, 0.0, 58.0)
+
+    def test_rollback_drain_timeout_deletes_with_a_warning(self):
+        # 8 requests that never finish: the drain deadline is 54 + 120 = 174; deleted then, 8 lost.
+        w = world(new=GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=0.0))
+        records = run(w)
+        assert transitions(records)[-2:] == [(54, "RollingBack"), (174, "Stable")]
+        assert of(records, DeleteGear) == [(174, DeleteGear("thr"))]
+        assert w.lost == {"thr": 8}
+        timeouts = [e for e in w.events if e.reason == "DrainTimeout"]
+        assert len(timeouts) == 1 and timeouts[0].warning and "'thr'" in timeouts[0].message
+
+    def test_lost_rollback_selector_change_is_repaired_before_the_drain_counts(self):
+        w = world(new=GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=2.0))
+        state, now = ShiftState(active="bal"), 0.0
+        while state.phase is not Phase.ROLLING_BACK:
+            state, actions = step(state, w.observe(now), POLICY, request=REQUEST if now == 0 else None)
+            if state.phase is not Phase.ROLLING_BACK:
+                w.apply(actions, now)  # the rollback step's actions are lost (operator killed)
+            now += 2
+        assert now == 56 and w.selected == "thr" and state.deadline == 54 + 120
+        state, actions = step(state, w.observe(now), POLICY)
+        assert actions == [SelectGear("bal")] and state.phase is Phase.ROLLING_BACK
+        w.apply(actions, now)
+        rest = simulate_steps(state, w, POLICY, request=None, start=now + 2)
+        # deselected at 56: 8 − 2·(t − 56) → 0 at 60
+        assert transitions(rest)[-1] == (60, "Stable") and w.lost == {} and w.selected == "bal"
+
+
+class TestRollbackBaseline:
+    """The new gear is judged against max(the old gear's measured P99 at the shift's start, the target)."""
+
+    @pytest.mark.parametrize(
+        ("baseline", "old_p99", "new_p99", "rolled_back"),
+        [
+            (None, None, 390.0, False),  # limit 2 × max(–, 200) = 400
+            (None, None, 410.0, True),
+            (46.0, None, 390.0, False),  # a fast old gear: still 2 × target = 400
+            (300.0, None, 590.0, False),  # 2 × 300 = 600
+            (300.0, None, 610.0, True),
+            (None, 350.0, 690.0, False),  # no baseline in the request: the old gear's P99 seen at start
+            (None, 350.0, 710.0, True),
+            (300.0, 1000.0, 610.0, True),  # the request's (smoothed) baseline wins over the raw reading
+        ],
+    )
+    def test_limit(self, baseline, old_p99, new_p99, rolled_back):
+        w = world(old=GearScript(in_flight=10, drain_per_s=5.0, p99_ms=old_p99),
+                  new=GearScript(ready_after_s=20, p99_ms=new_p99))  # fmt: skip
+        # The planner's prediction (46 ms) plays no part: 390 > 2 × 46 kept the gear before this change.
+        request = ShiftRequest("thr", "p99-low", predicted_p99_ms=46.0, baseline_p99_ms=baseline)
+        records = run(w, request=request)
+        started = next(r.state for r in records if r.state is not None and r.state.phase is Phase.WARMING)
+        expected_baseline = baseline if baseline is not None else old_p99
+        assert started.baseline_p99_ms == expected_baseline
+        assert rollback_p99_limit(started, POLICY) == 2 * max(expected_baseline or 0.0, 200.0)
+        assert (w.selected == "bal") is rolled_back
+        assert (w.unhealthy == {"thr": FAIL_P99}) is rolled_back
+
+    def test_draining_gear(self):
+        assert draining_gear(ShiftState("bal")) is None
+        assert draining_gear(ShiftState("bal", Phase.DRAINING, "bal", "thr")) == "bal"
+        assert draining_gear(ShiftState("bal", Phase.ROLLING_BACK, "bal", "thr")) == "thr"
+        assert draining_gear(ShiftState("bal", Phase.SWITCHING, "bal", "thr")) is None
 
 
 class TestRestart:
-    @pytest.mark.parametrize("stop_at", [10.0, 50.0, 60.0, 112.0])
-    def test_resume_from_persisted_state_matches_an_uninterrupted_run(self, stop_at):
-        whole = [(r.now, r.phase, r.actions) for r in run(world())]
-        w = world()
+    @pytest.mark.parametrize(
+        ("stop_at", "new"),
+        [
+            (10.0, None),
+            (50.0, None),
+            (60.0, None),
+            (112.0, None),
+            # killed inside the rollback's drain (RollingBack 54..58)
+            (56.0, GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=2.0)),
+        ],
+    )
+    def test_resume_from_persisted_state_matches_an_uninterrupted_run(self, stop_at, new):
+        whole = [(r.now, r.phase, r.actions) for r in run(world(new=new))]
+        w = world(new=new)
         state, now, seen = ShiftState(active="bal"), 0.0, []
         while now < stop_at:
             state, actions = step(state, w.observe(now), POLICY, request=REQUEST if now == 0 else None)

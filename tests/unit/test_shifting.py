@@ -45,6 +45,25 @@ class FakeSignals:
         return self.in_flight_n
 
 
+class PerGearSignals(FakeSignals):
+    """Signals with a TTFT P99 and an in-flight count per gear; records whose in-flight count was asked."""
+
+    def __init__(self, p99_by_gear: dict[str, float]) -> None:
+        super().__init__()
+        self.p99_by_gear = p99_by_gear
+        self.in_flight_by_gear: dict[str, int] = {}
+        self.drained: list[str] = []
+
+    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
+        base = super().sample(url, sel, at)
+        return Sample(at=at, stage_utilization=base.stage_utilization, qps=base.qps,
+                      ttft_p99_ms=self.p99_by_gear[sel.gear], itl_p99_ms=base.itl_p99_ms)  # fmt: skip
+
+    def in_flight(self, url: str, sel: GearSelector) -> int:
+        self.drained.append(sel.gear)
+        return self.in_flight_by_gear.get(sel.gear, 0)
+
+
 def _policy_patch(api: FakeApi, **policy: Any) -> None:
     key = api._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
     api.store[key]["spec"]["policy"].update(policy)
@@ -135,6 +154,7 @@ class TestStateRoundTrip:
             deadline=T0 + 70.125,
             degraded=phase is Phase.DEGRADED,
             predicted_p99_ms=120.0,
+            baseline_p99_ms=150.0,
             failure="NotReadyInTime" if phase is Phase.ROLLING_BACK else None,
             failure_message="late" if phase is Phase.ROLLING_BACK else "",
             paused_at=T0 + 20.0,
@@ -149,6 +169,7 @@ class TestStateRoundTrip:
             smoothed=Sample(at=T0, stage_utilization=(0.95, 0.2, 0.1), qps=7.5, queue=2.0, ttft_p99_ms=250.0),
             tracks={
                 Trigger.IMBALANCE: TriggerTrack(on=2, off=0, latched=False, level=1),
+                Trigger.SATURATION: TriggerTrack(on=4, off=0, latched=True, level=3),
                 Trigger.LATENCY_HIGH: TriggerTrack(on=3, off=0, latched=True, level=0),
                 Trigger.LATENCY_LOW: TriggerTrack(on=0, off=5, latched=False, level=2),
             },
@@ -407,6 +428,38 @@ class TestTicks:
         r = run(world, sig, T0 + 40)
         assert r.decision is not None and r.decision.reason == "ForceGearUnhealthy"
         assert prefill_gears(world) == {"balanced"}
+
+    def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeApi) -> None:
+        """Baseline = balanced's smoothed TTFT P99 at the decision (150 ms): latency at 1000 ms exceeds
+        2 × max(150, target 200) = 400 ms. The Service returns to balanced first; latency is deleted only
+        once Prometheus reports no request left on it."""
+        _policy_patch(world, warmS=0, rollbackWindowS=30, drainTimeoutS=100)
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = PerGearSignals({"balanced": 150.0, "latency": 1000.0})
+        phases = []
+        for i in range(4):  # T0 Warming, +2 Draining, +4 Switching, +6 RollingBack
+            r = run(world, sig, T0 + 2 * i)
+            phases.append(r.phase)
+            kubelet(world, T0 + 2 * i)
+        assert phases == [Phase.WARMING, Phase.DRAINING, Phase.SWITCHING, Phase.ROLLING_BACK]
+        st = status(world)
+        assert st["executor"]["baselineP99Ms"] == 150.0
+        assert selected(world) == "balanced" and prefill_gears(world) == {"balanced", "latency"}
+        sig.in_flight_by_gear["latency"] = 3
+        run(world, sig, T0 + 8)
+        st = status(world)
+        assert st["phase"] == "RollingBack" and st["executor"]["inFlight"] == 3
+        assert "latency" in prefill_gears(world) and sig.drained[-1] == "latency"
+        sig.in_flight_by_gear["latency"] = 0
+        run(world, sig, T0 + 10)
+        st = status(world)
+        assert st["phase"] == "Stable" and st["activeGear"] == "balanced"
+        assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
+        assert st["history"][-1]["outcome"] == "RolledBack"
+        (mark,) = st["gearHealth"]
+        assert (mark["gear"], mark["reason"]) == ("latency", "P99Regression")
+        assert "400 ms" in mark["message"]
 
     def test_a_reconcile_mid_shift_keeps_both_gears(self, world: FakeApi) -> None:
         key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)

@@ -40,7 +40,7 @@ GearSetMode = Literal["auto", "explicit"]
 #: ``Pending``: no gear serves yet. The six others are seed 002's executor states.
 GearPhase = Literal["Pending", "Stable", "Warming", "Draining", "Switching", "RollingBack", "Degraded"]
 ShiftTrigger = Literal[
-    "imbalance", "p99-high", "p99-low", "forced", "initial", "replan", "window", "rollback"
+    "imbalance", "saturation", "p99-high", "p99-low", "forced", "initial", "replan", "window", "rollback"
 ]
 ShiftOutcome = Literal["InProgress", "Succeeded", "RolledBack", "Failed", "Aborted"]
 
@@ -375,6 +375,14 @@ class ShiftPolicy(SpecModel):
     p99_low_ratio: float = Field(
         default=0.7, gt=0, le=100, description="P99 below this x target -> balanced gear (seed 002: 0.7)."
     )
+    saturation_queue: float = Field(
+        default=1.0,
+        ge=0,
+        le=1e6,
+        description="Saturation trigger (gearshift extension): P99 above p99HighRatio x target while more "
+        "than this many requests wait per pipeline replica (smoothed) -> the gear with the most predicted "
+        "throughput, if more than the active gear's.",
+    )
     target_p99_ms: float | None = Field(
         default=None,
         gt=0,
@@ -450,7 +458,8 @@ class ShiftPolicy(SpecModel):
         default=2.0,
         gt=1,
         le=100,
-        description="Within the rollback window, P99 above this x the gear's predicted P99 rolls back.",
+        description="Within the rollback window, the new gear's measured P99 above this x max(the old "
+        "gear's measured P99 when the shift started, the target P99) rolls back.",
     )
     allow_degraded: bool = Field(
         default=True,
@@ -686,9 +695,21 @@ class ExecutorState(StatusModel):
     rollback_until: AwareDatetime | None = Field(default=None, description="End of the rollback window.")
     degraded: bool = Field(default=False, description="Shadows run weights-only; KV pool grows after.")
     attempt: int = Field(default=0, ge=0, description="Retries of the current step.")
-    in_flight: int | None = Field(default=None, ge=0, description="Requests still on the old gear.")
+    in_flight: int | None = Field(
+        default=None,
+        ge=0,
+        description="Requests still on the gear being drained (the old gear while Draining, the failed "
+        "gear while RollingBack).",
+    )
     predicted_p99_ms: float | None = Field(
-        default=None, ge=0, le=1e7, description="The target gear's predicted P99 (rollback check), ms."
+        default=None, ge=0, le=1e7, description="The target gear's predicted P99 (informational), ms."
+    )
+    baseline_p99_ms: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="The old gear's measured P99 when the shift started (the rollback check's "
+        "yardstick), ms.",
     )
     failure: str | None = Field(
         default=None, max_length=1024, description="CamelCase reason of the rollback in progress."

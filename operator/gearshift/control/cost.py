@@ -7,9 +7,9 @@ Both sides are in *seconds of full service*:
     running now (``running × avgContextTokens × kv_bytes_per_token``), which the new gear must rebuild.
     During that time the shadow competes with the serving gear (seed 002 §4.1), so we charge it whole.
   - gain = relative improvement × ``dwellSeconds``, the least time the new gear will serve:
-    throughput gears (``imbalance``, ``p99-low``): ``(thr_new − thr_old) / thr_old`` from the gears'
-    predicted throughput; the latency gear (``p99-high``): ``(p99_now − p99_new) / p99_now`` with the
-    measured (smoothed) P99 and the new gear's predicted P99.
+    throughput gears (``imbalance``, ``saturation``, ``p99-low``): ``(thr_new − thr_old) / thr_old``
+    from the gears' predicted throughput; the latency gear (``p99-high``): ``(p99_now − p99_new) /
+    p99_now`` with the measured (smoothed) P99 and the new gear's predicted P99.
 The shift is vetoed when ``gain < minBenefitCostRatio × cost``.
 """
 

@@ -9,8 +9,12 @@ Per sample (every ``sampleIntervalSeconds``, seed 002):
    fail ``exitSamples`` in a row to unlatch;
 4. ``spec.paused`` holds everything, a shift in progress holds the decision, ``spec.forceGear`` shifts
    to that gear at once (no dwell, no cost check) and otherwise holds on it;
-5. the latched triggers in priority order (imbalance, p99-high, p99-low) whose gear intent differs
-   from the active gear's; a trigger whose gears are all unhealthy is skipped (the next one is tried);
+5. the latched triggers in priority order (imbalance, saturation, p99-high, p99-low) whose gear intent
+   differs from the active gear's; saturation wants the healthy gear with the most predicted throughput
+   above the active gear's, whatever its intent, and while saturation's condition holds p99-high passes
+   over latency gears with less predicted throughput than the active one (gearshift extension, see
+   :mod:`gearshift.control.triggers`); a trigger whose gears are all unhealthy is skipped (the next one
+   is tried);
 6. inside the dwell (``dwellSeconds`` since the last shift) a latched trigger does not shift: its
    threshold goes up one step (at most ``maxRetriggerSteps``) and it unlatches. Levels return to 0
    after a whole dwell with no re-trigger;
@@ -35,6 +39,7 @@ from gearshift.control.triggers import (
     Thresholds,
     Trigger,
     conditions,
+    saturated,
     thresholds,
 )
 
@@ -83,6 +88,9 @@ class Decision:
     cost: CostBenefit | None = None
     skipped: tuple[str, ...] = ()
     """Gears a latched trigger wanted but that are unhealthy."""
+    p99_ms: float | None = None
+    """The active gear's smoothed P99 (the policy's latency metric) at this decision, ms: the baseline a
+    shift's new gear is judged against in the rollback window."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,46 @@ def best_gear(gears: tuple[GearView, ...], intent: Intent, exclude: str) -> tupl
     return min(healthy, key=key), skipped
 
 
+def capacity_gear(gears: tuple[GearView, ...], active: GearView) -> tuple[GearView | None, list[str]]:
+    """The healthy gear with the highest predicted throughput above ``active``'s, and the unhealthy gears
+    with more predicted throughput passed over. Gears without a prediction, or an active gear without
+    one, give no candidate (capacity cannot be compared); ties keep spec order."""
+    base = active.predicted_throughput_rps
+    if base is None:
+        return None, []
+    bigger = [
+        g
+        for g in gears
+        if g.name != active.name
+        and g.predicted_throughput_rps is not None
+        and g.predicted_throughput_rps > base
+    ]
+    skipped = [g.name for g in bigger if not g.healthy]
+    healthy = [g for g in bigger if g.healthy]
+    if not healthy:
+        return None, skipped
+    return max(healthy, key=lambda g: g.predicted_throughput_rps or 0.0), skipped
+
+
+def _target(
+    trigger: Trigger, table: GearTable, active: GearView, overloaded: bool
+) -> tuple[GearView | None, list[str]]:
+    """The gear ``trigger`` asks for (``None``: none fits) and the unhealthy ones passed over."""
+    intent = TRIGGER_INTENT[trigger]
+    if intent is None:
+        return capacity_gear(table.gears, active)
+    if intent == active.intent:
+        return None, []
+    gears = table.gears
+    if trigger is Trigger.LATENCY_HIGH and overloaded and active.predicted_throughput_rps is not None:
+        # Under overload a latency gear with less capacity would deepen the queue: pass over it.
+        floor = active.predicted_throughput_rps
+        gears = tuple(
+            g for g in gears if g.predicted_throughput_rps is not None and g.predicted_throughput_rps >= floor
+        )
+    return best_gear(gears, intent, exclude=active.name)
+
+
 def decide(
     state: DecisionState,
     sample: Sample | None,
@@ -216,9 +264,11 @@ def decide(
         # A whole dwell without re-triggering: the thresholds are back to the policy's.
         tracks = {t: replace(tr, level=0) for t, tr in tracks.items()}
         last_retrigger = None
-    met = conditions(smoothed, policy, {t: tr.level for t, tr in tracks.items()})
+    met = conditions(smoothed, policy, {t: tr.level for t, tr in tracks.items()}, active.pipelines)
+    overloaded = saturated(smoothed, policy, active.pipelines)
     tracks = {t: _hysteresis(tracks[t], met[t], policy) for t in TRIGGERS}
     new = replace(state, smoothed=smoothed, tracks=tracks, last_retrigger_at=last_retrigger)
+    measured = smoothed.p99_ms(policy.latency_metric)
 
     def hold(reason: str, message: str, skipped: tuple[str, ...] = ()) -> tuple[DecisionState, Decision]:
         return new, Decision(DecisionKind.HOLD, reason, message, skipped=skipped)
@@ -228,13 +278,13 @@ def decide(
     if busy:
         return hold(REASON_SHIFT_IN_PROGRESS, "a shift is in progress")
     if overrides.force_gear:
-        return _forced(new, table, overrides.force_gear, now)
+        return _forced(new, table, overrides.force_gear, now, policy)
 
     skipped: list[str] = []
     for trigger in TRIGGERS:
-        if not tracks[trigger].latched or TRIGGER_INTENT[trigger] == active.intent:
+        if not tracks[trigger].latched:
             continue
-        target, passed = best_gear(table.gears, TRIGGER_INTENT[trigger], exclude=active.name)
+        target, passed = _target(trigger, table, active, overloaded)
         skipped += passed
         if target is None:
             continue
@@ -268,6 +318,7 @@ def decide(
             target=target.name,
             trigger=trigger.value,
             cost=cb,
+            p99_ms=measured,
         )
     if skipped:
         names = ", ".join(sorted(set(skipped)))
@@ -282,7 +333,9 @@ def _shifted(state: DecisionState, now: float) -> DecisionState:
     return replace(state, tracks={t: _unlatched(tr) for t, tr in state.tracks.items()}, last_shift_at=now)
 
 
-def _forced(state: DecisionState, table: GearTable, name: str, now: float) -> tuple[DecisionState, Decision]:
+def _forced(
+    state: DecisionState, table: GearTable, name: str, now: float, policy: ShiftPolicy
+) -> tuple[DecisionState, Decision]:
     gear = table.get(name)
     if gear is None:
         known = [g.name for g in table.gears]
@@ -300,10 +353,12 @@ def _forced(state: DecisionState, table: GearTable, name: str, now: float) -> tu
             f"spec.forceGear {name!r} is unhealthy ({gear.unhealthy_reason}); clear its entry in "
             "status.gearHealth or change the gear to retry",
         )
+    smoothed = state.smoothed
     return _shifted(state, now), Decision(
         DecisionKind.SHIFT,
         MANUAL,
         f"spec.forceGear: shift {table.active!r} → {name!r}",
         target=name,
         trigger=MANUAL,
+        p99_ms=None if smoothed is None else smoothed.p99_ms(policy.latency_metric),
     )

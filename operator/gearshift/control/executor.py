@@ -13,10 +13,17 @@ Phases (``GearSet.status.phase``)::
   for ``warmSeconds``; after ``warmupTimeoutSeconds`` it rolls back.
 - ``Draining``: the role Service selects the new gear, the old gear takes no new requests; wait for its
   in-flight requests to reach 0 (or ``drainTimeoutSeconds``).
-- ``Switching``: the old gear is kept ``rollbackWindowSeconds``; the new gear failing or its P99 above
-  ``rollbackP99Ratio`` × its predicted P99 rolls back.
-- ``RollingBack``: the role Service returns to the old gear (once it is Ready), the failed gear is deleted
-  and marked unhealthy with the reason.
+- ``Switching``: the old gear is kept ``rollbackWindowSeconds``; the new gear failing, or its measured
+  P99 above ``rollbackP99Ratio`` × max(the old gear's measured P99 when the shift started, ``targetP99Ms``),
+  rolls back. (Not the planner's predicted P99: the planner predicts for its own request shape, e.g. a
+  pipeline latency of 512-token requests, which is no TTFT of the traffic being served; judging by it
+  rolled healthy shifts back. The old gear's measured P99 is the real alternative: the shift is a
+  regression only if the new gear does much worse than the gear it replaced, and never while it meets
+  the SLO with margin.)
+- ``RollingBack``: the failed gear is marked unhealthy with the reason; the role Service returns to the
+  old gear (once it is Ready), *then* the failed gear drains like the old one in ``Draining`` (in-flight
+  requests to 0 or ``drainTimeoutSeconds`` after the Service moved back), and only then is it deleted.
+  Deleting it at once would fail every request on it.
 
 The step is *level-triggered*: each call compares the persisted state with the observed world and
 re-emits whatever is still missing (a gear to create, a selector to set), so an operator restart between
@@ -190,6 +197,8 @@ class ShiftRequest:
     target: str
     trigger: str
     predicted_p99_ms: float | None = None
+    baseline_p99_ms: float | None = None
+    """The active gear's measured (smoothed) P99 when the shift was decided, ms (``Decision.p99_ms``)."""
 
 
 # --- persisted state ---------------------------------------------------------------------------------
@@ -209,6 +218,9 @@ class ShiftState:
     """When the current phase times out (Warming, Draining) or ends (Switching)."""
     degraded: bool = False
     predicted_p99_ms: float | None = None
+    """The target gear's predicted P99 (informational; the rollback check does not use it)."""
+    baseline_p99_ms: float | None = None
+    """The old gear's measured P99 when the shift started, ms: the rollback check's yardstick."""
     failure: str | None = None
     """Why a rollback happens."""
     failure_message: str = ""
@@ -283,7 +295,23 @@ def step(
         case Phase.SWITCHING:
             return _switching(state, world, policy)
         case Phase.ROLLING_BACK:
-            return _rolling_back(state, world)
+            return _rolling_back(state, world, policy)
+
+
+def draining_gear(state: ShiftState) -> str | None:
+    """The gear whose in-flight requests the step waits on: the old gear while ``Draining``, the failed
+    gear while ``RollingBack``; ``None`` otherwise (the handler asks Prometheus only for this one)."""
+    if state.phase is Phase.DRAINING:
+        return state.from_gear
+    if state.phase is Phase.ROLLING_BACK:
+        return state.to_gear
+    return None
+
+
+def rollback_p99_limit(state: ShiftState, policy: ShiftPolicy) -> float:
+    """The P99 above which the new gear rolls back, ms: ``rollbackP99Ratio`` × max(the old gear's measured
+    P99 at the shift's start, ``targetP99Ms``)."""
+    return policy.rollback_p99_ratio * max(state.baseline_p99_ms or 0.0, policy.target_p99_ms)
 
 
 def _stable(
@@ -326,6 +354,9 @@ def _stable(
         deadline=now + policy.warmup_timeout_s,
         degraded=degraded,
         predicted_p99_ms=request.predicted_p99_ms,
+        baseline_p99_ms=(
+            request.baseline_p99_ms if request.baseline_p99_ms is not None else world.gear(active).p99_ms
+        ),
         failure=None,
         failure_message="",
     )
@@ -344,7 +375,7 @@ def _warming(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Shif
     obs = world.gear(target)
     if obs.failure:
         return _begin_rollback(
-            state, world, obs.failure, f"gear {target!r} failed while warming: {obs.failure}"
+            state, world, policy, obs.failure, f"gear {target!r} failed while warming: {obs.failure}"
         )
     warm = world.ready(target) and obs.ready_since is not None and now - obs.ready_since >= policy.warm_s
     if warm:
@@ -359,6 +390,7 @@ def _warming(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Shif
         return _begin_rollback(
             state,
             world,
+            policy,
             FAIL_NOT_READY,
             f"gear {target!r} was not Ready and warm {policy.warmup_timeout_s:g} s after the shift started",
         )
@@ -377,7 +409,9 @@ def _draining(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Shi
     assert target is not None and old is not None
     if not world.ready(target):
         reason = world.gear(target).failure or FAIL_NOT_READY
-        return _begin_rollback(state, world, reason, f"gear {target!r} stopped being Ready while draining")
+        return _begin_rollback(
+            state, world, policy, reason, f"gear {target!r} stopped being Ready while draining"
+        )
     actions: list[Action] = [] if world.selected == target else [SelectGear(target)]
     in_flight = world.gear(old).in_flight if world.gear(old).exists else 0
     timed_out = state.deadline is not None and now >= state.deadline
@@ -405,19 +439,19 @@ def _switching(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Sh
     obs = world.gear(target)
     if not world.ready(target):
         reason = obs.failure or FAIL_NOT_READY
-        return _begin_rollback(state, world, reason, f"gear {target!r} failed after the switch: {reason}")
-    predicted = state.predicted_p99_ms
-    if (
-        predicted is not None
-        and obs.p99_ms is not None
-        and obs.p99_ms > policy.rollback_p99_ratio * predicted
-    ):
+        return _begin_rollback(
+            state, world, policy, reason, f"gear {target!r} failed after the switch: {reason}"
+        )
+    limit = rollback_p99_limit(state, policy)
+    if obs.p99_ms is not None and obs.p99_ms > limit:
+        before = "unknown" if state.baseline_p99_ms is None else f"{state.baseline_p99_ms:.0f} ms"
         return _begin_rollback(
             state,
             world,
+            policy,
             FAIL_P99,
-            f"gear {target!r} P99 {obs.p99_ms:.0f} ms > {policy.rollback_p99_ratio:g} × predicted "
-            f"{predicted:.0f} ms",
+            f"gear {target!r} P99 {obs.p99_ms:.0f} ms > {policy.rollback_p99_ratio:g} × max({old!r} before "
+            f"the shift {before}, target {policy.target_p99_ms:g} ms) = {limit:.0f} ms",
         )
     actions: list[Action] = [] if world.selected == target else [SelectGear(target)]
     if state.degraded and not obs.kv_pool:
@@ -436,7 +470,7 @@ def _switching(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Sh
 
 
 def _begin_rollback(
-    state: ShiftState, world: World, reason: str, message: str
+    state: ShiftState, world: World, policy: ShiftPolicy, reason: str, message: str
 ) -> tuple[ShiftState, list[Action]]:
     assert state.to_gear is not None
     new = replace(
@@ -451,21 +485,58 @@ def _begin_rollback(
         MarkUnhealthy(state.to_gear, reason, message),
         Event(EVENT_GEAR_UNHEALTHY, message, True),
     ]
-    following, actions = _rolling_back(new, world)
+    following, actions = _rolling_back(new, world, policy)
     return following, marks + actions
 
 
-def _rolling_back(state: ShiftState, world: World) -> tuple[ShiftState, list[Action]]:
+def _rolling_back(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+    """Old gear Ready → select it (the drain deadline starts), then wait until the failed gear holds no
+    requests (or the deadline) with the Service on the old gear, then delete the failed gear.
+
+    ``deadline`` is ``None`` until the step that selects the old gear: the drain is counted from there.
+    """
     now, target, old = world.now, state.to_gear, state.from_gear
     assert target is not None and old is not None
     if not world.ready(old):
         # Traffic stays where it is until the old gear can take it back.
         missing = [] if world.gear(old).exists else [EnsureGear(old)]
         return state, missing
-    actions: list[Action] = [] if world.selected == old else [SelectGear(old)]
-    if world.gear(target).exists:
-        actions.append(DeleteGear(target))
+    failed = world.gear(target)
+    if state.deadline is None:
+        # The step that moves traffic back: the drain counts from here.
+        moved = replace(state, step_started_at=now, deadline=now + policy.drain_timeout_s)
+        actions: list[Action] = [] if world.selected == old else [SelectGear(old)]
+        if failed.exists:
+            actions.append(
+                Event(EVENT_DRAIN_STARTED, f"the role Service selects {old!r} again; draining {target!r}")
+            )
+            return moved, actions
+        return _rolled_back(moved, world, actions)
+    if world.selected != old:
+        # Level-triggered: re-point the Service; the failed gear's count means nothing until it is.
+        return state, [SelectGear(old)]
+    in_flight = failed.in_flight if failed.exists else 0
+    if in_flight > 0 and now < state.deadline:
+        return state, []
+    actions = []
+    if in_flight > 0:
+        actions.append(
+            Event(
+                EVENT_DRAIN_TIMEOUT,
+                f"{in_flight} requests still in flight on {target!r} after {policy.drain_timeout_s:g} s",
+                True,
+            )
+        )
+    return _rolled_back(state, world, actions)
+
+
+def _rolled_back(state: ShiftState, world: World, actions: list[Action]) -> tuple[ShiftState, list[Action]]:
+    """Delete the drained failed gear and record the rollback: back to Stable on the old gear."""
+    now, target, old = world.now, state.to_gear, state.from_gear
+    assert target is not None and old is not None
     assert state.trigger is not None and state.started_at is not None
+    if world.gear(target).exists:
+        actions = [*actions, DeleteGear(target)]
     message = f"back on {old!r}: {state.failure_message or state.failure}"
     return ShiftState(active=old), [
         *actions,

@@ -61,6 +61,12 @@ class ShiftPolicy:
     """Smoothed P99 above this × target → latency gear."""
     p99_low_ratio: float = 0.7
     """Smoothed P99 below this × target → balanced gear."""
+    saturation_queue: float = 1.0
+    """gearshift extension (the ``saturation`` trigger): smoothed waiting requests per pipeline replica
+    above this, together with a P99 above ``p99HighRatio`` × target, mean the active gear cannot keep up
+    with the load → the healthy gear with the most predicted throughput, if it beats the active one. Our
+    default: one request waiting per replica on average over several samples (an engine that keeps up
+    admits arrivals at its next step, so its waiting queue averages well below one)."""
     retrigger_step: float = 0.05
     """One threshold level: moves the high thresholds up and the low ones down by this much (seed 002
     says "one step"; the size is gearshift's choice, the API's default)."""
@@ -87,7 +93,9 @@ class ShiftPolicy:
     """How long the old gear is kept after the switch so traffic can return to it. Seed 002 keeps it
     "a few hundred ms" inside one engine; a pod-level switch needs tens of samples to judge P99."""
     rollback_p99_ratio: float = 2.0
-    """The new gear is rolled back when its P99 exceeds this × its predicted P99 in the rollback window."""
+    """The new gear is rolled back when its measured P99 in the rollback window exceeds this × the larger
+    of the old gear's measured P99 when the shift started and ``targetP99Ms`` (a gearshift choice: the
+    planner's predicted P99 assumes its own request shape, not the trace's, so it is no yardstick)."""
     allow_degraded: bool = True
     """Memory short for full shadows: load weights first, grow the KV pool after the switch (seed 002)."""
 
@@ -120,6 +128,7 @@ class ShiftPolicy:
             "retrigger_step",
             "× maxRetriggerSteps must stay below p99LowRatio; lower one of them",
         )
+        need(self.saturation_queue >= 0, "saturation_queue", "must be >= 0 requests")
         need(self.min_benefit_cost_ratio >= 0, "min_benefit_cost_ratio", "must be >= 0")
         need(self.transfer_gbps > 0, "transfer_gbps", "must be > 0 GB/s")
         need(self.avg_context_tokens >= 0, "avg_context_tokens", "must be >= 0")
@@ -160,6 +169,11 @@ class GearView:
     predicted_p99_ms: float | None = None
     healthy: bool = True
     unhealthy_reason: str = ""
+
+    @property
+    def pipelines(self) -> int:
+        """Pipeline replicas (head pods): stage 0's replicas, at least 1."""
+        return max(1, self.stages[0].replicas) if self.stages else 1
 
     def weight_bytes(self, arch: ModelArch) -> int:
         """Weights all pods of this gear load, bytes (every replica of every stage)."""

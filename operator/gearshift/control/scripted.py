@@ -30,7 +30,7 @@ class GearScript:
     failure: str = "CrashLoopBackOff"
     p99_ms: float | None = None
     in_flight: int = 0
-    """Requests on the gear when it stops being selected."""
+    """Requests on the gear while it is selected, and when it stops being selected."""
     drain_per_s: float = 5.0
     """Requests it finishes per second once it takes no new ones; 0 means they never finish."""
 
@@ -48,6 +48,8 @@ class ScriptedWorld:
     unhealthy: dict[str, str] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     deleted_while_selected: list[str] = field(default_factory=list)
+    lost: dict[str, int] = field(default_factory=dict)
+    """Requests a gear still held when it was deleted, by gear (each one a failed request)."""
 
     @classmethod
     def serving(cls, active: str, scripts: dict[str, GearScript], at: float = -1000.0) -> ScriptedWorld:
@@ -96,6 +98,8 @@ class ScriptedWorld:
                 case DeleteGear(gear=gear):
                     if gear == self.selected:
                         self.deleted_while_selected.append(gear)
+                    if gear in self.created and (held := self._obs(gear, now).in_flight) > 0:
+                        self.lost[gear] = self.lost.get(gear, 0) + held
                     self.created.pop(gear, None)
                     self.deselected_at.pop(gear, None)
                 case MarkUnhealthy(gear=gear, reason=reason):

@@ -1,11 +1,21 @@
-"""The three shift triggers of seed 002 and their thresholds, raised one step per re-trigger in a dwell.
+"""The shift triggers (seed 002's three and one gearshift extension) and their thresholds, raised one
+step per re-trigger in a dwell.
 
   - ``imbalance``: some stage's utilisation > ``imbalanceHighUtilization`` (0.9) while every other stage's is
-    < ``imbalanceLowUtilization`` (0.6) → the throughput gear;
-  - ``p99-high``: P99 > ``p99HighRatio`` (1.2) × target → the latency gear;
-  - ``p99-low``: P99 < ``p99LowRatio`` (0.7) × target → the balanced gear.
-The order above is the priority when several hold at once (seed 002's decision pseudo-code checks
-them in that order). A threshold *level* n makes a trigger harder to meet: the high thresholds move up
+    < ``imbalanceLowUtilization`` (0.6) → the throughput gear (seed 002);
+  - ``saturation`` (gearshift extension): P99 > ``p99HighRatio`` × target *and* more than
+    ``saturationQueue`` requests waiting per pipeline replica (smoothed) → the healthy gear with the
+    highest predicted throughput, if it is higher than the active gear's. Seed 002's triggers cannot
+    leave an overloaded gear that has one stage (imbalance needs two) and is the latency gear (p99-high
+    points at it): a queue that keeps growing is not a latency problem that a lower-latency gear fixes;
+    it needs capacity;
+  - ``p99-high``: P99 > ``p99HighRatio`` (1.2) × target → the latency gear (seed 002). While the
+    saturation condition holds it passes over latency gears with less predicted throughput than the
+    active gear (trading capacity for latency under overload would deepen the queue and ping-pong);
+  - ``p99-low``: P99 < ``p99LowRatio`` (0.7) × target → the balanced gear (seed 002).
+The order above is the priority when several hold at once (seed 002's decision pseudo-code checks its
+three in that order; saturation goes before p99-high because both hold under overload and only the
+capacity move helps). A threshold *level* n makes a trigger harder to meet: the high thresholds move up
 and the low ones down by n steps.
 """
 
@@ -23,23 +33,31 @@ class Trigger(StrEnum):
     """Why a shift is wanted; the values are ``ShiftRecord.trigger``'s (:mod:`gearshift.api.gearset`)."""
 
     IMBALANCE = "imbalance"
+    SATURATION = "saturation"
     LATENCY_HIGH = "p99-high"
     LATENCY_LOW = "p99-low"
 
 
 #: Priority order (seed 002).
-TRIGGERS: tuple[Trigger, ...] = (Trigger.IMBALANCE, Trigger.LATENCY_HIGH, Trigger.LATENCY_LOW)
+TRIGGERS: tuple[Trigger, ...] = (
+    Trigger.IMBALANCE,
+    Trigger.SATURATION,
+    Trigger.LATENCY_HIGH,
+    Trigger.LATENCY_LOW,
+)
 
 #: CamelCase event reasons of the triggers.
 TRIGGER_REASON: dict[Trigger, str] = {
     Trigger.IMBALANCE: "Imbalance",
+    Trigger.SATURATION: "Saturation",
     Trigger.LATENCY_HIGH: "P99High",
     Trigger.LATENCY_LOW: "P99Low",
 }
 
-#: The intent of the gear each trigger asks for.
-TRIGGER_INTENT: dict[Trigger, Intent] = {
+#: The intent of the gear each trigger asks for (saturation asks for capacity, whatever the intent).
+TRIGGER_INTENT: dict[Trigger, Intent | None] = {
     Trigger.IMBALANCE: Intent.THROUGHPUT,
+    Trigger.SATURATION: None,
     Trigger.LATENCY_HIGH: Intent.LATENCY,
     Trigger.LATENCY_LOW: Intent.BALANCED,
 }
@@ -51,6 +69,7 @@ class Thresholds:
 
     imbalance_high: float
     imbalance_low: float
+    saturation_p99_ratio: float
     p99_high_ratio: float
     p99_low_ratio: float
 
@@ -64,6 +83,7 @@ def thresholds(policy: ShiftPolicy, levels: Mapping[Trigger, int]) -> Thresholds
     return Thresholds(
         imbalance_high=min(1.0, policy.imbalance_high_utilization + imb),
         imbalance_low=max(0.0, policy.imbalance_low_utilization - imb),
+        saturation_p99_ratio=policy.p99_high_ratio + levels.get(Trigger.SATURATION, 0) * step,
         p99_high_ratio=policy.p99_high_ratio + levels.get(Trigger.LATENCY_HIGH, 0) * step,
         p99_low_ratio=policy.p99_low_ratio - levels.get(Trigger.LATENCY_LOW, 0) * step,
     )
@@ -78,16 +98,27 @@ def imbalanced(utilization: tuple[float, ...], high: float, low: float) -> bool:
     return utilization[hot] > high and all(u < low for u in others)
 
 
-def conditions(smoothed: Sample, policy: ShiftPolicy, levels: Mapping[Trigger, int]) -> dict[Trigger, bool]:
+def saturated(smoothed: Sample, policy: ShiftPolicy, pipelines: int) -> bool:
+    """True when more than ``saturationQueue`` requests wait per pipeline replica (smoothed)."""
+    return smoothed.queue / max(1, pipelines) > policy.saturation_queue
+
+
+def conditions(
+    smoothed: Sample, policy: ShiftPolicy, levels: Mapping[Trigger, int], pipelines: int = 1
+) -> dict[Trigger, bool]:
     """Which triggers' conditions the (smoothed) sample meets, at the given threshold levels.
 
-    A missing P99 (no traffic in the window) meets neither latency condition.
+    ``pipelines``: the active gear's pipeline replicas (the saturation queue is per replica). A missing
+    P99 (no traffic in the window) meets no latency condition, saturation included.
     """
     th = thresholds(policy, levels)
     p99 = smoothed.p99_ms(policy.latency_metric)
     target = policy.target_p99_ms
     return {
         Trigger.IMBALANCE: imbalanced(smoothed.stage_utilization, th.imbalance_high, th.imbalance_low),
+        Trigger.SATURATION: p99 is not None
+        and p99 > th.saturation_p99_ratio * target
+        and saturated(smoothed, policy, pipelines),
         Trigger.LATENCY_HIGH: p99 is not None and p99 > th.p99_high_ratio * target,
         Trigger.LATENCY_LOW: p99 is not None and p99 < th.p99_low_ratio * target,
     }

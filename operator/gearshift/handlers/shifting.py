@@ -6,7 +6,8 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
 2. observe the role's world: StatefulSets and pods per gear (Ready, Ready since, OOM/crash loops), the
    gear the role Service ``<pds>-<role>`` selects, whether free GPUs hold a full shadow of another gear;
 3. fetch one sample of the serving gear from Prometheus (``PDService.spec.prometheusUrl``, else the
-   operator's ``--prometheus-url``); during ``Draining`` also the old gear's in-flight requests. No
+   operator's ``--prometheus-url``); during ``Draining`` also the old gear's in-flight requests, during
+   ``RollingBack`` the failed gear's (:func:`~gearshift.control.executor.draining_gear`). No
    Prometheus, an error or a missing series → ``SignalsAvailable=False`` and the decision holds (no shift
    starts; a shift already running still finishes, its steps need no signals);
 4. :func:`gearshift.control.decide.decide` → :func:`gearshift.control.adapt.shift_request` →
@@ -72,6 +73,7 @@ from gearshift.control.executor import (
     ShiftRequest,
     ShiftState,
     World,
+    draining_gear,
     step,
 )
 from gearshift.control.policy import GearTable, PolicyError, ShiftPolicy
@@ -156,6 +158,7 @@ def executor_from_status(active: str, ex: ExecutorState | None) -> ShiftState:
         deadline=from_time(ex.deadline),
         degraded=ex.degraded,
         predicted_p99_ms=ex.predicted_p99_ms,
+        baseline_p99_ms=ex.baseline_p99_ms,
         failure=ex.failure,
         failure_message=ex.failure_message,
         paused_at=from_time(ex.paused_at),
@@ -176,6 +179,7 @@ def executor_to_status(state: ShiftState, in_flight: int | None = None) -> dict[
         "degraded": state.degraded,
         "inFlight": in_flight,
         "predictedP99Ms": state.predicted_p99_ms,
+        "baselineP99Ms": state.baseline_p99_ms,
         "failure": state.failure,
         "failureMessage": state.failure_message,
         "pausedAt": to_time(state.paused_at),
@@ -539,20 +543,20 @@ def tick(
             sample = signals.sample(url, GearSelector(namespace, service, role, sample_gear), now)
         except SignalsUnavailable as exc:
             why = str(exc)
+    # The gear being drained: the old one while Draining, the failed one while RollingBack.
+    drained = draining_gear(state)
     in_flight_old: int | None = None
-    if state.phase is Phase.DRAINING and state.from_gear in by_gear and url:
+    if drained is not None and drained in by_gear and url:
         try:
-            in_flight_old = signals.in_flight(url, GearSelector(namespace, service, role, state.from_gear))
+            in_flight_old = signals.in_flight(url, GearSelector(namespace, service, role, drained))
         except SignalsUnavailable as exc:
-            log.info(
-                "GearSet %s/%s: in-flight requests of %s unknown: %s", namespace, name, state.from_gear, exc
-            )
+            log.info("GearSet %s/%s: in-flight requests of %s unknown: %s", namespace, name, drained, exc)
     observations: dict[str, GearObservation] = {}
     spec_gears = {g.name: g for g in gears}
     for gname, objs in by_gear.items():
         pods = [p for p in pods_all if (p["metadata"].get("labels") or {}).get(names.LABEL_GEAR) == gname]
         obs = observe_gear(spec_gears.get(gname), objs, pods)
-        if gname == state.from_gear and state.phase is Phase.DRAINING:
+        if gname == drained:
             # Unknown in-flight counts hold the drain until its timeout rather than cut requests off.
             obs = replace(obs, in_flight=1 if in_flight_old is None else in_flight_old)
         if sample is not None and gname == sample_gear:
