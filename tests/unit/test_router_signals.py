@@ -181,3 +181,47 @@ def test_infos_from_slices() -> None:
         590.0,
     )
     assert dec.speed == pytest.approx(600 / 3350)
+
+
+class _FakeProm:
+    """prometheus-api-client's ``custom_query`` over canned rows, recording the queries."""
+
+    def __init__(self, rows: dict[str, list[dict[str, object]]]) -> None:
+        self.rows, self.queries = rows, []  # type: ignore[var-annotated]
+
+    def custom_query(self, q: str) -> list[dict[str, object]]:
+        self.queries.append(q)
+        for key, rows in self.rows.items():
+            if key in q:
+                return rows
+        return []
+
+
+def test_prometheus_source_sizes_the_kv_pool() -> None:
+    # The router in a PDService reads signals through Prometheus; without the pool size from
+    # vllm:cache_config_info the decode headroom filter passed every pod (tests/e2e/test_autoscale.py).
+    from gearshift.router.pool import PolicyConfig, Pool
+    from gearshift.router.signals import PrometheusSource
+
+    pool = Pool(PolicyConfig())
+    pool.set_members([BackendInfo("d-0", "http://127.0.0.1:1", "decode")])
+    prom = _FakeProm(
+        {
+            "vllm:kv_cache_usage_perc": [{"metric": {"pod": "d-0"}, "value": [0, "0.9"]}],
+            "vllm:cache_config_info": [
+                {"metric": {"pod": "d-0", "num_gpu_blocks": "236", "block_size": "16"}, "value": [0, "1"]},
+                {"metric": {"pod": "gone", "num_gpu_blocks": "1", "block_size": "16"}, "value": [0, "1"]},
+            ],
+        }
+    )
+    src = PrometheusSource(pool, "http://127.0.0.1:9", kv_bytes_per_token=524288.0, prom=prom)
+    src.poll()
+    b = pool.backends["d-0"]
+    assert b.kv_usage == 0.9
+    assert b.kv_capacity_bytes == 236 * 16 * 524288.0
+    assert any("cache_config_info" in q and "d-0" in q for q in prom.queries)
+    # Without KV bytes per token (no --model) the pool stays unknown, as with the scraper.
+    pool2 = Pool(PolicyConfig())
+    pool2.set_members([BackendInfo("d-0", "http://127.0.0.1:1", "decode")])
+    PrometheusSource(pool2, "http://127.0.0.1:9", prom=prom).poll()
+    assert pool2.backends["d-0"].kv_capacity_bytes is None

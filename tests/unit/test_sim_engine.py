@@ -264,6 +264,22 @@ class TestServer_:
         models = await (await client.get("/v1/models")).json()
         assert models["data"][0]["id"] == "llama"
 
+    async def test_cache_config_info_sizes_the_kv_pool_for_the_router(self, client_for: Any) -> None:
+        # The router's decode headroom filter reads the pool from vllm:cache_config_info (as from vLLM);
+        # without it the filter passes every pod and no "no decode headroom" scale-up is ever requested.
+        from gearshift.router.signals import parse_metrics
+        from gearshift.sim.config import config_from_env
+        from gearshift.sim.perfmodel import PerfModel
+
+        env = a10_env()
+        client = await client_for(env)
+        text = await (await client.get("/metrics")).text()
+        assert "vllm:cache_config_info{" in text
+        cfg = config_from_env(env)
+        model = PerfModel(cfg.arch, cfg.pipeline, cfg.params)
+        expected = model.kv_capacity_blocks() * model.params.block_size
+        assert parse_metrics(text).kv_capacity_tokens == expected > 0
+
     async def test_errors_are_openai_shaped(self, client_for: Any) -> None:
         client = await client_for(a10_env(GEARSHIFT_MAX_MODEL_LEN="100"))
         r = await client.post("/v1/completions", json={"prompt": [1] * 90, "max_tokens": 20})

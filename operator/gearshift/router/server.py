@@ -126,7 +126,11 @@ class Router:
             )
             self._membership.start()
         if s.prometheus_url:
-            self._spawn(PrometheusSource(self.pool, s.prometheus_url).run())
+            self._spawn(
+                PrometheusSource(
+                    self.pool, s.prometheus_url, kv_bytes_per_token=s.proxy.kv_bytes_per_token
+                ).run()
+            )
         else:
             self._spawn(
                 Scraper(

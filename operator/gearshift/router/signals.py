@@ -15,7 +15,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -242,12 +242,20 @@ class PrometheusSource:
         "util": 'max by (pod) (gearshift:stage_utilization{pod=~"%s"})',
     }
 
-    def __init__(self, pool: Pool, url: str, interval_s: float = 2.0) -> None:
+    #: The KV pool of each pod from vLLM's info gauge (its labels carry the numbers), as the scraper reads it.
+    CACHE_QUERY: ClassVar[str] = (
+        'max by (pod, num_gpu_blocks, block_size) (vllm:cache_config_info{pod=~"%s"})'
+    )
+
+    def __init__(
+        self, pool: Pool, url: str, interval_s: float = 2.0, kv_bytes_per_token: float = 0.0, prom: Any = None
+    ) -> None:
         from prometheus_api_client import PrometheusConnect
 
         self.pool = pool
-        self.prom = PrometheusConnect(url=url, disable_ssl=True)
+        self.prom = prom if prom is not None else PrometheusConnect(url=url, disable_ssl=True)
         self.interval_s = interval_s
+        self.kv_bytes_per_token = kv_bytes_per_token
 
     def poll(self) -> None:
         """One round of queries, applied to the pool (blocking; run it in a thread)."""
@@ -266,6 +274,15 @@ class PrometheusSource:
                     b.gpu_util = value
                 else:
                     setattr(b, key, value)
+        if self.kv_bytes_per_token > 0:
+            # Without the pool size the decode headroom filter passes every pod and the router never asks
+            # for a scale-up (issue 12's immediate signal).
+            for row in self.prom.custom_query(self.CACHE_QUERY.replace("%s", names)):
+                b = self.pool.backends.get(row["metric"].get("pod", ""))
+                with contextlib.suppress(KeyError, ValueError):
+                    tokens = float(row["metric"]["num_gpu_blocks"]) * float(row["metric"]["block_size"])
+                    if b is not None and tokens > 0:
+                        b.kv_capacity_bytes = tokens * self.kv_bytes_per_token
         for b in self.pool.backends.values():
             b.fc_queue = b.running + b.waiting
 

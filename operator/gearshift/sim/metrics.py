@@ -9,7 +9,9 @@ Exported (vLLM names): ``vllm:num_requests_running``, ``vllm:num_requests_waitin
 ``vllm:kv_cache_usage_perc`` (0..1, as vLLM), histograms ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
 ``vllm:e2e_request_latency_seconds``, counters ``vllm:request_success_total{finished_reason}``,
-``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``.
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``, and the
+info gauge ``vllm:cache_config_info{block_size, num_gpu_blocks, gpu_memory_utilization}`` = 1 (vLLM's
+``CacheConfig.metrics_info()``: the router's decode headroom filter sizes the KV pool from it).
 gearshift's own: ``gearshift:stage_utilization{stage}`` (busy fraction of each pipeline stage over the
 last :data:`UTILIZATION_WINDOW_S`), ``gearshift:sim_step_lag_seconds`` (how late the simulator's step
 timer fired: its own overhead), ``gearshift:sim_event_loop_lag_seconds`` (process-wide loop lag).
@@ -47,6 +49,20 @@ class EngineState(Protocol):
     def stage_utilization(self) -> list[float]: ...
 
 
+def cache_info(state: object) -> dict[str, str] | None:
+    """The labels of ``vllm:cache_config_info`` for an engine with ``total_blocks`` and ``block_size``
+    (and optionally ``model.params.gpu_memory_utilization``); None for a state without a KV pool."""
+    blocks, size = getattr(state, "total_blocks", None), getattr(state, "block_size", None)
+    if not isinstance(blocks, int) or not isinstance(size, int):
+        return None
+    params = getattr(getattr(state, "model", None), "params", None)
+    util = getattr(params, "gpu_memory_utilization", None)
+    out = {"block_size": str(size), "num_gpu_blocks": str(blocks)}
+    if isinstance(util, int | float):
+        out["gpu_memory_utilization"] = f"{util:g}"
+    return out
+
+
 class _GaugeCollector(Collector):
     def __init__(self, state: EngineState, labels: dict[str, str]) -> None:
         self._state = state
@@ -71,6 +87,15 @@ class _GaugeCollector(Collector):
         for k, u in enumerate(self._state.stage_utilization()):
             g.add_metric([*values, str(k)], u)
         yield g
+        info = cache_info(self._state)
+        if info is not None:
+            g = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the KV cache (vLLM CacheConfig); the value is 1.",
+                labels=[*names, *info],
+            )
+            g.add_metric([*values, *info.values()], 1.0)
+            yield g
 
 
 class EngineMetrics:
