@@ -12,7 +12,9 @@ step per re-trigger in a dwell.
   - ``p99-high``: P99 > ``p99HighRatio`` (1.2) × target → the latency gear (seed 002). While the
     saturation condition holds it passes over latency gears with less predicted throughput than the
     active gear (trading capacity for latency under overload would deepen the queue and ping-pong);
-  - ``p99-low``: P99 < ``p99LowRatio`` (0.7) × target → the balanced gear (seed 002).
+  - ``p99-low``: P99 < ``p99LowRatio`` (0.7) × target → the balanced gear (seed 002), but not while more
+    than ``saturationQueue`` requests wait per pipeline replica (gearshift: a low P99 of the requests
+    the engines admitted says nothing about those still queued).
 The order above is the priority when several hold at once (seed 002's decision pseudo-code checks its
 three in that order; saturation goes before p99-high because both hold under overload and only the
 capacity move helps). A threshold *level* n makes a trigger harder to meet: the high thresholds move up
@@ -120,5 +122,9 @@ def conditions(
         and p99 > th.saturation_p99_ratio * target
         and saturated(smoothed, policy, pipelines),
         Trigger.LATENCY_HIGH: p99 is not None and p99 > th.p99_high_ratio * target,
-        Trigger.LATENCY_LOW: p99 is not None and p99 < th.p99_low_ratio * target,
+        # Not while requests wait: the engines' P99 only covers admitted requests, so a backlog (on
+        # these pods, or behind them) can sit beside a healthy-looking P99 (the demo's wrong-way shift).
+        Trigger.LATENCY_LOW: p99 is not None
+        and p99 < th.p99_low_ratio * target
+        and not saturated(smoothed, policy, pipelines),
     }
