@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from gearshift.demo import live, plots, report, series
+from gearshift.demo import live, plots, report, series, summary
 from gearshift.demo import trace as tracewin
 from gearshift.demo.gears import gearset_table, stage_nodes
 from gearshift.demo.kube import DemoError, Kube, Prometheus, http_get, wait_until
@@ -118,6 +118,9 @@ def _start_operator(ctx: Ctx) -> None:
     ctx.kube.ensure_namespace(ctx.args.namespace)
     if want == "helm":
         chart = names_repo() / "charts" / "gearshift"
+        # Helm installs a chart's crds/ once and never upgrades them: on a reused sandbox the API server
+        # would keep an older schema and prune the status fields newer code writes.
+        ctx.kube.run("apply", "--server-side", "--force-conflicts", "-f", str(chart / "crds"))
         ctx.say(f"operator: helm upgrade --install {HELM_RELEASE} {chart} -n {SYSTEM_NAMESPACE}")
         argv = [
             str(ctx.layout.binary("helm")),
@@ -575,6 +578,16 @@ def _write_report(
         role: {s.name: sum(s.finite()) / len(s.finite()) for s in ss if s.finite()}
         for role, ss in util.items()
     }
+    for role, gs in gearsets_end.items():
+        times = summary.policy_times(gs["spec"].get("policy") or {}, win.time_scale)
+        if times:
+            parts = ", ".join(
+                f"{k.removesuffix('S')} {v['run_s']:g} s ({v['trace_s']:g} s)" for k, v in times.items()
+            )
+            ctx.notes.append(
+                f"{role} shifting policy in run seconds (trace seconds at {win.time_scale:g}×): {parts}. "
+                "The demo's example scales seed 002's 10-minute dwell down to fit a replay of minutes."
+            )
     env_cmd = "gearshift sandbox env"
     explore = [
         f'eval "$(.venv/bin/{env_cmd})"        # KUBECONFIG and PATH for kubectl',
@@ -614,6 +627,31 @@ def _write_report(
     )
     (out_dir / "report.md").write_text(report.render(data))
     (out_dir / "load.json").write_text(json.dumps(rep.result.to_dict(), indent=2))
+    doc = summary.build(
+        command=data.command,
+        started=data.started,
+        wall_s=time.monotonic() - ctx.say.start,
+        time_scale=win.time_scale,
+        window_start_s=win.start_s,
+        window_span_s=win.span_s,
+        load=data.load,
+        router_totals=totals,
+        engine=data.engine,
+        shift_list=summary.shifts(
+            {role: (gs.get("status") or {}).get("history") or [] for role, gs in gearsets_end.items()},
+            rep.t0,
+        ),
+        policies={role: gs["spec"].get("policy") or {} for role, gs in gearsets_end.items()},
+        first_gears=rep.first_gears,
+        final_gears={role: (gs.get("status") or {}).get("activeGear") for role, gs in gearsets_end.items()},
+        notes=ctx.notes,
+    )
+    text = json.dumps(doc, indent=2) + "\n"
+    (out_dir / "summary.json").write_text(text)
+    if ctx.args.results is not None:
+        ctx.args.results.parent.mkdir(parents=True, exist_ok=True)
+        ctx.args.results.write_text(text)
+        ctx.say(f"results: {ctx.args.results}")
     return out_dir / "report.md"
 
 
