@@ -196,6 +196,14 @@ class TestPrometheusAndShifts:
             ("throughput", 150.0, 180.0, "RolledBack"),
         ]
 
+    def test_shift_marks_keep_a_shift_that_finished_during_the_run(self) -> None:
+        t0 = 1767225710.0  # 2026-01-01T00:01:50Z: the p99-low shift began 10 s before the replay
+        marks = series.shift_marks("decode", self.HISTORY, t0)
+        assert [(m.to_gear, m.started_s, m.finished_s) for m in marks] == [
+            ("balanced", -10.0, 10.0),
+            ("throughput", 70.0, 100.0),
+        ]
+
     def test_gear_spans_follow_succeeded_shifts_only(self) -> None:
         marks = series.shift_marks("decode", self.HISTORY, 1767225630.0)
         spans = series.gear_spans("decode", "latency", marks, 300.0)

@@ -282,13 +282,14 @@ def _ts(value: Any) -> float | None:
 
 def shift_marks(role: str, history: Iterable[Mapping[str, Any]], t0: float) -> list[ShiftMark]:
     """The shifts of ``history`` (GearSet ``status.history`` items) relative to the run start ``t0``
-    (Unix s); shifts that started before the run are left out."""
+    (Unix s); shifts that finished before the run are left out (one still running at the start is kept,
+    with a negative start)."""
     out = []
     for h in history:
         started = _ts(h.get("startedAt"))
-        if started is None or started < t0:
-            continue
         finished = _ts(h.get("finishedAt"))
+        if started is None or (finished if finished is not None else started) < t0:
+            continue
         out.append(
             ShiftMark(
                 role=role,

@@ -23,15 +23,16 @@ def policy_times(policy: Mapping[str, Any], time_scale: float) -> dict[str, dict
 
 
 def shifts(histories: Mapping[str, Iterable[Mapping[str, Any]]], t0: float) -> list[dict[str, Any]]:
-    """Every shift that started during the run, per role, from ``status.history`` (times relative to
-    the replay's start ``t0``, Unix s), with the executor's message."""
+    """Every shift that finished during the run (or is still running), per role, from ``status.history``
+    (times relative to the replay's start ``t0``, Unix s; a shift begun before it starts below 0), with
+    the executor's message."""
     out = []
     for role, history in histories.items():
         for h in history:
             started = _ts(h.get("startedAt"))
-            if started is None or started < t0:
-                continue
             finished = _ts(h.get("finishedAt"))
+            if started is None or (finished if finished is not None else started) < t0:
+                continue
             out.append(
                 {
                     "role": role,
