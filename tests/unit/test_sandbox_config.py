@@ -198,3 +198,18 @@ class TestCli:
         assert main(["sandbox", "up", "--quiet"]) == 1
         err = capsys.readouterr().err
         assert "missing sandbox binaries" in err and "make binaries" in err
+
+
+def test_api_server_reaches_kubelets_by_loopback_internal_ip_not_by_dns():
+    from pathlib import Path
+
+    from gearshift.sandbox.nodes import node_ip
+    from gearshift.sandbox.stages import kwokctl_configuration
+
+    bins = {n: Path(f"/x/{n}") for n in ("kube-apiserver", "kube-controller-manager", "kube-scheduler")}
+    bins |= {n: Path(f"/x/{n}") for n in ("kubectl", "etcd", "kwok")}
+    cfg = kwokctl_configuration(bins, "v1.34.4")
+    (patch,) = [p for p in cfg["componentsPatches"] if p["name"] == "kube-apiserver"]
+    assert {"key": "kubelet-preferred-address-types", "value": "InternalIP"} in patch["extraArgs"]
+    # ... and that address is a loopback one, so `kubectl logs` never leaves the machine.
+    assert node_ip(42, 3).startswith("127.")

@@ -193,4 +193,13 @@ def kwokctl_configuration(binaries: dict[str, Path], kube_version: str) -> dict[
             # The controllers' client-side rate limits only slow a one-machine cluster down.
             "disableQPSLimits": True,
         },
+        # The API server reaches a node's kubelet (``kubectl logs``/``exec``) by the first address type
+        # it finds; the default order starts with Hostname, which it would resolve through the host's
+        # DNS server -- traffic off loopback. The fake nodes' InternalIPs are loopback addresses.
+        "componentsPatches": [
+            {
+                "name": "kube-apiserver",
+                "extraArgs": [{"key": "kubelet-preferred-address-types", "value": "InternalIP"}],
+            }
+        ],
     }
