@@ -30,6 +30,7 @@ from gearshift.demo import trace as tracewin
 from gearshift.demo.gears import gearset_table, stage_nodes
 from gearshift.demo.kube import DemoError, Kube, Prometheus, http_get, wait_until
 from gearshift.k8s import names
+from gearshift.sandbox.layout import env_prefix
 
 #: Namespace of the operator (chart release or local process) and of the probe Jobs.
 SYSTEM_NAMESPACE = "gearshift-system"
@@ -710,7 +711,7 @@ def main(args: argparse.Namespace) -> int:
         elif ctx is not None:
             say("the cluster stays up. Explore it with:")
             lines = [
-                '  eval "$(.venv/bin/gearshift sandbox env)"',
+                f'  eval "$({env_prefix()}.venv/bin/gearshift sandbox env)"',
                 "  kubectl get gearshift -A",
                 f"  kubectl get gearsets,pods -n {args.namespace} -o wide",
             ]
@@ -722,6 +723,6 @@ def main(args: argparse.Namespace) -> int:
                     f"    GEARSHIFT_SANDBOX=1 .venv/bin/gearshift operator --namespace {args.namespace} \\",
                     f"      --kubeconfig {ctx.layout.kubeconfig} --probe-port 0 --metrics-port 0",
                 ]
-            lines.append("tear down: .venv/bin/gearshift sandbox down   (make sandbox-down)")
+            lines.append(f"tear down: {env_prefix()}.venv/bin/gearshift sandbox down")
             say.block("\n".join(lines))
     return code

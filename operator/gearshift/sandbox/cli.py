@@ -53,6 +53,9 @@ def register(subparsers: Any) -> None:
     ex.add_argument("--message", default="", help="termination message")
     ex.add_argument("--sleep", type=float, default=0.0, help="seconds to run before exiting")
     ex.set_defaults(func=_exit_with)
+    # argparse lists a sub-parser even with help=SUPPRESS (as "==SUPPRESS=="); the two test entry points
+    # stay callable but out of --help.
+    sub._choices_actions[:] = [a for a in sub._choices_actions if a.help != argparse.SUPPRESS]
 
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -85,8 +88,11 @@ def _up(args: argparse.Namespace) -> int:
     print(f"sandbox {state['name']} is up ({len(state['nodes'])} nodes, pod IPs 127.{state['octet']}.x.x)")
     print(f"  kubeconfig:  {state['kubeconfig']}")
     print(f"  prometheus:  {state.get('prometheus_url') or '(not running)'}")
-    print('  shell:       eval "$(gearshift sandbox env)"')
-    print("  tear down:   gearshift sandbox down   (make sandbox-down)")
+    from gearshift.sandbox.layout import env_prefix
+
+    pre = env_prefix()
+    print(f'  shell:       eval "$({pre}gearshift sandbox env)"')
+    print(f"  tear down:   {pre}gearshift sandbox down")
     return 0
 
 

@@ -169,3 +169,12 @@ class Layout:
         env["PATH"] = os.pathsep.join([*(str(d) for d in self.bin_dirs), env.get("PATH", "")])
         env["KWOK_WORKDIR"] = str(self.kwok_workdir)
         return env
+
+
+def env_prefix() -> str:
+    """``GEARSHIFT_SANDBOX_DIR=<dir> `` when the user chose a sandbox directory, else ``""``.
+
+    Printed in front of the commands we suggest, so that a fresh shell reaches the same sandbox.
+    """
+    chosen = os.environ.get("GEARSHIFT_SANDBOX_DIR")
+    return f"GEARSHIFT_SANDBOX_DIR={chosen} " if chosen else ""
