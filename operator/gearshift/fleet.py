@@ -71,8 +71,13 @@ class Fleet:
         return min(a.nic_gbps, b.nic_gbps), max(a.latency_us, b.latency_us)
 
 
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+_FLEET_KEYS = {"name", "network", "gpuSharing", "nodePools"}
+_POOL_KEYS = {"name", "gpu", "nodes", "gpusPerNode", "nicGbps"}
+
+
 def _field(obj: dict[str, Any], key: str, where: str, kind: type, default: Any = None) -> Any:
-    if key not in obj:
+    if key not in obj or obj[key] is None:
         if default is not None:
             return default
         raise FleetError(f"{where}.{key} is required")
@@ -80,8 +85,17 @@ def _field(obj: dict[str, Any], key: str, where: str, kind: type, default: Any =
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise FleetError(f"{where}.{key} must be a {kind.__name__}, got {value!r}")
+        raise FleetError(f"{where}.{key} must be {_KIND_NAMES.get(kind, kind.__name__)}, got {value!r}")
     return value
+
+
+def _no_unknown_keys(obj: dict[str, Any], allowed: set[str], where: str) -> None:
+    # A typo (gpusPerNod) must not silently fall back to a default.
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise FleetError(
+            f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 def parse_fleet(doc: dict[str, Any]) -> Fleet:
@@ -93,6 +107,7 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
     """
     if not isinstance(doc, dict):
         raise FleetError("a fleet file must be a mapping with 'name' and 'nodePools'")
+    _no_unknown_keys(doc, _FLEET_KEYS, "fleet")
     name = _field(doc, "name", "fleet", str)
     network = doc.get("network") or {}
     latency = _field(network, "latencyUs", "network", float, 10.0)
@@ -111,6 +126,7 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
         where = f"nodePools[{i}]"
         if not isinstance(pool, dict):
             raise FleetError(f"{where} must be a mapping")
+        _no_unknown_keys(pool, _POOL_KEYS, where)
         pname = _field(pool, "name", where, str)
         if pname in seen:
             raise FleetError(f"{where}.name {pname!r} is used twice; pool names must be unique")

@@ -58,7 +58,7 @@ class TestParseFleet:
             ({"name": "t", "nodePools": []}, "at least one pool"),
             (_doc(gpu="B300"), "nodePools[0].gpu"),
             (_doc(nodes=0), "nodePools[0].nodes must be > 0"),
-            (_doc(nodes="2"), "nodePools[0].nodes must be a int"),
+            (_doc(nodes="2"), "nodePools[0].nodes must be an integer"),
             (_doc(nicGbps=-1), "nodePools[0].nicGbps must be > 0"),
             ({"name": "t", "nodePools": [{"name": "a", "gpu": "T4-16GB", "nodes": 1}] * 2}, "used twice"),
         ],
@@ -100,3 +100,15 @@ class TestResourceProfile:
     @pytest.mark.parametrize(("mem", "mb"), [(80, 16), (40, 16), (39.9, 8), (24, 8), (16, 4)])
     def test_max_micro_batch_thresholds(self, mem, mb):
         assert max_micro_batch(mem) == mb
+
+
+def test_a_misspelled_field_is_an_error_not_a_silent_default():
+    import pytest
+
+    from gearshift.fleet import FleetError, parse_fleet
+
+    doc = {"name": "t", "nodePools": [{"name": "a", "gpu": "A10-24GB", "nodes": 1, "gpusPerNod": 4}]}
+    with pytest.raises(FleetError, match=r"nodePools\[0\]: unknown field\(s\) gpusPerNod"):
+        parse_fleet(doc)
+    with pytest.raises(FleetError, match=r"nodePools\[0\]\.nodes must be an integer, got 'two'"):
+        parse_fleet({"name": "t", "nodePools": [{"name": "a", "gpu": "A10-24GB", "nodes": "two"}]})
