@@ -447,3 +447,21 @@ class TestReconcile:
         assert st["routerReady"] is True
         conds = {c["type"]: c["status"] for c in st["conditions"]}
         assert conds == {"Placed": "True", "Ready": "True", "Progressing": "False", "Degraded": "False"}
+
+
+class TestExplicitGearLayers:
+    def test_gear_beyond_the_models_layers_is_refused_before_anything_is_applied(self, api: FakeApi) -> None:
+        reconcile(api)
+        before = {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()}
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        gear = gs["spec"]["gears"][0]
+        last = gear["stages"][-1]
+        last["layers"] = [last["layers"][0], 40]  # Llama-3-8B has 32 layers
+        api.put(gs, NS)
+        with pytest.raises(rec.SpecInvalid, match=r"stages cover layers \[0, 40\) but the model has 32"):
+            reconcile(api)
+        # Nothing that was serving changed.
+        assert {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()} == before
+        pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+        ready = {c["type"]: c for c in pds["status"]["conditions"]}["Ready"]
+        assert ready["status"] == "False" and "make the last stage's layers end at 32" in ready["message"]

@@ -303,6 +303,30 @@ class RoleState:
     """Earliest leaveBy of a time-limited node in use by this role's gears (RFC 3339)."""
 
 
+def explicit_layer_problems(pds: PDService, roles: Mapping[str, RoleState]) -> None:
+    """Check that every explicit gear covers exactly the model's layers, before anything is applied.
+
+    The CRD can check that stages are contiguous but not the model's layer count (the GearSet does not
+    know the model), so a gear ending at layer 40 of a 32-layer model would otherwise reach the pods and
+    crash-loop there.
+
+    Raises:
+        SpecInvalid: naming the GearSet, the gear, where its stages end and the model's layer count.
+    """
+    layers = pds.spec.model.to_model_arch().num_layers
+    problems = []
+    for role, rs in roles.items():
+        if rs.gs.spec.mode != "explicit":
+            continue
+        for gear in rs.gs.spec.gears:
+            try:
+                gear.check_model_layers(layers)
+            except ValueError as exc:
+                problems.append(f"{role}: GearSet {rs.gs.metadata['name']!r}: {exc}")
+    if problems:
+        raise SpecInvalid("; ".join(problems))
+
+
 def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dict[str, RoleState]:
     ns = body["metadata"]["namespace"]
     name = body["metadata"]["name"]
@@ -655,6 +679,7 @@ def _reconcile(
         raise SpecInvalid(msg) from None
     try:
         roles = _read_gearsets(api, body, pds)
+        explicit_layer_problems(pds, roles)
     except SpecInvalid as exc:
         book.set(COND_READY, "False", common.REASON_GEARSET_MISMATCH, str(exc), warning=True)
         finish({"phase": "Failed", "message": str(exc)})
