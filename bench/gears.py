@@ -87,7 +87,7 @@ from gearshift.sim.engine import Engine, PlannedStep, RequestRejected, SimReques
 from gearshift.sim.perfmodel import PerfModel, PerfParams, parse_pipeline  # noqa: E402
 
 TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
-FLEET = ROOT / "examples" / "fleet-mixed.yaml"
+FLEET = ROOT / "examples" / "fleets/mixed.yaml"
 MODEL = ROOT / "examples" / "models" / "llama-3-8b.json"
 OUT = ROOT / "bench" / "results" / "gears.json"
 

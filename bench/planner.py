@@ -165,9 +165,9 @@ def gain(profile: Profile, costs: LayerCosts) -> dict:
 
 
 def bench_gain() -> dict:
-    seed_profile = load_cluster(ROOT / "examples" / "profile-seed002.yaml")
-    seed_model = load_model(ROOT / "examples" / "layers-seed002.json")
-    fleet = load_cluster(ROOT / "examples" / "fleet-mixed.yaml")
+    seed_profile = load_cluster(ROOT / "examples" / "planner/profile-seed002.yaml")
+    seed_model = load_model(ROOT / "examples" / "planner/layers-seed002.json")
+    fleet = load_cluster(ROOT / "examples" / "fleets/mixed.yaml")
     llama = load_model(ROOT / "examples" / "models" / "llama-3-70b.json")
     assert isinstance(llama, RooflineCostModel)
     out = {"seed002": gain(seed_profile, seed_model.at(1)), "llama-3-70b-mixed": gain(fleet, llama.at(1))}

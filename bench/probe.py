@@ -9,7 +9,7 @@ its default (Llama-3-8B) sizes and writes ``bench/results/probe-cuda-<model>.jso
 - device: the whole ``gearshift-probe device`` run with its CPU defaults, three times: wall time against
   the time budget, and how much the headline figures move between runs (max/min of each); once with one
   CPU thread (the default) and once with the BLAS library's default thread count.
-- simulated: the sandbox probe of every node of ``examples/fleet-mixed.yaml``; the fleet order by
+- simulated: the sandbox probe of every node of ``examples/fleets/mixed.yaml``; the fleet order by
   compute score must equal the datasheet order.
 - link: loopback TCP (127.0.0.1) at 1 and 16 MiB frames within a 256 MiB / 3 s budget: bandwidth,
   latency, and the run time against the budget.
@@ -78,7 +78,7 @@ def device_runs(backend_factory: Any, cfg: run.ProbeConfig, runs: int = 3) -> di
 
 
 def simulated_fleet() -> dict[str, Any]:
-    fleet = load_fleet(ROOT / "examples" / "fleet-mixed.yaml")
+    fleet = load_fleet(ROOT / "examples" / "fleets/mixed.yaml")
     rows = []
     for i, node in enumerate(fleet.nodes):
         ann = gpu_node_manifest(node, i, 9)["metadata"]["annotations"]

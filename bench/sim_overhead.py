@@ -36,7 +36,7 @@ TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 PODS = 24
 TICKS = os.sysconf("SC_CLK_TCK")
 
-# Fleets serving Llama-3-8B, 6 pods of each kind. "mixed" is examples/fleet-mixed.yaml's cards; at
+# Fleets serving Llama-3-8B, 6 pods of each kind. "mixed" is examples/fleets/mixed.yaml's cards; at
 # 200 req/s of this trace its A10/T4 pods are overloaded by the model itself (prefill alone needs more
 # than their time), so "capable" (cards that can carry ~8 req/s each) is the one that isolates the
 # simulator's own overhead.

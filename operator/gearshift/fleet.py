@@ -1,6 +1,6 @@
 """Fleet description files: the GPU nodes of a sandbox (or of a planning exercise) in one YAML file.
 
-A fleet file names node pools of one GPU model each (see ``examples/fleet-mixed.yaml``)::
+A fleet file names node pools of one GPU model each (see ``examples/fleets/mixed.yaml``)::
 
     name: mixed
     network: {latencyUs: 10}

@@ -11,7 +11,7 @@ cards alike — by exact 1-D k-means with k = min(3, distinct scores) (dynamic p
 than :data:`MIN_CLASS_RATIO` (1.5×) are then merged, so measurement noise or near-equal cards (H100 SXM
 vs PCIe, 1.31×; A100 vs L40S, 1.16×) never split into two classes. The top cluster is ``high``, the
 bottom ``low`` (when there are two or more) and a middle one ``mid``. On the datasheets of
-``examples/fleet-mixed.yaml`` (H100 1.0, A100 0.315, A10 0.126, T4 0.066) this gives H100 high, A100 mid,
+``examples/fleets/mixed.yaml`` (H100 1.0, A100 0.315, A10 0.126, T4 0.066) this gives H100 high, A100 mid,
 A10 and T4 low.
 """
 

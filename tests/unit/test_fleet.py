@@ -11,7 +11,7 @@ import pytest
 from gearshift.fleet import FleetError, load_fleet, max_micro_batch, parse_fleet, resource_profile
 
 REPO = Path(__file__).resolve().parents[2]
-MIXED = REPO / "examples" / "fleet-mixed.yaml"
+MIXED = REPO / "examples" / "fleets/mixed.yaml"
 
 
 def _doc(**pool):

@@ -51,7 +51,7 @@ KINDS = {"simulated"}
 
 
 def fleet_nodes() -> list[dict[str, Any]]:
-    fleet = load_fleet(REPO / "examples" / "fleet-mixed.yaml")
+    fleet = load_fleet(REPO / "examples" / "fleets/mixed.yaml")
     return [gpu_node_manifest(n, i, 7) for i, n in enumerate(fleet.nodes)]
 
 

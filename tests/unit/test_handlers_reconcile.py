@@ -137,7 +137,9 @@ def _example(name: str) -> dict[str, Any]:
 def fleet_nodes(gpu_replicas: int = 1) -> list[dict[str, Any]]:
     """The mixed fleet's Node objects; ``gpu_replicas`` GPUs advertised per card (1: whole cards)."""
     nodes = []
-    fleet = dataclasses.replace(load_fleet(ROOT / "examples" / "fleet-mixed.yaml"), gpu_replicas=gpu_replicas)
+    fleet = dataclasses.replace(
+        load_fleet(ROOT / "examples" / "fleets/mixed.yaml"), gpu_replicas=gpu_replicas
+    )
     for n in sandbox_nodes(fleet, 77):
         n["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
         model = n["metadata"]["annotations"].get(names.NODE_GPU_MODEL)

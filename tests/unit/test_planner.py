@@ -32,8 +32,8 @@ from gearshift.planner import (
 from gearshift.planner.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
-SEED_PROFILE = ROOT / "examples" / "profile-seed002.yaml"
-SEED_LAYERS = ROOT / "examples" / "layers-seed002.json"
+SEED_PROFILE = ROOT / "examples" / "planner/profile-seed002.yaml"
+SEED_LAYERS = ROOT / "examples" / "planner/layers-seed002.json"
 
 
 def profile_of(nodes: list[tuple[str, float, float]], links: dict[tuple[str, str], float]) -> object:
@@ -93,7 +93,7 @@ class TestProfile:
         assert p.link("gpu_001", "gpu_004") == p.link("gpu_004", "gpu_001")
 
     def test_fleet_file_is_detected_and_converted(self) -> None:
-        p = load_cluster(ROOT / "examples" / "fleet-mixed.yaml")
+        p = load_cluster(ROOT / "examples" / "fleets/mixed.yaml")
         h100 = p.node("gpu-h100-0")
         assert h100.compute_score == pytest.approx(1.0)
         assert p.node("gpu-t4-0").compute_score == pytest.approx(65 / 989, rel=1e-5)
@@ -256,7 +256,7 @@ class TestSimulator:
 
 class TestPlan:
     def test_three_gears_cover_the_model_with_distinct_nodes(self) -> None:
-        profile = load_cluster(ROOT / "examples" / "fleet-mixed.yaml")
+        profile = load_cluster(ROOT / "examples" / "fleets/mixed.yaml")
         model = RooflineCostModel(load_hf_config(ROOT / "examples" / "models" / "llama-3-8b.json"))
         result = plan(profile, model, sim_requests=400)
         assert [g.name for g in result.gears] == ["latency", "balanced", "throughput"]

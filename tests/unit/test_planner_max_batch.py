@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _profile():
-    return parse_profile(resource_profile(load_fleet(EXAMPLES / "fleet-mixed.yaml")))
+    return parse_profile(resource_profile(load_fleet(EXAMPLES / "fleets/mixed.yaml")))
 
 
 def test_roofline_gears_batch_as_many_sequences_as_their_kv_reservation():
@@ -25,8 +25,8 @@ def test_roofline_gears_batch_as_many_sequences_as_their_kv_reservation():
 
 
 def test_layer_cost_files_keep_micro_batch_times_stages():
-    model = load_model(EXAMPLES / "layers-seed002.json")
+    model = load_model(EXAMPLES / "planner/layers-seed002.json")
     assert kv_resident_sequences(model) == 0
-    profile = load_cluster(EXAMPLES / "profile-seed002.yaml")
+    profile = load_cluster(EXAMPLES / "planner/profile-seed002.yaml")
     for gear in plan(profile, model, sim_requests=200).gears:
         assert gear.max_batch == gear.micro_batch * len(gear.stages)

@@ -120,7 +120,7 @@ class TestPairs:
         assert link.pairs_to_measure(nodes, nearest=0) == [("a1", "a2"), ("a2", "b1")]
 
     def test_mixed_fleet_covers_every_class_pair_and_node(self):
-        fleet = load_fleet(REPO / "examples" / "fleet-mixed.yaml")
+        fleet = load_fleet(REPO / "examples" / "fleets/mixed.yaml")
         nodes = [N(n.name, n.pool, n.compute_score) for n in fleet.nodes]
         pairs = link.pairs_to_measure(nodes)
         cls = {n.name: n.gpu_class for n in nodes}
@@ -142,7 +142,7 @@ class TestPairs:
             link.pairs_to_measure([N("a", "A"), N("a", "B")])
 
     def test_rounds_never_share_a_node(self):
-        fleet = load_fleet(REPO / "examples" / "fleet-mixed.yaml")
+        fleet = load_fleet(REPO / "examples" / "fleets/mixed.yaml")
         pairs = link.pairs_to_measure([N(n.name, n.pool, n.compute_score) for n in fleet.nodes], nearest=2)
         rounds = link.schedule_rounds(pairs)
         assert sorted(p for r in rounds for p in r) == pairs

@@ -59,7 +59,7 @@ class TestDevice:
     def test_simulated_from_node_annotations(self, tmp_path, capsys, monkeypatch):
         from gearshift.fleet import load_fleet
 
-        node = load_fleet(REPO / "examples" / "fleet-mixed.yaml").nodes[-1]
+        node = load_fleet(REPO / "examples" / "fleets/mixed.yaml").nodes[-1]
         ann = gpu_node_manifest(node, 3, 7)["metadata"]["annotations"]
         monkeypatch.setenv("GEARSHIFT_NODE_ANNOTATIONS", json.dumps(ann))
         monkeypatch.setenv("GEARSHIFT_PROBE_SIMULATED", "1")
@@ -137,7 +137,7 @@ class TestLinkCommands:
 
 class TestGearshiftCli:
     def test_pairs_of_the_mixed_fleet(self, capsys, tmp_path):
-        fleet = str(REPO / "examples" / "fleet-mixed.yaml")
+        fleet = str(REPO / "examples" / "fleets/mixed.yaml")
         assert gearshift_main(["probe", "--termination-log", str(tmp_path / "l"), "pairs", fleet]) == 0
         doc = stdout_json(capsys)
         assert doc["nodes"] == 10 and doc["allPairs"] == 45

@@ -265,7 +265,7 @@ class TestSimulated:
         assert profile_status_from_probe(d)["computeScore"] == pytest.approx(expected, rel=1e-5)
 
     def test_from_a_sandbox_node_manifest(self):
-        fleet = load_fleet(REPO / "examples" / "fleet-mixed.yaml")
+        fleet = load_fleet(REPO / "examples" / "fleets/mixed.yaml")
         node = fleet.nodes[0]
         ann = gpu_node_manifest(node, 0, 5)["metadata"]["annotations"]
         env = {simulated.ENV_ANNOTATIONS: json.dumps(ann)}

@@ -11,7 +11,7 @@ from gearshift.fleet import load_fleet, parse_fleet
 from gearshift.sandbox.nodes import NodeLayoutError, node_pod_cidr, sandbox_nodes
 
 REPO = Path(__file__).resolve().parents[2]
-MIXED = load_fleet(REPO / "examples" / "fleet-mixed.yaml")
+MIXED = load_fleet(REPO / "examples" / "fleets/mixed.yaml")
 OCTET = 42
 
 
@@ -87,7 +87,7 @@ class TestGpuNode:
 
     def test_capacity_and_taint(self, nodes):
         node = nodes["gpu-a10-2"]
-        # One A10 card, time-sliced into MIXED.gpu_replicas schedulable GPUs (examples/fleet-mixed.yaml: 2).
+        # One A10 card, time-sliced into MIXED.gpu_replicas schedulable GPUs (examples/fleets/mixed.yaml: 2).
         assert MIXED.gpu_replicas == 2
         assert node["status"]["capacity"]["nvidia.com/gpu"] == "2"
         assert node["metadata"]["labels"]["nvidia.com/gpu.count"] == "1"

@@ -20,7 +20,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "pdservice-demo.yaml"
-DEFAULT_FLEET = REPO_ROOT / "examples" / "fleet-mixed.yaml"
+DEFAULT_FLEET = REPO_ROOT / "examples" / "fleets/mixed.yaml"
 DEFAULT_NAMESPACE = "gearshift-demo"
 #: Issuing time of a default run, s: with up to 60 s of drain and about a minute of set-up and report,
 #: the whole command stays within the issue's 10 minutes on a sandbox that is already built.

@@ -26,7 +26,9 @@ def register(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="sandbox_command", metavar="{up,down,status,env}")
 
     up = sub.add_parser("up", help="bring the sandbox up, or check and repair it (idempotent)")
-    up.add_argument("--fleet", type=Path, default=None, help="fleet file (default examples/fleet-mixed.yaml)")
+    up.add_argument(
+        "--fleet", type=Path, default=None, help="fleet file (default examples/fleets/mixed.yaml)"
+    )
     up.add_argument("--cpu-nodes", type=int, default=2, help="plain CPU nodes besides the GPU nodes (2)")
     up.add_argument("--no-prometheus", action="store_true", help="do not run Prometheus")
     up.add_argument("--quiet", action="store_true", help="print only the summary")

@@ -39,7 +39,7 @@ from gearshift.sandbox.stages import (
     sandbox_stages,
 )
 
-DEFAULT_FLEET = REPO_ROOT / "examples" / "fleet-mixed.yaml"
+DEFAULT_FLEET = REPO_ROOT / "examples" / "fleets/mixed.yaml"
 #: Control-plane components kwokctl runs for us; all must be alive for the sandbox to count as up.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok-controller")
 #: Annotation on the nodes ``up`` created from the fleet file (value: the sandbox name).

@@ -114,7 +114,7 @@ class Pipeline:
     """Most tokens computed in one step (vLLM ``--max-num-batched-tokens``)."""
 
 
-#: Link assumed when the pipeline names none (fleet-mixed.yaml's H100 NIC: 200 Gb/s, 10 µs).
+#: Link assumed when the pipeline names none (fleets/mixed.yaml's H100 NIC: 200 Gb/s, 10 µs).
 DEFAULT_LINK = Link(gbps=200.0, latency_us=10.0)
 
 
