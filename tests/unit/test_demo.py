@@ -440,7 +440,7 @@ class TestCommandAndExample:
         from gearshift.api.gearset import GearSet
         from gearshift.api.pdservice import PDService
 
-        docs = load_example(REPO / "examples" / "pdservice-demo.yaml", None)
+        docs = load_example(REPO / "examples" / "demo" / "pdservice-demo.yaml", None)
         pds = PDService.model_validate(next(d for d in docs if d["kind"] == "PDService"))
         sets = [GearSet.model_validate(d) for d in docs if d["kind"] == "GearSet"]
         assert (
@@ -451,7 +451,7 @@ class TestCommandAndExample:
 
     def test_model_flag_swaps_in_an_hf_config(self) -> None:
         docs = load_example(
-            REPO / "examples" / "pdservice-demo.yaml", REPO / "examples" / "models" / "qwen2.5-7b.json"
+            REPO / "examples" / "demo" / "pdservice-demo.yaml", REPO / "examples" / "models" / "qwen2.5-7b.json"
         )
         model = next(d for d in docs if d["kind"] == "PDService")["spec"]["model"]
         assert "qwen" in str(model).lower()

@@ -19,7 +19,7 @@ from typing import Any
 #: The repository root (operator/gearshift/demo/__init__.py → four levels up).
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
-DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "pdservice-demo.yaml"
+DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "demo" / "pdservice-demo.yaml"
 DEFAULT_FLEET = REPO_ROOT / "examples" / "fleets/mixed.yaml"
 DEFAULT_NAMESPACE = "gearshift-demo"
 #: Issuing time of a default run, s: with up to 60 s of drain and about a minute of set-up and report,
