@@ -161,7 +161,17 @@ class TestInstall:
                 json.dumps({"status": status}),
             )
             out = crds.kubectl("get", "gpup", name).stdout
-            assert header(out) == ["NAME", "NODE", "GPU", "COUNT", "MEM(GIB)", "SCORE", "PHASE", "AGE"]
+            assert header(out) == [
+                "NAME",
+                "NODE",
+                "GPU",
+                "COUNT",
+                "MEM(GIB)",
+                "SCORE",
+                "PHASE",
+                "WINDOW",
+                "AGE",
+            ]
             assert out.splitlines()[1].split()[:7] == [name, name, "A100-40GB", "2", "40", "0.54", "Ready"]
         finally:
             crds.kubectl("delete", "gpup", name, "--wait=false", check=False)

@@ -137,7 +137,7 @@ def test_every_gpu_node_gets_a_ready_profile_and_labels(sandbox: Any, operator: 
         got = sandbox.wait_for(lambda n=name: ready_and_labelled(sandbox, n), 60, f"GPUProfile {name} Ready")
         st, labels = got["profile"]["status"], got["labels"]
         card = expected_card(node)
-        count = int(node["status"]["capacity"]["nvidia.com/gpu"])
+        count = physical_cards(node)
         assert st["gpuModel"] == card.model == labels["gearshift.io/gpu-model"]
         assert st["gpuCount"] == count
         assert st["memoryGiB"] == pytest.approx(card.memory_gib)
@@ -149,13 +149,19 @@ def test_every_gpu_node_gets_a_ready_profile_and_labels(sandbox: Any, operator: 
         assert cond["Ready"]["status"] == "True" and cond["Probed"]["status"] == "True"
 
 
+def physical_cards(node: dict[str, Any]) -> int:
+    """Cards of a node: ``nvidia.com/gpu`` capacity over the time-slicing replicas GFD labels."""
+    slots = int(node["status"]["capacity"]["nvidia.com/gpu"])
+    return slots // int(node["metadata"]["labels"].get("nvidia.com/gpu.replicas", "1"))
+
+
 def test_compute_scores_order_the_fleet_as_the_datasheets(sandbox: Any, operator: Path) -> None:
     measured: dict[str, float] = {}
     datasheet: dict[str, float] = {}
     for node in gpu_nodes(sandbox):
         name = node["metadata"]["name"]
         got = sandbox.wait_for(lambda n=name: ready_and_labelled(sandbox, n), 60, f"GPUProfile {name} Ready")
-        count = int(node["status"]["capacity"]["nvidia.com/gpu"])
+        count = physical_cards(node)
         measured[name] = got["profile"]["status"]["computeScore"]
         eff = TP_EFFICIENCY if count > 1 else 1.0
         datasheet[name] = compute_score(expected_card(node).model) * count * eff
@@ -181,7 +187,7 @@ def test_kubectl_get_gpup_reads_well(sandbox: Any, operator: Path) -> None:
     for n in nodes:
         sandbox.wait_for(lambda n=n: ready_and_labelled(sandbox, n), 60, f"GPUProfile {n} Ready")
     out = sandbox.kubectl("get", "gpup").stdout.splitlines()
-    assert out[0].split() == ["NAME", "NODE", "GPU", "COUNT", "MEM(GIB)", "SCORE", "PHASE", "AGE"]
+    assert out[0].split() == ["NAME", "NODE", "GPU", "COUNT", "MEM(GIB)", "SCORE", "PHASE", "WINDOW", "AGE"]
     rows = {line.split()[0]: line.split() for line in out[1:]}
     for n in nodes:
         row = rows[n]
