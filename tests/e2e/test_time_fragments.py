@@ -326,7 +326,12 @@ def test_windowed_node_used_then_vacated_without_failed_requests(sandbox: Any, e
     st = gs["status"]
     hist = [h for h in st.get("history") or [] if h["trigger"] == "window"]
     assert hist and hist[-1]["outcome"] == "Succeeded" and hist[-1]["from"] == active, st.get("history")
-    assert st["activeGear"] == hist[-1]["to"] and st["activeGear"].startswith(f"{active}-w")
+    assert hist[-1]["to"].startswith(f"{active}-w")
+    # After the move the ordinary triggers may shift again (e.g. p99-low → balanced); whatever serves now
+    # is a gear planned without the windowed node, which the empty node above already shows.
+    history = st.get("history") or []
+    later = history[history.index(hist[-1]) + 1 :]
+    assert st["activeGear"] in {hist[-1]["to"]} | {g for h in later for g in (h["from"], h["to"])}
     (w,) = st["windowedNodes"]
     assert w["state"] == "Left" and w["stages"] == []
     # Zero failed requests through the whole move.
