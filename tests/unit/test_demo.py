@@ -451,7 +451,8 @@ class TestCommandAndExample:
 
     def test_model_flag_swaps_in_an_hf_config(self) -> None:
         docs = load_example(
-            REPO / "examples" / "demo" / "pdservice-demo.yaml", REPO / "examples" / "models" / "qwen2.5-7b.json"
+            REPO / "examples" / "demo" / "pdservice-demo.yaml",
+            REPO / "examples" / "models" / "qwen2.5-7b.json",
         )
         model = next(d for d in docs if d["kind"] == "PDService")["spec"]["model"]
         assert "qwen" in str(model).lower()

@@ -35,7 +35,6 @@ it every turn. Both need kopf's finalizer on the GearSet.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -90,6 +89,7 @@ from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacat
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError
+from gearshift.handlers.loop import every_sample_interval
 from gearshift.handlers.reconcile import (
     GS,
     NODE,
@@ -735,27 +735,18 @@ def run_tick(namespace: str, name: str) -> TickResult:
     )
 
 
-def _interval(body: Mapping[str, Any]) -> float:
-    raw = ((body.get("spec") or {}).get("policy") or {}).get("sampleIntervalS", 2.0)
-    try:
-        return max(float(raw), MIN_INTERVAL_S)
-    except (TypeError, ValueError):
-        return 2.0
-
-
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
 async def gearset_shifting(
     namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:
     """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
-    while not stopped:
-        start = time.monotonic()
-        try:
-            res = await asyncio.to_thread(run_tick, namespace, name)
-            if res.skipped:
-                log.debug("GearSet %s/%s: %s", namespace, name, res.skipped)
-        except (KubeApiError, NotYet, KeyError) as exc:
-            log.warning("GearSet %s/%s: shifting tick failed: %s", namespace, name, exc)
-        except Exception:
-            log.exception("GearSet %s/%s: shifting tick failed", namespace, name)
-        await stopped.wait(max(0.0, _interval(body) - (time.monotonic() - start)))
+    await every_sample_interval(
+        namespace,
+        name,
+        body,
+        stopped,
+        run_tick,
+        what="shifting tick",
+        floor_s=MIN_INTERVAL_S,
+        expected=(KubeApiError, NotYet, KeyError),
+    )

@@ -1,0 +1,59 @@
+"""The per-GearSet sampling loop that the gear-shift and the autoscale daemons both run.
+
+A kopf daemon rather than a timer: a timer's interval is fixed when it is registered, while
+``spec.policy.sampleIntervalS`` is per object and may be edited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+log = logging.getLogger("gearshift.loop")
+
+#: The sample interval when the GearSet's is missing or unreadable, s (the API's default, seed 002).
+DEFAULT_INTERVAL_S = 2.0
+
+
+def sample_interval(body: Mapping[str, Any], floor_s: float) -> float:
+    """``spec.policy.sampleIntervalS`` of a GearSet body, s, at least ``floor_s`` (2 s when unreadable)."""
+    raw = ((body.get("spec") or {}).get("policy") or {}).get("sampleIntervalS", DEFAULT_INTERVAL_S)
+    try:
+        return max(float(raw), floor_s)
+    except (TypeError, ValueError):
+        return DEFAULT_INTERVAL_S
+
+
+async def every_sample_interval(
+    namespace: str,
+    name: str,
+    body: Mapping[str, Any],
+    stopped: kopf.DaemonStopped,
+    tick: Callable[[str, str], Any],
+    *,
+    what: str,
+    floor_s: float,
+    expected: tuple[type[BaseException], ...],
+) -> None:
+    """Run ``tick(namespace, name)`` in a thread (the API client is synchronous) once per sample interval.
+
+    A tick that returns an object with a truthy ``skipped`` logs it at debug level; an ``expected`` error
+    is a warning, anything else is logged with its traceback; the loop goes on either way until kopf
+    stops the daemon. The interval is re-read from ``body`` (kopf keeps it current) every round.
+    """
+    while not stopped:
+        start = time.monotonic()
+        try:
+            res = await asyncio.to_thread(tick, namespace, name)
+            if getattr(res, "skipped", None):
+                log.debug("GearSet %s/%s %s: %s", namespace, name, what, res.skipped)
+        except expected as exc:
+            log.warning("GearSet %s/%s: %s failed: %s", namespace, name, what, exc)
+        except Exception:
+            log.exception("GearSet %s/%s: %s failed", namespace, name, what)
+        await stopped.wait(max(0.0, sample_interval(body, floor_s) - (time.monotonic() - start)))
