@@ -38,7 +38,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import kopf
-from pydantic import ValidationError
 
 from gearshift.api.common import (
     COND_SCALING_ACTIVE,
@@ -47,15 +46,14 @@ from gearshift.api.common import (
     REASON_SCALED_UP,
     VERSION,
 )
-from gearshift.api.gearset import Gear, GearSet, ScalingStatus
-from gearshift.api.pdservice import PDService
+from gearshift.api.gearset import Gear, ScalingStatus
 from gearshift.control import scaling as sc
 from gearshift.control.signals import GearSelector, SignalsUnavailable
 from gearshift.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError
-from gearshift.handlers.loop import every_sample_interval
-from gearshift.handlers.reconcile import GPUP, GS, NODE, PDS, POD, SHIFT_STEPS, STS, NotYet, service_lock
+from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
+from gearshift.handlers.reconcile import GPUP, GS, NODE, POD, SHIFT_STEPS, STS, NotYet, service_lock
 from gearshift.handlers.shifting import _gpu_requests, from_time, to_time
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
@@ -276,24 +274,12 @@ def tick(
     Raises:
         KubeApiError: the API server refused a read or write (the loop retries next turn).
     """
-    gs_body = api.get(*GS, namespace, name)
-    if gs_body is None or (gs_body.get("metadata") or {}).get("deletionTimestamp"):
-        return TickResult(skipped="GearSet gone")
-    try:
-        gs = GearSet.model_validate(gs_body)
-    except ValidationError as exc:
-        return TickResult(skipped=f"GearSet invalid: {exc.error_count()} error(s)")
+    loaded = load_gearset_and_service(api, namespace, name)
+    if isinstance(loaded, str):
+        return TickResult(skipped=loaded)
+    gs_body, gs, pds = loaded
     role, service = gs.spec.role, gs.spec.service_name
-    pds_body = api.get(*PDS, namespace, service)
-    if pds_body is None:
-        return TickResult(skipped=f"PDService {service!r} not found")
-    try:
-        pds = PDService.model_validate(pds_body)
-    except ValidationError:
-        return TickResult(skipped=f"PDService {service!r} invalid")
     role_spec = getattr(pds.spec, role)
-    if role_spec.gear_set_ref.name != name:
-        return TickResult(skipped=f"PDService {service!r} {role} refers to another GearSet")
     if role_spec.scaling is None:
         return TickResult(skipped="no scaling section: replicas stay as spec.replicas says")
     gears = {g.name: g for g in gs.gears()}

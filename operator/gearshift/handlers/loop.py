@@ -13,8 +13,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
+
+from gearshift.api.gearset import GearSet
+from gearshift.api.pdservice import PDService
+from gearshift.handlers.kubeapi import KubeApi
 
 log = logging.getLogger("gearshift.loop")
+
+GS = ("gearshift.io/v1alpha1", "GearSet")
+PDS = ("gearshift.io/v1alpha1", "PDService")
 
 #: The sample interval when the GearSet's is missing or unreadable, s (the API's default, seed 002).
 DEFAULT_INTERVAL_S = 2.0
@@ -57,3 +65,34 @@ async def every_sample_interval(
         except Exception:
             log.exception("GearSet %s/%s: %s failed", namespace, name, what)
         await stopped.wait(max(0.0, sample_interval(body, floor_s) - (time.monotonic() - start)))
+
+
+def load_gearset_and_service(
+    api: KubeApi, namespace: str, name: str
+) -> tuple[dict[str, Any], GearSet, PDService] | str:
+    """The GearSet ``namespace/name`` (raw body and model) and the PDService whose role refers to it.
+
+    Returns a reason to skip this turn instead when the GearSet is gone or being deleted, either object
+    does not validate, the PDService is missing, or its role names another GearSet.
+
+    Raises:
+        KubeApiError: the API server refused a read.
+    """
+    gs_body = api.get(*GS, namespace, name)
+    if gs_body is None or (gs_body.get("metadata") or {}).get("deletionTimestamp"):
+        return "GearSet gone"
+    try:
+        gs = GearSet.model_validate(gs_body)
+    except ValidationError as exc:
+        return f"GearSet invalid: {exc.error_count()} error(s)"
+    role, service = gs.spec.role, gs.spec.service_name
+    pds_body = api.get(*PDS, namespace, service)
+    if pds_body is None:
+        return f"PDService {service!r} not found"
+    try:
+        pds = PDService.model_validate(pds_body)
+    except ValidationError:
+        return f"PDService {service!r} invalid"
+    if getattr(pds.spec, role).gear_set_ref.name != name:
+        return f"PDService {service!r} {role} refers to another GearSet"
+    return gs_body, gs, pds

@@ -44,7 +44,6 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import kopf
-from pydantic import ValidationError
 
 from gearshift.api.common import (
     COND_SIGNALS_AVAILABLE,
@@ -55,7 +54,6 @@ from gearshift.api.common import (
     VERSION,
 )
 from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearSet, GearSignals
-from gearshift.api.pdservice import PDService
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, TriggerTrack, decide
 from gearshift.control.executor import (
@@ -89,11 +87,10 @@ from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacat
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError
-from gearshift.handlers.loop import every_sample_interval
+from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import (
     GS,
     NODE,
-    PDS,
     POD,
     STS,
     SVC,
@@ -490,23 +487,11 @@ def tick(
     Raises:
         KubeApiError: the API server refused a read or write (the loop retries next turn).
     """
-    gs_body = api.get(*GS, namespace, name)
-    if gs_body is None or (gs_body.get("metadata") or {}).get("deletionTimestamp"):
-        return TickResult(skipped="GearSet gone")
-    try:
-        gs = GearSet.model_validate(gs_body)
-    except ValidationError as exc:
-        return TickResult(skipped=f"GearSet invalid: {exc.error_count()} error(s)")
+    loaded = load_gearset_and_service(api, namespace, name)
+    if isinstance(loaded, str):
+        return TickResult(skipped=loaded)
+    gs_body, gs, pds = loaded
     role, service = gs.spec.role, gs.spec.service_name
-    pds_body = api.get(*PDS, namespace, service)
-    if pds_body is None:
-        return TickResult(skipped=f"PDService {service!r} not found")
-    try:
-        pds = PDService.model_validate(pds_body)
-    except ValidationError:
-        return TickResult(skipped=f"PDService {service!r} invalid")
-    if getattr(pds.spec, role).gear_set_ref.name != name:
-        return TickResult(skipped=f"PDService {service!r} {role} refers to another GearSet")
     gears = gs.gears()
     gear_names = [g.name for g in gears]
     st = gs.status
