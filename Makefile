@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 binaries:
+	bash e2e/sandbox/install-prereqs.sh
 	bash e2e/sandbox/build.sh >/dev/null
 
 sandbox-up: venv binaries
