@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+
+from gearshift.k8s.apply_text import apply_text
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -125,12 +126,7 @@ class Cluster:
         self, manifest: dict[str, Any] | list[dict[str, Any]] | str, namespace: str | None = None
     ) -> None:
         """``kubectl apply -f -`` of one manifest, a list of them, or YAML text."""
-        if isinstance(manifest, dict):
-            text = yaml.safe_dump(manifest)
-        elif isinstance(manifest, list):
-            text = yaml.safe_dump_all(manifest)
-        else:
-            text = manifest
+        text = manifest if isinstance(manifest, str) else apply_text(manifest)
         ns = ("-n", namespace) if namespace else ()
         self.kubectl("apply", *ns, "-f", "-", input=text)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from gearshift.k8s.apply_text import apply_text
 
 
 class DemoError(RuntimeError):
@@ -76,7 +76,7 @@ class Kube:
     def apply_docs(self, docs: list[dict[str, Any]], namespace: str | None = None) -> str:
         """``kubectl apply -f -`` of ``docs``; returns kubectl's output."""
         ns = ("-n", namespace) if namespace else ()
-        return self.run("apply", *ns, "-f", "-", input=yaml.safe_dump_all(docs, sort_keys=False)).stdout
+        return self.run("apply", *ns, "-f", "-", input=apply_text(docs)).stdout
 
     def ensure_namespace(self, name: str) -> None:
         """Create namespace ``name`` unless it exists."""
