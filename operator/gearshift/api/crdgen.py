@@ -269,8 +269,10 @@ KINDS: tuple[Kind, ...] = (
             _col(
                 "WINDOW",
                 ".status.availableUntil",
-                "date",
-                "When the node is reclaimed (time-limited node), if declared.",
+                # A string, not a date: kubectl prints a date column as an age, and "<invalid>" for any
+                # time in the future, which a window's end always is while it matters.
+                "string",
+                "When the node is reclaimed (time-limited node, RFC 3339 UTC), if declared.",
             ),
             _AGE,
         ],
