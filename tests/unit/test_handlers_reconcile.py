@@ -467,3 +467,48 @@ class TestExplicitGearLayers:
         pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
         ready = {c["type"]: c for c in pds["status"]["conditions"]}["Ready"]
         assert ready["status"] == "False" and "make the last stage's layers end at 32" in ready["message"]
+
+
+class TestUnknownNodeIsNotALostNode:
+    def test_misspelled_node_in_a_new_gear_is_a_placement_problem_not_node_lost(self, api: FakeApi) -> None:
+        reconcile(api)
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        active = gs["status"]["activeGear"]
+        gear = next(g for g in gs["spec"]["gears"] if g["name"] == active)
+        typo = gear["stages"][0]["nodes"][0] + "x"
+        gear["stages"][0]["nodes"][0] = typo
+        api.put(gs, NS)
+        reconcile(api)
+        conds = {
+            c["type"]: c
+            for c in api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]["conditions"]
+        }
+        assert conds["Placed"]["status"] == "False"
+        assert f"no Node named {typo}" in conds["Placed"]["message"]
+        assert conds["Degraded"]["status"] == "False", conds["Degraded"]
+
+    def test_deleted_node_is_lost_after_its_pods_are_gone(self, api: FakeApi) -> None:
+        reconcile(api)
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        active = gs["status"]["activeGear"]
+        gear = next(g for g in gs["spec"]["gears"] if g["name"] == active)
+        victim = gear["stages"][0]["nodes"][0]
+        api.delete("v1", "Node", None, victim)  # the fake API has no pods: only the StatefulSet remembers it
+        reconcile(api)
+        conds = {
+            c["type"]: c
+            for c in api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]["conditions"]
+        }
+        assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "NodeLost"
+        assert victim in conds["Degraded"]["message"]
+
+
+def test_pinned_nodes_reads_back_node_affinity() -> None:
+    from gearshift.k8s.placement import node_affinity, pinned_nodes
+
+    sts = {"spec": {"template": {"spec": {"affinity": {"nodeAffinity": node_affinity(["b", "a"], {})}}}}}
+    assert pinned_nodes(sts) == {"a", "b"}
+    by_label = {
+        "spec": {"template": {"spec": {"affinity": {"nodeAffinity": node_affinity([], {"pool": "x"})}}}}
+    }
+    assert pinned_nodes(by_label) == set()

@@ -73,6 +73,7 @@ from gearshift.k8s.desired import (
 )
 from gearshift.k8s.engine import EngineSpecError
 from gearshift.k8s.fleetsplit import split_pools
+from gearshift.k8s.placement import pinned_nodes
 from gearshift.k8s.services import build_role_service
 from gearshift.k8s.statefulset import stage_replicas
 from gearshift.planner_input import (
@@ -226,19 +227,35 @@ def explicit_pool(
 
 
 def placement_problems(
-    role: str, gear: Gear, nodes: Mapping[str, Mapping[str, Any]]
+    role: str,
+    gear: Gear,
+    nodes: Mapping[str, Mapping[str, Any]],
+    bound: Collection[str] = (),
 ) -> tuple[list[str], list[str]]:
-    """``(problems, lost)`` of one gear: what keeps stages from being placed, and named nodes that are gone
-    or not Ready. Pure."""
+    """``(problems, lost)`` of one gear: what keeps stages from being placed, and named nodes that are lost.
+
+    A named node is *lost* when it is there but not Ready, or gone while the service was using it
+    (``bound``: nodes the service's pods are bound to, or its StatefulSets are pinned to). A name no
+    Node has and the service never used is a placement problem only (most likely a misspelling in an
+    explicit gear): reporting it as lost would mark the service Degraded for a node it never had. Pure.
+    """
     problems: list[str] = []
     lost: list[str] = []
     for k, st in enumerate(gear.stages):
         where = f"{role} gear {gear.name!r} stage {k}"
         if st.nodes:
             gone = [n for n in st.nodes if n not in nodes or not node_ready(nodes[n])]
-            if gone:
-                lost += gone
-                problems.append(f"{where}: node(s) {', '.join(gone)} missing or not Ready")
+            lost += [n for n in gone if n in nodes or n in bound]
+            unknown = [n for n in gone if n not in nodes and n not in bound]
+            if unknown:
+                problems.append(
+                    f"{where}: no Node named {', '.join(unknown)} (check the names in the gear's "
+                    f"stages[{k}].nodes, e.g. with `kubectl get nodes`)"
+                )
+            if len(unknown) < len(gone):
+                problems.append(
+                    f"{where}: node(s) {', '.join(n for n in gone if n not in unknown)} missing or not Ready"
+                )
         elif st.node_selector:
             ok = [n for n in nodes.values() if node_ready(n) and _labels_match(n, st.node_selector)]
             if not ok:
@@ -615,9 +632,9 @@ def _role_readiness(
     return ready, desired, rolled
 
 
-def _unschedulable(api: KubeApi, ns: str, service: str) -> list[str]:
+def _unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     out = []
-    for pod in api.list(*POD, ns, {names.LABEL_SERVICE: service}):
+    for pod in pods:
         for c in (pod.get("status") or {}).get("conditions") or []:
             if (
                 c.get("type") == "PodScheduled"
@@ -696,6 +713,11 @@ def _reconcile(
 
     problems: list[str] = []
     lost: list[str] = []
+    service_pods = api.list(*POD, ns, {names.LABEL_SERVICE: name})
+    # Pods of a deleted node are garbage-collected soon after it goes; the StatefulSet pinned to it stays.
+    bound = {str(p["spec"]["nodeName"]) for p in service_pods if (p.get("spec") or {}).get("nodeName")}
+    for sts_obj in api.list(*STS, ns, {names.LABEL_SERVICE: name}):
+        bound |= pinned_nodes(sts_obj)
     desires: list[RoleDesire] = []
     skip_gears: set[tuple[str, str]] = set()
     for role, rs in roles.items():
@@ -715,7 +737,7 @@ def _reconcile(
             run += [g for g in (st.executor.from_gear, st.executor.to_gear, st.target_gear) if g in gnames]
         run_gears = [g for g in rs.gears if g.name in dict.fromkeys(run)]
         for g in run_gears:
-            p, lo = placement_problems(role, g, nodes)
+            p, lo = placement_problems(role, g, nodes, bound)
             problems += p
             lost += lo
             if p:
@@ -780,7 +802,7 @@ def _reconcile(
             out.deleted += 1
     # --- status ---------------------------------------------------------------------------------
     sts = {s["metadata"]["name"]: s for s in api.list(*STS, ns, {names.LABEL_SERVICE: name})}
-    unsched = _unschedulable(api, ns, name)
+    unsched = _unschedulable(service_pods)
     role_status: dict[str, Any] = {}
     all_ready = True
     rolled_all = True

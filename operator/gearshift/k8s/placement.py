@@ -36,6 +36,22 @@ def node_affinity(nodes: Sequence[str], node_selector: Mapping[str, str]) -> dic
     }
 
 
+def pinned_nodes(statefulset: Mapping[str, Any]) -> set[str]:
+    """The node names a StatefulSet's pod template is pinned to by :func:`node_affinity` (hostname ``In``).
+
+    Empty when the template has no such term (a stage placed by labels). Pure.
+    """
+    tmpl = ((statefulset.get("spec") or {}).get("template") or {}).get("spec") or {}
+    na = (tmpl.get("affinity") or {}).get("nodeAffinity") or {}
+    terms = (na.get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+    out: set[str] = set()
+    for term in terms:
+        for e in term.get("matchExpressions") or []:
+            if e.get("key") == HOSTNAME_LABEL and e.get("operator") == "In":
+                out.update(str(v) for v in e.get("values") or [])
+    return out
+
+
 def pod_anti_affinity(selector: Mapping[str, str], required: bool) -> dict[str, Any]:
     """Keep pods matching ``selector`` (one stage of one gear) on distinct nodes.
 
