@@ -27,6 +27,7 @@ class FakeEngine:
     delay_s: float = 0.0
     tokens: int = 3
     running: int = 0
+    kv_usage: float = 0.25
     requests: list[dict[str, Any]] = field(default_factory=list)
 
     def app(self) -> web.Application:
@@ -51,7 +52,7 @@ class FakeEngine:
             "# TYPE vllm:num_requests_waiting gauge\n"
             'vllm:num_requests_waiting{model_name="m"} 2\n'
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
-            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv_usage}\n'
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -306,3 +307,110 @@ async def test_connection_errors_are_not_leaked(make_router: Factory) -> None:
 def test_session_type_is_aiohttp() -> None:
     # guards the import used by CONNECT_ERRORS
     assert issubclass(aiohttp.ClientConnectorError, aiohttp.ClientError)
+
+
+# --- the hold for decode KV headroom ---------------------------------------------------------------------
+#: KV bytes per token of these tests; with a 1000-byte pool a request of p prompt + m output tokens needs
+#: 1.2 x (p + m) bytes free on a decode pod (seed 000's headroom filter).
+KV_POOL_BYTES = 1000.0
+
+
+async def _pd_router(
+    make_router: Factory, decode_kv_usage: float, **proxy: Any
+) -> tuple[TestClient, Router, dict[str, FakeEngine]]:
+    """pd-score over one prefill and one decode pod whose KV pool is ``KV_POOL_BYTES`` (1 byte a token)."""
+    client, router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", FakeEngine("d0", kv_usage=decode_kv_usage))},
+        policy="pd-score",
+        proxy=ProxyConfig(kv_bytes_per_token=1.0, **proxy),
+    )
+    d0 = router.pool.backends["d0"]
+    d0.info = BackendInfo("d0", d0.info.url, "decode", kv_capacity_bytes=KV_POOL_BYTES)
+    for _ in range(100):  # the first scrape sets the decode pod's KV usage
+        if d0.last_scrape is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert d0.kv_usage == decode_kv_usage
+    return client, router, eng
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of an unlabelled sample ``name`` in exposition ``text`` (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _body(prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
+    return {"prompt": list(range(1000, 1000 + prompt_tokens)), "max_tokens": max_tokens}
+
+
+async def test_no_headroom_holds_the_request_until_headroom_appears(make_router: Factory) -> None:
+    # 2% of 1000 bytes free = 20 < 1.2 x (10 + 10) = 24: no headroom.
+    client, _router, eng = await _pd_router(make_router, decode_kv_usage=0.98)
+    task = asyncio.create_task(client.post("/v1/completions", json=_body(10, 10)))
+    await asyncio.sleep(0.5)  # ten scrapes and placement retries, all misses
+    assert not task.done()
+    metrics = await (await client.get("/metrics")).text()
+    assert _metric(metrics, "gearshift_router_no_decode_headroom_total") == 1.0  # once, not per retry
+    assert _metric(metrics, "gearshift_router_headroom_held") == 1.0
+    assert eng["d0"].requests == [] and eng["p0"].requests == []
+    eng["d0"].kv_usage = 0.5  # 500 bytes free >= 24: the next scrape lets it through
+    resp = await asyncio.wait_for(task, 5)
+    assert resp.status == 200
+    assert len(eng["d0"].requests) == 1 and len(eng["p0"].requests) == 1
+    metrics = await (await client.get("/metrics")).text()
+    assert _metric(metrics, "gearshift_router_no_decode_headroom_total") == 1.0
+    assert _metric(metrics, "gearshift_router_headroom_held") == 0.0
+    assert 'gearshift_router_rejects_total{reason="no_kv_capacity"}' not in metrics
+    decisions = await (await client.get("/debug/decisions")).json()
+    assert decisions["scaleUp"] == {"requests": 1, "lastKvBytes": 20.0, "held": 0}
+
+
+async def test_held_request_is_refused_after_the_headroom_wait(make_router: Factory) -> None:
+    client, _router, eng = await _pd_router(make_router, decode_kv_usage=0.98, headroom_wait_s=0.3)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    resp = await client.post("/v1/completions", json=_body(10, 10))
+    waited = loop.time() - t0
+    assert resp.status == 503
+    message = (await resp.json())["error"]["message"]
+    assert "within 0.3 s" in message and "scale-up requested" in message
+    assert 0.3 <= waited < 2.0
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_rejects_total{reason="no_kv_capacity"} 1.0' in metrics
+    assert _metric(metrics, "gearshift_router_no_decode_headroom_total") == 1.0
+    assert _metric(metrics, "gearshift_router_headroom_held") == 0.0
+    assert eng["d0"].requests == []
+
+
+async def test_headroom_wait_zero_refuses_at_once(make_router: Factory) -> None:
+    client, _router, _ = await _pd_router(make_router, decode_kv_usage=0.98, headroom_wait_s=0.0)
+    resp = await client.post("/v1/completions", json=_body(10, 10))
+    assert resp.status == 503
+    message = (await resp.json())["error"]["message"]
+    assert message.endswith("free KV memory; scale-up requested"), message
+    metrics = await (await client.get("/metrics")).text()
+    assert _metric(metrics, "gearshift_router_no_decode_headroom_total") == 1.0
+
+
+async def test_held_requests_are_placed_in_arrival_order(make_router: Factory) -> None:
+    # 5% free = 50 bytes: the big request (1.2 x 60 = 72) does not fit, the small one (1.2 x 20 = 24) would.
+    client, router, eng = await _pd_router(make_router, decode_kv_usage=0.95)
+    big = asyncio.create_task(client.post("/v1/completions", json=_body(50, 10)))
+    await asyncio.sleep(0.2)
+    small = asyncio.create_task(client.post("/v1/completions", json=_body(10, 10)))
+    await asyncio.sleep(0.3)
+    # The small one fits but does not overtake the held big one: both wait, each counted once.
+    assert not big.done() and not small.done()
+    assert eng["d0"].requests == []
+    metrics = await (await client.get("/metrics")).text()
+    assert _metric(metrics, "gearshift_router_no_decode_headroom_total") == 2.0
+    assert _metric(metrics, "gearshift_router_headroom_held") == 2.0
+    assert router.proxy is not None and router.proxy.headroom_held == 2
+    eng["d0"].kv_usage = 0.0
+    assert (await asyncio.wait_for(big, 5)).status == 200
+    assert (await asyncio.wait_for(small, 5)).status == 200
+    # The decode pod got the big one's prefill handoff first (placement order = arrival order).
+    assert [len(r["prompt"]) for r in eng["p0"].requests] == [50, 10]

@@ -26,6 +26,7 @@ class RouterMetrics:
     retries: Counter
     rejects: Counter
     no_decode_headroom: Counter
+    headroom_held: Gauge
     inflight: Gauge
     queued: Gauge
     pods_available: Gauge
@@ -87,8 +88,14 @@ def make_metrics() -> RouterMetrics:
         ),
         no_decode_headroom=Counter(
             "gearshift_router_no_decode_headroom",
-            "Requests no decode pod had free KV memory >= 1.2 x their KV cache for (seed 000: scale up); "
-            "the operator's autoscaler reads it as an immediate scale-up signal (issue 12).",
+            "Requests no decode pod had free KV memory >= 1.2 x their KV cache for (seed 000: scale up), "
+            "counted once per request at its first miss; the operator's autoscaler reads it as an immediate "
+            "scale-up signal (issue 12).",
+            registry=reg,
+        ),
+        headroom_held=Gauge(
+            "gearshift_router_headroom_held",
+            "Requests held (not yet placed) because no decode pod has KV headroom for them.",
             registry=reg,
         ),
         inflight=Gauge("gearshift_router_inflight", "Requests admitted and not finished.", registry=reg),

@@ -5,7 +5,13 @@ Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request:
 1. admission: at most ``max_inflight`` requests are forwarded at once; up to ``max_queue`` more wait (for
    at most ``queue_timeout_s``); beyond that the client gets 429 (queue full) or 503 (waited too long);
 2. with prefill and decode pods: pick a decode pod, then a prefill pod (pd-score's prefill network term
-   needs the decode peer); send the prefill pod the request with ``max_tokens: 1``, ``stream: false`` and
+   needs the decode peer). When no decode pod has KV headroom for the request (pd-score's seed-000
+   filter), the request is *held*, not refused: it joins a FIFO of such requests (at most ``max_queue``)
+   and placement is retried, head first, until headroom appears (requests finish, a scale-up's new pod
+   joins) or ``headroom_wait_s`` passes (then 503, "scale-up requested"). The
+   ``gearshift_router_no_decode_headroom`` counter — the autoscaler's immediate scale-up signal — counts
+   each held request once, at its first miss. Then send the prefill pod the request with
+   ``max_tokens: 1``, ``stream: false`` and
    ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false}``; send the decode pod the
    client's request plus the ``kv_transfer_params`` the prefill pod returned, streaming it back as it comes
    (vLLM's NixlConnector proxy protocol). With only ``both`` pods: forward the request as is;
@@ -22,6 +28,7 @@ import asyncio
 import copy
 import json
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +64,14 @@ class ProxyConfig:
     kv_bytes_per_token: float = 0.0
     prefill_ms_per_token: float = 0.0
     """Prefill ms per prompt token on the reference card (speed 1); 0 → unknown (pd-score's seed queue)."""
+    headroom_wait_s: float = 30.0
+    """How long a request no decode pod has KV headroom for is held while placement is retried, s; 0 →
+    refused at once (503). Longer than the admission ``queue_timeout_s`` because it must cover what frees
+    headroom: requests finishing (a decode of a few hundred tokens takes seconds) or a scale-up's new pod
+    (on the sandbox ~10 s from the first miss to the router picking it; real engines take minutes to load
+    weights, so there the hold covers transient exhaustion; a sustained one still ends in 503s)."""
+    headroom_poll_s: float = 0.05
+    """Period of the held head request's placement retries, s (signals change every scrape, 0.5-2 s)."""
     default_max_tokens: int = 16
     text_tokens: str = "chars"
     """How text prompts are counted: ``chars`` (÷4, real tokenizers) or ``words`` (gearshift-sim)."""
@@ -150,6 +165,8 @@ class Proxy:
         self._slots = asyncio.Semaphore(config.max_inflight)
         self.scale_up_requests = 0
         self.last_scale_up_kv_bytes: float | None = None
+        # Requests held for decode KV headroom, oldest first; an event is set when its holder may try.
+        self._headroom_q: deque[asyncio.Event] = deque()
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self) -> float:
@@ -194,6 +211,86 @@ class Proxy:
 
     def release(self) -> None:
         self._slots.release()
+
+    # --- decode placement with a hold for KV headroom ----------------------------------------------
+    @property
+    def headroom_held(self) -> int:
+        """Requests held now for decode KV headroom."""
+        return len(self._headroom_q)
+
+    def _try_decode(self, req: P.RequestView) -> Backend | None:
+        """One decode pick; None when pd-score's headroom filter left no pod.
+
+        Raises:
+            RequestError: 503 when there is no healthy decode pod at all.
+        """
+        try:
+            b = self.pool.pick("decode", req, self.clock(), None, ())
+        except P.NoDecodeCapacityError:
+            return None
+        except P.NoPodError as exc:
+            self.metrics.rejects.labels("no_decode_pod").inc()
+            raise RequestError(503, str(exc), "service_unavailable", "no_pod") from exc
+        self.metrics.picks.labels(self.pool.config.policy, "decode", b.info.name).inc()
+        return b
+
+    def _refuse_no_headroom(self, req: P.RequestView, why: str) -> RequestError:
+        self.metrics.rejects.labels("no_kv_capacity").inc()
+        return RequestError(
+            503,
+            f"{P.NoDecodeCapacityError(req.kv_bytes)}{why}; scale-up requested",
+            "service_unavailable",
+            "no_pod",
+        )
+
+    async def _place_decode(self, req: P.RequestView) -> Backend:
+        """The decode pod of a PD request, holding the request while no pod has KV headroom for it.
+
+        FIFO: while requests are held, a new one joins the end instead of trying (it would overtake them),
+        and only the head retries; when it leaves, the next one tries at once.
+
+        Raises:
+            RequestError: 503 when no decode pod exists, when the hold passes ``headroom_wait_s``, or when
+                ``max_queue`` requests are held already.
+        """
+        if not self._headroom_q:
+            b = self._try_decode(req)
+            if b is not None:
+                return b
+        # The first miss of this request: the autoscaler's immediate scale-up signal, once per request.
+        self.scale_up_requests += 1
+        self.last_scale_up_kv_bytes = req.kv_bytes
+        self.metrics.no_decode_headroom.inc()
+        wait_s = self.cfg.headroom_wait_s
+        if wait_s <= 0:
+            raise self._refuse_no_headroom(req, "")
+        if len(self._headroom_q) >= self.cfg.max_queue:
+            raise self._refuse_no_headroom(req, f" and {len(self._headroom_q)} requests wait for it already")
+        turn = asyncio.Event()
+        if not self._headroom_q:
+            turn.set()
+        self._headroom_q.append(turn)
+        self.metrics.headroom_held.inc()
+        deadline = self.clock() + wait_s
+        try:
+            while (remaining := deadline - self.clock()) > 0:
+                if not turn.is_set():
+                    try:
+                        await asyncio.wait_for(turn.wait(), remaining)
+                    except TimeoutError:
+                        break
+                    continue
+                b = self._try_decode(req)
+                if b is not None:
+                    return b
+                await asyncio.sleep(min(self.cfg.headroom_poll_s, remaining))
+            raise self._refuse_no_headroom(req, f" within {wait_s:g} s")
+        finally:
+            was_head = self._headroom_q[0] is turn
+            self._headroom_q.remove(turn)
+            self.metrics.headroom_held.dec()
+            if was_head and self._headroom_q:
+                self._headroom_q[0].set()
 
     # --- upstream calls --------------------------------------------------------------------------
     def _pick(self, role: P.Role, req: P.RequestView, peer: Backend | None, tried: set[str]) -> Backend:
@@ -341,7 +438,7 @@ class Proxy:
         decode_peer: Backend | None = None
         decode_choice: Backend | None = None
         if pd:
-            decode_choice = self._pick("decode", req, None, set())
+            decode_choice = await self._place_decode(req)
             prefill_body = copy.deepcopy(body)
             prefill_body.update(
                 max_tokens=1,

@@ -226,6 +226,7 @@ class Router:
         body["scaleUp"] = {
             "requests": self.proxy.scale_up_requests,
             "lastKvBytes": self.proxy.last_scale_up_kv_bytes,
+            "held": self.proxy.headroom_held,
         }
         return web.json_response(body)
 
@@ -305,6 +306,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=512)
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--queue-timeout", type=float, default=10.0, help="s")
+    p.add_argument(
+        "--headroom-wait",
+        type=float,
+        default=ProxyConfig.headroom_wait_s,
+        help="s a request no decode pod has KV headroom for is held while placement is retried (0: refuse)",
+    )
     p.add_argument("--request-timeout", type=float, default=300.0, help="s")
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--eject-s", type=float, default=5.0)
@@ -406,6 +413,7 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             max_inflight=a.max_inflight,
             max_queue=a.max_queue,
             queue_timeout_s=a.queue_timeout,
+            headroom_wait_s=a.headroom_wait,
             request_timeout_s=a.request_timeout,
             retries=a.retries,
             eject_s=a.eject_s,
