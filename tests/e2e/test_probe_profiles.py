@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +279,28 @@ def test_failing_probe_is_reported_retried_and_unlabelled(sandbox: Any, operator
         got = sandbox.wait_for(lambda: ready_and_labelled(sandbox, name), 60, "recovery after the fix")
         assert got["labels"]["gearshift.io/gpu-model"] == "T4-16GB"
         assert got["profile"]["status"]["probe"]["attempts"] == 0
+    finally:
+        delete_node(sandbox, name)
+        sandbox.kubectl("delete", "gpup", name, "--wait=false", check=False)
+
+
+def test_declared_window_reaches_the_profile_and_reads_as_a_time(sandbox: Any, operator: Path) -> None:
+    name = make_node(sandbox, "T4-16GB")
+    try:
+        sandbox.wait_for(lambda: ready_and_labelled(sandbox, name), 60, f"new node {name} profiled")
+        # Declared after the profile is Ready: the slower Ready tick must still pick it up.
+        until = (datetime.now(UTC) + timedelta(hours=1)).replace(microsecond=0)
+        sandbox.kubectl(
+            "annotate", "node", name, "--overwrite", f"gearshift.io/available-until={until.isoformat()}"
+        )
+        prof = sandbox.wait_for(
+            lambda: (p := profile(sandbox, name)) and p["status"].get("availableUntil") and p,
+            30,
+            "the node's window in its GPUProfile",
+        )
+        assert datetime.fromisoformat(prof["status"]["availableUntil"].replace("Z", "+00:00")) == until
+        row = sandbox.kubectl("get", "gpup", name, "--no-headers").stdout.split()
+        assert row[7] == prof["status"]["availableUntil"], row  # the time itself, not "<invalid>"
     finally:
         delete_node(sandbox, name)
         sandbox.kubectl("delete", "gpup", name, "--wait=false", check=False)

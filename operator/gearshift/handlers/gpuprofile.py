@@ -1,6 +1,7 @@
 """kopf handlers of GPUProfiles: run probe Jobs, write status, classify the fleet, label the nodes.
 
-One timer per GPUProfile (every :data:`TICK_S`) takes one level-triggered step of the life cycle in
+One timer per GPUProfile (every :data:`TICK_S`; every :data:`READY_TICK_S` while the profile is Ready)
+takes one level-triggered step of the life cycle in
 :mod:`gearshift.probe_lifecycle`: mark the profile Stale when its node is gone, create a probe Job when
 one is due, read a finished Job's termination message, back off after failures; then it sets the
 compute class from the fleet (:func:`gearshift.profiles.classify` over the ``profile_scores`` index)
@@ -55,6 +56,10 @@ from gearshift.profiles import (
 PLURAL = nodes.PLURAL
 #: Seconds between two steps of one profile; bounds how late a finished probe or a new node is seen.
 TICK_S = 2.0
+#: Seconds between two steps of a Ready profile. Its steps then only notice slow changes (a node gone or
+#: its GPU changed, a declared window, a re-probe due, the fleet's classes), and an idle fleet of many
+#: nodes would otherwise keep the operator busy with do-nothing ticks (issue 6: no hot loop when idle).
+READY_TICK_S = 10.0
 
 _lock = threading.Lock()
 #: name → (resourceVersion, status dict) of the last status this process wrote.
@@ -179,7 +184,16 @@ def _create_job(body: kopf.Body, node: NodeView, why: str, now: datetime) -> str
     return name
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S)
+def _is_ready(body: kopf.Body, **_: Any) -> bool:
+    return (body.get("status") or {}).get("phase") == "Ready"
+
+
+def _is_not_ready(body: kopf.Body, **_: Any) -> bool:
+    return not _is_ready(body)
+
+
+# kopf starts and stops a timer as its filter starts and stops matching, so one of the two runs.
+@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S, when=_is_not_ready)
 def gpuprofile_reconcile(
     name: str,
     body: kopf.Body,
@@ -191,6 +205,33 @@ def gpuprofile_reconcile(
     **_: Any,
 ) -> None:
     """One step of the probe life cycle of this profile (see the module docstring)."""
+    _step(name, body, spec, meta, gpu_nodes, profile_scores, logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=READY_TICK_S, initial_delay=READY_TICK_S, when=_is_ready)
+def gpuprofile_ready_reconcile(
+    name: str,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    gpu_nodes: kopf.Index[str, NodeView],
+    profile_scores: kopf.Index[str, float],
+    logger: Any,
+    **_: Any,
+) -> None:
+    """The same step for a Ready profile, at the slower :data:`READY_TICK_S`."""
+    _step(name, body, spec, meta, gpu_nodes, profile_scores, logger)
+
+
+def _step(
+    name: str,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    gpu_nodes: kopf.Index[str, NodeView],
+    profile_scores: kopf.Index[str, float],
+    logger: Any,
+) -> None:
     s = nodes.settings()
     now = _now()
     generation = meta.get("generation")
