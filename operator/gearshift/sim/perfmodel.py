@@ -46,6 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gearshift import roofline
 from gearshift.fleet import TP_EFFICIENCY
 from gearshift.gpus import UnknownGPUError, gpu_spec
 from gearshift.model import GIB, ModelArch
@@ -59,8 +60,8 @@ class PipelineConfigError(ValueError):
 class PerfParams:
     """Efficiency constants and engine knobs of the model; sources in the module docstring."""
 
-    mfu: float = 0.50
-    mbu: float = 0.70
+    mfu: float = roofline.MFU
+    mbu: float = roofline.MBU
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     tp_efficiency: float = TP_EFFICIENCY
@@ -255,19 +256,12 @@ class PerfModel:
         self.pipeline = pipeline
         self.params = params or PerfParams()
         n = len(pipeline.stages)
-        self._lm_head_bytes = arch.vocab_size * arch.hidden_size * arch.dtype_bytes
         self._held = [self._stage_held_bytes(k) for k in range(n)]
-        self._read = [
-            self.stage_layers(k) * arch.layer_weight_bytes + (self._lm_head_bytes if k == n - 1 else 0)
-            for k in range(n)
-        ]
         eff = [self.params.tp_efficiency if s.gpus > 1 else 1.0 for s in pipeline.stages]
         self._flops_per_s = [
             s.tflops * 1e12 * s.gpus * e * self.params.mfu for s, e in zip(pipeline.stages, eff, strict=True)
         ]
         self._bytes_per_s = [s.hbm_gbps * 1e9 * s.gpus * self.params.mbu for s in pipeline.stages]
-        self._dense_flops = 2.0 * (arch.attn_params + arch.active_mlp_params)
-        self._attn_flops = 4.0 * arch.num_heads * arch.head_dim
 
     # --- memory ----------------------------------------------------------------------------------
     def stage_layers(self, k: int) -> int:
@@ -305,17 +299,22 @@ class PerfModel:
     def stage_time_s(
         self, k: int, new_tokens: float, attn_context: float, kv_read: float, seqs: float
     ) -> float:
-        """Roofline time of one micro-batch in stage ``k``, s.
+        """Roofline time of one micro-batch in stage ``k`` (:func:`gearshift.roofline.stage_time_s`), s.
 
         ``new_tokens``: tokens computed; ``attn_context``: Σ over those tokens of the positions each
         attends to; ``kv_read``: cached tokens whose KV is read; ``seqs``: sequences (LM head rows).
         """
-        layers = self.stage_layers(k)
-        flops = layers * (new_tokens * self._dense_flops + self._attn_flops * attn_context)
-        read = self._read[k] + layers * self.arch.kv_bytes_per_token_layer * (kv_read + new_tokens)
-        if k == len(self.pipeline.stages) - 1:
-            flops += 2.0 * self.arch.vocab_size * self.arch.hidden_size * seqs
-        return max(flops / self._flops_per_s[k], read / self._bytes_per_s[k])
+        return roofline.stage_time_s(
+            self.arch,
+            self.stage_layers(k),
+            new_tokens,
+            attn_context,
+            kv_read,
+            seqs,
+            last=k == len(self.pipeline.stages) - 1,
+            flops_per_s=self._flops_per_s[k],
+            bytes_per_s=self._bytes_per_s[k],
+        )
 
     def step(self, work: Iterable[Work]) -> StepTiming:
         """Time one engine step that runs ``work`` (one item per scheduled sequence).
