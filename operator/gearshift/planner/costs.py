@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gearshift import roofline
 from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL
 from gearshift.model import GIB, ModelArch, ModelConfigError, arch_from_hf_config
 from gearshift.planner.errors import PlanInputError
@@ -34,12 +35,16 @@ class LayerCosts:
     activation_mb: float
     """MB crossing each stage boundary per micro-batch."""
     compute_ms: tuple[float, ...]
-    """Per layer: ms per micro-batch on a compute_score-1.0 node."""
+    """Per layer: ms of work per micro-batch of requests on a compute_score-1.0 node (what a stage is busy
+    for: with the roofline model, the requests' prefill and all their decode steps)."""
     weight_gb: tuple[float, ...]
     """Per layer: weights, GiB (embedding folded into layer 0, LM head into the last layer)."""
     kv_gb: tuple[float, ...]
     """Per layer: KV-cache budget, GiB."""
     micro_batch: int = 1
+    latency_ms: tuple[float, ...] | None = None
+    """Per layer: ms one micro-batch spends passing the layer toward the role's key latency (TTFT: its
+    prefill; ITL: one decode step), on a compute_score-1.0 node; None: the same as ``compute_ms``."""
 
     def __post_init__(self) -> None:
         n = len(self.compute_ms)
@@ -47,6 +52,13 @@ class LayerCosts:
             raise PlanInputError("layers must list at least one layer")
         if len(self.weight_gb) != n or len(self.kv_gb) != n:
             raise PlanInputError("compute_ms, weight_gb and kv_gb must have one entry per layer")
+        if self.latency_ms is not None and len(self.latency_ms) != n:
+            raise PlanInputError("latency_ms must have one entry per layer")
+
+    @property
+    def pass_ms(self) -> tuple[float, ...]:
+        """Per layer: the latency share (``latency_ms``, else ``compute_ms``), ms."""
+        return self.compute_ms if self.latency_ms is None else self.latency_ms
 
     @property
     def num_layers(self) -> int:
@@ -62,8 +74,9 @@ class CostModel(Protocol):
 
     name: str
 
-    def at(self, micro_batch: int) -> LayerCosts:
-        """The layer costs when each micro-batch carries ``micro_batch`` requests."""
+    def at(self, micro_batch: int, decode_batch: int | None = None) -> LayerCosts:
+        """The layer costs when each micro-batch carries ``micro_batch`` requests and decode steps read the
+        weights once per ``decode_batch`` sequences (None: per micro-batch)."""
         ...
 
 
@@ -77,7 +90,9 @@ class FileCostModel:
     def name(self) -> str:
         return self.base.name
 
-    def at(self, micro_batch: int) -> LayerCosts:
+    def at(self, micro_batch: int, decode_batch: int | None = None) -> LayerCosts:
+        """Linear scaling from the file's micro-batch; a file states no decode, so ``decode_batch`` is
+        ignored."""
         if micro_batch < 1:
             raise PlanInputError(f"micro_batch must be >= 1, got {micro_batch}")
         f = micro_batch / self.base.micro_batch
@@ -87,51 +102,76 @@ class FileCostModel:
         )
 
 
+#: Roles a gear can serve: both phases on one engine, or one side of prefill/decode disaggregation.
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class RooflineAssumptions:
     """The workload the roofline cost model prices; every field is a stated assumption, not a fact.
 
-    ``prompt_tokens``: tokens one request brings through the pipeline (the prefill of a typical prompt).
-    ``kv_sequences`` × ``kv_context_tokens``: the KV-cache budget reserved per layer on its stage.
-    ``mfu``/``mbu``: achieved share of peak FLOPS / HBM bandwidth. 0.5 and 0.8 are typical of
-    prefill in vLLM-class engines (MFU of 40-60% is what large dense models reach: PaLM, Chowdhery et al.
-    2022, Table 3; decode reaches ~80% of HBM bandwidth: "LLM Inference Performance Engineering",
-    Databricks 2023).
+    ``prompt_tokens`` / ``output_tokens``: the served request shape (mean prompt and output tokens).
+    Defaults: 512 prompt tokens (the planner's earlier assumption) and 128 output tokens, about the median
+    output of the Azure LLM inference conversation trace (129; Patel et al., Splitwise, ISCA 2024); a
+    GearSet states its own in ``spec.plan.workload``.
+    ``role``: ``both`` prices a request as its prefill and its decode steps on one engine; ``prefill``
+    (a PD prefill pod stops after the first token) only the prefill; ``decode`` only the decode steps.
+    ``kv_sequences`` × ``kv_context_tokens``: the KV-cache budget reserved per layer on its stage; a
+    one-stage gear batches ``kv_sequences`` sequences per decode step (its ``maxBatch``).
+    ``mfu``/``mbu``: achieved share of peak FLOPS / HBM bandwidth, the simulated engine's
+    (:mod:`gearshift.roofline`: 0.5, PaLM Table 3; 0.7, Databricks 2023).
     """
 
     prompt_tokens: int = 512
+    output_tokens: int = 128
+    role: str = "both"
     kv_sequences: int = 64
     kv_context_tokens: int = 4096
-    mfu: float = 0.5
-    mbu: float = 0.8
+    mfu: float = roofline.MFU
+    mbu: float = roofline.MBU
 
     def __post_init__(self) -> None:
-        for key in ("prompt_tokens", "kv_sequences", "kv_context_tokens"):
+        for key in ("prompt_tokens", "output_tokens", "kv_sequences", "kv_context_tokens"):
             if getattr(self, key) < 1:
                 raise PlanInputError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("mfu", "mbu"):
             if not 0 < getattr(self, key) <= 1:
                 raise PlanInputError(f"{key} must be in (0, 1], got {getattr(self, key)}")
+        if self.role not in ROLES:
+            raise PlanInputError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 @dataclass(frozen=True)
 class RooflineCostModel:
-    """Layer costs from a model architecture by a roofline on the reference card (H100 SXM).
+    """Layer costs of serving requests, from a model architecture by the simulated engine's roofline
+    (:func:`gearshift.roofline.stage_time_s`) on the reference card (H100 SXM: 989 TFLOPS, 3350 GB/s,
+    gearshift.gpus) at ``mfu``/``mbu``.
 
-    Per layer and micro-batch of ``m`` requests of ``p`` prompt tokens (``t = m·p`` tokens):
+    A request of ``p`` prompt and ``o`` output tokens is its prefill plus ``o − 1`` decode steps (the
+    first token comes out of the prefill), as :class:`gearshift.sim.engine.Engine` runs it. Per layer and
+    micro-batch of ``m`` requests, with decode steps batching ``d`` sequences (``decode_batch``, default
+    ``m``) at the mean context ``c = p + o/2``:
 
-    - FLOPs ``F = t · layer_flops_per_token(context=p/2)`` (gearshift.model: 2 × parameters touched plus
-      attention over the context; causal attention over a prompt sees p/2 tokens on average);
-    - bytes ``B = layer weights + t · KV bytes per token per layer`` (weights read once per micro-batch,
-      the new KV written);
-    - ``compute_ms = max(F / (989 TFLOPS · mfu), B / (3350 GB/s · mbu))`` -- the roofline (Williams,
-      Waterman, Patterson, CACM 2009) at the H100 SXM datasheet peaks (gearshift.gpus).
+    - prefill ``P = roofline(m·p new tokens, Σ attended = m·p(p−1)/2 (causal), no KV read)``;
+    - one decode step ``D = roofline(d new tokens, d·c attended, d·c KV read)`` -- the layer's weights are
+      read once per step of ``d`` sequences, which is why small micro-batches decode slowly on a pipeline
+      (each micro-batch re-reads every stage's weights);
+    - ``compute_ms = P + m·(o − 1)·D / d`` (role ``both``; ``prefill``: ``P``; ``decode``: the decode
+      part) -- the time the layer is busy per micro-batch of requests, so a stage's capacity is
+      ``m / Σ compute_ms`` requests per ms, the engine's at saturation;
+    - ``latency_ms``: ``P`` (the TTFT share; ``decode`` role: ``D`` at ``d = m``, the ITL share).
 
-    ``weight_gb`` is the layer's weights; ``kv_gb = kv_sequences · kv_context_tokens · KV bytes per
-    token per layer``; ``activation_mb = t · hidden · dtype bytes``. The embedding sits on the first stage
-    (folded into layer 0's weights) and the LM head on the last (its weights and ``2·h·vocab`` FLOPs per
-    request, for the one token whose logits prefill needs, folded into the last layer). A tied embedding
-    is still held twice when first and last stage differ, as pipeline engines do.
+    The LM head (``2·h·vocab`` FLOPs per sampled sequence, its weights read once per micro-batch) is priced
+    the same way and folded into the last layer; its weights, and the embedding's, into the last and
+    first layer's ``weight_gb`` (a tied embedding is held twice when first and last stage differ, as
+    pipeline engines do). ``kv_gb = kv_sequences · kv_context_tokens · KV bytes per token per layer``;
+    ``activation_mb`` = the tokens a micro-batch sends across a stage boundary (prefill and decode) ×
+    ``hidden · dtype`` bytes.
+
+    The per-layer sum of rooflines equals the engine's per-stage roofline when every layer is bound the
+    same way (prefill of long prompts: compute; decode: memory); the planner scales a stage by the node's
+    ``compute_score`` (a FLOPS ratio), which overstates memory-bound time on cards whose bandwidth ratio
+    is higher than their FLOPS ratio (A100-40GB 0.46 vs 0.32, T4 0.10 vs 0.07).
     """
 
     arch: ModelArch
@@ -141,38 +181,62 @@ class RooflineCostModel:
     def name(self) -> str:
         return self.arch.name
 
-    def at(self, micro_batch: int) -> LayerCosts:
+    def at(self, micro_batch: int, decode_batch: int | None = None) -> LayerCosts:
         if micro_batch < 1:
             raise PlanInputError(f"micro_batch must be >= 1, got {micro_batch}")
+        if decode_batch is not None and decode_batch < 1:
+            raise PlanInputError(f"decode_batch must be >= 1, got {decode_batch}")
         a, s = self.arch, self.assumptions
         ref = GPU_SPECS[REFERENCE_MODEL]
-        peak_flops = ref.bf16_tflops * 1e12 * s.mfu
-        peak_bytes = ref.hbm_gbps * 1e9 * s.mbu
-        tokens = micro_batch * s.prompt_tokens
+        flops_s = ref.bf16_tflops * 1e12 * s.mfu
+        bytes_s = ref.hbm_gbps * 1e9 * s.mbu
+        m, p, o = micro_batch, s.prompt_tokens, s.output_tokens
+        d = decode_batch or m
+        c = p + o / 2.0
 
-        def roofline_ms(flops: float, nbytes: float) -> float:
-            return max(flops / peak_flops, nbytes / peak_bytes) * 1e3
+        def layer_ms(new: float, attn: float, kv: float) -> float:
+            return 1e3 * roofline.stage_time_s(
+                a, 1, new, attn, kv, 0, last=False, flops_per_s=flops_s, bytes_per_s=bytes_s
+            )
 
-        layer_ms = roofline_ms(
-            tokens * a.layer_flops_per_token(context=s.prompt_tokens // 2),
-            a.layer_weight_bytes + tokens * a.kv_bytes_per_token_layer,
-        )
-        head_bytes = a.vocab_size * a.hidden_size * a.dtype_bytes
-        head_ms = roofline_ms(2.0 * a.hidden_size * a.vocab_size * micro_batch, head_bytes)
+        def head_ms(seqs: float) -> float:
+            return 1e3 * max(roofline.head_flops(a, seqs) / flops_s, roofline.head_bytes(a) / bytes_s)
+
+        prefill = layer_ms(m * p, m * p * (p - 1) / 2.0, 0.0)
+        prefill_head = head_ms(m)
+        step = layer_ms(d, d * c, d * c)
+        step_head = head_ms(d)
+        steps = m * (o - 1) / d  # decode steps' share of this micro-batch of requests
+        if s.role == "decode":
+            # a decode pod runs at least one step per request, even for one-token outputs
+            steps = m * max(o - 1, 1) / d
+            layer, head = steps * step, steps * step_head
+            lat, lat_head = layer_ms(m, m * c, m * c), head_ms(m)
+            tokens = m * (o - 1)
+        elif s.role == "prefill":
+            layer, head, lat, lat_head, tokens = prefill, prefill_head, prefill, prefill_head, m * p
+        else:
+            layer, head = prefill + steps * step, prefill_head + steps * step_head
+            lat, lat_head = prefill, prefill_head
+            tokens = m * (p + o - 1)
         n = a.num_layers
-        compute = [layer_ms] * n
-        compute[-1] += head_ms
+        compute = [layer] * n
+        compute[-1] += head
+        latency = [lat] * n
+        latency[-1] += lat_head
+        hb = roofline.head_bytes(a) / GIB
         weights = [a.layer_weight_bytes / GIB] * n
-        weights[0] += head_bytes / GIB
-        weights[-1] += head_bytes / GIB
+        weights[0] += hb
+        weights[-1] += hb
         kv = s.kv_sequences * s.kv_context_tokens * a.kv_bytes_per_token_layer / GIB
         return LayerCosts(
             name=a.name,
-            activation_mb=tokens * a.activation_bytes_per_token / 1e6,
+            activation_mb=max(tokens, m) * a.activation_bytes_per_token / 1e6,
             compute_ms=tuple(compute),
             weight_gb=tuple(weights),
             kv_gb=(kv,) * n,
             micro_batch=micro_batch,
+            latency_ms=tuple(latency),
         )
 
 

@@ -31,12 +31,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gearshift.planner.costs import CostModel, LayerCosts
 from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError
-from gearshift.planner.partition import Pipeline, fewest_stages, min_bottleneck
+from gearshift.planner.partition import (
+    Pipeline,
+    PipelineStage,
+    evaluate,
+    fewest_stages,
+    lower_bound_ms,
+    min_bottleneck,
+)
 from gearshift.planner.profile import Profile
 from gearshift.planner.simulate import SimResult, simulate
 from gearshift.planner.windows import Windows
@@ -168,6 +175,8 @@ class _Candidate:
     pipeline: Pipeline
     costs: LayerCosts
     nodes: list[list[str]]
+    decode_batch: int | None = None
+    """Sequences per decode step when not the micro-batch (one-stage gears batch all running ones)."""
     effective_ms: float = 0.0
     capacity: float = 0.0
     sim: SimResult | None = None
@@ -215,17 +224,28 @@ def _add_extras(
         free.remove(best)
 
 
-def _tables(profile: Profile, model: CostModel, c: _Candidate) -> tuple[list, list]:
-    per_n = [model.at(n) for n in range(1, c.micro_batch + 1)]
+def _tables(profile: Profile, model: CostModel, c: _Candidate) -> tuple[list, list, list]:
+    """The simulator's tables for micro-batches of 1..micro_batch requests: passage (the key latency's
+    share) and busy time per stage and server, and link transfer per boundary, ms."""
+    per_n = [model.at(n, c.decode_batch) for n in range(1, c.micro_batch + 1)]
+
+    def table(cn: LayerCosts, st: PipelineStage, nid: str, passage: bool) -> float:
+        work = cn.pass_ms if passage else cn.compute_ms
+        return sum(work[st.start : st.end]) / profile.node(nid).compute_score
+
     stage_ms = [
-        [[_stage_ms(cn, st.start, st.end, profile.node(nid).compute_score) for cn in per_n] for nid in ids]
+        [[table(cn, st, nid, True) for cn in per_n] for nid in ids]
+        for st, ids in zip(c.pipeline.stages, c.nodes, strict=True)
+    ]
+    busy_ms = [
+        [[table(cn, st, nid, False) for cn in per_n] for nid in ids]
         for st, ids in zip(c.pipeline.stages, c.nodes, strict=True)
     ]
     link_ms = []
     for a, b in zip(c.nodes, c.nodes[1:], strict=False):
         pairs = [profile.link(x, y) for x, y in zip(a, b, strict=False)]
         link_ms.append([max(p.transfer_ms(cn.activation_mb) for p in pairs if p is not None) for cn in per_n])
-    return stage_ms, link_ms
+    return stage_ms, link_ms, busy_ms
 
 
 def _secure(
@@ -270,6 +290,7 @@ def _candidates(
     out: list[_Candidate] = []
     last_error: PlanError | None = None
     sizes = list(INTENTS[intent])
+    kv_batch = kv_resident_sequences(model)
     smallest = min(n.max_micro_batch for n in profile.nodes)
     if intent == "throughput" and smallest < sizes[0]:
         # Small cards run only small micro-batches; without this they could never join the deep pipeline.
@@ -321,6 +342,8 @@ def _candidates(
                 if secured is None:
                     continue
                 c = _Candidate(intent, mb, p, costs, secured)
+                if len(p.stages) == 1 and kv_batch > mb:
+                    _one_stage_decode(profile, model, c, kv_batch, ids)
                 if intent != "throughput" and not single_pipeline:
                     used = {n for ids_ in secured for n in ids_}
                     _add_extras(profile, c, [n for n in eligible if n not in used], cheap)
@@ -328,6 +351,25 @@ def _candidates(
     if not out:
         raise last_error or EmptyFleetError(f"no {intent} gear fits the fleet")
     return out
+
+
+def _one_stage_decode(
+    profile: Profile, model: CostModel, c: _Candidate, kv_batch: int, node_ids: Sequence[str]
+) -> None:
+    """Re-price a one-stage candidate whose decode steps batch ``kv_batch`` sequences (its max batch).
+
+    The engine runs a one-stage pipeline's whole batch as one micro-batch (gearshift.sim.perfmodel: there
+    micro-batching would only re-read the weights), so a decode step reads the weights once for every
+    running sequence, not once per planner micro-batch.
+    """
+    costs = model.at(c.micro_batch, kv_batch)
+    st = c.pipeline.stages[0]
+    bottleneck, times, _ = evaluate(profile, costs, [(st.start, st.end, st.node_ids)])
+    stage = PipelineStage(st.start, st.end, st.node_ids, times[0], st.memory_gb)
+    lb = lower_bound_ms(costs, [profile.node(n) for n in node_ids], c.pipeline.replicas)
+    c.pipeline = replace(c.pipeline, stages=(stage,), bottleneck_ms=bottleneck, lower_bound_ms=lb)
+    c.costs = costs
+    c.decode_batch = kv_batch
 
 
 def _finish(profile: Profile, model: CostModel, c: _Candidate) -> None:
@@ -342,9 +384,11 @@ def _finish(profile: Profile, model: CostModel, c: _Candidate) -> None:
 def _simulate(
     profile: Profile, model: CostModel, c: _Candidate, qps: float, requests: int, seed: int
 ) -> None:
-    stage_ms, link_ms = _tables(profile, model, c)
+    stage_ms, link_ms, busy_ms = _tables(profile, model, c)
     window = c.pipeline.replicas * len(c.pipeline.stages)
-    c.sim = simulate(stage_ms, link_ms, c.micro_batch, window, qps, requests=requests, seed=seed)
+    c.sim = simulate(
+        stage_ms, link_ms, c.micro_batch, window, qps, requests=requests, seed=seed, busy_ms=busy_ms
+    )
 
 
 def plan(

@@ -52,6 +52,7 @@ def simulate(
     *,
     requests: int = 2000,
     seed: int = 0,
+    busy_ms: Sequence[Sequence[Sequence[float]]] | None = None,
 ) -> SimResult:
     """Simulate ``requests`` Poisson arrivals at ``qps`` through a gear.
 
@@ -63,6 +64,9 @@ def simulate(
         qps: offered load, requests/s (> 0).
         requests: how many requests to simulate (bounds the run).
         seed: seed of the arrival process.
+        busy_ms: like ``stage_ms``, how long a micro-batch keeps its server busy when that is longer than
+            its passage (a request's decode steps occupy the stage after its first token has left);
+            None: ``stage_ms``.
 
     Raises:
         ValueError: ``qps`` ≤ 0, no stages, or tables of the wrong length.
@@ -73,6 +77,9 @@ def simulate(
         raise ValueError("a gear needs at least one stage with at least one server")
     if len(link_ms) != len(stage_ms) - 1:
         raise ValueError("link_ms needs one entry per stage boundary")
+    busy = stage_ms if busy_ms is None else busy_ms
+    if len(busy) != len(stage_ms) or any(len(b) != len(t) for b, t in zip(busy, stage_ms, strict=True)):
+        raise ValueError("busy_ms needs the shape of stage_ms")
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1000.0 / qps, size=requests)).tolist()
     free = [[0.0] * len(servers) for servers in stage_ms]
@@ -94,7 +101,7 @@ def simulate(
                 end = max(ready, free[k][j]) + table[n - 1]
                 if end < best_end:
                     best_j, best_end = j, end
-            free[k][best_j] = best_end
+            free[k][best_j] = max(ready, free[k][best_j]) + busy[k][best_j][n - 1]
             ready = best_end + (link_ms[k][n - 1] if k < len(link_ms) else 0.0)
         done.append(ready)
         for r in range(i, i + n):
