@@ -256,7 +256,8 @@ class TestReconcile:
         arch = PDService.model_validate(api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")).spec
         want = planner.plan(
             planner.parse_profile(doc),
-            planner.RooflineCostModel(arch.model.to_model_arch()),
+            # a decode GearSet's gears are priced by their decode steps (default workload 512/128)
+            planner.RooflineCostModel(arch.model.to_model_arch(), planner.RooflineAssumptions(role="decode")),
             sim_requests=200,
         )
         assert [[list(s.nodes) for s in g.stages] for g in want.gears] == [

@@ -531,6 +531,24 @@ class PlanConstraints(SpecModel):
         return self
 
 
+class Workload(SpecModel):
+    """The request shape the planner prices a gear's capacity with (mean tokens per request)."""
+
+    prompt_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=1048576,
+        description="Mean prompt tokens per request (prefill work).",
+    )
+    output_tokens: int = Field(
+        default=128,
+        ge=1,
+        le=1048576,
+        description="Mean generated tokens per request (decode steps); the default is about the median of "
+        "the Azure LLM inference conversation trace (129).",
+    )
+
+
 class AutoPlan(SpecModel):
     """What the planner should generate when ``mode: auto``."""
 
@@ -543,6 +561,11 @@ class AutoPlan(SpecModel):
     )
     constraints: PlanConstraints = Field(
         default_factory=PlanConstraints, description="Limits for the planner."
+    )
+    workload: Workload = Field(
+        default_factory=Workload,
+        description="Request shape the planner prices capacity with: a prefill role's gears run the "
+        "prompts, a decode role's gears the output tokens.",
     )
 
     @model_validator(mode="after")

@@ -50,7 +50,7 @@ from gearshift.api.common import (
     REASON_WINDOWED_IN_USE,
     format_validation_error,
 )
-from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset import Gear, GearSet, Workload
 from gearshift.api.pdservice import PDService
 from gearshift.control.windows import (
     WindowTiming,
@@ -264,6 +264,15 @@ def placement_problems(
     return problems, lost
 
 
+def plan_assumptions(gs: GearSet) -> planner.RooflineAssumptions:
+    """The roofline assumptions a GearSet's plan prices with: its ``plan.workload`` request shape and its
+    role (a prefill role's gears run only prompts, a decode role's only decode steps). Pure."""
+    w = gs.spec.plan.workload if gs.spec.plan else Workload()
+    return planner.RooflineAssumptions(
+        prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens, role=gs.spec.role
+    )
+
+
 def _cached_plan(
     key: str,
     doc: dict[str, Any],
@@ -277,7 +286,7 @@ def _cached_plan(
             _plan_cache.move_to_end(key)
             return list(_plan_cache[key])
     profile = planner.parse_profile(doc)
-    cost = planner.RooflineCostModel(pds.spec.model.to_model_arch())
+    cost = planner.RooflineCostModel(pds.spec.model.to_model_arch(), plan_assumptions(gs))
     intents = list(gs.spec.plan.intents) if gs.spec.plan else list(planner.INTENTS)
     result = planner.plan(profile, cost, intents=intents, sim_requests=settings.sim_requests, windows=windows)
     gears = [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
@@ -426,6 +435,10 @@ def _plan_roles(
         )
         windows, wkey = planner_windows(deadlines, now, timing) if deadlines else (None, {})
         parts: list[Any] = [doc, cons.to_json() if cons else {}, arch, intents, settings.sim_requests]
+        if plan_spec and plan_spec.workload != Workload():
+            # Only a stated workload enters the fingerprint, so plans made before the field existed keep
+            # their hash (no re-plan on upgrade); the role is fixed per GearSet.
+            parts.append(plan_spec.workload.to_json())
         key = inputs_hash(*parts, wkey) if wkey else inputs_hash(*parts)
         profile = planner.parse_profile(doc)
         running = _running(rs.gs)
