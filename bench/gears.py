@@ -155,18 +155,26 @@ class GearSpec:
     """Head pods = pipeline replicas (stage 0's replicas), each simulating the whole pipeline."""
     nodes: frozenset[str]
     load_s: float
+    head_docs: list[dict[str, Any]] = field(default_factory=list)
+    """The pipeline document of each head: replica r's stages on ``nodes[r]``'s GPU models."""
     """Time for its pods to load their weights at the policy's transfer rate (pods load in parallel), s."""
 
 
-def plan_gears(arch: ModelArch, policy: ShiftPolicy) -> tuple[list[GearSpec], GearSpec, dict[str, Any]]:
+def plan_gears(
+    arch: ModelArch, policy: ShiftPolicy, workload: tuple[int, int] = (512, 128)
+) -> tuple[list[GearSpec], GearSpec, dict[str, Any]]:
     """The planner's three gears on the whole fleet, and the even layer split over the throughput gear's
-    nodes (the deepest gear: every node of the fleet), with the same pipeline replicas and micro-batch."""
+    nodes (the deepest gear: every node of the fleet), with the same pipeline replicas and micro-batch.
+
+    ``workload``: (mean prompt, mean output) tokens the planner prices requests with (a GearSet's
+    ``spec.plan.workload``); engines run the combined role, so the planner prices both phases."""
     fl = fleet_mod.load_fleet(FLEET)
     doc = fleet_mod.resource_profile(fl)
     for n in doc["nodes"]:  # as gearshift.planner_input.resource_profile: usable memory only
         n["memory_gb"] = round(n["memory_gb"] * MEMORY_UTILIZATION, 6)
     profile = planner.parse_profile(doc)
-    cost = planner.RooflineCostModel(arch)
+    shape = planner.RooflineAssumptions(prompt_tokens=workload[0], output_tokens=workload[1], role="both")
+    cost = planner.RooflineCostModel(arch, shape)
     result = planner.plan(profile, cost, sim_requests=PLAN_SIM_REQUESTS)
     specs = []
     for g in result.gears:
@@ -224,7 +232,18 @@ def _spec(api: ApiGear, profile: planner.Profile, arch: ModelArch, policy: Shift
     doc = sim_pipeline(api, gear_links(api, profile))
     load = max(arch.stage_weight_bytes(s.start, s.end) for s in api.stages) / (policy.transfer_gbps * 1e9)
     nodes = frozenset(n for s in api.stages for n in s.nodes)
-    return GearSpec(api.name, api, doc, api.stages[0].replicas, nodes, load)
+    heads = api.stages[0].replicas
+    gpu = {n.node_id: n.gpu_model for n in profile.nodes}
+    head_docs = []
+    for r in range(heads):
+        # Each head pod is timed with its own replica's cards (gpuModel names only the first node's).
+        hd = json.loads(json.dumps(doc))
+        for k, st in enumerate(api.stages):
+            if r < len(st.nodes) and gpu.get(st.nodes[r]):
+                hd["stages"][k]["gpu"] = gpu[st.nodes[r]]
+                hd["stages"][k]["node"] = st.nodes[r]
+        head_docs.append(hd)
+    return GearSpec(api.name, api, doc, heads, nodes, load, head_docs)
 
 
 # --- the simulated world -----------------------------------------------------------------------------
@@ -343,9 +362,9 @@ class Sim:
     def ensure(self, spec: GearSpec, now: float, ready_now: bool = False) -> LiveGear:
         if spec.name in self.gears:
             return self.gears[spec.name]
-        pipe = parse_pipeline(spec.pipeline_doc, self.arch)
         heads = []
-        for _ in range(spec.heads):
+        for r in range(spec.heads):
+            pipe = parse_pipeline(spec.head_docs[r] if spec.head_docs else spec.pipeline_doc, self.arch)
             e = Engine(
                 PerfModel(self.arch, pipe, PerfParams()),
                 role="both",
@@ -647,8 +666,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy = policy_from_api(
         ApiShiftPolicy(), role=args.role, ttft_slo_ms=SLO_TTFT_S * 1000, itl_slo_ms=SLO_ITL_S * 1000
     )
+    whole = load_trace(args.trace)
+    workload = (round(float(whole.prompt.mean())), round(float(whole.output.mean())))
     t0 = time.perf_counter()
-    gears, even, plan_info = plan_gears(arch, policy)
+    gears, even, plan_info = plan_gears(arch, policy, workload)
     plan_s = time.perf_counter() - t0
     trace = load_trace(args.trace, args.limit_s, args.speed)
     start = initial_gear([g.api for g in gears], None)
@@ -697,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "results": results,
             "goals": _goals(results),
         }
-    doc = _report(args, arch, policy, gears, even, plan_info, plan_s, trace, start, scenarios)
+    doc = _report(args, arch, policy, gears, even, plan_info, plan_s, trace, start, scenarios, workload)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
@@ -747,6 +768,7 @@ def _report(
     trace: Trace,
     start: str,
     scenarios: dict[str, Any],
+    workload: tuple[int, int],
 ) -> dict[str, Any]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
@@ -811,6 +833,11 @@ def _report(
             ),
             "role": "both (combined prefill+decode) on the whole fleet; latency triggers read "
             + ("TTFT P99 vs 200 ms" if args.role == "prefill" else "ITL P99 vs 50 ms"),
+            "workload": {
+                "prompt_tokens": workload[0],
+                "output_tokens": workload[1],
+                "source": "the whole trace's mean prompt and output tokens (GearSet spec.plan.workload)",
+            },
             "policy": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(policy).items()},
             "client_timeout_s": CLIENT_TIMEOUT_S,
             "tail_s": TAIL_S,
