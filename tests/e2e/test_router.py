@@ -1,8 +1,9 @@
 """The PD router as the PDService's router pod on the sandbox twin, serving a slice of the shared trace.
 
 The operator runs as a subprocess watching only this module's namespace (the cluster-wide GPUProfile and
-node handlers disabled, as in test_shifting.py). The test makes its own GPU nodes (a unique node pool, so
-the shared sandbox's other users keep theirs): two A10 nodes for a prefill gear with two stage-0 replicas
+node handlers disabled; ``gearshift.sandbox.harness.OperatorProcess``). The test makes its own GPU nodes
+with datasheet GPUProfiles (``harness.GpuNodes``: unique node pools, podCIDR indices 200-249, so the
+shared sandbox's other users keep theirs): two A10 nodes for a prefill gear with two stage-0 replicas
 and one T4 node for the decode gear — fast and slow cards on the two sides of the PD split. The PDService
 (engine ``sim``, a Llama-3.2-1B-shaped model, policy ``pd-score``) makes the operator deploy the router
 Deployment; the sandbox pod runner runs ``gearshift-router`` on a loopback pod IP with its
@@ -24,10 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -36,11 +33,9 @@ from typing import Any
 
 import pytest
 
-from gearshift.fleet import FleetNode
-from gearshift.gpus import gpu_spec
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import TraceRequest, load_trace, run_load
-from gearshift.sandbox.nodes import gpu_node_manifest
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -112,62 +107,6 @@ def manifests(ns: str, prefill_nodes: list[str], decode_nodes: list[str]) -> lis
     return [prefill, decode, pds]
 
 
-def make_nodes(sandbox: Any, models: list[str]) -> tuple[list[str], str]:
-    """GPU nodes private to this module (unique pool, podCIDR indices 200-249); returns names and pool."""
-    tag = uuid.uuid4().hex[:6]
-    pool = f"e2e-rt-{tag}"
-    names = []
-    for i, model in enumerate(models):
-        name = f"gpu-{pool}-{i}"
-        index = 200 + (int(tag, 16) + i) % 50
-        node = gpu_node_manifest(FleetNode(name, pool, gpu_spec(model), 1, 25, 10), index, sandbox.octet)
-        status = node.pop("status")
-        sandbox.apply(node)
-        sandbox.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p",
-                        json.dumps({"status": status}))  # fmt: skip
-        names.append(name)
-    return names, pool
-
-
-class Operator:
-    """The operator as a subprocess on one namespace; stopped by its pid."""
-
-    def __init__(self, sandbox: Any, ns: str, log: Path) -> None:
-        code = (
-            "import argparse, sys; from gearshift import operator_main as m; "
-            "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))"
-        )
-        argv = [
-            sys.executable, "-c", code, "--kubeconfig", str(sandbox.kubeconfig), "--namespace", ns,
-            "--standalone", "--probe-port", "0", "--metrics-port", "0",
-            "--disable", "gearshift.handlers.gpuprofile", "--disable", "gearshift.handlers.nodes",
-        ]  # fmt: skip
-        self.log = log
-        self._fh = log.open("wb")
-        self.proc = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, env=sandbox.env)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._fh.close()
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds) and not pod["metadata"].get(
-        "deletionTimestamp"
-    )
-
-
-def _pods(sandbox: Any, ns: str, selector: str) -> list[dict[str, Any]]:
-    return list(sandbox.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"])
-
-
 def _get(url: str, timeout: float = 5.0) -> str:
     assert url.startswith("http://127."), url  # loopback only
     with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -195,20 +134,22 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         pytest.skip("needs the gearshift sandbox (loopback pod IPs run by the sandbox pod runner)")
     ns = f"e2e-router-{uuid.uuid4().hex[:6]}"
     sandbox.kubectl("create", "namespace", ns)
-    nodes, _pool = make_nodes(sandbox, ["A10-24GB", "A10-24GB", "T4-16GB"])
-    op = Operator(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
+    gpus = GpuNodes(sandbox, "e2e-rt", cidr_base=200)
+    op: OperatorProcess | None = None
     try:
+        nodes = [gpus.add("A10-24GB", "p"), gpus.add("A10-24GB", "p"), gpus.add("T4-16GB", "d")]
+        op = OperatorProcess(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
         sandbox.apply(manifests(ns, nodes[:2], nodes[2:]))
         heads = f"gearshift.io/service={SERVICE},gearshift.io/stage=0"
         sandbox.wait_for(
-            lambda: sum(_ready(p) for p in _pods(sandbox, ns, heads)) == 3,
+            lambda: sum(pod_ready(p) for p in pods(sandbox, ns, heads)) == 3,
             240,
             "2 prefill + 1 decode pods Ready",
         )
         router_sel = f"gearshift.io/service={SERVICE},app.kubernetes.io/component=router"
 
         def router_ip() -> str | None:
-            ready = [p for p in _pods(sandbox, ns, router_sel) if _ready(p)]
+            ready = [p for p in pods(sandbox, ns, router_sel) if pod_ready(p)]
             return ready[0]["status"]["podIP"] if ready else None
 
         try:
@@ -218,7 +159,8 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         assert ip.startswith("127."), ip
         yield {"ns": ns, "router": f"http://{ip}:{ROUTER_PORT}", "heads": heads, "nodes": nodes}
     finally:
-        op.stop()
+        if op is not None:
+            op.stop()
         sandbox.kubectl("delete", "pdservice,gearset", "--all", "-n", ns, "--wait=false", check=False)
         for kind, name in (
             ("pdservice", SERVICE),
@@ -228,8 +170,8 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
             sandbox.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p",
                             '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
         sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        for name in nodes:
-            sandbox.kubectl("delete", "node", name, "--wait=false", check=False)
+        left = gpus.delete_all()
+        assert left == [], f"teardown left {left}"
 
 
 def test_membership_falls_back_to_service_selectors(sandbox: Any, env: dict[str, Any]) -> None:
@@ -237,11 +179,11 @@ def test_membership_falls_back_to_service_selectors(sandbox: Any, env: dict[str,
     slices = sandbox.kubectl_json("get", "endpointslices", "-n", ns)["items"]
     addresses = [a for s in slices for e in (s.get("endpoints") or []) for a in e.get("addresses", [])]
     assert addresses == [], "the API server took loopback addresses: the fallback is not what is tested"
-    heads = {p["metadata"]["name"]: p for p in _pods(sandbox, ns, env["heads"])}
+    heads = {p["metadata"]["name"]: p for p in pods(sandbox, ns, env["heads"])}
 
     def router_pods() -> list[dict[str, Any]] | None:
-        pods = json.loads(_get(env["router"] + "/debug/pods"))["pods"]
-        return pods if len(pods) == 3 else None
+        known = json.loads(_get(env["router"] + "/debug/pods"))["pods"]
+        return known if len(known) == 3 else None
 
     known = sandbox.wait_for(router_pods, 60, "the router to know the 3 head pods")
     by_name = {p["name"]: p for p in known}
@@ -290,7 +232,7 @@ def test_trace_slice_through_the_router_pod(sandbox: Any, env: dict[str, Any]) -
             labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
             key = (labels["role"].strip('"'), labels["pod"].strip('"'))
             picks[key] = picks.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    heads = _pods(sandbox, env["ns"], env["heads"])
+    heads = pods(sandbox, env["ns"], env["heads"])
     prefill = [
         p["metadata"]["name"] for p in heads if p["metadata"]["labels"]["gearshift.io/role"] == "prefill"
     ]
