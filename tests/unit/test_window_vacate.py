@@ -186,6 +186,9 @@ def windowed() -> FakeApi:
     gs = _example("gearset-auto.yaml")
     gs["spec"]["policy"].update(POLICY)
     gs["spec"]["plan"]["constraints"]["windowMarginS"] = MARGIN_S
+    # The vacate is followed from the latency gear (one stage on both H100s); pricing decode by its steps
+    # (plan.workload) made the planner's default start gear another one.
+    gs["spec"]["initialGear"] = "latency"
     a.put(gs, NS)
     _reconcile(a)
     kubelet(a, T0 - 100)
