@@ -156,7 +156,7 @@ class TestTick:
         key = world._key("gearshift.io/v1alpha1", "PDService", NS, SVC)
         del world.store[key]["spec"]["decode"]["scaling"]
         res = run(world, FakeSignals(), T0)
-        assert res.skipped.startswith("no scaling section")
+        assert res.skipped.startswith("no scaling section") and res.idle
         assert "scaling" not in gs(world)["status"]
 
     def test_headroom_rejections_scale_up_at_once_onto_a_free_a10(self, world: PatchApi) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from types import SimpleNamespace
 
 from gearshift.handlers.loop import every_sample_interval, sample_interval
@@ -52,3 +53,26 @@ async def test_ticks_keep_going_through_errors_until_stopped():
         timeout=5,
     )
     assert calls == [("ns", "gs")] * 4
+
+
+async def test_an_idle_tick_waits_the_idle_interval(monkeypatch):
+    import gearshift.handlers.loop as loop
+
+    monkeypatch.setattr(loop, "IDLE_INTERVAL_S", 0.3)
+    stopped = _Stopped()
+    times: list[float] = []
+    idle = [True, False, False]
+
+    def tick(ns: str, name: str) -> object:
+        times.append(time.monotonic())  # the tick runs in a worker thread
+        if len(times) == len(idle):
+            stopped.flag.set()
+        return SimpleNamespace(skipped="", idle=idle[len(times) - 1])
+
+    body = {"spec": {"policy": {"sampleIntervalS": 0.01}}}
+    await asyncio.wait_for(
+        every_sample_interval("ns", "gs", body, stopped, tick, what="t", floor_s=0.01, expected=()),
+        timeout=5,
+    )
+    assert times[1] - times[0] >= 0.3  # after the idle tick
+    assert times[2] - times[1] < 0.25  # back to the sample interval

@@ -229,6 +229,8 @@ class TickResult:
     """What one tick did (logs and tests)."""
 
     skipped: str = ""
+    idle: bool = False
+    """Nothing to do until the spec changes: the loop waits longer before the next turn."""
     decision: sc.ScaleDecision | None = None
     replicas: int | None = None
     """``spec.replicas`` written this tick, if any."""
@@ -281,7 +283,7 @@ def tick(
     role, service = gs.spec.role, gs.spec.service_name
     role_spec = getattr(pds.spec, role)
     if role_spec.scaling is None:
-        return TickResult(skipped="no scaling section: replicas stay as spec.replicas says")
+        return TickResult(skipped="no scaling section: replicas stay as spec.replicas says", idle=True)
     gears = {g.name: g for g in gs.gears()}
     active = gs.status.active_gear
     if active not in gears:

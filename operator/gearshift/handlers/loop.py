@@ -26,6 +26,11 @@ PDS = ("gearshift.io/v1alpha1", "PDService")
 
 #: The sample interval when the GearSet's is missing or unreadable, s (the API's default, seed 002).
 DEFAULT_INTERVAL_S = 2.0
+#: Seconds between two turns while a tick reports ``idle`` (nothing configured for it to do: one gear,
+#: no scaling section, scaled to zero). Each turn reads the API several times, and a namespace of idle
+#: services would otherwise keep the operator busy (issue 6: no hot loop when idle); enabling the
+#: feature takes effect within this time.
+IDLE_INTERVAL_S = 30.0
 
 
 def sample_interval(body: Mapping[str, Any], floor_s: float) -> float:
@@ -50,21 +55,25 @@ async def every_sample_interval(
 ) -> None:
     """Run ``tick(namespace, name)`` in a thread (the API client is synchronous) once per sample interval.
 
-    A tick that returns an object with a truthy ``skipped`` logs it at debug level; an ``expected`` error
-    is a warning, anything else is logged with its traceback; the loop goes on either way until kopf
-    stops the daemon. The interval is re-read from ``body`` (kopf keeps it current) every round.
+    A tick that returns an object with a truthy ``skipped`` logs it at debug level; one with a truthy
+    ``idle`` waits :data:`IDLE_INTERVAL_S` before the next turn; an ``expected`` error is a warning,
+    anything else is logged with its traceback; the loop goes on either way until kopf stops the daemon.
+    The interval is re-read from ``body`` (kopf keeps it current) every round.
     """
     while not stopped:
         start = time.monotonic()
+        idle = False
         try:
             res = await asyncio.to_thread(tick, namespace, name)
+            idle = bool(getattr(res, "idle", False))
             if getattr(res, "skipped", None):
                 log.debug("GearSet %s/%s %s: %s", namespace, name, what, res.skipped)
         except expected as exc:
             log.warning("GearSet %s/%s: %s failed: %s", namespace, name, what, exc)
         except Exception:
             log.exception("GearSet %s/%s: %s failed", namespace, name, what)
-        await stopped.wait(max(0.0, sample_interval(body, floor_s) - (time.monotonic() - start)))
+        interval = max(sample_interval(body, floor_s), IDLE_INTERVAL_S if idle else 0.0)
+        await stopped.wait(max(0.0, interval - (time.monotonic() - start)))
 
 
 def load_gearset_and_service(

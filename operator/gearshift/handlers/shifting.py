@@ -92,6 +92,7 @@ from gearshift.handlers.reconcile import (
     GS,
     NODE,
     POD,
+    SHIFT_STEPS,
     STS,
     SVC,
     NotYet,
@@ -425,6 +426,8 @@ class TickResult:
 
     skipped: str = ""
     """Why nothing was decided (no active gear yet, GearSet gone, ...); empty when it ran."""
+    idle: bool = False
+    """Nothing to decide until the spec changes (one gear, scaled to zero): the loop waits longer."""
     phase: Phase | None = None
     decision: Decision | None = None
     actions: list[Action] = field(default_factory=list)
@@ -499,6 +502,16 @@ def tick(
         return TickResult(skipped="no active gear yet (the reconciler sets it)")
     if st.active_gear not in gear_names:
         return TickResult(skipped=f"active gear {st.active_gear!r} is not among {gear_names}")
+    # A shift in flight must run to its end whatever the gear count says now.
+    # A window on one of its nodes may call for a vacating shift to a gear the reconciler adds.
+    settled = (
+        not (st.executor and st.executor.step in SHIFT_STEPS)
+        and not gs.spec.force_gear
+        and not st.windowed_nodes
+    )
+    if settled and (len(gears) < 2 or gs.spec.replicas == 0):
+        why = "one gear: nothing to shift to" if len(gears) < 2 else "scaled to zero: no signals"
+        return TickResult(skipped=why, idle=True)
     try:
         policy = policy_from_api(gs.spec.policy, role=role, ttft_slo_ms=pds.spec.slo.ttft_ms,
                                  itl_slo_ms=pds.spec.slo.itl_ms)  # fmt: skip
