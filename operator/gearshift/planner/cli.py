@@ -25,7 +25,24 @@ def register(sub: Any) -> None:
         help="one pipeline, no replicas; with --gear throughput: the exact minimum-bottleneck pipeline",
     )
     p.add_argument("--qps", type=float, default=None, help="load for latency predictions, req/s")
-    p.add_argument("--prompt-tokens", type=int, default=512, help="tokens per request (HF config only)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=512, help="mean prompt tokens per request (HF config only)"
+    )
+    p.add_argument(
+        "--output-tokens", type=int, default=128, help="mean output tokens per request (HF config only)"
+    )
+    p.add_argument(
+        "--role",
+        default="both",
+        choices=["both", "prefill", "decode"],
+        help="what the gears serve (HF config only)",
+    )
+    p.add_argument(
+        "--kv-context-tokens",
+        type=int,
+        default=None,
+        help="KV tokens reserved per sequence (HF config only; default: 1.2 x (prompt + output))",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated arrivals")
     p.add_argument("-o", "--output", default="table", choices=FORMATS)
     p.set_defaults(func=run)
@@ -39,7 +56,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         profile = load_cluster(args.cluster)
-        model = load_model(args.model, RooflineAssumptions(prompt_tokens=args.prompt_tokens))
+        shape = RooflineAssumptions(
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            role=args.role,
+            kv_context_tokens=args.kv_context_tokens,
+        )
+        model = load_model(args.model, shape)
         intents = ("latency", "balanced", "throughput") if args.gear == "all" else (args.gear,)
         result = plan(
             profile,

@@ -16,6 +16,7 @@ Units: ms, GiB (``weight_gb``, ``kv_gb``, as the profile's ``memory_gb``), MB = 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,12 @@ class FileCostModel:
 #: Roles a gear can serve: both phases on one engine, or one side of prefill/decode disaggregation.
 ROLES = ("both", "prefill", "decode")
 
+#: Headroom on the KV cache reserved per sequence, × its tokens: the PD router's seed-000 decode filter
+#: admits a request only where free KV memory is >= 1.2 × its KV cache (gearshift.router.policies
+#: KV_HEADROOM), so a stage sized with the same factor leaves that filter room at the planned batch. It also
+#: covers requests longer than the workload's mean (the mean resident context is only ``p + o/2``).
+KV_HEADROOM = 1.2
+
 
 @dataclass(frozen=True)
 class RooflineAssumptions:
@@ -118,6 +125,10 @@ class RooflineAssumptions:
     (a PD prefill pod stops after the first token) only the prefill; ``decode`` only the decode steps.
     ``kv_sequences`` × ``kv_context_tokens``: the KV-cache budget reserved per layer on its stage; a
     one-stage gear batches ``kv_sequences`` sequences per decode step (its ``maxBatch``).
+    ``kv_context_tokens`` None (the default) sizes it from the workload (:attr:`kv_tokens_per_sequence`:
+    ``ceil(KV_HEADROOM × (p + o))``, a prefill pod ``p + 1``); a number fixes it (before the workload
+    sized it, every plan reserved 4096 tokens: 64 × 4096 = 32 GiB per Llama-3-8B stage, more than an
+    A100-40GB's 36 GiB usable leaves beside 15 GiB of weights).
     ``mfu``/``mbu``: achieved share of peak FLOPS / HBM bandwidth, the simulated engine's
     (:mod:`gearshift.roofline`: 0.5, PaLM Table 3; 0.7, Databricks 2023).
     """
@@ -126,19 +137,32 @@ class RooflineAssumptions:
     output_tokens: int = 128
     role: str = "both"
     kv_sequences: int = 64
-    kv_context_tokens: int = 4096
+    kv_context_tokens: int | None = None
     mfu: float = roofline.MFU
     mbu: float = roofline.MBU
 
     def __post_init__(self) -> None:
-        for key in ("prompt_tokens", "output_tokens", "kv_sequences", "kv_context_tokens"):
+        for key in ("prompt_tokens", "output_tokens", "kv_sequences"):
             if getattr(self, key) < 1:
                 raise PlanInputError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_context_tokens is not None and self.kv_context_tokens < 1:
+            raise PlanInputError(f"kv_context_tokens must be >= 1 or None, got {self.kv_context_tokens}")
         for key in ("mfu", "mbu"):
             if not 0 < getattr(self, key) <= 1:
                 raise PlanInputError(f"{key} must be in (0, 1], got {getattr(self, key)}")
         if self.role not in ROLES:
             raise PlanInputError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+    @property
+    def kv_tokens_per_sequence(self) -> int:
+        """Tokens of KV cache reserved per running sequence: ``kv_context_tokens`` when set, else
+        ``ceil(KV_HEADROOM × (prompt_tokens + output_tokens))`` -- the KV a request holds at its last
+        token, with the router's 1.2× headroom. A ``prefill`` pod holds a request only through its prompt
+        and first token, so there ``ceil(KV_HEADROOM × (prompt_tokens + 1))``."""
+        if self.kv_context_tokens is not None:
+            return self.kv_context_tokens
+        held = self.prompt_tokens + (1 if self.role == "prefill" else self.output_tokens)
+        return math.ceil(KV_HEADROOM * held)
 
 
 @dataclass(frozen=True)
@@ -164,7 +188,8 @@ class RooflineCostModel:
     The LM head (``2·h·vocab`` FLOPs per sampled sequence, its weights read once per micro-batch) is priced
     the same way and folded into the last layer; its weights, and the embedding's, into the last and
     first layer's ``weight_gb`` (a tied embedding is held twice when first and last stage differ, as
-    pipeline engines do). ``kv_gb = kv_sequences · kv_context_tokens · KV bytes per token per layer``;
+    pipeline engines do). ``kv_gb = kv_sequences · kv_tokens_per_sequence · KV bytes per token per
+    layer`` (:attr:`RooflineAssumptions.kv_tokens_per_sequence`);
     ``activation_mb`` = the tokens a micro-batch sends across a stage boundary (prefill and decode) ×
     ``hidden · dtype`` bytes.
 
@@ -228,7 +253,7 @@ class RooflineCostModel:
         weights = [a.layer_weight_bytes / GIB] * n
         weights[0] += hb
         weights[-1] += hb
-        kv = s.kv_sequences * s.kv_context_tokens * a.kv_bytes_per_token_layer / GIB
+        kv = s.kv_sequences * s.kv_tokens_per_sequence * a.kv_bytes_per_token_layer / GIB
         return LayerCosts(
             name=a.name,
             activation_mb=max(tokens, m) * a.activation_bytes_per_token / 1e6,

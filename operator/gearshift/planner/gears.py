@@ -482,9 +482,11 @@ def _qps_ranges(capacity: dict[str, float]) -> dict[str, tuple[float, float]]:
 def kv_resident_sequences(model: CostModel) -> int:
     """Sequences whose KV cache the cost model reserved on every stage (0 when it reserved none).
 
-    The roofline model sizes each stage's memory for ``kv_sequences`` sequences of ``kv_context_tokens``
-    tokens (:class:`~gearshift.planner.costs.RooflineAssumptions`), so continuous batching of that many
-    running sequences fits on every stage by construction. A layer-cost file states no such count.
+    The roofline model sizes each stage's memory for ``kv_sequences`` sequences of
+    ``kv_tokens_per_sequence`` tokens each (the workload's prompt + output with 1.2× headroom,
+    :class:`~gearshift.planner.costs.RooflineAssumptions`), so continuous batching of that many running
+    sequences of the workload's shape fits on every stage by construction. A layer-cost file states no
+    such count.
     """
     assumptions = getattr(model, "assumptions", None)
     return int(getattr(assumptions, "kv_sequences", 0) or 0)
