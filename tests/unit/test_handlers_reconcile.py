@@ -406,6 +406,11 @@ class TestReconcile:
         """ensure_gear_sync (the executor's shadow and its un-shadowing) applies the same pod template as
         the reconciler, pipeline links included: otherwise each apply rolls the gear's pods and the shift
         rolls back with "stopped being Ready while draining" (the demo's failed shifts)."""
+        # Long requests (4000 tokens: 64 × 4800 KV tokens reserved, 37.5 GiB) leave the whole model on the
+        # H100s only, so the plan has multi-stage gears; at the default 640 tokens every gear is one stage.
+        body = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+        body["spec"]["plan"]["workload"] = {"promptTokens": 3500, "outputTokens": 500}
+        api.put(body, NS)
         reconcile(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
         active = gs["status"]["activeGear"]

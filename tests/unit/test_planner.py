@@ -292,9 +292,13 @@ class TestSimulator:
 
 
 class TestPlan:
-    def test_three_gears_cover_the_model_with_distinct_nodes(self) -> None:
+    @pytest.mark.parametrize("kv_context_tokens", [None, 4096])
+    def test_three_gears_cover_the_model_with_distinct_nodes(self, kv_context_tokens: int | None) -> None:
         profile = load_cluster(ROOT / "examples" / "fleets/mixed.yaml")
-        model = RooflineCostModel(load_hf_config(ROOT / "examples" / "models" / "llama-3-8b.json"))
+        model = RooflineCostModel(
+            load_hf_config(ROOT / "examples" / "models" / "llama-3-8b.json"),
+            RooflineAssumptions(kv_context_tokens=kv_context_tokens),
+        )
         result = plan(profile, model, sim_requests=400)
         assert [g.name for g in result.gears] == ["latency", "balanced", "throughput"]
         for g in result.gears:
@@ -304,9 +308,17 @@ class TestPlan:
             assert len(used) == len(set(used))
             assert g.bottleneck_ms >= g.lower_bound_ms * (1 - 1e-9)
             assert g.predicted.throughput_rps == pytest.approx(g.micro_batch * 1000 / g.effective_ms)
-        # The throughput gear is the deepest pipeline with the most capacity; a one-stage latency gear may
-        # have more (it decodes its whole batch per weight read, pipelines one micro-batch per read).
+        if kv_context_tokens is None:
+            # The default workload (512 + 128 tokens) reserves 64 × 768 tokens: 6 GiB beside 15 GiB of
+            # weights fits every card but the T4s, so the gears with extras replicate the whole model.
+            assert result.gear("latency").stages[0].layers == (0, 32)
+            assert {"gpu-a100-0", "gpu-a10-0"} <= set(result.gear("latency").stages[0].nodes)
+            return
+        # With 64 × 4096 tokens (32 GiB) only the H100s hold the whole model and the balanced gear is a
+        # pipeline: the throughput gear is the deepest pipeline with the most capacity; a one-stage latency
+        # gear may have more (it decodes its whole batch per weight read, pipelines one micro-batch per read).
         thr = result.gear("throughput")
+        assert len(result.gear("balanced").stages) > 1
         assert thr.predicted.throughput_rps >= result.gear("balanced").predicted.throughput_rps - 1e-9
 
     def test_single_pipeline_throughput_is_the_exact_partition(self) -> None:
