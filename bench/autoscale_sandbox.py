@@ -416,7 +416,7 @@ def run_once(kc: LayoutKubectl, prom_url: str | None, mode: str, load: list[Trac
             f"{res.incomplete} incomplete in {res.duration_s:.0f} s")  # fmt: skip
         return {
             "namespace": ns,
-            "scaling": {"minReplicas": lo, "maxReplicas": args.max_replicas},
+            "scaling": {"minReplicas": lo, "maxReplicas": args.max_replicas, "targets": TARGETS},
             "setup_s": round(setup_s, 1),
             "started_at": datetime.fromtimestamp(t_load0, UTC).replace(microsecond=0).isoformat(),
             "issued": res.issued,
@@ -559,7 +559,45 @@ def summarize(runs: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         out["decode_gpu_hours"] = gh
         out["replicas_timeline"] = timeline(s)
     out["failed_requests"] = {m: r["failed"] + r["incomplete"] for m, r in runs.items()}
+    out["missing_runs"] = [m for m in ("autoscaled", "fixed") if m not in runs]
     return out
+
+
+def write_entry(args: argparse.Namespace, meta: dict[str, Any], runs: dict[str, Any]) -> None:
+    """Replace ``sandbox_trace`` in ``args.out`` with the figures of ``runs`` (other keys kept)."""
+    entry = {
+        "kind": "measured on the sandbox twin (real API server, scheduler, controllers, operator, "
+        "router; simulated engines and GPUs), wall clock",
+        "command": "PYTHONPATH=operator .venv/bin/python bench/autoscale_sandbox.py --modes autoscaled; "
+        "then --modes fixed (each under flock /tmp/gs/sandbox-bench.lock nice -n 5); --modes '' "
+        "recomputes the figures from --raw",
+        "written_at": datetime.now(UTC).replace(microsecond=0).isoformat(),
+        "machine": "2 CPU cores shared with other helpers; every process (API server, etcd, scheduler, "
+        "kwok, Prometheus, pod runner, engines, router, operator, load generator) runs on them",
+        "method": (__doc__ or "").split("\n\n", 1)[1].split("\n\nRun:")[0],
+        "fleet": {
+            "prefill": f"1 x {PREFILL_CARD}",
+            "decode_pool": f"{args.max_replicas} x {DECODE_CARD}",
+            "model": MODEL["name"],
+            "gpus_per_decode_replica": GPUS_PER_REPLICA,
+        },
+        "slo": SLO,
+        "policy": POLICY,
+        "scaling_windows": WINDOWS,
+        "router": "pd-score; a request without decode KV headroom is held up to 30 s (FIFO), counted "
+        "once as no-headroom (the immediate scale-up trigger)",
+        "load": meta,
+        "raw": str(args.raw.relative_to(REPO)) if args.raw.is_relative_to(REPO) else str(args.raw),
+        **summarize(runs, meta),
+        "runs": {
+            m: {k: v for k, v in r.items() if k not in ("samples", "requests", "requests_columns")}
+            for m, r in runs.items()
+        },
+    }
+    data = json.loads(args.out.read_text()) if args.out.exists() else {}
+    data[KEY] = entry
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    say(f"wrote {args.out} ({KEY}, runs {sorted(runs)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,45 +651,16 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout.from_env()
     prom = sbcluster.read_state(layout).get("prometheus_url")
     kc = kubectl_for_layout(layout)
-    install_crds(kc)
+    if args.modes:
+        install_crds(kc)
     raw = json.loads(args.raw.read_text()) if args.raw.exists() else {}
     runs: dict[str, Any] = dict(raw.get("runs") or {}) if raw.get("load") == meta else {}
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m]:
         runs[mode] = run_once(kc, prom, mode, load, args)
         args.raw.write_text(json.dumps({"load": meta, "runs": runs}, separators=(",", ":")) + "\n")
-        entry = {
-            "kind": "measured on the sandbox twin (real API server, scheduler, controllers, operator, "
-            "router; simulated engines and GPUs), wall clock",
-            "command": "PYTHONPATH=operator .venv/bin/python bench/autoscale_sandbox.py --modes autoscaled; "
-            "then --modes fixed (each under flock /tmp/gs/sandbox-bench.lock nice -n 5)",
-            "measured_at": datetime.now(UTC).replace(microsecond=0).isoformat(),
-            "machine": "2 CPU cores shared with other helpers; every process (API server, etcd, scheduler, "
-            "kwok, Prometheus, pod runner, engines, router, operator, load generator) runs on them",
-            "method": (__doc__ or "").split("\n\n", 1)[1].split("\n\nRun:")[0],
-            "fleet": {
-                "prefill": f"1 x {PREFILL_CARD}",
-                "decode_pool": f"{args.max_replicas} x {DECODE_CARD}",
-                "model": MODEL["name"],
-                "gpus_per_decode_replica": GPUS_PER_REPLICA,
-            },
-            "slo": SLO,
-            "policy": POLICY,
-            "scaling_windows": WINDOWS,
-            "scaling_targets": TARGETS,
-            "router": "pd-score; a request without decode KV headroom is held up to 30 s (FIFO), counted "
-            "once as no-headroom (the immediate scale-up trigger)",
-            "load": meta,
-            "raw": str(args.raw.relative_to(REPO)) if args.raw.is_relative_to(REPO) else str(args.raw),
-            **summarize(runs, meta),
-            "runs": {
-                m: {k: v for k, v in r.items() if k not in ("samples", "requests", "requests_columns")}
-                for m, r in runs.items()
-            },
-        }
-        data = json.loads(args.out.read_text()) if args.out.exists() else {}
-        data[KEY] = entry
-        args.out.write_text(json.dumps(data, indent=2) + "\n")
-        say(f"wrote {args.out} ({KEY}, runs {sorted(runs)})")
+        write_entry(args, meta, runs)
+    if not args.modes:  # figures again from the runs already in --raw
+        write_entry(args, meta, runs)
     return 0
 
 
