@@ -2,17 +2,20 @@
 drain, and a scale-up blocked by a full fleet that proceeds when a node appears.
 
 The operator runs as a subprocess watching only this module's namespace (the cluster-wide GPUProfile and
-node handlers disabled, as in test_router.py); the test makes its own GPU nodes in two unique node pools
-(podCIDR indices 100-149, away from the fleet's and the other tests') with datasheet GPUProfiles, and
-deletes them afterwards. One PDService, engine ``sim``, router policy ``pd-score``:
+node handlers disabled: ``gearshift.sandbox.harness.OperatorProcess``); the test makes its own GPU nodes in
+two unique node pools (``harness.GpuNodes``, podCIDR indices 100-149, away from the fleet's and the other
+tests') with datasheet GPUProfiles, and deletes them afterwards. One PDService, engine ``sim``, router
+policy ``pd-score``:
 
 - prefill: one A10 node, one pipeline replica;
 - decode: a T4 pool, ``scaling: {minReplicas: 1, maxReplicas: 2}``. The model is Llama-2-7B-shaped
   (32 layers, hidden 4096, 32 KV heads: 512 KiB of KV cache per token) so that on a 16 GB T4 the weights
   leave a KV pool of 3776 tokens: about six requests of 512 + 128 tokens. Under a few requests/s the
-  router's seed-000 filter (free KV >= 1.2 x the request's KV) refuses requests with 503 and counts
-  ``gearshift_router_no_decode_headroom_total`` — the autoscaler's immediate scale-up signal. A small
-  Llama-1B-shaped model would hold ~380k tokens on the same card and never run out.
+  router's seed-000 filter (free KV >= 1.2 x the request's KV) finds no decode pod for a request: the
+  router holds it (FIFO, up to its ``--headroom-wait`` of 30 s, then 503 "scale-up requested") and
+  counts ``gearshift_router_no_decode_headroom_total`` once at its first miss — the autoscaler's
+  immediate scale-up signal. A small Llama-1B-shaped model would hold ~380k tokens on the same card and
+  never run out.
 
 Windows stated for the test: ``scaleUpS`` 300 (so the KV-usage path cannot be what scales up here: only the
 router's rejections are immediate), ``scaleDownS`` 6, ``scaleToMinDelayS`` 6; ITL SLO 250 ms (a 7B model on
@@ -20,8 +23,9 @@ a T4 decodes at ~65 ms per step, so the P99/SLO ratio stays low and does not hol
 
 Tests, in order on the same service:
 
-1. decode-headroom trigger: rejections → ``GearSet.spec.replicas`` 1 → 2 (reason ``NoDecodeHeadroom``) and
-   the second decode pipeline replica Ready on the second T4 node; time to scale up measured;
+1. decode-headroom trigger: requests held for headroom → ``GearSet.spec.replicas`` 1 → 2 (reason
+   ``NoDecodeHeadroom``) and the second decode pipeline replica Ready on the second T4 node; time to scale
+   up measured (from the first miss);
 2. scale-down: the heavy load stops, a light load runs through the router with the load generator
    (``gearshift.loadgen.run_load``); the autoscaler labels the ordinal-1 head ``gearshift.io/draining``,
    waits for it to drain, and replicas fall to 1 with zero failed requests;
@@ -38,9 +42,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -51,12 +52,9 @@ from typing import Any
 
 import pytest
 
-from gearshift.fleet import FleetNode
-from gearshift.gpus import gpu_spec
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import TraceRequest, run_load
-from gearshift.planner_input import datasheet_gpuprofile
-from gearshift.sandbox.nodes import gpu_node_manifest
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -142,91 +140,10 @@ def manifests(ns: str, prefill_node: str, decode_pool: str, prom_url: str | None
     return [prefill, decode, pds]
 
 
-class Nodes:
-    """GPU nodes private to this module (unique pools), each with a datasheet GPUProfile; deletes checked."""
-
-    def __init__(self, sandbox: Any) -> None:
-        self.sandbox = sandbox
-        self.tag = uuid.uuid4().hex[:6]
-        self.made: list[str] = []
-        self.count = 0
-
-    def pool(self, role: str) -> str:
-        return f"e2e-as-{self.tag}-{role}"
-
-    def add(self, model: str, role: str) -> str:
-        sb = self.sandbox
-        name = f"gpu-{self.pool(role)}-{self.count}"
-        index = 100 + (int(self.tag, 16) + self.count) % 50
-        self.count += 1
-        node = gpu_node_manifest(
-            FleetNode(name, self.pool(role), gpu_spec(model), 1, 25, 10), index, sb.octet
-        )
-        status = node.pop("status")
-        sb.apply(node)
-        self.made.append(name)
-        sb.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p",
-                   json.dumps({"status": status}))  # fmt: skip
-        prof = datasheet_gpuprofile({**node, "status": status})
-        sb.apply({k: prof[k] for k in ("apiVersion", "kind", "metadata", "spec")})
-        sb.kubectl("patch", "gpuprofile", name, "--subresource=status", "--type=merge", "-p",
-                   json.dumps({"status": prof["status"]}))  # fmt: skip
-        return name
-
-    def delete(self, name: str) -> None:
-        for kind in ("node", "gpuprofile"):
-            r = self.sandbox.kubectl("delete", kind, name, "--wait=false", "--ignore-not-found", check=False)
-            assert r.returncode == 0, f"deleting {kind} {name}: {r.stderr}"
-        if name in self.made:
-            self.made.remove(name)
-
-    def delete_all(self) -> list[str]:
-        """Delete every node and profile made; returns the ones the API server still has (should be [])."""
-        for name in list(self.made):
-            self.sandbox.kubectl("delete", "node", name, "--wait=false", "--ignore-not-found", check=False)
-            self.sandbox.kubectl(
-                "delete", "gpuprofile", name, "--wait=false", "--ignore-not-found", check=False
-            )
-        left = []
-        for name in self.made:
-            for kind in ("node", "gpuprofile"):
-                r = self.sandbox.kubectl("get", kind, name, "--ignore-not-found", "-o", "name", check=False)
-                if r.stdout.strip():
-                    left.append(f"{kind}/{name}")
-        return left
-
-
-class Operator:
-    """The operator as a subprocess on one namespace; stopped by its pid."""
-
-    def __init__(self, sandbox: Any, ns: str, log: Path) -> None:
-        code = (
-            "import argparse, sys; from gearshift import operator_main as m; "
-            "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))"
-        )
-        argv = [
-            sys.executable, "-c", code, "--kubeconfig", str(sandbox.kubeconfig), "--namespace", ns,
-            "--standalone", "--probe-port", "0", "--metrics-port", "0",
-            "--disable", "gearshift.handlers.gpuprofile", "--disable", "gearshift.handlers.nodes",
-        ]  # fmt: skip
-        self.log = log
-        self._fh = log.open("wb")
-        self.proc = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, env=sandbox.env)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._fh.close()
-
-
 class HeavyLoad:
     """Requests at a fixed rate through the router pod until stopped (bounded by ``max_s``); counts answers:
-    ``ok``, ``headroom`` (503 "scale-up requested": refused for decode KV headroom) and ``other``."""
+    ``ok``, ``headroom`` (503 "scale-up requested": held for decode KV headroom past the router's
+    headroom wait, then refused) and ``other``."""
 
     def __init__(self, url: str, rps: float, max_s: float) -> None:
         assert url.startswith("http://127."), url  # loopback only
@@ -275,19 +192,8 @@ class HeavyLoad:
         assert not self.thread.is_alive(), "the heavy load did not finish"
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds) and not pod["metadata"].get(
-        "deletionTimestamp"
-    )
-
-
-def _pods(sandbox: Any, ns: str, selector: str) -> list[dict[str, Any]]:
-    return list(sandbox.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"])
-
-
 def _decode_heads(sandbox: Any, ns: str) -> list[dict[str, Any]]:
-    return _pods(sandbox, ns, f"gearshift.io/service={SERVICE},gearshift.io/role=decode,{HEAD0}")
+    return pods(sandbox, ns, f"gearshift.io/service={SERVICE},gearshift.io/role=decode,{HEAD0}")
 
 
 def _gs(sandbox: Any, ns: str) -> dict[str, Any]:
@@ -304,19 +210,23 @@ def _get(url: str, timeout: float = 5.0) -> str:
         return str(r.read().decode())
 
 
-def _no_headroom_total(router: str) -> float:
+def _router_metric(router: str, name: str) -> float:
+    """The sum of the router's samples of ``name`` (unlabelled counters and gauges: the one value)."""
     total = 0.0
     for line in _get(router + "/metrics").splitlines():
-        if line.startswith("gearshift_router_no_decode_headroom_total"):
+        if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
+def _no_headroom_total(router: str) -> float:
+    return _router_metric(router, "gearshift_router_no_decode_headroom_total")
+
+
 def _uids(sandbox: Any, ns: str) -> dict[str, str]:
-    pods = _pods(sandbox, ns, f"gearshift.io/service={SERVICE}")
     return {
         p["metadata"]["name"]: p["metadata"]["uid"]
-        for p in pods
+        for p in pods(sandbox, ns, f"gearshift.io/service={SERVICE}")
         if not p["metadata"].get("deletionTimestamp")
     }
 
@@ -364,20 +274,20 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         pytest.skip("needs the sandbox's Prometheus (the autoscaler's KV/waiting/P99 signals)")
     ns = f"e2e-autoscale-{uuid.uuid4().hex[:6]}"
     sandbox.kubectl("create", "namespace", ns)
-    nodes = Nodes(sandbox)
-    op: Operator | None = None
+    nodes = GpuNodes(sandbox, "e2e-as", cidr_base=100)
+    op: OperatorProcess | None = None
     try:
         prefill_node = nodes.add("A10-24GB", "p")
         decode_nodes = [nodes.add("T4-16GB", "d"), nodes.add("T4-16GB", "d")]
-        op = Operator(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
+        op = OperatorProcess(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
         sandbox.apply(manifests(ns, prefill_node, nodes.pool("d"), sandbox.prometheus_url))
         heads = f"gearshift.io/service={SERVICE},{HEAD0}"
         router_sel = f"gearshift.io/service={SERVICE},app.kubernetes.io/component=router"
 
         def router_ip() -> str | None:
-            if sum(_ready(p) for p in _pods(sandbox, ns, heads)) < 2:
+            if sum(pod_ready(p) for p in pods(sandbox, ns, heads)) < 2:
                 return None
-            ready = [p for p in _pods(sandbox, ns, router_sel) if _ready(p)]
+            ready = [p for p in pods(sandbox, ns, router_sel) if pod_ready(p)]
             return ready[0]["status"]["podIP"] if ready else None
 
         try:
@@ -404,24 +314,27 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         assert left == [], f"teardown left {left}"
 
 
-def test_decode_headroom_rejections_scale_up(sandbox: Any, env: dict[str, Any]) -> None:
+def test_decode_headroom_misses_scale_up(sandbox: Any, env: dict[str, Any]) -> None:
     ns, router = env["ns"], env["router"]
     gs = _gs(sandbox, ns)
     assert gs["spec"].get("replicas", 1) == 1
     before = _no_headroom_total(router)
+    held_seen: list[float] = []
     load = HeavyLoad(router, HEAVY_RPS, max_s=120)
+
+    def first_miss() -> float | None:
+        held_seen.append(_router_metric(router, "gearshift_router_headroom_held"))
+        return time.monotonic() if _no_headroom_total(router) > before else None
+
     try:
         try:
             t_first = sandbox.wait_for(
-                lambda: time.monotonic() if _no_headroom_total(router) > before else None,
-                60,
-                "the router to refuse a request for decode KV headroom",
-                0.25,
+                first_miss, 60, "the router to find no decode KV headroom for a request", 0.25
             )
         except AssertionError as exc:
-            pods = _get(router + "/debug/pods")
+            known = _get(router + "/debug/pods")
             raise AssertionError(
-                f"{exc}\nload ok={load.ok} other={load.other[:3]}\nrouter /debug/pods: {pods[:3000]}"
+                f"{exc}\nload ok={load.ok} other={load.other[:3]}\nrouter /debug/pods: {known[:3000]}"
             ) from None
         t_spec = _wait(
             sandbox,
@@ -434,7 +347,7 @@ def test_decode_headroom_rejections_scale_up(sandbox: Any, env: dict[str, Any]) 
 
         def two_ready() -> float | None:
             heads = _decode_heads(sandbox, ns)
-            return time.monotonic() if sum(_ready(p) for p in heads) == 2 else None
+            return time.monotonic() if sum(pod_ready(p) for p in heads) == 2 else None
 
         t_ready = _wait(sandbox, env, two_ready, 90, "a second decode pipeline replica Ready", 0.5)
         # The router takes the new replica (selector fallback over Ready pods).
@@ -456,12 +369,17 @@ def test_decode_headroom_rejections_scale_up(sandbox: Any, env: dict[str, Any]) 
     assert scaled and "NoDecodeHeadroom" in scaled[-1]["message"], [e["message"] for e in events["items"]]
     new = [p for p in _decode_heads(sandbox, ns) if p["metadata"]["name"].endswith("-1")]
     assert new and new[0]["spec"]["nodeName"] in env["decode_nodes"]
-    assert load.headroom > 0 and load.ok > 0, (load.ok, load.headroom, load.other[:3])
+    assert load.ok > 0, (load.ok, load.headroom, load.other[:3])
+    # The misses held requests (the router's gauge, sampled while waiting for the first miss and once
+    # after it), rather than refusing them at once; refusals are only ever the no-headroom kind.
+    held_seen.append(_router_metric(router, "gearshift_router_headroom_held"))
+    assert max(held_seen) > 0, (held_seen, load.headroom)
     assert load.other == [], load.other[:5]
     _record("decode_headroom_scale_up", {
-        "first_rejection_to_spec_replicas_s": round(t_spec - t_first, 2),
-        "first_rejection_to_replica_ready_s": round(t_ready - t_first, 2),
-        "requests": {"ok": load.ok, "refused_no_headroom": load.headroom, "other_failures": len(load.other)},
+        "first_miss_to_spec_replicas_s": round(t_spec - t_first, 2),
+        "first_miss_to_replica_ready_s": round(t_ready - t_first, 2),
+        "requests": {"ok": load.ok, "refused_no_headroom_after_hold": load.headroom,
+                     "other_failures": len(load.other), "held_max_sampled": max(held_seen)},
         "load": {"rps": HEAVY_RPS, "prompt_tokens": HEAVY_PROMPT, "output_tokens": HEAVY_OUTPUT},
         "decode": "T4-16GB, Llama-2-7B shape (KV pool 3776 tokens), sampleIntervalS 1",
     })  # fmt: skip
@@ -580,7 +498,7 @@ def test_no_free_gpu_never_evicts_and_resumes_when_a_node_appears(sandbox: Any, 
         t_ready = _wait(
             sandbox,
             env,
-            lambda: time.monotonic() if sum(_ready(p) for p in _decode_heads(sandbox, ns)) == 2 else None,
+            lambda: time.monotonic() if sum(pod_ready(p) for p in _decode_heads(sandbox, ns)) == 2 else None,
             90,
             "the second decode replica Ready on the new node",
             0.5,
