@@ -229,6 +229,9 @@ def main() -> int:
         "gpu_hours_saved_share": round(1 - auto["gpu_hours"] / fixed["gpu_hours"], 3),
     }
     out = ROOT / "bench" / "results" / "autoscale.json"
+    # The sandbox runs (tests/e2e/test_autoscale_e2e.py, bench/autoscale_sandbox.py) keep their sections.
+    kept = json.loads(out.read_text()) if out.exists() else {}
+    result = {**result, **{k: v for k, v in kept.items() if k.startswith("sandbox_")}}
     out.write_text(json.dumps(result, indent=2) + "\n")
     keys = ("autoscaled", "fixed_max_replicas", "gpu_hours_saved_share")
     print(json.dumps({k: v for k, v in result.items() if k in keys}, indent=1)[:4000])

@@ -72,6 +72,14 @@ class TestRecommend:
             (3, {"kv_cache_usage": 0.8}, 3, S.REASON_STEADY),
             # the largest ratio governs: kv 0.625, waiting 12/3/4 = 1, P99 2.0 -> ceil(6) = 6 -> max 4
             (3, {"kv_cache_usage": 0.5, "waiting": 12.0, "p99_ratio": 2.0}, 4, S.REASON_SLO),
+            # P99 well inside the SLO is no load measure: kv 0.4 / 0.8 = 0.5 scales 2 -> 1 regardless
+            (2, {"kv_cache_usage": 0.4, "p99_ratio": 0.65}, 1, S.REASON_LOW_LOAD),
+            # ... nor does it hold replicas up on its own (decode ITL barely falls with load)
+            (2, {"p99_ratio": 0.65}, 1, S.REASON_LOW_LOAD),
+            # near the SLO (0.95 within the band) a scale-down would breach it: hold
+            (2, {"kv_cache_usage": 0.4, "p99_ratio": 0.95}, 2, S.REASON_STEADY),
+            # inside the band but not above it, the P99 asks for no scale-up either
+            (2, {"kv_cache_usage": 0.8, "p99_ratio": 1.05}, 2, S.REASON_STEADY),
         ],
     )
     def test_table(self, current: int, sample: dict[str, Any], want: int, reason: str) -> None:

@@ -291,7 +291,8 @@ class ScalingTargets(SpecModel):
         default=1.0,
         gt=0,
         le=100,
-        description="Scale up when the role's P99 (TTFT prefill, ITL decode) exceeds this x its SLO.",
+        description="Scale up when the role's P99 (TTFT prefill, ITL decode) exceeds this x its SLO "
+        "(beyond the 10% tolerance), and do not scale down while it is within 10% of it.",
     )
     decode_headroom_factor: float = Field(
         default=1.2,

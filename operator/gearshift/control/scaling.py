@@ -7,9 +7,13 @@ Algorithm, per sample of one role (issue 12):
 
 1. **Recommendation** (:func:`recommend`), the Kubernetes HPA rule ``desired = ceil(current × ratio)``
    (kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale, "Algorithm details") over the
-   largest of three ratios — KV-cache usage / ``targets.kvCacheUsage``, waiting requests per replica /
-   ``targets.waitingPerReplica``, the role's P99 / (``targets.sloRatio`` × SLO) — with the HPA's 10%
-   tolerance band (no change while the ratio is within 0.9..1.1), clamped to ``[max(min, 1), max]``.
+   larger of two load ratios — KV-cache usage / ``targets.kvCacheUsage``, waiting requests per replica /
+   ``targets.waitingPerReplica`` — with the HPA's 10% tolerance band (no change while the ratio is within
+   0.9..1.1), clamped to ``[max(min, 1), max]``. The role's P99 / (``targets.sloRatio`` × SLO) is not a
+   load ratio: a decode step's time is mostly the weights read once per step, so ITL hardly falls with
+   fewer requests per replica, and as a proportional measure it would hold replicas up at any load. It
+   acts one-sidedly instead: above the band it asks ``ceil(current × ratio)`` (an SLO miss is a scale-up
+   signal), and within or above the band it vetoes a scale-down (fewer replicas would breach the SLO).
 2. **Immediate scale-up** on the router's "no decode headroom" rejections (seed 000: a decode node needs
    free memory ≥ 1.2 × the request's KV cache, *else scale-up is requested*): one more replica than now
    (or the recommendation if higher), without waiting for the up window. Also immediate: activation
@@ -154,8 +158,9 @@ def recommend(sample: ScaleSample, current: int, policy: ScalingPolicy) -> Recom
         ratios.append((sample.kv_cache_usage / policy.kv_cache_usage, REASON_KV_CACHE))
     if policy.waiting_per_replica > 0:
         ratios.append((sample.waiting / base / policy.waiting_per_replica, REASON_WAITING))
-    if sample.p99_ratio is not None:
-        ratios.append((sample.p99_ratio / policy.slo_ratio, REASON_SLO))
+    slo = sample.p99_ratio / policy.slo_ratio if sample.p99_ratio is not None else None
+    if slo is not None and slo > 1.0 + TOLERANCE:
+        ratios.append((slo, REASON_SLO))
     ratio, reason = max(ratios, default=(0.0, REASON_LOW_LOAD))
     if abs(ratio - 1.0) <= TOLERANCE:
         want, reason = base, REASON_STEADY
@@ -166,6 +171,8 @@ def recommend(sample: ScaleSample, current: int, policy: ScalingPolicy) -> Recom
             reason = REASON_LOW_LOAD
         elif want == base:
             reason = REASON_STEADY
+    if want < base and slo is not None and slo >= 1.0 - TOLERANCE:
+        want, reason, ratio = base, REASON_STEADY, slo
     if sample.no_headroom > 0:
         want, reason = max(want, current + 1), REASON_NO_HEADROOM
     want = min(max(want, policy.floor), policy.max_replicas)
