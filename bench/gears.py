@@ -12,13 +12,16 @@ What is real and what is modelled:
   :func:`gearshift.control.executor.step`, :func:`gearshift.control.adapt.policy_from_api` with the
   GearSet API's default :class:`~gearshift.api.gearset.ShiftPolicy`.
 - **Simulated here**: time (virtual: one trace hour = 3600 virtual seconds, no wall-clock sleeps); the
-  router (shortest queue, ``running + waiting``, over the selected gear's head pods; the gear's heads are
-  identical, so speed weights do not matter); Prometheus (the same numbers its queries would give: stage
-  utilisation from the engines' gauge, summed queue/running, completions over the last minute, P50/P99 by
-  ``histogram_quantile`` interpolation over the engines' own histogram buckets of the last minute); the
-  Kubernetes side of the executor's actions (``EnsureGear`` creates the gear's engines, Ready after its
-  weights load at the policy's ``transferGbps``; ``SelectGear`` moves new requests; the old gear keeps
-  and finishes its in-flight requests; ``DeleteGear`` removes it, failing whatever it still holds).
+  router (shortest queue, ``running + waiting``, over the selected gear's head pods, each queue divided by
+  the head's GPU prior -- the PD router's seed-000 prior, :func:`gearshift.gpus.pd_gpu_prior`, of its
+  slowest card -- so that a whole-model replica on an A100 beside the H100s takes a smaller share, as the
+  real router's GPU term does; identical heads reduce to plain shortest queue); Prometheus (the same numbers
+  its queries would give: stage utilisation from the engines' gauge, summed queue/running, completions over
+  the last minute, P50/P99 by ``histogram_quantile`` interpolation over the engines' own histogram buckets
+  of the last minute); the Kubernetes side of the executor's actions (``EnsureGear`` creates the gear's
+  engines, Ready after its weights load at the policy's ``transferGbps``; ``SelectGear`` moves new requests;
+  the old gear keeps and finishes its in-flight requests; ``DeleteGear`` removes it, failing whatever it
+  still holds).
 - **Not modelled**: prefill/decode disaggregation (the engines run the combined ``both`` role on the
   whole fleet), contention between two gears that share a GPU during a shift (each gear's engines are
   timed as if alone), shadow warm-up traffic (shadows take none; with one GPU per node and gears sharing
@@ -80,6 +83,7 @@ from gearshift.control.executor import (  # noqa: E402
 from gearshift.control.policy import GearTable, ShiftPolicy  # noqa: E402
 from gearshift.control.smoothing import Sample  # noqa: E402
 from gearshift.demo.series import histogram_quantile  # noqa: E402
+from gearshift.gpus import pd_gpu_prior  # noqa: E402
 from gearshift.k8s.engine import sim_pipeline  # noqa: E402
 from gearshift.model import ModelArch, load_hf_config  # noqa: E402
 from gearshift.planner_input import api_gear, gear_links, initial_gear  # noqa: E402
@@ -275,6 +279,8 @@ class Head:
 
     engine: Engine
     stepping: bool = False
+    weight: float = 1.0
+    """Routing weight: the PD router's GPU prior of the head's slowest card (gearshift.gpus)."""
 
 
 @dataclass
@@ -372,7 +378,7 @@ class Sim:
                 clock=self.clock,
             )
             e.metrics.itl = ItlRecorder(e.metrics.itl, self.itl_sink)  # type: ignore[assignment]
-            heads.append(Head(e))
+            heads.append(Head(e, weight=min(pd_gpu_prior(st.gpu) for st in pipe.stages)))
         ready = now if ready_now else now + spec.load_s
         live = LiveGear(spec, heads, now, ready)
         self.gears[spec.name] = live
@@ -412,7 +418,7 @@ class Sim:
         if live is None:
             self.out.fail(i, "no gear selected")
             return
-        head = min(live.heads, key=lambda h: h.engine.num_running() + h.engine.num_waiting())
+        head = min(live.heads, key=lambda h: (h.engine.num_running() + h.engine.num_waiting() + 1) / h.weight)
         try:
             req = head.engine.new_request(int(self.trace.prompt[i]), int(self.trace.output[i]))
         except RequestRejected:
@@ -792,7 +798,8 @@ def _report(
                 "GearSet API's default ShiftPolicy, gear_views, shift_request)",
             ],
             "simulated": [
-                "router: shortest queue (running + waiting) over the selected gear's head pods",
+                "router: shortest queue ((running + waiting + 1) / the head's GPU prior) over the selected "
+                "gear's head pods",
                 "Prometheus: stage utilisation gauge (10 s window), summed queue/running, completions over "
                 "1 min, P50/P99 by histogram_quantile over the engines' own buckets of the last minute",
                 "Kubernetes: EnsureGear creates the gear's engines, Ready after weights load at "
