@@ -30,7 +30,7 @@ import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gearshift.planner.windows import Windows
@@ -111,6 +111,33 @@ def next_leave_by(report: Iterable[Mapping[str, Any]]) -> str | None:
     every retry period: to re-plan at ``leaveBy``, then to drop the old gear once the shift is done)."""
     times = [r["leaveBy"] for r in report if r.get("state") in ("InUse", "Leaving")]
     return min(times) if times else None
+
+
+def leave_by_due(leave_by: str | None, now: datetime, handled: str | None) -> bool:
+    """Whether a PDService's ``status.windowLeaveBy`` has come and no reconcile has run for it yet.
+
+    The operator re-plans at ``leaveBy`` (the window-free plan and the ``Leaving`` report that start the
+    vacate); its ordinary retry timer looks only every ``RETRY_S`` (30 s), which would spend that much of
+    ``windowMarginS`` before the move even starts. A short timer asks this every tick instead.
+
+    Args:
+        leave_by: ``status.windowLeaveBy`` (RFC 3339), or ``None`` when no time-limited node is in use.
+        now: the current time (timezone-aware).
+        handled: the ``leave_by`` value a reconcile already ran for (so it runs once per value).
+
+    Returns:
+        True when ``leave_by`` is set, parses, is not after ``now``, and differs from ``handled``;
+        False for an unparsable value (the ordinary timer still looks).
+    """
+    if leave_by is None or leave_by == handled:
+        return False
+    try:
+        when = datetime.fromisoformat(leave_by)
+    except ValueError:
+        return False
+    if when.tzinfo is None:  # the reconciler writes aware times; a naive one is read as UTC
+        when = when.replace(tzinfo=UTC)
+    return when <= now
 
 
 # --- vacating: the move off a node past its leaveBy --------------------------------------------------

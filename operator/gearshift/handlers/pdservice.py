@@ -7,6 +7,7 @@ Thin: every handler ends in :func:`gearshift.handlers.reconcile.reconcile_servic
   and update causes);
 - a timer every :data:`RETRY_S` while the PDService's status lags its generation or its phase is Pending
   or Degraded (placement failed, a profile missing, a node lost);
+- a time-limited node's ``leaveBy`` (``status.windowLeaveBy``, issue 13), within :data:`WINDOW_TICK_S`;
 - an owned StatefulSet or router Deployment changes (status refresh, debounced);
 - a GearSet's spec changes (:mod:`gearshift.handlers.gearset`);
 - the fleet changes: a Node's readiness, schedulability, GPU count or labels, or a GPUProfile's numbers
@@ -24,11 +25,13 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from gearshift.api.common import GROUP, VERSION
+from gearshift.control.windows import leave_by_due
 from gearshift.handlers import metrics
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError, RestKubeApi
 from gearshift.handlers.reconcile import (
@@ -53,6 +56,8 @@ RETRY_S = 30.0
 DEBOUNCE_S = 1.0
 #: Retry delay after an API error, s.
 API_ERROR_DELAY_S = 5.0
+#: How often a PDService that uses a time-limited node checks whether its leaveBy has come, s.
+WINDOW_TICK_S = 2.0
 
 _state_lock = threading.Lock()
 _settings = Settings()
@@ -67,6 +72,8 @@ class Known:
 
 
 _known: dict[tuple[str, str], Known] = {}
+#: Per PDService, the ``windowLeaveBy`` a reconcile already ran for (:func:`window_tick`).
+_window_handled: dict[tuple[str, str], str] = {}
 _pending: dict[tuple[str, str], asyncio.Task[None]] = {}
 
 
@@ -191,11 +198,45 @@ def pdservice_retry(namespace: str, name: str, **_: Any) -> None:
         log.info("PDService %s/%s: %s", namespace, name, exc)
 
 
+def window_tick(namespace: str, name: str, leave_by: str | None, now: datetime) -> bool:
+    """Reconcile once when the PDService's ``windowLeaveBy`` has come (:func:`leave_by_due`).
+
+    The reconcile at ``leaveBy`` publishes the window-free plan and reports the node ``Leaving``, which
+    starts the vacate; waiting for the :data:`RETRY_S` timer could spend up to 30 s of the window's margin
+    first. A reconcile that fails is logged and tried again at the next tick (the deadline does not wait).
+    Returns True when a reconcile ran and succeeded.
+    """
+    key = (namespace, name)
+    with _state_lock:
+        if not leave_by_due(leave_by, now, _window_handled.get(key)):
+            return False
+    try:
+        run_reconcile(namespace, name)
+    except (SpecInvalid, NotYet, KubeApiError) as exc:
+        log.info("PDService %s/%s: at windowLeaveBy %s: %s", namespace, name, leave_by, exc)
+        return False
+    with _state_lock:
+        _window_handled[key] = str(leave_by)
+    return True
+
+
+def _window_in_use(body: kopf.Body, **_: Any) -> bool:
+    return (body.get("status") or {}).get("windowLeaveBy") is not None
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=WINDOW_TICK_S, when=_window_in_use)
+def pdservice_window(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    """Re-plan as soon as a time-limited node's leaveBy comes (issue 13); see :func:`window_tick`."""
+    window_tick(namespace, name, (body.get("status") or {}).get("windowLeaveBy"), datetime.now(UTC))
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def pdservice_forget(namespace: str, name: str, type: str | None, **_: Any) -> None:
     """Drop a deleted PDService from the known set (its objects go with it through owner references)."""
     if type == "DELETED":
         _record(namespace, name, None)
+        with _state_lock:
+            _window_handled.pop((namespace, name), None)
 
 
 # --- debounced triggers ------------------------------------------------------------------------------
