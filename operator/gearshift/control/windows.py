@@ -107,8 +107,9 @@ def windowed_nodes(
 
 
 def next_leave_by(report: Iterable[Mapping[str, Any]]) -> str | None:
-    """The earliest ``leaveBy`` among nodes ``InUse`` or ``Leaving`` (while set, the reconciler looks again
-    every retry period: to re-plan at ``leaveBy``, then to drop the old gear once the shift is done)."""
+    """The earliest ``leaveBy`` among nodes ``InUse`` or ``Leaving`` (while set, the operator re-plans within
+    a couple of seconds of ``leaveBy`` (:func:`leave_by_due`) and looks again every retry period to drop the
+    old gear once the shift is done)."""
     times = [r["leaveBy"] for r in report if r.get("state") in ("InUse", "Leaving")]
     return min(times) if times else None
 

@@ -184,7 +184,8 @@ def _needs_attention(body: kopf.Body, **_: Any) -> bool:
     # still pending, a degraded service. Ready and Progressing services cost nothing while idle.
     status = body.get("status") or {}
     lagging = status.get("observedGeneration") != body.get("metadata", {}).get("generation")
-    # A time-limited node in use (issue 13): look again every RETRY_S so the re-plan happens at leaveBy.
+    # A time-limited node in use (issue 13): look again every RETRY_S (the status follows the vacate);
+    # the re-plan at leaveBy itself comes from the shorter window timer (window_tick).
     windowed = status.get("windowLeaveBy") is not None
     return lagging or windowed or status.get("phase") in ("Pending", "Degraded")
 
