@@ -423,6 +423,25 @@ def bins(run: RunOut, t0: float, end: float) -> list[dict[str, Any]]:
     return out
 
 
+def timeline(run: RunOut) -> list[dict[str, Any]]:
+    """The samples where something changed: s from the deadline, the decode GearSet's active gear, phase,
+    target and windowed-node states, and the pods on the windowed nodes (``pod@node`` and Ready)."""
+    out: list[dict[str, Any]] = []
+    d = run.deadline.timestamp()
+    for s in run.samples:
+        row = {
+            "active": s.active_gear,
+            "phase": s.phase,
+            "target": s.target_gear,
+            "windowed_states": [w.get("state") for w in s.windowed_nodes],
+            "pods_on_windowed": sorted(f"{p['pod']}@{p['node']}{'' if p['ready'] else ' (not Ready)'}"
+                                       for p in s.on_windowed),
+        }  # fmt: skip
+        if not out or {k: v for k, v in out[-1].items() if k != "t_s"} != row:
+            out.append({"t_s": round(s.t - d, 1), **row})
+    return out
+
+
 def summarize(use: RunOut, ign: RunOut, win: tracewin.Window, args: argparse.Namespace) -> dict[str, Any]:
     """The ``sandbox_trace`` entry: phases on the use run's clock, applied to both runs relative to their
     deadlines (the replay starts ``lead_in_s`` before each run's deadline)."""
@@ -471,6 +490,7 @@ def summarize(use: RunOut, ign: RunOut, win: tracewin.Window, args: argparse.Nam
             "setup_s": round(run.setup_s, 1),
             "samples": len(run.samples),
             "sampler_errors": run.sampler_errors,
+            "timeline_from_deadline": timeline(run),
             "bins": bins(run, d - args.lead_in_s, d + issue_end_rel),
         }
     u, g = runs["use"]["phases"], runs["ignore"]["phases"]
