@@ -518,3 +518,24 @@ def test_pinned_nodes_reads_back_node_affinity() -> None:
         "spec": {"template": {"spec": {"affinity": {"nodeAffinity": node_affinity([], {"pool": "x"})}}}}
     }
     assert pinned_nodes(by_label) == set()
+
+
+def test_reconciler_marks_the_gearsets_the_pdservice_scales(api: FakeApi) -> None:
+    from gearshift.handlers.autoscale import _autoscaled
+
+    pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+    pds["spec"]["decode"]["scaling"] = {"minReplicas": 1, "maxReplicas": 2}
+    pds["spec"]["prefill"].pop("scaling", None)
+    api.put(pds, NS)
+    reconcile(api)
+    decode = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+    prefill = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+    assert decode["status"]["autoscaled"] is True and _autoscaled(decode)
+    assert not prefill["status"].get("autoscaled") and not _autoscaled(prefill)
+    # Taking the section out clears the mark, so kopf stops that GearSet's autoscale daemon.
+    pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+    del pds["spec"]["decode"]["scaling"]
+    api.put(pds, NS)
+    reconcile(api)
+    decode = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+    assert decode["status"]["autoscaled"] is False and not _autoscaled(decode)

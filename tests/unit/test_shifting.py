@@ -284,21 +284,25 @@ class TestTicks:
         world.store[key]["status"].pop("activeGear")
         assert run(world, FakeSignals(), T0).skipped.startswith("no active gear")
 
-    def test_one_gear_or_zero_replicas_is_idle_without_sampling(self, world: FakeApi) -> None:
+    def test_zero_replicas_is_idle_without_sampling_but_one_gear_is_sampled(self, world: FakeApi) -> None:
         key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
         full = copy.deepcopy(world.store[key])
         active = full["status"]["activeGear"]
+        world.store[key]["spec"]["replicas"] = 0
+        sig = FakeSignals()
+        r = run(world, sig, T0)
+        assert r.idle and r.skipped.startswith("scaled to zero") and sig.asked == []
+        assert not sh._serving_or_busy(world.store[key])
+        # A forced gear is work to do, whatever the replica count.
+        world.store[key]["spec"]["forceGear"] = active
+        assert sh._serving_or_busy(world.store[key]) and not run(world, sig, T0).idle
+        # One gear has nothing to shift to, but its signals still feed `kubectl get gearsets` (P99, QPS).
+        world.store[key] = copy.deepcopy(full)
         world.store[key]["spec"]["gears"] = [g for g in full["spec"]["gears"] if g["name"] == active]
         sig = FakeSignals()
         r = run(world, sig, T0)
-        assert r.idle and r.skipped.startswith("one gear") and sig.asked == []
-        world.store[key] = copy.deepcopy(full)
-        world.store[key]["spec"]["replicas"] = 0
-        r = run(world, sig, T0)
-        assert r.idle and r.skipped.startswith("scaled to zero") and sig.asked == []
-        # A forced gear is work to do, whatever the replica count.
-        world.store[key]["spec"]["forceGear"] = active
-        assert not run(world, sig, T0).idle
+        assert not r.idle and r.signals_ok and sig.asked == [active]
+        assert sh._serving_or_busy(world.store[key])
 
     def test_steady_writes_signals_and_condition(self, world: FakeApi) -> None:
         sig = FakeSignals()

@@ -865,6 +865,11 @@ class GearSetStatus(StatusModel):
     executor: ExecutorState | None = Field(default=None, description="Persisted executor state.")
     control: ControlState | None = Field(default=None, description="Persisted decision-loop state.")
     scaling: ScalingStatus | None = Field(default=None, description="Pipeline-replica autoscaler (issue 12).")
+    autoscaled: bool | None = Field(
+        default=None,
+        description="Whether the PDService has a scaling section for this role (written by the reconciler; "
+        "the autoscaler samples only then).",
+    )
     windowed_nodes: list[WindowedNode] = Field(
         default_factory=list,
         max_length=1024,

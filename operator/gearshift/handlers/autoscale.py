@@ -524,7 +524,13 @@ def run_tick(namespace: str, name: str) -> TickResult:
     )
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+def _autoscaled(body: kopf.Body, **_: Any) -> bool:
+    """The reconciler marks GearSets whose role the PDService scales; kopf starts the daemon only then
+    (and stops it when the mark goes), so idle services cost no sampling."""
+    return bool((body.get("status") or {}).get("autoscaled"))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_autoscaled)
 async def gearset_autoscale(
     namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:

@@ -327,6 +327,8 @@ class RoleState:
     plan_error: str | None = None
     window_leave_by: str | None = None
     """Earliest leaveBy of a time-limited node in use by this role's gears (RFC 3339)."""
+    autoscaled: bool = False
+    """The PDService has a ``scaling`` section for this role."""
 
 
 def explicit_layer_problems(pds: PDService, roles: Mapping[str, RoleState]) -> None:
@@ -376,7 +378,7 @@ def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dic
                 f"{gs.spec.service_name!r} role {gs.spec.role!r}; set its spec.serviceName: {name} and "
                 f"spec.role: {role}, or refer to another GearSet"
             )
-        out[role] = RoleState(role, gs_body, gs)
+        out[role] = RoleState(role, gs_body, gs, autoscaled=getattr(pds.spec, role).scaling is not None)
     if missing:
         raise NotYet(f"GearSet not found: {'; '.join(missing)}; create it in namespace {ns}")
     return out
@@ -593,6 +595,8 @@ def _gearset_status(rs: RoleState, now: Any) -> dict[str, Any]:
     """The GearSet status patch: planned gears, active gear, phase, Planned condition."""
     patch = dict(rs.gs_status_patch)
     st = rs.gs.status
+    if bool(st.autoscaled) != rs.autoscaled:
+        patch["autoscaled"] = rs.autoscaled  # starts or stops the GearSet's autoscale daemon
     if rs.active and st.active_gear != rs.active and not rs.in_flight:
         patch["activeGear"] = rs.active
     if st.phase in (None, "Pending") and rs.active:

@@ -504,14 +504,8 @@ def tick(
         return TickResult(skipped=f"active gear {st.active_gear!r} is not among {gear_names}")
     # A shift in flight must run to its end whatever the gear count says now.
     # A window on one of its nodes may call for a vacating shift to a gear the reconciler adds.
-    settled = (
-        not (st.executor and st.executor.step in SHIFT_STEPS)
-        and not gs.spec.force_gear
-        and not st.windowed_nodes
-    )
-    if settled and (len(gears) < 2 or gs.spec.replicas == 0):
-        why = "one gear: nothing to shift to" if len(gears) < 2 else "scaled to zero: no signals"
-        return TickResult(skipped=why, idle=True)
+    if gs.spec.replicas == 0 and _settled(gs_body):
+        return TickResult(skipped="scaled to zero: no signals", idle=True)
     try:
         policy = policy_from_api(gs.spec.policy, role=role, ttft_slo_ms=pds.spec.slo.ttft_ms,
                                  itl_slo_ms=pds.spec.slo.itl_ms)  # fmt: skip
@@ -733,7 +727,23 @@ def run_tick(namespace: str, name: str) -> TickResult:
     )
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+def _settled(body: Mapping[str, Any]) -> bool:
+    """No shift in flight, none forced, no time-limited node to leave: nothing for the executor to do."""
+    spec, st = body.get("spec") or {}, body.get("status") or {}
+    return (
+        (st.get("executor") or {}).get("step") not in SHIFT_STEPS
+        and not spec.get("forceGear")
+        and not st.get("windowedNodes")
+    )
+
+
+def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:
+    """kopf runs the daemon only for GearSets with replicas to sample or a shift to finish: a namespace of
+    services scaled to zero costs no sampling (issue 6: no hot loop when idle)."""
+    return (body.get("spec") or {}).get("replicas", 1) != 0 or not _settled(body)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_serving_or_busy)
 async def gearset_shifting(
     namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:
