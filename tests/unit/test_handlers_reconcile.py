@@ -406,10 +406,12 @@ class TestReconcile:
         """ensure_gear_sync (the executor's shadow and its un-shadowing) applies the same pod template as
         the reconciler, pipeline links included: otherwise each apply rolls the gear's pods and the shift
         rolls back with "stopped being Ready while draining" (the demo's failed shifts)."""
-        # Long requests (4000 tokens: 64 × 4800 KV tokens reserved, 37.5 GiB) leave the whole model on the
-        # H100s only, so the plan has multi-stage gears; at the default 640 tokens every gear is one stage.
+        # Long requests (7000 tokens: 64 × 8400 KV tokens reserved, 65.6 GiB beside 15 GiB of weights) fit
+        # the whole model on no card, so every gear is a pipeline; at the default 640 tokens every gear is
+        # one stage, and at 4000 the throughput gear is the whole model on an H100 (its decode steps batch
+        # all 64 sequences per weight read), leaving the active balanced gear the only pipeline.
         body = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
-        body["spec"]["plan"]["workload"] = {"promptTokens": 3500, "outputTokens": 500}
+        body["spec"]["plan"]["workload"] = {"promptTokens": 6000, "outputTokens": 1000}
         api.put(body, NS)
         reconcile(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")

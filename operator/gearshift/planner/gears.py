@@ -3,14 +3,17 @@
 For each intent the planner enumerates candidates -- micro-batch sizes of the intent (latency 1-4,
 balanced 4-8, throughput 8-16, DESIGN.md; only nodes whose ``max_batch_microbatch`` allows one), a
 number ``R`` of pipeline replicas (1, 2, ... while classes of identical nodes can staff them), and a
-stage-count cap (latency: the fewest stages that fit, or up to 4; balanced: up to 8; throughput: none)
--- solves each with the minimum-bottleneck partitioner, gives the latency and balanced candidates the
-fleet's leftover nodes as extra replicas of their hottest stages, predicts each with the simulator, and
-keeps per intent:
+stage-count cap (latency: the fewest stages that fit, or up to 4; balanced: up to 8; throughput: the
+fewest that fit, or none)
+-- solves each with the minimum-bottleneck partitioner, adds a variant of each (unless single-pipeline)
+that gives the fleet's leftover nodes to its hottest stages as extra replicas, predicts each with the
+simulator, and keeps per intent:
 
-- ``throughput``: the highest capacity (req/s); it also tries the fleet's smallest
-  ``max_batch_microbatch`` when that is below 8, so that small cards can join the deep pipeline;
-- ``latency``: the lowest simulated P99 at the given QPS among candidates with capacity ≥ QPS / 0.8;
+- ``throughput``: the highest capacity (req/s; at equal capacity the fewest stages, then the lowest
+  simulated P99); it also tries the fleet's smallest ``max_batch_microbatch`` when that is below 8, so
+  that small cards can join the deep pipeline;
+- ``latency``: the lowest simulated P99 at the given QPS among candidates with capacity ≥ QPS / 0.8 (at
+  equal P99 the fewest cards, so an extra card that does not lower P99 is left to the other gears);
 - ``balanced``: the highest capacity / P99 at that QPS among the same.
 
 Capacity is ``micro_batch × 1000 / effective bottleneck``, where a stage served by nodes with times
@@ -322,8 +325,12 @@ def _candidates(
                 last_error = exc
             continue
         caps: list[int | None]
-        if single_pipeline or intent == "throughput":
+        if single_pipeline:
             caps = [None]
+        elif intent == "throughput":
+            # Uncapped gives the deepest min-bottleneck pipeline; the fewest stages give whole-model (or
+            # few-stage) replicas that the leftover cards can join as extras -- often more capacity.
+            caps = [None] if kmin == len(profile.nodes) else [kmin, None]
         elif intent == "latency":
             caps = sorted({kmin, max(kmin, 4)})
         else:
@@ -344,10 +351,16 @@ def _candidates(
                 c = _Candidate(intent, mb, p, costs, secured)
                 if len(p.stages) == 1 and kv_batch > mb:
                     _one_stage_decode(profile, model, c, kv_batch, ids)
-                if intent != "throughput" and not single_pipeline:
-                    used = {n for ids_ in secured for n in ids_}
-                    _add_extras(profile, c, [n for n in eligible if n not in used], cheap)
                 out.append(c)
+                if not single_pipeline:
+                    # Extras are a variant, not forced: a slower extra card raises capacity but can raise
+                    # P99 (it serves its share of requests at its own, slower pace), so both versions
+                    # compete and each intent's rule in plan() picks.
+                    used = {n for ids_ in secured for n in ids_}
+                    wide = replace(c, nodes=[list(ids_) for ids_ in c.nodes])
+                    _add_extras(profile, wide, [n for n in eligible if n not in used], cheap)
+                    if wide.nodes != c.nodes:
+                        out.append(wide)
     if not out:
         raise last_error or EmptyFleetError(f"no {intent} gear fits the fleet")
     return out
@@ -451,8 +464,15 @@ def plan(
     chosen: dict[str, _Candidate] = {}
     for intent, cands in pools.items():
         if intent == "throughput":
-            pick = max(cands, key=lambda c: (c.capacity, -len(c.pipeline.stages)))
-            _simulate(profile, model, pick, load, sim_requests, seed)
+            best = max(c.capacity for c in cands)
+            # Equal capacity (the same cards as R pipelines or as one plus extras): the fewest stages,
+            # then the lowest simulated P99 -- more pipelines keep more micro-batches in flight.
+            top = [c for c in cands if c.capacity >= best * (1 - 1e-9)]
+            fewest = min(len(c.pipeline.stages) for c in top)
+            top = [c for c in top if len(c.pipeline.stages) == fewest]
+            for c in top:
+                _simulate(profile, model, c, load, sim_requests, seed)
+            pick = min(top, key=lambda c: (c.sim.p99_ms, _cards(c)))  # type: ignore[union-attr]
         else:
             ok = [c for c in cands if c.capacity * TARGET_UTILISATION >= load] or [
                 max(cands, key=lambda c: c.capacity)
@@ -460,7 +480,10 @@ def plan(
             for c in ok:
                 _simulate(profile, model, c, load, sim_requests, seed)
             if intent == "latency":
-                pick = min(ok, key=lambda c: (c.sim.p99_ms, -c.capacity))  # type: ignore[union-attr]
+                # Equal P99, fewer cards: the simulator hands a micro-batch to whichever server ends it
+                # first, so an extra slower card that never helped leaves P99 unchanged there, while a
+                # router spreading requests over replicas would send it its share at its slower pace.
+                pick = min(ok, key=lambda c: (c.sim.p99_ms, _cards(c), -c.capacity))  # type: ignore[union-attr]
             else:
                 pick = max(ok, key=lambda c: c.capacity / c.sim.p99_ms)  # type: ignore[union-attr]
         chosen[intent] = pick
@@ -468,6 +491,11 @@ def plan(
     kv_batch = kv_resident_sequences(model)
     gears = tuple(_gear(profile, chosen[i], ranges[i], kv_batch) for i in intents)
     return PlanResult(model.name, gears, load)
+
+
+def _cards(c: _Candidate) -> int:
+    """GPU nodes a candidate occupies (pipeline replicas and hot-stage extras alike)."""
+    return sum(len(ids) for ids in c.nodes)
 
 
 def _qps_ranges(capacity: dict[str, float]) -> dict[str, tuple[float, float]]:
