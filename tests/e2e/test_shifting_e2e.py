@@ -1,8 +1,11 @@
 """Gear shifting on the sandbox twin: a real API server, the sandbox's Prometheus, simulated engines and the
 router as local processes, and the operator as a subprocess watching only this module's namespace.
 
-One PDService (a small Llama-shaped model, sim engine) with two explicit prefill gears on the A10 cards
-and one decode gear on a T4; steady load from the load generator against the router's pod IP (loopback).
+One PDService (a small Llama-shaped model, sim engine) with two explicit prefill gears on two A10 nodes
+and one decode gear on a T4 node, all private to this module (``gearshift.sandbox.harness.GpuNodes``: own
+node pools, datasheet GPUProfiles, 2 time-sliced ``nvidia.com/gpu`` per card so a shadow gear fits beside
+the active one), so other users of the shared sandbox neither take these cards nor lose theirs. Steady
+load follows the role Services' selectors to the Ready pods' loopback IPs (:class:`SelectorLoad`).
 The tests run in order on the same service (GPUs in the shared sandbox are few):
 
 1. ``spec.forceGear`` → Warming (full shadow) → Draining → Switching → Stable, zero failed requests, and
@@ -16,19 +19,16 @@ The tests run in order on the same service (GPUs in the shared sandbox are few):
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, pods
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -47,8 +47,6 @@ MODEL = {
     "vocabSize": 128256,
     "dtype": "bfloat16",
 }
-A10 = {"gearshift.io/gpu-model": "A10-24GB"}
-T4 = {"gearshift.io/gpu-model": "T4-16GB"}
 #: Shortened policy (stated in the test): warm 4 s, rollback window 6 s; signals every 1 s.
 POLICY = {"sampleIntervalS": 1, "warmS": 4, "rollbackWindowS": 6, "drainTimeoutS": 30, "warmupTimeoutS": 120,
           "dwellS": 600}  # fmt: skip
@@ -63,7 +61,8 @@ def _free_port() -> int:
     return port
 
 
-def manifests(namespace: str, prom_url: str) -> list[dict[str, Any]]:
+def manifests(namespace: str, prom_url: str, a10: dict[str, str], t4: dict[str, str]) -> list[dict[str, Any]]:
+    """Two explicit prefill gears on the ``a10`` node selector, one decode gear on ``t4``, the PDService."""
     prefill = {
         "apiVersion": "gearshift.io/v1alpha1",
         "kind": "GearSet",
@@ -75,10 +74,10 @@ def manifests(namespace: str, prom_url: str) -> list[dict[str, Any]]:
             "initialGear": "one",
             "gears": [
                 {"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "nodeSelector": A10, "gpuModel": "A10-24GB"}]},
+                 "stages": [{"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
                 {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32,
-                 "stages": [{"layers": [0, 8], "nodeSelector": A10, "gpuModel": "A10-24GB"},
-                            {"layers": [8, 16], "nodeSelector": A10, "gpuModel": "A10-24GB"}]},
+                 "stages": [{"layers": [0, 8], "nodeSelector": a10, "gpuModel": "A10-24GB"},
+                            {"layers": [8, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
             ],
             "policy": POLICY,
         },
@@ -93,7 +92,7 @@ def manifests(namespace: str, prom_url: str) -> list[dict[str, Any]]:
             "mode": "explicit",
             "gears": [
                 {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "nodeSelector": T4, "gpuModel": "T4-16GB"}]},
+                 "stages": [{"layers": [0, 16], "nodeSelector": t4, "gpuModel": "T4-16GB"}]},
             ],
             "policy": POLICY,
         },
@@ -112,46 +111,6 @@ def manifests(namespace: str, prom_url: str) -> list[dict[str, Any]]:
         },
     }
     return [prefill, decode, pds]
-
-
-class Operator:
-    """The operator as a subprocess on one namespace (only handlers that stay inside it)."""
-
-    def __init__(self, sandbox: Any, namespace: str, log_dir: Path) -> None:
-        self.sandbox = sandbox
-        self.namespace = namespace
-        self.log_dir = log_dir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(self.log_dir / f"operator-{self.starts}.log", "wb")  # noqa: SIM115 (lives with the proc)
-        code = (
-            "import argparse, sys; from gearshift import operator_main as m; "
-            "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))"
-        )
-        argv = [
-            sys.executable, "-c", code, "--kubeconfig", str(self.sandbox.kubeconfig), "--namespace",
-            self.namespace, "--standalone", "--probe-port", "0", "--metrics-port", "0",
-            "--disable", "gearshift.handlers.gpuprofile", "--disable", "gearshift.handlers.nodes",
-            "--workers", "4",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.sandbox.env)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
 
 
 class SelectorLoad:
@@ -187,18 +146,10 @@ class SelectorLoad:
                     f"gearshift.io/service={SERVICE},gearshift.io/role={role},gearshift.io/gear={gear},"
                     "gearshift.io/stage=0"
                 )
-                items = self.sandbox.kubectl_json("get", "pods", "-n", self.ns, "-l", label)["items"]
+                items = pods(self.sandbox, self.ns, label)
             except Exception:  # a kubectl hiccup: keep the last view, as a watch would
                 continue
-            ready = [
-                (p["status"]["podIP"], gear)
-                for p in items
-                if p.get("status", {}).get("podIP")
-                and not p["metadata"].get("deletionTimestamp")
-                and any(
-                    c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])
-                )
-            ]
+            ready = [(p["status"]["podIP"], gear) for p in items if p["status"].get("podIP") and pod_ready(p)]
             assert all(ip.startswith("127.") for ip, _ in ready)
             self.pods[role] = ready
 
@@ -254,12 +205,24 @@ class SelectorLoad:
 def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     if not sandbox.prometheus_url:
         pytest.skip("needs the sandbox's Prometheus")
+    if not getattr(sandbox, "is_sandbox", False):
+        pytest.skip("needs the gearshift sandbox (private GPU nodes on loopback pod IPs)")
+    install_crds(sandbox)
     ns = f"e2e-shift-{uuid.uuid4().hex[:6]}"
     sandbox.kubectl("create", "namespace", ns)
-    op = Operator(sandbox, ns, tmp_path_factory.mktemp("operator"))
+    nodes = GpuNodes(sandbox, "e2e-shift", cidr_base=150, gpu_replicas=2)
+    op: OperatorProcess | None = None
     try:
-        sandbox.apply(manifests(ns, sandbox.prometheus_url))
-        op.start()
+        for _ in range(2):
+            nodes.add("A10-24GB", "a10")
+        nodes.add("T4-16GB", "t4")
+        pool = "gearshift.io/node-pool"
+        sandbox.apply(
+            manifests(ns, sandbox.prometheus_url, {pool: nodes.pool("a10")}, {pool: nodes.pool("t4")})
+        )
+        op = OperatorProcess(
+            sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log", extra_args=["--workers", "4"]
+        )
         ctx = {"ns": ns, "op": op}
         # Not the PDService's Ready: it waits for the router, which has no endpoints in the sandbox (see
         # SelectorLoad).
@@ -268,7 +231,8 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         sandbox.wait_for(lambda: _signals_ok(sandbox, ns), 90, "SignalsAvailable=True on the prefill GearSet")
         yield ctx
     finally:
-        op.stop()
+        if op is not None:
+            op.stop()
         for kind in ("pdservice", "gearset"):
             sandbox.kubectl("delete", kind, "--all", "-n", ns, "--wait=false", check=False)
         for name in (PREFILL_GS, DECODE_GS, SERVICE):
@@ -276,6 +240,8 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
             sandbox.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p",
                             '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
         sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        left = nodes.delete_all()
+        assert not left, f"not deleted: {left}"
 
 
 def _gs(sandbox: Any, ns: str) -> dict[str, Any]:
@@ -292,15 +258,8 @@ def _selection_ok(sandbox: Any, ns: str, role: str = "prefill") -> tuple[str, bo
     svc = sandbox.kubectl_json("get", "service", f"{SERVICE}-{role}", "-n", ns)
     sel = svc["spec"]["selector"]
     label = ",".join(f"{k}={v}" for k, v in sel.items())
-    pods = sandbox.kubectl_json("get", "pods", "-n", ns, "-l", label)["items"]
-    ready = bool(pods) and all(
-        any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in (p.get("status") or {}).get("conditions", [])
-        )
-        for p in pods
-    )
-    return sel["gearshift.io/gear"], ready
+    heads = pods(sandbox, ns, label)
+    return sel["gearshift.io/gear"], bool(heads) and all(pod_ready(p) for p in heads)
 
 
 class Poller:

@@ -23,11 +23,6 @@ windowed one). Short policy: dwellS 20, warmS 5, drainTimeoutS 15, rollbackWindo
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -38,20 +33,12 @@ from typing import Any
 
 import pytest
 
-from gearshift.api import crdgen
-from gearshift.api.gpuprofile import GPUProfileStatus
-from gearshift.fleet import FleetNode
-from gearshift.gpus import gpu_spec
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import LoadResult, TraceRequest, run_load
-from gearshift.planner_input import datasheet_gpuprofile
-from gearshift.probe_lifecycle import window_step
-from gearshift.profiles import node_view
-from gearshift.sandbox.nodes import gpu_node_manifest
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, pods
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 SERVICE = "tf"
 DECODE_GS = f"{SERVICE}-decode"
 #: Llama-3.2-1B's shape (its config.json): 16 layers, hidden 2048, 32/8 heads, head dim 64.
@@ -111,101 +98,6 @@ def manifests(ns: str, prefill_node: str, decode_pool: str, prom_url: str | None
     return [prefill, decode, pds]
 
 
-class Nodes:
-    """GPU nodes private to this module (unique pools), each with a datasheet GPUProfile; deletes checked."""
-
-    def __init__(self, sandbox: Any) -> None:
-        self.sandbox = sandbox
-        self.tag = uuid.uuid4().hex[:6]
-        self.made: list[str] = []
-
-    def pool(self, role: str) -> str:
-        return f"e2e-tf-{self.tag}-{role}"
-
-    def add(self, model: str, role: str, until: datetime | None = None) -> str:
-        sb = self.sandbox
-        i = len(self.made)
-        name = f"gpu-{self.pool(role)}-{i}"
-        index = 150 + (int(self.tag, 16) + i) % 50
-        node = gpu_node_manifest(
-            FleetNode(name, self.pool(role), gpu_spec(model), 1, 25, 10), index, sb.octet, gpu_replicas=2
-        )
-        if until is not None:
-            node["metadata"].setdefault("annotations", {})["gearshift.io/available-until"] = until.isoformat()
-        status = node.pop("status")
-        sb.apply(node)
-        self.made.append(name)
-        sb.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p",
-                   json.dumps({"status": status}))  # fmt: skip
-        prof = datasheet_gpuprofile({**node, "status": status})
-        if until is not None:  # what the GPUProfile handler's window_step writes for the annotation
-            step = window_step(
-                GPUProfileStatus.model_validate(prof["status"]),
-                node_view({**node, "status": status}),  # type: ignore[arg-type]
-                None,
-                now=datetime.now(UTC),
-                generation=None,
-            )
-            assert step is not None and step.status.available_until is not None
-            prof["status"] = step.status.to_json()
-        sb.apply({k: prof[k] for k in ("apiVersion", "kind", "metadata", "spec")})
-        sb.kubectl("patch", "gpuprofile", name, "--subresource=status", "--type=merge", "-p",
-                   json.dumps({"status": prof["status"]}))  # fmt: skip
-        return name
-
-    def delete_all(self) -> list[str]:
-        """Delete every node and profile made; returns the ones the API server still has (should be [])."""
-        for name in self.made:
-            for kind in ("node", "gpuprofile"):
-                self.sandbox.kubectl("delete", kind, name, "--wait=false", "--ignore-not-found", check=False)
-        left = []
-        for name in self.made:
-            for kind in ("node", "gpuprofile"):
-                r = self.sandbox.kubectl("get", kind, name, "--ignore-not-found", "-o", "name", check=False)
-                if r.stdout.strip():
-                    left.append(f"{kind}/{name}")
-        return left
-
-
-class Operator:
-    """The operator as a subprocess on one namespace; stopped by its pid."""
-
-    def __init__(self, sandbox: Any, ns: str, log: Path) -> None:
-        code = (
-            "import argparse, sys; from gearshift import operator_main as m; "
-            "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))"
-        )
-        argv = [
-            sys.executable, "-c", code, "--kubeconfig", str(sandbox.kubeconfig), "--namespace", ns,
-            "--standalone", "--probe-port", "0", "--metrics-port", "0",
-            "--disable", "gearshift.handlers.gpuprofile", "--disable", "gearshift.handlers.nodes",
-        ]  # fmt: skip
-        self.log = log
-        self._fh = log.open("wb")
-        self.proc = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, env=sandbox.env)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._fh.close()
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds) and not pod["metadata"].get(
-        "deletionTimestamp"
-    )
-
-
-def _pods(sandbox: Any, ns: str, selector: str) -> list[dict[str, Any]]:
-    return list(sandbox.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"])
-
-
 def _diagnose(sandbox: Any, ns: str, operator_log: Path) -> str:
     out = []
     for args in (
@@ -223,29 +115,27 @@ def _diagnose(sandbox: Any, ns: str, operator_log: Path) -> str:
 def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     if not getattr(sandbox, "is_sandbox", False):
         pytest.skip("needs the gearshift sandbox (loopback pod IPs run by the sandbox pod runner)")
-    # The repo's CRDs (status.windowedNodes and its states are recent; a stale CRD would prune them).
-    sandbox.kubectl("apply", "-f", str(REPO / "crds"))
-    for kind in crdgen.KINDS:
-        sandbox.kubectl("wait", "--for=condition=Established", f"crd/{kind.name}", "--timeout=60s")
+    # This code's CRDs (status.windowedNodes and its states are recent; a stale CRD would prune them).
+    install_crds(sandbox)
     ns = f"e2e-tf-{uuid.uuid4().hex[:6]}"
     sandbox.kubectl("create", "namespace", ns)
-    nodes = Nodes(sandbox)
-    op: Operator | None = None
+    nodes = GpuNodes(sandbox, "e2e-tf", cidr_base=150, gpu_replicas=2)
+    op: OperatorProcess | None = None
     try:
         deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=DEADLINE_S)
         prefill_node = nodes.add("A10-24GB", "p")
         durable = nodes.add("A10-24GB", "d")
         windowed = nodes.add("A10-24GB", "d", until=deadline)
-        op = Operator(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
+        op = OperatorProcess(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
         sandbox.apply(manifests(ns, prefill_node, nodes.pool("d"), sandbox.prometheus_url))
         heads = f"gearshift.io/service={SERVICE},gearshift.io/stage=0"
         router_sel = f"gearshift.io/service={SERVICE},app.kubernetes.io/component=router"
 
         def up() -> str | None:
-            pods = _pods(sandbox, ns, heads)
-            on_w = [p for p in pods if p["spec"].get("nodeName") == windowed and _ready(p)]
-            routers = [p for p in _pods(sandbox, ns, router_sel) if _ready(p)]
-            if sum(_ready(p) for p in pods) >= 3 and on_w and routers:
+            engines = pods(sandbox, ns, heads)
+            on_w = [p for p in engines if p["spec"].get("nodeName") == windowed and pod_ready(p)]
+            routers = [p for p in pods(sandbox, ns, router_sel) if pod_ready(p)]
+            if sum(pod_ready(p) for p in engines) >= 3 and on_w and routers:
                 return str(routers[0]["status"]["podIP"])
             return None
 
