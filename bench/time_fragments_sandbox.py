@@ -13,9 +13,9 @@ Two runs with the same fleet, the same service and the same replayed load, on a 
   a window too short to use instead would exercise the window test rather than ignore the node.
 
 Prefill is an explicit gear on one durable H100 (~30 ms per mean prompt, so TTFT is not the bottleneck:
-the durable decode card is). The model is Qwen2.5-7B (examples/models/qwen2.5-7b.json): one decode stage
-needs its 14.2 GiB of weights plus the planner's 14 GiB KV budget, so it fits an L40S (not an A10), and
-in the simulated engine's roofline an L40S decode step of 64 sequences (the gear's maxBatch) takes
+the durable decode card is). The model is Qwen2.5-7B (examples/models/qwen2.5-7b.json): the whole model
+(14.2 GiB of weights plus the planner's KV reservation) is one decode stage on an L40S, and in the
+simulated engine's roofline an L40S decode step of 64 sequences (the gear's maxBatch) takes
 ~31 ms: one replica serves at most ~2,000 tokens/s. The trace window replayed (from 1860 s, 2x: ~13.9
 req/s of 158 output tokens on average, ~2,200 tokens/s) is a little more than one replica can take at
 full batch, so requests queue for a decode slot on the durable card alone, and not with the windowed
@@ -77,8 +77,7 @@ SERVICE = "tfs"
 PREFILL_GS = f"{SERVICE}-prefill"
 DECODE_GS = f"{SERVICE}-decode"
 #: Qwen/Qwen2.5-7B-Instruct's config.json (examples/models/qwen2.5-7b.json): 28 layers, hidden 3584,
-#: 28/4 heads, head dim 128. One decode stage needs 14.2 GiB of weights + the planner's 14 GiB KV budget
-#: (64 sequences x 4096 tokens), so it fits an L40S (43.2 GiB usable) but not an A10.
+#: 28/4 heads, head dim 128 (14.2 GiB of bf16 weights: one decode stage on an L40S).
 MODEL = {
     "name": "Qwen/Qwen2.5-7B-Instruct",
     "numLayers": 28,
