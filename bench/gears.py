@@ -120,10 +120,17 @@ class Trace:
     t: np.ndarray
     prompt: np.ndarray
     output: np.ndarray
+    speed: float = 1.0
+    """The time compression ``t`` was replayed at: ``t`` = original trace seconds / ``speed``."""
 
     @property
     def duration_s(self) -> float:
         return float(self.t[-1]) if len(self.t) else 0.0
+
+    @property
+    def trace_hours(self) -> float:
+        """Hours of the original trace the replay covers (``duration_s`` × ``speed`` / 3600)."""
+        return self.duration_s * self.speed / 3600.0
 
 
 def load_trace(path: Path, limit_s: float | None = None, speed: float = 1.0) -> Trace:
@@ -144,7 +151,7 @@ def load_trace(path: Path, limit_s: float | None = None, speed: float = 1.0) -> 
     if limit_s is not None:
         keep = t <= limit_s
         t, p, o = t[keep], p[keep], o[keep]
-    return Trace(t, p, o)
+    return Trace(t, p, o, speed)
 
 
 # --- gears -------------------------------------------------------------------------------------------
@@ -561,6 +568,7 @@ def run_variant(
                     ready_since=live.ready_at if ready else None,
                     in_flight=live.in_flight(),
                     p99_ms=sample.p99_ms(policy.latency_metric) if sample and gname == sample_gear else None,
+                    qps=sample.qps if sample and gname == sample_gear else None,
                     kv_pool=live.kv_pool,
                 )
             fits = True
@@ -632,7 +640,8 @@ def _summarise(
         "failed": int(out.failed.sum()),
         "failed_by_reason": out.reasons,
         "shifts": len(started),
-        "shifts_per_trace_hour": round(len(started) / (dur / 3600.0), 3),
+        # Per hour of the original trace the replay covers, not per hour of (compressed) replay.
+        "shifts_per_trace_hour": round(len(started) / trace.trace_hours, 3),
         "engine_steps": sim.steps,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),

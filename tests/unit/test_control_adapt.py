@@ -54,3 +54,8 @@ def test_gear_views_with_health_and_predictions():
     req = shift_request(Decision(DecisionKind.SHIFT, "P99High", target="lat", trigger="p99-high"), table)
     assert (req.target, req.trigger, req.predicted_p99_ms) == ("lat", "p99-high", 120)
     assert shift_request(Decision(DecisionKind.HOLD, "Steady"), table) is None
+    sat = Decision(
+        DecisionKind.SHIFT, "Saturation", target="lat", trigger="saturation", p99_ms=3365.0, qps=11.5
+    )
+    req = shift_request(sat, table)
+    assert (req.trigger, req.baseline_p99_ms, req.baseline_qps) == ("saturation", 3365.0, 11.5)

@@ -75,8 +75,9 @@ def smp(
     util: tuple[float, ...] = (0.5, 0.5, 0.5, 0.5),
     running: float = 0,
     queue: float = 0.0,
+    qps: float = 0.0,
 ) -> Sample:
-    return Sample(at=t, stage_utilization=util, ttft_p99_ms=p99, running=running, queue=queue)
+    return Sample(at=t, stage_utilization=util, ttft_p99_ms=p99, running=running, queue=queue, qps=qps)
 
 
 # Signals no trigger reacts to, and each trigger's condition met by a wide margin.
@@ -431,6 +432,15 @@ class TestSaturation:
         if target is not None:
             assert (decisions[-1].target, decisions[-1].trigger) == (target, trigger)
             assert decisions[-1].reason == "Saturation" if trigger == "saturation" else True
+
+    def test_shift_carries_the_smoothed_served_rate(self):
+        # EMA (alpha 0.3) of 10, 12, 14 req/s: 10 → 0.3·12 + 0.7·10 = 10.6 → 0.3·14 + 0.7·10.6 = 11.62;
+        # P99 400 ms on every sample, so the smoothed P99 is 400.
+        script = [{**OVERLOAD, "qps": q} for q in (10.0, 12.0, 14.0)]
+        codes, decisions, _, _ = run(script, active="lat")
+        assert codes == "HHS"
+        assert decisions[-1].trigger == "saturation"
+        assert decisions[-1].qps == pytest.approx(11.62) and decisions[-1].p99_ms == pytest.approx(400.0)
 
     def test_all_bigger_gears_unhealthy(self):
         codes, decisions, _, active = run([OVERLOAD] * 4, active="lat", thr="OOMKilled", bal="P99Regression")

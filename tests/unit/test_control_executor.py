@@ -236,6 +236,72 @@ class TestRollbackBaseline:
         assert draining_gear(ShiftState("bal", Phase.SWITCHING, "bal", "thr")) is None
 
 
+class TestSaturationShiftServedRate:
+    """A ``saturation`` (capacity) shift is not rolled back on P99 while the new gear serves at least the
+    completions/s the old gear served at the decision; other triggers keep the P99 rule alone.
+
+    The x8 bench's numbers: balanced served 11.5 req/s with a TTFT P99 of 3365 ms when the shift was
+    decided, so the P99 limit is 2 × max(3365, 200) = 6730 ms. The new gear's P99 keeps rising under the
+    overload, 3000 ms at creation + 40 ms/s: 5080 ms at the switch (52 s) and above 6730 ms from
+    3000 + 40 × 94 = 6760 ms at 94 s, inside the 52–112 s rollback window.
+    """
+
+    @pytest.mark.parametrize(
+        ("trigger", "baseline_qps", "old_qps", "new_qps", "failure", "outcome"),
+        [
+            # serves 40 req/s > 11.5: relieving the saturation, kept though its P99 passes the limit
+            ("saturation", 11.5, None, 40.0, None, (112, "Stable", "thr", None)),
+            # exactly as many requests/s as before: kept ("at least as many")
+            ("saturation", 11.5, None, 11.5, None, (112, "Stable", "thr", None)),
+            # serves less (10 < 11.5) and its P99 is 6760 > 6730 ms at 94 s: rolled back
+            ("saturation", 11.5, None, 10.0, None, (94, "RollingBack", "bal", FAIL_P99)),
+            # the new gear's rate unknown (not sampled): the P99 rule alone
+            ("saturation", 11.5, None, None, None, (94, "RollingBack", "bal", FAIL_P99)),
+            # no rate in the request: the old gear's rate observed at the start (11.5) is the baseline
+            ("saturation", None, 11.5, 40.0, None, (112, "Stable", "thr", None)),
+            ("saturation", None, 11.5, 10.0, None, (94, "RollingBack", "bal", FAIL_P99)),
+            # no baseline rate at all: the P99 rule alone
+            ("saturation", None, None, 40.0, None, (94, "RollingBack", "bal", FAIL_P99)),
+            # other triggers unchanged: 40 req/s does not save a P99 regression
+            ("p99-high", 11.5, None, 40.0, None, (94, "RollingBack", "bal", FAIL_P99)),
+            ("imbalance", 11.5, None, 40.0, None, (94, "RollingBack", "bal", FAIL_P99)),
+            # a saturation shift's new gear that crashes is rolled back whatever it served
+            ("saturation", 11.5, None, 40.0, 70.0, (70, "RollingBack", "bal", "CrashLoopBackOff")),
+        ],
+    )
+    def test_rollback(self, trigger, baseline_qps, old_qps, new_qps, failure, outcome):
+        w = world(old=GearScript(in_flight=10, drain_per_s=5.0, p99_ms=3365.0, qps=old_qps),
+                  new=GearScript(ready_after_s=20, p99_ms=3000.0, p99_ms_per_s=40.0, qps=new_qps,
+                                 fail_after_s=failure))  # fmt: skip
+        request = ShiftRequest("thr", trigger, baseline_p99_ms=3365.0, baseline_qps=baseline_qps)
+        records = run(w, request=request)
+        at, phase, serving, reason = outcome
+        after_switch = [(t, p) for t, p in transitions(records) if t > 52]
+        assert transitions(records)[:3] == [(0, "Warming"), (50, "Draining"), (52, "Switching")]
+        assert after_switch[0] == (at, phase)
+        started = next(r.state for r in records if r.state is not None and r.state.phase is Phase.WARMING)
+        assert started.baseline_qps == (baseline_qps if baseline_qps is not None else old_qps)
+        assert w.selected == serving and w.lost == {}
+        assert w.unhealthy == ({} if reason is None else {"thr": reason})
+        final = of(records, RecordShift)[-1][1]
+        assert final.outcome is (Outcome.SUCCEEDED if reason is None else Outcome.ROLLED_BACK)
+
+    def test_rollback_message_names_both_rates(self):
+        w = world(old=GearScript(in_flight=10, drain_per_s=5.0, p99_ms=3365.0),
+                  new=GearScript(ready_after_s=20, p99_ms=7193.0, qps=10.0))  # fmt: skip
+        run(w, request=ShiftRequest("thr", "saturation", baseline_p99_ms=3365.0, baseline_qps=11.5))
+        (ev,) = [e for e in w.events if e.reason == "GearUnhealthy"]
+        assert "7193 ms > 2 × max('bal' before the shift 3365 ms, target 200 ms) = 6730 ms" in ev.message
+        assert "serving 10.00 req/s vs 'bal''s 11.50 before the shift" in ev.message
+
+    def test_baseline_qps_round_trips(self):
+        s = ShiftState("bal", Phase.SWITCHING, "bal", "thr", "saturation", 1.0, 2.0, 62.0,
+                       baseline_p99_ms=3365.0, baseline_qps=11.5)  # fmt: skip
+        d = s.to_dict()
+        assert d["baselineQps"] == 11.5
+        assert ShiftState.from_dict(json.loads(json.dumps(d))) == s
+
+
 class TestRestart:
     @pytest.mark.parametrize(
         ("stop_at", "new"),

@@ -48,15 +48,17 @@ class FakeSignals:
 class PerGearSignals(FakeSignals):
     """Signals with a TTFT P99 and an in-flight count per gear; records whose in-flight count was asked."""
 
-    def __init__(self, p99_by_gear: dict[str, float]) -> None:
+    def __init__(self, p99_by_gear: dict[str, float], qps_by_gear: dict[str, float] | None = None) -> None:
         super().__init__()
         self.p99_by_gear = p99_by_gear
+        self.qps_by_gear = qps_by_gear or {}
         self.in_flight_by_gear: dict[str, int] = {}
         self.drained: list[str] = []
 
     def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
         base = super().sample(url, sel, at)
-        return Sample(at=at, stage_utilization=base.stage_utilization, qps=base.qps,
+        return Sample(at=at, stage_utilization=base.stage_utilization,
+                      qps=self.qps_by_gear.get(sel.gear, base.qps),
                       ttft_p99_ms=self.p99_by_gear[sel.gear], itl_p99_ms=base.itl_p99_ms)  # fmt: skip
 
     def in_flight(self, url: str, sel: GearSelector) -> int:
@@ -155,6 +157,7 @@ class TestStateRoundTrip:
             degraded=phase is Phase.DEGRADED,
             predicted_p99_ms=120.0,
             baseline_p99_ms=150.0,
+            baseline_qps=11.5,
             failure="NotReadyInTime" if phase is Phase.ROLLING_BACK else None,
             failure_message="late" if phase is Phase.ROLLING_BACK else "",
             paused_at=T0 + 20.0,
@@ -465,6 +468,7 @@ class TestTicks:
         assert phases == [Phase.WARMING, Phase.DRAINING, Phase.SWITCHING, Phase.ROLLING_BACK]
         st = status(world)
         assert st["executor"]["baselineP99Ms"] == 150.0
+        assert st["executor"]["baselineQps"] == 3.0  # balanced's (smoothed) served rate at the decision
         assert selected(world) == "balanced" and prefill_gears(world) == {"balanced", "latency"}
         sig.in_flight_by_gear["latency"] = 3
         run(world, sig, T0 + 8)
@@ -480,6 +484,29 @@ class TestTicks:
         (mark,) = st["gearHealth"]
         assert (mark["gear"], mark["reason"]) == ("latency", "P99Regression")
         assert "400 ms" in mark["message"]
+
+    @pytest.mark.parametrize(("latency_qps", "phase"), [(3.5, Phase.SWITCHING), (2.5, Phase.ROLLING_BACK)])
+    def test_saturation_shift_kept_while_it_serves_more(
+        self, world: FakeApi, latency_qps: float, phase: Phase
+    ) -> None:
+        """The handler passes the selected gear's sampled served rate into its observation: a saturation
+        shift whose new gear (P99 1000 > 2 × max(150, 200) = 400 ms) serves 3.5 req/s, more than balanced's
+        3.0 at the decision, stays in Switching; at 2.5 req/s it rolls back. (The shift is forced to reach
+        Switching, then its persisted trigger is set to saturation, as a saturation decision records it.)"""
+        _policy_patch(world, warmS=0, rollbackWindowS=30, drainTimeoutS=100)
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = PerGearSignals({"balanced": 150.0, "latency": 1000.0}, {"latency": latency_qps})
+        for i in range(3):  # T0 Warming, +2 Draining, +4 Switching
+            run(world, sig, T0 + 2 * i)
+            kubelet(world, T0 + 2 * i)
+        st = status(world)
+        assert st["phase"] == "Switching" and st["executor"]["baselineQps"] == 3.0
+        world.store[key]["status"]["executor"]["trigger"] = "saturation"
+        r = run(world, sig, T0 + 6)
+        assert r.phase is phase
+        assert selected(world) == ("latency" if phase is Phase.SWITCHING else "balanced")
+        assert status(world)["executor"]["trigger"] == "saturation"
 
     def test_a_reconcile_mid_shift_keeps_both_gears(self, world: FakeApi) -> None:
         key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)

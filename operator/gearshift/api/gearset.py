@@ -734,6 +734,13 @@ class ExecutorState(StatusModel):
         description="The old gear's measured P99 when the shift started (the rollback check's "
         "yardstick), ms.",
     )
+    baseline_qps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="The old gear's served rate when the shift started, completed requests/s: a "
+        "saturation shift's new gear serving at least this much is not rolled back on P99.",
+    )
     failure: str | None = Field(
         default=None, max_length=1024, description="CamelCase reason of the rollback in progress."
     )

@@ -59,7 +59,7 @@ def gear_views(gears: Sequence[Gear], health: Sequence[GearHealth] = ()) -> tupl
 
 def shift_request(decision: Decision, table: GearTable) -> ShiftRequest | None:
     """The executor's request for a SHIFT decision, else ``None``: the target's predicted P99 and the active
-    gear's measured P99 at the decision (the rollback check's baseline)."""
+    gear's measured P99 and served rate at the decision (the rollback check's baselines)."""
     if decision.kind is not DecisionKind.SHIFT or decision.target is None or decision.trigger is None:
         return None
     target = table.get(decision.target)
@@ -68,4 +68,5 @@ def shift_request(decision: Decision, table: GearTable) -> ShiftRequest | None:
         decision.trigger,
         None if target is None else target.predicted_p99_ms,
         baseline_p99_ms=decision.p99_ms,
+        baseline_qps=decision.qps,
     )

@@ -91,6 +91,9 @@ class Decision:
     p99_ms: float | None = None
     """The active gear's smoothed P99 (the policy's latency metric) at this decision, ms: the baseline a
     shift's new gear is judged against in the rollback window."""
+    qps: float | None = None
+    """The active gear's smoothed served rate (completed requests/s, ``Sample.qps``) at this decision: a
+    ``saturation`` shift's new gear serving at least this much is not rolled back on P99."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +322,7 @@ def decide(
             trigger=trigger.value,
             cost=cb,
             p99_ms=measured,
+            qps=smoothed.qps,
         )
     if skipped:
         names = ", ".join(sorted(set(skipped)))
@@ -361,4 +365,5 @@ def _forced(
         target=name,
         trigger=MANUAL,
         p99_ms=None if smoothed is None else smoothed.p99_ms(policy.latency_metric),
+        qps=None if smoothed is None else smoothed.qps,
     )

@@ -19,7 +19,11 @@ Phases (``GearSet.status.phase``)::
   pipeline latency of 512-token requests, which is no TTFT of the traffic being served; judging by it
   rolled healthy shifts back. The old gear's measured P99 is the real alternative: the shift is a
   regression only if the new gear does much worse than the gear it replaced, and never while it meets
-  the SLO with margin.)
+  the SLO with margin.) Except for a ``saturation`` (capacity) shift while the new gear serves at least
+  the completions/s the old gear served when the shift was decided: under overload every gear's queue
+  and P99 keep growing, so a P99 measured later on the new gear is no fair comparison with one measured
+  earlier on the old, and serving more requests/s is what relieves the saturation. Such a shift still
+  rolls back on failure, and on P99 when it also serves less (or either rate is unknown).
 - ``RollingBack``: the failed gear is marked unhealthy with the reason; the role Service returns to the
   old gear (once it is Ready), *then* the failed gear drains like the old one in ``Draining`` (in-flight
   requests to 0 or ``drainTimeoutSeconds`` after the Service moved back), and only then is it deleted.
@@ -42,6 +46,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from gearshift.control.policy import ShiftPolicy
+from gearshift.control.triggers import Trigger
 
 
 class Phase(StrEnum):
@@ -161,6 +166,8 @@ class GearObservation:
     """A failure seen on its pods: ``OOMKilled``, ``CrashLoopBackOff``, ``Unschedulable``."""
     p99_ms: float | None = None
     """Its measured P99 (the policy's latency metric), ms."""
+    qps: float | None = None
+    """Its measured served rate: completed requests/s (``Sample.qps``); ``None`` when not sampled."""
     kv_pool: bool = True
     """Its KV-cache pool is allocated in full."""
 
@@ -199,6 +206,9 @@ class ShiftRequest:
     predicted_p99_ms: float | None = None
     baseline_p99_ms: float | None = None
     """The active gear's measured (smoothed) P99 when the shift was decided, ms (``Decision.p99_ms``)."""
+    baseline_qps: float | None = None
+    """The active gear's measured (smoothed) served rate when the shift was decided, completed requests/s
+    (``Decision.qps``)."""
 
 
 # --- persisted state ---------------------------------------------------------------------------------
@@ -221,6 +231,9 @@ class ShiftState:
     """The target gear's predicted P99 (informational; the rollback check does not use it)."""
     baseline_p99_ms: float | None = None
     """The old gear's measured P99 when the shift started, ms: the rollback check's yardstick."""
+    baseline_qps: float | None = None
+    """The old gear's served rate when the shift started, completed requests/s: a ``saturation`` shift's
+    new gear serving at least this much is not rolled back on P99."""
     failure: str | None = None
     """Why a rollback happens."""
     failure_message: str = ""
@@ -314,6 +327,18 @@ def rollback_p99_limit(state: ShiftState, policy: ShiftPolicy) -> float:
     return policy.rollback_p99_ratio * max(state.baseline_p99_ms or 0.0, policy.target_p99_ms)
 
 
+def relieves_saturation(state: ShiftState, obs: GearObservation) -> bool:
+    """A ``saturation`` shift whose new gear serves at least the completions/s the old gear served at the
+    decision: its P99 does not roll it back (under overload the P99 grows on any gear; the served rate
+    says whether the shift helps). False for other triggers and when either rate is unknown."""
+    return (
+        state.trigger == Trigger.SATURATION.value
+        and state.baseline_qps is not None
+        and obs.qps is not None
+        and obs.qps >= state.baseline_qps
+    )
+
+
 def _stable(
     state: ShiftState, world: World, policy: ShiftPolicy, request: ShiftRequest | None
 ) -> tuple[ShiftState, list[Action]]:
@@ -357,6 +382,7 @@ def _stable(
         baseline_p99_ms=(
             request.baseline_p99_ms if request.baseline_p99_ms is not None else world.gear(active).p99_ms
         ),
+        baseline_qps=request.baseline_qps if request.baseline_qps is not None else world.gear(active).qps,
         failure=None,
         failure_message="",
     )
@@ -443,15 +469,20 @@ def _switching(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Sh
             state, world, policy, reason, f"gear {target!r} failed after the switch: {reason}"
         )
     limit = rollback_p99_limit(state, policy)
-    if obs.p99_ms is not None and obs.p99_ms > limit:
+    if obs.p99_ms is not None and obs.p99_ms > limit and not relieves_saturation(state, obs):
         before = "unknown" if state.baseline_p99_ms is None else f"{state.baseline_p99_ms:.0f} ms"
+        served = ""
+        if state.trigger == Trigger.SATURATION.value:
+            now_qps = "unknown" if obs.qps is None else f"{obs.qps:.2f}"
+            then_qps = "unknown" if state.baseline_qps is None else f"{state.baseline_qps:.2f}"
+            served = f", serving {now_qps} req/s vs {old!r}'s {then_qps} before the shift"
         return _begin_rollback(
             state,
             world,
             policy,
             FAIL_P99,
             f"gear {target!r} P99 {obs.p99_ms:.0f} ms > {policy.rollback_p99_ratio:g} × max({old!r} before "
-            f"the shift {before}, target {policy.target_p99_ms:g} ms) = {limit:.0f} ms",
+            f"the shift {before}, target {policy.target_p99_ms:g} ms) = {limit:.0f} ms{served}",
         )
     actions: list[Action] = [] if world.selected == target else [SelectGear(target)]
     if state.degraded and not obs.kv_pool:

@@ -29,6 +29,10 @@ class GearScript:
     fail_after_s: float | None = None
     failure: str = "CrashLoopBackOff"
     p99_ms: float | None = None
+    p99_ms_per_s: float = 0.0
+    """The P99 grows this much per second of age (a queue that keeps growing under overload), ms/s."""
+    qps: float | None = None
+    """Its served rate, completed requests/s (``None``: not sampled)."""
     in_flight: int = 0
     """Requests on the gear while it is selected, and when it stops being selected."""
     drain_per_s: float = 5.0
@@ -71,7 +75,8 @@ class ScriptedWorld:
             ready_since=born + script.ready_after_s if ready else None,
             in_flight=in_flight,
             failure=script.failure if failed else None,
-            p99_ms=script.p99_ms,
+            p99_ms=None if script.p99_ms is None else script.p99_ms + script.p99_ms_per_s * age,
+            qps=script.qps,
             kv_pool=self.kv_pool.get(name, True),
         )
 

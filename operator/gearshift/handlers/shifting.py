@@ -157,6 +157,7 @@ def executor_from_status(active: str, ex: ExecutorState | None) -> ShiftState:
         degraded=ex.degraded,
         predicted_p99_ms=ex.predicted_p99_ms,
         baseline_p99_ms=ex.baseline_p99_ms,
+        baseline_qps=ex.baseline_qps,
         failure=ex.failure,
         failure_message=ex.failure_message,
         paused_at=from_time(ex.paused_at),
@@ -178,6 +179,7 @@ def executor_to_status(state: ShiftState, in_flight: int | None = None) -> dict[
         "inFlight": in_flight,
         "predictedP99Ms": state.predicted_p99_ms,
         "baselineP99Ms": state.baseline_p99_ms,
+        "baselineQps": state.baseline_qps,
         "failure": state.failure,
         "failureMessage": state.failure_message,
         "pausedAt": to_time(state.paused_at),
@@ -552,7 +554,7 @@ def tick(
             # Unknown in-flight counts hold the drain until its timeout rather than cut requests off.
             obs = replace(obs, in_flight=1 if in_flight_old is None else in_flight_old)
         if sample is not None and gname == sample_gear:
-            obs = replace(obs, p99_ms=sample.p99_ms(policy.latency_metric))
+            obs = replace(obs, p99_ms=sample.p99_ms(policy.latency_metric), qps=sample.qps)
         observations[gname] = obs
     # --- decide and step -----------------------------------------------------------------------------
     marks = [h for h in st.gear_health if h.profiles_hash in (None, st.profiles_hash)]
