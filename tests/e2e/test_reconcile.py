@@ -28,8 +28,10 @@ import pytest
 import yaml
 
 from gearshift import planner
+from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.handlers.kubeapi import RestKubeApi
+from gearshift.handlers.reconcile import plan_assumptions
 from gearshift.k8s import names
 from gearshift.planner_input import datasheet_gpuprofile, resource_profile
 
@@ -153,7 +155,9 @@ def test_example_pdservice_lifecycle(sandbox: Any, namespace: str, operator: Any
     )  # fmt: skip
     doc = resource_profile(decode_pool, profiles, nodes, 0.9)
     arch = PDService.model_validate(pds_body).spec.model.to_model_arch()
-    want = planner.plan(planner.parse_profile(doc), planner.RooflineCostModel(arch), sim_requests=500)
+    # Priced as the operator prices this GearSet: its role (decode steps only) and its workload.
+    cost = planner.RooflineCostModel(arch, plan_assumptions(GearSet.model_validate(gs)))
+    want = planner.plan(planner.parse_profile(doc), cost, sim_requests=500)
     planned = gs["status"]["plannedGears"]
     assert [[sorted(s["nodes"]) for s in g["stages"]] for g in planned] == [
         [sorted(s.nodes) for s in g.stages] for g in want.gears
