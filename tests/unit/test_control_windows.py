@@ -78,22 +78,26 @@ class TestLeaveByDue:
         by = "2025-01-31T12:01:50+00:00"
         at = datetime(2025, 1, 31, 12, 1, 50, tzinfo=UTC)
         assert not leave_by_due(by, at - timedelta(seconds=1), None)  # not yet
-        assert leave_by_due(by, at, None)  # at leaveBy itself
+        # Through leaveBy's own second the node is still usable to the reconciler (whole seconds,
+        # deadline − now ≥ lead + margin): a reconcile then would move nothing.
+        assert not leave_by_due(by, at, None)
+        assert not leave_by_due(by, at + timedelta(milliseconds=999), None)
+        assert leave_by_due(by, at + timedelta(seconds=1), None)
         assert leave_by_due(by, at + timedelta(seconds=40), None)  # late (operator restarted): still due
-        assert not leave_by_due(by, at + timedelta(seconds=1), by)  # already re-planned for this value
+        assert not leave_by_due(by, at + timedelta(seconds=2), by)  # already re-planned for this value
         later = "2025-01-31T12:05:00+00:00"  # another node's leaveBy once the first has left
-        assert not leave_by_due(later, at + timedelta(seconds=1), by)
-        assert leave_by_due(later, datetime(2025, 1, 31, 12, 5, tzinfo=UTC), by)
+        assert not leave_by_due(later, at + timedelta(seconds=2), by)
+        assert leave_by_due(later, datetime(2025, 1, 31, 12, 5, 1, tzinfo=UTC), by)
 
     def test_unset_unparsable_naive_and_offsets(self) -> None:
         assert not leave_by_due(None, T0, None)
         assert not leave_by_due("soon", T0, None)
         # A naive time is read as UTC (T0 is 12:00 UTC).
-        assert leave_by_due("2025-01-31T12:00:00", T0, None)
-        assert not leave_by_due("2025-01-31T12:00:00", T0 - timedelta(seconds=1), None)
-        # 13:00 at UTC+1 is T0; compared as instants, not as text.
-        assert leave_by_due("2025-01-31T13:00:00+01:00", T0, None)
-        assert not leave_by_due("2025-01-31T13:00:01+01:00", T0, None)
+        assert leave_by_due("2025-01-31T11:59:59", T0, None)
+        assert not leave_by_due("2025-01-31T12:00:00", T0, None)
+        # 12:59:59 at UTC+1 is a second before T0; compared as instants, not as text.
+        assert leave_by_due("2025-01-31T12:59:59+01:00", T0, None)
+        assert not leave_by_due("2025-01-31T13:00:00+01:00", T0, None)
 
 
 def _set_window(api: FakeApi, node: str, until: datetime) -> None:  # noqa: F811

@@ -24,6 +24,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 
 def test_reconciles_once_at_leave_by(calls: list[tuple[str, str]]) -> None:
     assert not pdservice.window_tick("ns", "svc", BY, AT - timedelta(seconds=1))
+    assert not pdservice.window_tick("ns", "svc", BY, AT + timedelta(milliseconds=500))  # still usable
     assert calls == []
     assert pdservice.window_tick("ns", "svc", BY, AT + timedelta(seconds=1))
     assert calls == [("ns", "svc")]
@@ -36,10 +37,10 @@ def test_reconciles_once_at_leave_by(calls: list[tuple[str, str]]) -> None:
 
 
 def test_next_leave_by_and_unset(calls: list[tuple[str, str]]) -> None:
-    assert pdservice.window_tick("ns", "svc", BY, AT)
+    assert pdservice.window_tick("ns", "svc", BY, AT + timedelta(seconds=1))
     later = "2025-01-31T12:10:00+00:00"
     assert not pdservice.window_tick("ns", "svc", later, AT + timedelta(seconds=30))
-    assert pdservice.window_tick("ns", "svc", later, datetime(2025, 1, 31, 12, 10, tzinfo=UTC))
+    assert pdservice.window_tick("ns", "svc", later, datetime(2025, 1, 31, 12, 10, 1, tzinfo=UTC))
     assert not pdservice.window_tick("ns", "svc", None, AT + timedelta(hours=1))
     assert len(calls) == 2
 
@@ -54,7 +55,7 @@ def test_a_failed_reconcile_is_tried_again_at_the_next_tick(monkeypatch: pytest.
 
     monkeypatch.setattr(pdservice, "run_reconcile", flaky)
     monkeypatch.setattr(pdservice, "_window_handled", {})
-    assert not pdservice.window_tick("ns", "svc", BY, AT)  # failed: logged, not raised
-    assert pdservice.window_tick("ns", "svc", BY, AT + timedelta(seconds=2))  # tried again, succeeded
-    assert not pdservice.window_tick("ns", "svc", BY, AT + timedelta(seconds=4))
+    assert not pdservice.window_tick("ns", "svc", BY, AT + timedelta(seconds=1))  # failed: logged
+    assert pdservice.window_tick("ns", "svc", BY, AT + timedelta(seconds=3))  # tried again, succeeded
+    assert not pdservice.window_tick("ns", "svc", BY, AT + timedelta(seconds=5))
     assert seen == ["svc", "svc"]

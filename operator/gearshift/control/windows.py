@@ -127,8 +127,11 @@ def leave_by_due(leave_by: str | None, now: datetime, handled: str | None) -> bo
         handled: the ``leave_by`` value a reconcile already ran for (so it runs once per value).
 
     Returns:
-        True when ``leave_by`` is set, parses, is not after ``now``, and differs from ``handled``;
-        False for an unparsable value (the ordinary timer still looks).
+        True when ``leave_by`` is set, parses, differs from ``handled``, and ``now`` in whole seconds is
+        past it; False for an unparsable value (the ordinary timer still looks). Whole seconds because the
+        reconciler reads the clock at second precision (``now_utc``) and a node stays usable while
+        ``deadline − now ≥ lead + margin``, i.e. through ``leaveBy`` itself: a reconcile in that second
+        would find nothing to move and the vacate would wait for the next ordinary trigger.
     """
     if leave_by is None or leave_by == handled:
         return False
@@ -138,7 +141,7 @@ def leave_by_due(leave_by: str | None, now: datetime, handled: str | None) -> bo
         return False
     if when.tzinfo is None:  # the reconciler writes aware times; a naive one is read as UTC
         when = when.replace(tzinfo=UTC)
-    return when <= now
+    return when < now.replace(microsecond=0)
 
 
 # --- vacating: the move off a node past its leaveBy --------------------------------------------------
