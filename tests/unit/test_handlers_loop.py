@@ -58,7 +58,7 @@ async def test_ticks_keep_going_through_errors_until_stopped():
 async def test_an_idle_tick_waits_the_idle_interval(monkeypatch):
     import gearshift.handlers.loop as loop
 
-    monkeypatch.setattr(loop, "IDLE_INTERVAL_S", 0.3)
+    monkeypatch.setattr(loop, "IDLE_INTERVAL_S", 1.5)
     stopped = _Stopped()
     times: list[float] = []
     idle = [True, False, False]
@@ -74,5 +74,6 @@ async def test_an_idle_tick_waits_the_idle_interval(monkeypatch):
         every_sample_interval("ns", "gs", body, stopped, tick, what="t", floor_s=0.01, expected=()),
         timeout=5,
     )
-    assert times[1] - times[0] >= 0.3  # after the idle tick
-    assert times[2] - times[1] < 0.25  # back to the sample interval
+    assert times[1] - times[0] >= 1.5  # after the idle tick
+    # Back to the 0.01 s sample interval; the bound leaves room for a loaded machine's scheduling.
+    assert times[2] - times[1] < 1.0
