@@ -208,14 +208,16 @@ def main() -> int:
         result["idle"] = {"window_s": args.idle_s, "operator_cpu_s": round(idle, 3),
                           "cpu_share": round(idle / args.idle_s, 4)}  # fmt: skip
     finally:
+        # The namespace goes while the operator still runs: its finalizers on the PDServices and GearSets
+        # need it, and a namespace deleted after it stopped stays Terminating in the shared sandbox.
+        kc = ["kubectl", "--kubeconfig", str(kubeconfig)]
+        subprocess.run([*kc, "delete", "namespace", ns, "--timeout=240s"], capture_output=True, timeout=300)
         op.send_signal(signal.SIGINT)
         try:
             op.wait(timeout=30)
         except subprocess.TimeoutExpired:
             op.kill()
         log.close()
-        kc = ["kubectl", "--kubeconfig", str(kubeconfig)]
-        subprocess.run([*kc, "delete", "namespace", ns, "--wait=false"], capture_output=True, timeout=60)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -67,6 +67,7 @@ from gearshift.sandbox.harness import (
     install_crds,
     kubectl_for_layout,
     pod_ready,
+    teardown_run,
 )
 from gearshift.sandbox.layout import Layout
 
@@ -350,19 +351,12 @@ def run_once(
     finally:
         if sampler is not None:
             sampler.stop()
-        if op is not None:
-            op.stop()
-        teardown(kc, ns, nodes)
+        teardown(kc, ns, op, nodes)
 
 
-def teardown(kc: LayoutKubectl, ns: str, nodes: GpuNodes) -> None:
-    """Delete the run's resources, namespace and nodes; finalizers are cleared (the operator is gone)."""
-    kc.kubectl("delete", "pdservice,gearset", "--all", "-n", ns, "--wait=false", check=False)
-    for kind, name in (("pdservice", SERVICE), ("gearset", PREFILL_GS), ("gearset", DECODE_GS)):
-        kc.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
-                   check=False)  # fmt: skip
-    kc.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-    left = nodes.delete_all()
+def teardown(kc: LayoutKubectl, ns: str, op: OperatorProcess | None, nodes: GpuNodes) -> None:
+    """Delete the run's resources (while its operator still runs), the operator, namespace and nodes."""
+    left = teardown_run(kc, ns, op, nodes)
     if left:
         say(f"WARNING: not deleted: {left}")
 

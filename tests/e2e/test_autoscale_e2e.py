@@ -54,7 +54,7 @@ import pytest
 
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import TraceRequest, run_load
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -302,15 +302,7 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         )
         yield {"ns": ns, "router": router, "nodes": nodes, "decode_nodes": decode_nodes, "op": op}
     finally:
-        if op is not None:
-            op.stop()
-        sandbox.kubectl("delete", "pdservice,gearset", "--all", "-n", ns, "--wait=false", check=False)
-        for kind, name in (("pdservice", SERVICE), ("gearset", PREFILL_GS), ("gearset", DECODE_GS)):
-            sandbox.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p",
-                            '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-        r = sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        assert r.returncode == 0, f"namespace {ns} not deleted: {r.stderr}"
-        left = nodes.delete_all()
+        left = teardown_run(sandbox, ns, op, nodes)
         assert left == [], f"teardown left {left}"
 
 

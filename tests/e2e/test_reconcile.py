@@ -34,6 +34,7 @@ from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.handlers.reconcile import plan_assumptions
 from gearshift.k8s import names
 from gearshift.planner_input import datasheet_gpuprofile, resource_profile
+from gearshift.sandbox.harness import teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -81,6 +82,9 @@ def operator(sandbox: Any, namespace: str, tmp_path: Path) -> Iterator[subproces
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **sandbox.env})
     yield proc
+    # Free the namespace's resources while the operator still serves their finalizers (the namespace
+    # fixture deletes the namespace after this one; it would otherwise stay Terminating).
+    sandbox.kubectl("delete", "pdservice,gearset", "--all", "-n", namespace, "--timeout=30s", check=False)
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=20)
@@ -88,6 +92,7 @@ def operator(sandbox: Any, namespace: str, tmp_path: Path) -> Iterator[subproces
         proc.kill()
         proc.wait()
     log.close()
+    teardown_run(sandbox, namespace)  # whatever the operator did not release loses its finalizers
     print((tmp_path / "operator.log").read_text()[-5000:])
 
 

@@ -35,7 +35,7 @@ import pytest
 
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import TraceRequest, load_trace, run_load
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -159,18 +159,7 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         assert ip.startswith("127."), ip
         yield {"ns": ns, "router": f"http://{ip}:{ROUTER_PORT}", "heads": heads, "nodes": nodes}
     finally:
-        if op is not None:
-            op.stop()
-        sandbox.kubectl("delete", "pdservice,gearset", "--all", "-n", ns, "--wait=false", check=False)
-        for kind, name in (
-            ("pdservice", SERVICE),
-            ("gearset", f"{SERVICE}-prefill"),
-            ("gearset", f"{SERVICE}-decode"),
-        ):
-            sandbox.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p",
-                            '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-        sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        left = gpus.delete_all()
+        left = teardown_run(sandbox, ns, op, gpus)
         assert left == [], f"teardown left {left}"
 
 

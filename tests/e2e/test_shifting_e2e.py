@@ -28,7 +28,14 @@ from typing import Any
 
 import pytest
 
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, pods
+from gearshift.sandbox.harness import (
+    GpuNodes,
+    OperatorProcess,
+    install_crds,
+    pod_ready,
+    pods,
+    teardown_run,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -231,16 +238,7 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         sandbox.wait_for(lambda: _signals_ok(sandbox, ns), 90, "SignalsAvailable=True on the prefill GearSet")
         yield ctx
     finally:
-        if op is not None:
-            op.stop()
-        for kind in ("pdservice", "gearset"):
-            sandbox.kubectl("delete", kind, "--all", "-n", ns, "--wait=false", check=False)
-        for name in (PREFILL_GS, DECODE_GS, SERVICE):
-            kind = "pdservice" if name == SERVICE else "gearset"
-            sandbox.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p",
-                            '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-        sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        left = nodes.delete_all()
+        left = teardown_run(sandbox, ns, op, nodes)
         assert not left, f"not deleted: {left}"
 
 

@@ -35,7 +35,14 @@ import pytest
 
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import LoadResult, TraceRequest, run_load
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, pods
+from gearshift.sandbox.harness import (
+    GpuNodes,
+    OperatorProcess,
+    install_crds,
+    pod_ready,
+    pods,
+    teardown_run,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -153,19 +160,7 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
             "log": op.log,
         }
     finally:
-        if op is not None:
-            op.stop()
-        sandbox.kubectl("delete", "pdservice,gearset", "--all", "-n", ns, "--wait=false", check=False)
-        for kind, name in (
-            ("pdservice", SERVICE),
-            ("gearset", f"{SERVICE}-prefill"),
-            ("gearset", DECODE_GS),
-        ):
-            sandbox.kubectl("patch", kind, name, "-n", ns, "--type=merge", "-p",
-                            '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-        r = sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        assert r.returncode == 0, f"deleting namespace {ns}: {r.stderr}"
-        left = nodes.delete_all()
+        left = teardown_run(sandbox, ns, op, nodes)
         assert not left, f"not deleted: {left}"
 
 

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -249,6 +250,11 @@ class OperatorProcess:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.cluster.env)
 
+    @property
+    def running(self) -> bool:
+        """The process was started and has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
     def kill(self) -> None:
         """SIGKILL (a crash, for restart tests)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -270,3 +276,45 @@ class OperatorProcess:
     def log_tail(self, chars: int = 4000) -> str:
         """The last ``chars`` characters of the operator's output."""
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def teardown_run(
+    cluster: Kubectl,
+    namespace: str,
+    operator: OperatorProcess | None = None,
+    nodes: GpuNodes | None = None,
+    wait_s: float = 30.0,
+) -> list[str]:
+    """Remove one run: its PDServices and GearSets, the operator, the namespace, then its nodes.
+
+    The custom resources go first, while ``operator`` still runs, so that its finalizers release them;
+    after ``wait_s`` s (or at once without an operator) whatever is left loses its finalizers, since no
+    operator will serve them and a namespace holding them stays Terminating in a shared sandbox. The
+    namespace is deleted without waiting. Returns the nodes and profiles the API server still has
+    (``GpuNodes.delete_all``; should be ``[]``).
+    """
+    kinds = "pdservice,gearset"
+    cluster.kubectl("delete", kinds, "--all", "-n", namespace, "--wait=false", check=False)
+    deadline = time.monotonic() + (wait_s if operator is not None and operator.running else 0.0)
+
+    def left() -> list[str]:
+        r = cluster.kubectl("get", kinds, "-n", namespace, "-o", "name", check=False)
+        return r.stdout.split() if r.returncode == 0 else []
+
+    while left() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if operator is not None:
+        operator.stop()
+    for obj in left():
+        cluster.kubectl(
+            "patch",
+            obj,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            '{"metadata":{"finalizers":null}}',
+            check=False,
+        )
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    return nodes.delete_all() if nodes is not None else []
