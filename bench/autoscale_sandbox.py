@@ -61,7 +61,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -78,10 +78,12 @@ from gearshift.sandbox.harness import (
     GpuNodes,
     LayoutKubectl,
     OperatorProcess,
+    Periodic,
     apply,
     install_crds,
     kubectl_for_layout,
     teardown_run,
+    wait_until,
 )
 from gearshift.sandbox.layout import Layout
 from gearshift.sim.perfmodel import PerfModel, single_stage_pipeline
@@ -256,10 +258,7 @@ class Sampler:
     router: str
     t0: float = 0.0
     """Unix time the samples' ``t`` is relative to (set when the replay starts)."""
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    errors: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _runner: Periodic[dict[str, Any]] | None = None
 
     def once(self) -> dict[str, Any]:
         t = time.time()
@@ -292,34 +291,22 @@ class Sampler:
             **rc,
         }
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                self.samples.append(self.once())
-            except Exception:  # a slow API server on a busy machine: count it, keep sampling
-                self.errors += 1
-            self._stop.wait(max(0.0, SAMPLE_S - (time.monotonic() - t0)))
-
     def start(self, t0: float) -> None:
         self.t0 = t0
-        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
-        self._thread.start()
+        self._runner = Periodic(self.once, SAMPLE_S)
+        self._runner.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._runner is not None:
+            self._runner.stop()
 
+    @property
+    def samples(self) -> list[Any]:
+        return self._runner.samples if self._runner is not None else []
 
-def _wait(pred: Any, timeout: float, what: str, interval: float = 2.0) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    @property
+    def errors(self) -> int:
+        return self._runner.errors if self._runner is not None else 0
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -378,7 +365,7 @@ def run_once(kc: LayoutKubectl, prom_url: str | None, mode: str, load: list[Trac
                     return url if len(known) >= 1 + lo else None
             return None
 
-        url = _wait(ready, READY_TIMEOUT_S, f"{lo} decode replica(s), prefill and the router Ready")
+        url = wait_until(ready, READY_TIMEOUT_S, f"{lo} decode replica(s), prefill and the router Ready")
         setup_s = time.time() - t_setup
         say(f"{mode}: ready after {setup_s:.0f} s (router {url}); replay of {len(load)} requests")
         sampler = Sampler(core, custom, ns, url)

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,13 @@ from gearshift.sandbox.harness import (
     GpuNodes,
     LayoutKubectl,
     OperatorProcess,
+    Periodic,
     apply,
     install_crds,
     kubectl_for_layout,
     pod_ready,
     teardown_run,
+    wait_until,
 )
 from gearshift.sandbox.layout import Layout
 
@@ -177,10 +179,7 @@ class Sampler:
     custom: Any
     ns: str
     windowed: list[str]
-    samples: list[Sample] = field(default_factory=list)
-    errors: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _runner: Periodic[Sample] | None = None
 
     def once(self) -> Sample:
         """One sample (two API calls)."""
@@ -210,33 +209,21 @@ class Sampler:
         return Sample(t, on_w, st.get("activeGear"), st.get("phase"), st.get("targetGear"),
                       list(st.get("windowedNodes") or []), decode_ready)  # fmt: skip
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                self.samples.append(self.once())
-            except Exception:  # a slow API server on a busy machine: count it, keep sampling
-                self.errors += 1
-            self._stop.wait(max(0.0, SAMPLE_S - (time.monotonic() - t0)))
-
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
-        self._thread.start()
+        self._runner = Periodic(self.once, SAMPLE_S)
+        self._runner.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._runner is not None:
+            self._runner.stop()
 
+    @property
+    def samples(self) -> list[Any]:
+        return self._runner.samples if self._runner is not None else []
 
-def _wait(pred: Any, timeout: float, what: str, interval: float = 2.0) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    @property
+    def errors(self) -> int:
+        return self._runner.errors if self._runner is not None else 0
 
 
 @dataclass
@@ -302,7 +289,7 @@ def run_once(
                     return str(p.status.pod_ip)
             return None
 
-        ip = _wait(
+        ip = wait_until(
             ready, READY_TIMEOUT_S, "the PDService Ready, the router, and (use) pods on the windowed nodes"
         )
         assert ip.startswith("127."), f"router pod IP {ip} is not loopback"

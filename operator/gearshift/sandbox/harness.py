@@ -19,11 +19,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from gearshift.api import crdgen
 from gearshift.api.gpuprofile import GPUProfileStatus
@@ -34,6 +36,8 @@ from gearshift.planner_input import datasheet_gpuprofile
 from gearshift.probe_lifecycle import window_step
 from gearshift.profiles import node_view
 from gearshift.sandbox.nodes import gpu_node_manifest
+
+T = TypeVar("T")
 
 #: The annotation that declares a node's time window (issue 13), RFC 3339.
 AVAILABLE_UNTIL = "gearshift.io/available-until"
@@ -318,3 +322,54 @@ def teardown_run(
         )
     cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
     return nodes.delete_all() if nodes is not None else []
+
+
+def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 2.0) -> T:
+    """Poll ``predicate`` every ``interval_s`` s until it returns something truthy, which is returned.
+
+    Raises:
+        TimeoutError: ``timeout_s`` s passed; the message names ``what``.
+    """
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+class Periodic(Generic[T]):
+    """Calls ``sample()`` every ``interval_s`` s on a daemon thread between :meth:`start` and :meth:`stop`.
+
+    Results go to ``samples`` in order; a call that raises is counted in ``errors`` and sampling goes on
+    (a slow API server on a busy machine must not end a benchmark's timeline).
+    """
+
+    def __init__(self, sample: Callable[[], T], interval_s: float) -> None:
+        self._sample = sample
+        self.interval_s = interval_s
+        self.samples: list[T] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.samples.append(self._sample())
+            except Exception:
+                self.errors += 1
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+
+    def start(self) -> None:
+        """Start sampling (the first sample at once)."""
+        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop and wait for the thread (at most 30 s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
