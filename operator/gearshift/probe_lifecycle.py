@@ -470,6 +470,8 @@ def probe_succeeded(
 #: Condition reasons of ``Windowed`` (issue 13).
 REASON_WINDOW_DECLARED = "AvailableUntil"
 REASON_WINDOW_INVALID = "InvalidAvailableUntil"
+#: The declared window has passed: the node is reclaimed, the planner leaves it out.
+REASON_WINDOW_CLOSED = "WindowClosed"
 REASON_NO_WINDOW = "NoWindow"
 
 
@@ -483,6 +485,37 @@ def parse_rfc3339(text: str) -> datetime:
     if "T" not in text.upper() or t.tzinfo is None:
         raise ValueError(f"{text!r} is not an RFC 3339 date-time with an offset")
     return t
+
+
+def _window_cond(step: Step, source: str, until: datetime, now: datetime, generation: int | None) -> None:
+    """``Windowed=True``: declared (a Normal event) or, once ``until`` has passed, closed (a Warning).
+
+    The message names the deadline only (not the seconds left), so it changes -- and an event is
+    recorded -- only when the deadline does or when it passes.
+    """
+    if until <= now:
+        _cond(
+            step,
+            COND_WINDOWED,
+            "True",
+            REASON_WINDOW_CLOSED,
+            f"{source}: reclaimed at {until.isoformat()}, which has passed; gearshift plans no work on the "
+            "node (remove the annotation if the node stays)",
+            now,
+            generation,
+            "Warning",
+        )
+        return
+    _cond(
+        step,
+        COND_WINDOWED,
+        "True",
+        REASON_WINDOW_DECLARED,
+        f"{source}: reclaimed at {until.isoformat()}",
+        now,
+        generation,
+        "Normal",
+    )
 
 
 def window_step(
@@ -506,16 +539,7 @@ def window_step(
     until: datetime | None = None
     if pinned is not None:
         until = parse_rfc3339(pinned)  # validated by the spec model
-        _cond(
-            step,
-            COND_WINDOWED,
-            "True",
-            REASON_WINDOW_DECLARED,
-            f"spec.override.availableUntil: reclaimed at {until.isoformat()}",
-            now,
-            generation,
-            "Normal",
-        )
+        _window_cond(step, "spec.override.availableUntil", until, now, generation)
     elif raw:
         try:
             until = parse_rfc3339(raw)
@@ -532,18 +556,7 @@ def window_step(
                 "Warning",
             )
         else:
-            # The message names the deadline only (not the seconds left), so it changes -- and an event
-            # is recorded -- only when the deadline does.
-            _cond(
-                step,
-                COND_WINDOWED,
-                "True",
-                REASON_WINDOW_DECLARED,
-                f"node annotation {ANNOTATION_AVAILABLE_UNTIL}: reclaimed at {until.isoformat()}",
-                now,
-                generation,
-                "Normal",
-            )
+            _window_cond(step, f"node annotation {ANNOTATION_AVAILABLE_UNTIL}", until, now, generation)
     elif find_condition(status.conditions, COND_WINDOWED) is not None:
         _cond(step, COND_WINDOWED, "False", REASON_NO_WINDOW, "the node declares no window", now, generation)
     step.status.available_until = until

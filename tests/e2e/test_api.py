@@ -79,7 +79,10 @@ class TestInstall:
         assert "gearset.gearshift.io/llama3-8b-prefill" in out
         assert "pdservice.gearshift.io/llama3-8b" in out
         gs = crds.kubectl("get", "gs", "-n", api_ns).stdout
-        assert header(gs) == ["NAME", "SERVICE", "ROLE", "ACTIVE", "TARGET", "PHASE", "P99(MS)", "QPS", "AGE"]
+        assert header(gs) == [
+            "NAME", "SERVICE", "ROLE", "ACTIVE", "TARGET", "PHASE",
+            "REPLICAS", "READY", "P99(MS)", "QPS", "AGE",
+        ]  # fmt: skip
         pds = crds.kubectl("get", "pds", "-n", api_ns).stdout
         assert header(pds) == ["NAME", "MODEL", "PREFILL", "DECODE", "ROUTER", "READY", "AGE"]
         assert "meta-llama/Meta-Llama-3-8B" in pds and "pd-score" in pds

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: Printer columns exactly as issue 3 lists them.
 COLUMNS = {
     "GPUProfile": ["NODE", "GPU", "COUNT", "MEM(GiB)", "SCORE", "PHASE", "WINDOW", "AGE"],
-    "GearSet": ["SERVICE", "ROLE", "ACTIVE", "TARGET", "PHASE", "P99(ms)", "QPS", "AGE"],
+    "GearSet": ["SERVICE", "ROLE", "ACTIVE", "TARGET", "PHASE", "REPLICAS", "READY", "P99(ms)", "QPS", "AGE"],
     "PDService": ["MODEL", "PREFILL", "DECODE", "ROUTER", "READY", "AGE"],
 }
 SHORT = {"GPUProfile": "gpup", "GearSet": "gs", "PDService": "pds"}

@@ -259,6 +259,8 @@ BAD_CASES: list[tuple[str, str, str, Any, str]] = [
         5,
         "minReplicas",
     ),
+    # Scale to zero is not supported (no activator would wake the role): refused at apply.
+    ("pds-scaling-min-zero", "pdservice-llama3-8b.yaml", "spec.decode.scaling.minReplicas", 0, "minReplicas"),
     ("pds-negative-ttft-slo", "pdservice-llama3-8b.yaml", "spec.slo.ttftMs", -5, "ttftMs"),
     (
         "pds-bad-prometheus-url",

@@ -31,6 +31,22 @@ class TestWindowStep:
         # Applying again changes nothing (no event storm on every timer tick).
         assert window_step(step.status, node("2025-01-31T12:05:00Z"), None, now=NOW, generation=1) is None
 
+    def test_passed_window_is_reported_closed_once(self) -> None:
+        declared = window_step(GPUProfileStatus(), node("2025-01-31T12:05:00Z"), None, now=NOW, generation=1)
+        assert declared is not None
+        later = datetime(2025, 1, 31, 12, 5, 1, tzinfo=UTC)
+        closed = window_step(declared.status, node("2025-01-31T12:05:00Z"), None, now=later, generation=1)
+        assert closed is not None
+        cond = find_condition(closed.status.conditions, COND_WINDOWED)
+        assert cond is not None and cond.status == "True" and cond.reason == "WindowClosed"
+        assert "has passed" in cond.message and [e.type for e in closed.events] == ["Warning"]
+        # Exactly at the deadline it is closed too; ticks after that record nothing new.
+        assert window_step(closed.status, node("2025-01-31T12:05:00Z"), None, now=later, generation=1) is None
+        at = datetime(2025, 1, 31, 12, 5, tzinfo=UTC)
+        step = window_step(declared.status, node("2025-01-31T12:05:00Z"), None, now=at, generation=1)
+        assert step is not None
+        assert find_condition(step.status.conditions, COND_WINDOWED).reason == "WindowClosed"
+
     @pytest.mark.parametrize("bad", ["tomorrow", "2025-01-31", "2025-01-31T12:05:00", "1738325100"])
     def test_bad_value_is_ignored_and_reported(self, bad: str) -> None:
         step = window_step(GPUProfileStatus(), node(bad), None, now=NOW, generation=1)

@@ -457,6 +457,16 @@ class TestReconcile:
         assert st["routerReady"] is True
         conds = {c["type"]: c["status"] for c in st["conditions"]}
         assert conds == {"Placed": "True", "Ready": "True", "Progressing": "False", "Degraded": "False"}
+        # GearSet status.replicas (READY column, scale subresource) of a role the autoscaler does not
+        # write it for (the example scales decode only): one pipeline replica, Ready.
+        prefill = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]
+        assert not prefill.get("autoscaled") and prefill["replicas"] == 1
+        # One pod of a stage not Ready: that pipeline replica is not Ready.
+        name, o = next((n, o) for n, o in api.sts().items() if n.startswith("llama3-8b-prefill-"))
+        o["status"]["readyReplicas"] = o["spec"]["replicas"] - 1
+        api.store[("apps/v1", "StatefulSet", NS, name)] = o
+        reconcile(api)
+        assert api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]["replicas"] == 0
 
 
 class TestExplicitGearLayers:
@@ -534,10 +544,20 @@ def test_reconciler_marks_the_gearsets_the_pdservice_scales(api: FakeApi) -> Non
     prefill = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
     assert decode["status"]["autoscaled"] is True and _autoscaled(decode)
     assert not prefill["status"].get("autoscaled") and not _autoscaled(prefill)
-    # Taking the section out clears the mark, so kopf stops that GearSet's autoscale daemon.
+    # What the autoscaler wrote while it ran (a decision and its condition).
+    decode["status"]["scaling"] = {"desiredReplicas": 2, "lastReason": "NoFreeGPU"}
+    decode["status"].setdefault("conditions", []).append(
+        {"type": "ScalingActive", "status": "False", "reason": "NoFreeGPU", "message": "no node",
+         "lastTransitionTime": "2025-01-01T00:00:00Z"}
+    )  # fmt: skip
+    api.put(decode, NS)
+    # Taking the section out clears the mark, so kopf stops that GearSet's autoscale daemon, and the
+    # autoscaler's last state goes with it (it no longer describes the role).
     pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
     del pds["spec"]["decode"]["scaling"]
     api.put(pds, NS)
     reconcile(api)
     decode = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
     assert decode["status"]["autoscaled"] is False and not _autoscaled(decode)
+    assert decode["status"].get("scaling") is None
+    assert "ScalingActive" not in {c["type"] for c in decode["status"].get("conditions") or []}

@@ -292,6 +292,8 @@ KINDS: tuple[Kind, ...] = (
             _col("ACTIVE", ".status.activeGear", description="Gear serving traffic."),
             _col("TARGET", ".status.targetGear", description="Gear being shifted to."),
             _col("PHASE", ".status.phase", description="Executor phase."),
+            _col("REPLICAS", ".spec.replicas", "integer", "Pipeline replicas asked for (autoscaler, HPA)."),
+            _col("READY", ".status.replicas", "integer", "Ready pipeline replicas of the active gear."),
             _col("P99(ms)", ".status.signals.p99Ms", "number", "Smoothed P99 (TTFT prefill, ITL decode)."),
             _col("QPS", ".status.signals.qps", "number", "Requests/s over the last minute."),
             _AGE,

@@ -320,7 +320,16 @@ class ScalingSpec(SpecModel):
 
     model_config = ConfigDict(json_schema_extra=_cel("ScalingSpec"))
 
-    min_replicas: int = Field(default=1, ge=0, le=1024, description="Fewest pipeline replicas.")
+    # At least 1: with no pod of a role the router has nothing to hold a request on and the autoscaler no
+    # signal to wake it (scale to zero needs an activator, not built); a GearSet's spec.replicas may still
+    # be set to 0 by hand.
+    min_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Fewest pipeline replicas (at least 1: scale to zero is not supported; set the "
+        "GearSet's spec.replicas to 0 by hand to stop a role).",
+    )
     max_replicas: int = Field(ge=1, le=1024, description="Most pipeline replicas.")
     targets: ScalingTargets = Field(default_factory=ScalingTargets, description="What to scale on.")
     windows: ScalingWindows = Field(default_factory=ScalingWindows, description="Stabilisation windows.")

@@ -38,6 +38,7 @@ from gearshift.api.common import (
     COND_PLANNED,
     COND_PROGRESSING,
     COND_READY,
+    COND_SCALING_ACTIVE,
     MAX_GEAR_NAME,
     REASON_INVALID_SPEC,
     REASON_NODE_LOST,
@@ -615,6 +616,14 @@ def _gearset_status(rs: RoleState, now: Any) -> dict[str, Any]:
             book.set(COND_PLANNED, "True", REASON_PLANNED, f"{len(rs.gears)} gear(s) planned")
         if book.changes:
             patch["conditions"] = book.as_json()
+    if not rs.autoscaled and (
+        st.scaling is not None or any(c.type == COND_SCALING_ACTIVE for c in st.conditions)
+    ):
+        # The autoscale daemon stops when the scaling section goes; its last state must not linger as if
+        # it still described the role.
+        patch["scaling"] = None
+        kept = patch.get("conditions", [c.to_json() for c in st.conditions])
+        patch["conditions"] = [c for c in kept if c.get("type") != COND_SCALING_ACTIVE]
     if patch:
         patch["observedGeneration"] = rs.gs_body["metadata"].get("generation")
     return patch
@@ -627,26 +636,31 @@ def _role_readiness(
     service: str,
     ns: str,
     images: Images,
-) -> tuple[int, int, bool]:
-    """``(ready pipelines, desired pipelines, rolled out)`` of a role's active gear."""
+) -> tuple[int, int, bool, int]:
+    """``(ready pods, desired pods, rolled out, ready pipeline replicas)`` of a role's active gear; pods
+    of its narrowest stage, pipeline replicas as ``GearSet.status.replicas`` counts them (a replica is
+    ready when every stage has its share of Ready pods)."""
     if not ctx_role.active:
-        return 0, 0, False
+        return 0, 0, False, 0
     gear = next(g for g in ctx_role.gears if g.name == ctx_role.active)
     desire = RoleDesire(ctx_role.role, [gear], ctx_role.active, ctx_role.gs.spec.replicas)
     ctx = engine_context(service, ns, pds.spec, desire, images, gear)
     want = [stage_replicas(ctx, gear, k) for k in range(len(gear.stages))]
     desired = min(want) if want else 0
     ready = desired
+    pipelines = ctx.pipeline_replicas
     rolled = True
     for k in range(len(gear.stages)):
         obj = sts.get(names.stage_statefulset_name(service, ctx_role.role, gear.name, k))
         s = (obj or {}).get("status") or {}
         r = int(s.get("readyReplicas") or 0)
         ready = min(ready, r)
+        per = want[k] // ctx.pipeline_replicas if ctx.pipeline_replicas else 0
+        pipelines = min(pipelines, r // per) if per else pipelines
         gen_ok = obj is not None and s.get("observedGeneration") == obj["metadata"].get("generation")
         if obj is None or not gen_ok or int(s.get("updatedReplicas") or 0) < want[k] or r < want[k]:
             rolled = False
-    return ready, desired, rolled
+    return ready, desired, rolled, pipelines
 
 
 def _unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -824,7 +838,11 @@ def _reconcile(
     all_ready = True
     rolled_all = True
     for role, rs in roles.items():
-        ready, desired, rolled = _role_readiness(rs, sts, pds, name, ns, settings.images)
+        ready, desired, rolled, pipelines = _role_readiness(rs, sts, pds, name, ns, settings.images)
+        if not rs.autoscaled and rs.gs.status.replicas != pipelines:
+            # The autoscaler writes it for the roles it scales; the scale subresource (HPA, KEDA) and the
+            # READY column of `kubectl get gearsets` read it for every role.
+            api.patch_status(*GS, ns, rs.gs.metadata["name"], {"replicas": pipelines})
         role_status[role] = {
             "gearSet": rs.gs.metadata["name"],
             "activeGear": rs.active,
