@@ -104,6 +104,7 @@ class TestInstall:
                 "phase": "Stable",
                 "activeGear": "balanced",
                 "targetGear": "balanced",
+                "replicas": 2,
                 "signals": {"qps": 12.5, "p99Ms": 180.25, "stageUtilization": [0.5, 0.6, 0.4, 0.55]},
                 "conditions": [
                     {
@@ -121,16 +122,19 @@ class TestInstall:
             "-p", json.dumps(status),
         )  # fmt: skip
         row = crds.kubectl("get", "gs", "llama3-8b-prefill", "-n", api_ns, "--no-headers").stdout.split()
-        assert row[:7] == [
+        # REPLICAS is spec.replicas (the example's default 1), READY status.replicas.
+        assert row[:9] == [
             "llama3-8b-prefill",
             "llama3-8b",
             "prefill",
             "balanced",
             "balanced",
             "Stable",
+            "1",
+            "2",
             "180.25",
         ]
-        assert row[7] == "12.5"
+        assert row[9] == "12.5"
         # A status written through the subresource parses with the status model.
         obj = crds.kubectl_json("get", "gs", "llama3-8b-prefill", "-n", api_ns)
         assert GearSet.model_validate(obj).status.signals.stage_utilization == [0.5, 0.6, 0.4, 0.55]  # type: ignore[union-attr]
