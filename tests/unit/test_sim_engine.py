@@ -13,9 +13,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gearshift.model import GIB, ModelArch, load_hf_config
-from gearshift.sim.config import SimConfigError, config_from_env
+from gearshift.sim.config import SimConfigError, config_from_env, on_own_card
 from gearshift.sim.engine import Engine, RequestRejected
-from gearshift.sim.perfmodel import Link, PerfModel, Work, parse_pipeline
+from gearshift.sim.perfmodel import Link, PerfModel, PerfParams, Work, parse_pipeline
 from gearshift.sim.server import BadRequest, build_app, parse_request
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,6 +139,37 @@ class TestParsing:
             config_from_env({"GEARSHIFT_MODEL": json.dumps(ARCH.to_dict()), "GEARSHIFT_PIPELINE": "{"})
         with pytest.raises(SimConfigError, match="GEARSHIFT_ROLE"):
             config_from_env({"GEARSHIFT_MODEL": json.dumps(ARCH.to_dict()), "GEARSHIFT_ROLE": "x"})
+
+
+class TestOwnCard:
+    """A replicated stage planned for the slowest card runs, per pod, on the card under it."""
+
+    def test_the_node_card_times_the_pod_and_sizes_its_kv(self) -> None:
+        planned = config_from_env(a10_env())
+        on_h100 = config_from_env(a10_env(GEARSHIFT_SANDBOX_GPU_MODEL="H100-80GB"))
+        assert on_h100.pipeline.stages[0].gpu == "H100-80GB"
+        # KV tokens from memory: (80 GiB * util - weights) vs (24 GiB * util - weights), per token bytes
+        # the same, so the H100 pod must hold (80u - w) / (24u - w) times the A10 pod's tokens.
+        util = PerfParams().gpu_memory_utilization
+        held = PerfModel(LLAMA8B, planned.pipeline).stage_weight_bytes(0)
+        gib = 1024**3
+        want = (80 * gib * util - held) / (24 * gib * util - held)
+        a10_tokens = PerfModel(LLAMA8B, planned.pipeline).stage_kv_tokens(0)
+        h100_tokens = PerfModel(LLAMA8B, on_h100.pipeline).stage_kv_tokens(0)
+        assert h100_tokens / a10_tokens == pytest.approx(want, rel=1e-3)
+
+    def test_only_the_own_stage_changes(self) -> None:
+        doc = {"stages": [{"layers": [0, 16], "gpu": "A10-24GB"}, {"layers": [16, 32], "gpu": "T4-16GB"}]}
+        assert on_own_card(doc, 1, "L4-24GB")["stages"] == [
+            doc["stages"][0],
+            {"layers": [16, 32], "gpu": "L4-24GB"},
+        ]
+        assert doc["stages"][1]["gpu"] == "T4-16GB"  # the input is not mutated
+
+    @pytest.mark.parametrize("card", ["", "cpu", "NoSuchGPU"])
+    def test_unknown_or_absent_card_keeps_the_plan(self, card: str) -> None:
+        doc = {"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]}
+        assert on_own_card(doc, 0, card) is doc
 
 
 def a10_env(**extra: str) -> dict[str, str]:

@@ -268,6 +268,32 @@ def load_example(path: Path, model_config: Path | None) -> list[dict[str, Any]]:
     return docs
 
 
+def _remove_previous_run(ctx: Ctx, docs: list[dict[str, Any]]) -> None:
+    """Delete the example's objects left by an earlier demo in the namespace and wait for their pods.
+
+    A rerun on a kept cluster would otherwise replay onto the gears the last run shifted to, with
+    its GearSet history and engines' queues, and its report would not be of a fresh service.
+    """
+    ns = ctx.args.namespace
+    if ctx.kube.get("pdservice", ctx.service, "-n", ns) is None:
+        return
+    ctx.say(
+        f"service: removing {ctx.service} of an earlier run in {ns}, so this run starts on its initial gears"
+    )
+    for d in docs:
+        ctx.kube.run(
+            "delete", d["kind"].lower(), d["metadata"]["name"], "-n", ns, "--ignore-not-found", "--wait=true",
+            timeout=PLAN_TIMEOUT_S,
+        )  # fmt: skip
+    sel = f"{names.LABEL_SERVICE}={ctx.service}"
+    wait_until(
+        lambda: not ctx.kube.json("get", "pods", "-n", ns, "-l", sel)["items"],
+        PLAN_TIMEOUT_S,
+        f"the earlier run's pods of {ctx.service} to be gone",
+        2.0,
+    )
+
+
 def _apply_service(ctx: Ctx) -> dict[str, dict[str, Any]]:
     docs = load_example(ctx.args.example, ctx.args.model)
     pds = next(d for d in docs if d.get("kind") == "PDService")
@@ -276,6 +302,7 @@ def _apply_service(ctx: Ctx) -> dict[str, dict[str, Any]]:
     ctx.slo = {k: float(v) for k, v in slo.items() if isinstance(v, int | float)}
     ns = ctx.args.namespace
     ctx.kube.ensure_namespace(ns)
+    _remove_previous_run(ctx, docs)
     ctx.say(
         f"service: applying {ctx.args.example.name} to namespace {ns} "
         f"(model {pds['spec']['model'].get('name')})"

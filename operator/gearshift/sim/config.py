@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gearshift.gpus import GPU_SPECS
 from gearshift.model import ModelArch, ModelConfigError, arch_from_hf_config, load_hf_config
 from gearshift.sim.engine import ROLES
 from gearshift.sim.perfmodel import (
@@ -104,13 +105,33 @@ def _float(env: Mapping[str, str], key: str, default: float) -> float:
     return value
 
 
+def on_own_card(pipe_doc: dict[str, Any], stage: int, card: str) -> dict[str, Any]:
+    """The pipeline document with stage ``stage`` timed on ``card``, the GPU the pod really runs on.
+
+    A replicated stage's pods land on several nodes, possibly of different models (the planner sizes
+    a stage over e.g. an A10, an A100 and an H100, and names the slowest card in ``gpu``). A real engine
+    runs as fast, and holds as much KV cache, as the card under it, so the sandbox's pod runner tells
+    the pod its node's card (``GEARSHIFT_SANDBOX_GPU_MODEL``, the node's ``gearshift.io/gpu-model``) and
+    that card wins for the pod's own stage. The other stages keep the planned card: a pod cannot see
+    which nodes its peers landed on. ``card`` empty or not a :mod:`gearshift.gpus` name: unchanged.
+    """
+    stages = pipe_doc.get("stages")
+    if not card or card not in GPU_SPECS or not isinstance(stages, list) or not 0 <= stage < len(stages):
+        return pipe_doc
+    if not isinstance(stages[stage], Mapping) or stages[stage].get("gpu") == card:
+        return pipe_doc
+    own = {**stages[stage], "gpu": card}
+    return {**pipe_doc, "stages": [*stages[:stage], own, *stages[stage + 1 :]]}
+
+
 def config_from_env(env: Mapping[str, str]) -> SimConfig:
     """Read a :class:`SimConfig` from the ``GEARSHIFT_*`` variables of the pod contract.
 
     Besides the documented ones: ``GEARSHIFT_KV_LINK`` (JSON ``{"gbps": .., "latencyUs": ..}``, the link
     KV caches arrive over on a decode pod; default 200 Gb/s), ``GEARSHIFT_MAX_MODEL_LEN``,
     ``GEARSHIFT_SIM_MFU``, ``GEARSHIFT_SIM_MBU`` (efficiency constants, see :mod:`perfmodel`),
-    ``GEARSHIFT_WORKER`` (``1``: a stage k>0 pod).
+    ``GEARSHIFT_WORKER`` (``1``: a stage k>0 pod), ``GEARSHIFT_SANDBOX_GPU_MODEL`` (the card the pod runs
+    on; see :func:`on_own_card`).
 
     Raises:
         SimConfigError: naming the variable and what it must hold.
@@ -124,6 +145,8 @@ def config_from_env(env: Mapping[str, str]) -> SimConfig:
     profile = _json(env, "GEARSHIFT_GPU_PROFILE")
     if not isinstance(pipe_doc, dict):
         raise SimConfigError("GEARSHIFT_PIPELINE must be a JSON object with 'stages'")
+    stage = _int(env, "GEARSHIFT_STAGE", 0)
+    pipe_doc = on_own_card(pipe_doc, stage, env.get("GEARSHIFT_SANDBOX_GPU_MODEL", ""))
     if profile is not None and not isinstance(profile, list):
         raise SimConfigError("GEARSHIFT_GPU_PROFILE must be a JSON list, one object per stage")
     try:
@@ -137,7 +160,6 @@ def config_from_env(env: Mapping[str, str]) -> SimConfig:
             kv_link = Link(float(link_doc["gbps"]), float(link_doc.get("latencyUs", 10.0)))
         except (KeyError, TypeError, ValueError):
             raise SimConfigError('GEARSHIFT_KV_LINK must be {"gbps": <Gb/s>, "latencyUs": <µs>}') from None
-    stage = _int(env, "GEARSHIFT_STAGE", 0)
     if stage >= len(pipeline.stages):
         raise SimConfigError(f"GEARSHIFT_STAGE {stage} is past the pipeline's {len(pipeline.stages)} stages")
     params = replace(
