@@ -232,6 +232,13 @@ class TestFastChatPolicies:
         with pytest.raises(P.NoPodError):
             P.lottery([pv("x", speed=0.0)], "prefill", random.Random(0))
 
+    def test_no_pod_message_says_what_the_pool_does(self) -> None:
+        assert (
+            str(P.NoPodError("both", "no healthy pod"))
+            == "no serving (role both) pod available: no healthy pod"
+        )
+        assert str(P.NoPodError("decode", "x")) == "no decode pod available: x"
+
     def test_power_of_two_and_least_request(self) -> None:
         pods = [pv("p0", inflight=5), pv("p1", inflight=2), pv("p2", inflight=1)]
         assert P.power_of_two(pods, "prefill", FixedRng(0, (0, 1))) == 1

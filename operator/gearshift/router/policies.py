@@ -111,7 +111,9 @@ class NoPodError(RuntimeError):
     """No healthy pod of the role can take the request."""
 
     def __init__(self, role: str, reason: str) -> None:
-        super().__init__(f"no {role} pod available: {reason}")
+        # "both" is the plain (not disaggregated) pool: say what the pods do rather than the role key.
+        what = "serving (role both)" if role == "both" else role
+        super().__init__(f"no {what} pod available: {reason}")
         self.role = role
         self.reason = reason
 
