@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from gearshift.sim.perfmodel import PerfParams
+
 RUN = {"gearshift.io/sandbox-run": "true"}
 CPU = {"gearshift.io/node-pool": "cpu"}
 
@@ -380,3 +382,166 @@ def test_simulated_engine_statefulset_serves_and_is_scraped(sandbox, namespace, 
         "vllm:num_requests_running of both pods in Prometheus",
     )
     assert {s["metric"]["pod"] for s in series} == {"sim-0", "sim-1"}
+
+
+def _metric_samples(ip: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples named ``name`` on the pod's own ``/metrics`` (HTTP to its loopback pod IP)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = _get(f"http://{ip}:8000/metrics")
+    assert status == 200, body[:300]
+    return [
+        (dict(s.labels), float(s.value))
+        for fam in text_string_to_metric_families(body.decode())
+        for s in fam.samples
+        if s.name == name
+    ]
+
+
+def _ttft_s(ip: str, prompt_tokens: int) -> float:
+    """The server-reported TTFT of one lone completion: the rise of its TTFT histogram's sum."""
+
+    def ttft_sum() -> float:
+        return sum(v for _, v in _metric_samples(ip, "vllm:time_to_first_token_seconds_sum"))
+
+    before = ttft_sum()
+    req = urllib.request.Request(
+        f"http://{ip}:8000/v1/completions",
+        data=json.dumps({"model": "llama3-8b", "prompt": [1] * prompt_tokens, "max_tokens": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert json.loads(resp.read())["usage"]["prompt_tokens"] == prompt_tokens
+    return ttft_sum() - before
+
+
+def test_simulated_engine_pods_of_one_stage_run_as_the_card_under_them(sandbox, namespace, wait_for):
+    """Two ``gearshift-sim`` pods of one StatefulSet whose pipeline names one card (A10-24GB) for the stage,
+    placed one on an A10-24GB node and one on an H100-80GB node: each pod sizes its KV pool (and times its
+    steps) on the card of its own node (the pod runner's ``GEARSHIFT_SANDBOX_GPU_MODEL``), not on the
+    card the pipeline names (``gearshift.sim.config.on_own_card``)."""
+    config = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json"
+    cards = ("A10-24GB", "H100-80GB")
+    by_card: dict[str, str] = {}
+    for node in sorted(sandbox.kubectl_json("get", "nodes")["items"], key=lambda n: n["metadata"]["name"]):
+        card = (node["metadata"].get("annotations") or {}).get("gearshift.io/gpu-model")
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", [])
+        )
+        if card in cards and ready and not node["spec"].get("unschedulable"):
+            by_card.setdefault(card, node["metadata"]["labels"]["kubernetes.io/hostname"])
+    if set(by_card) != set(cards):
+        pytest.skip(f"the sandbox's fleet lacks a Ready A10-24GB or H100-80GB node (found {by_card})")
+    pipeline = {"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]}
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "sim-own"},
+        "spec": {
+            "replicas": 2,
+            "serviceName": "sim-own",
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {"app": "sim-own"}},
+            "template": {
+                "metadata": {"labels": {"app": "sim-own", **RUN}},
+                "spec": {
+                    # One pod on the A10 node, one on the H100 node. No nvidia.com/gpu request: others' pods
+                    # may hold the shared sandbox's GPUs, and the pod runner passes the node's card to every
+                    # pod on it (as the other tests here, which run on GPU nodes without a request).
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {
+                                                "key": "kubernetes.io/hostname",
+                                                "operator": "In",
+                                                "values": sorted(by_card.values()),
+                                            }
+                                        ]
+                                    }
+                                ]
+                            }
+                        },
+                        "podAntiAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": [
+                                {
+                                    "labelSelector": {"matchLabels": {"app": "sim-own"}},
+                                    "topologyKey": "kubernetes.io/hostname",
+                                }
+                            ]
+                        },
+                    },
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "gearshift-worker:dev",
+                            "command": ["gearshift-sim"],
+                            "env": [
+                                {"name": "GEARSHIFT_MODEL", "value": str(config)},
+                                {"name": "GEARSHIFT_SERVED_MODEL_NAME", "value": "llama3-8b"},
+                                {"name": "GEARSHIFT_PIPELINE", "value": json.dumps(pipeline)},
+                                {"name": "GEARSHIFT_STAGE", "value": "0"},
+                            ],
+                            "ports": [{"name": "http", "containerPort": 8000}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": "http"},
+                                "periodSeconds": 2,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    sandbox.apply(sts, namespace)
+    wait_for(
+        lambda: (
+            sandbox.kubectl_json("get", "sts", "sim-own", "-n", namespace)["status"].get("readyReplicas") == 2
+        ),
+        120,
+        "2 Ready simulated-engine pods",
+    )
+    ip_of = {}
+    for pod in _pods(sandbox, namespace, "app=sim-own"):
+        card = next(c for c, n in by_card.items() if n == pod["spec"]["nodeName"])
+        ip_of[card] = pod["status"]["podIP"]
+    assert set(ip_of) == set(cards), f"the pods did not land one per card: {ip_of}"
+
+    # The expected KV pool, from the datasheets and the model's config.json alone (vLLM's rule: what is
+    # left of gpu_memory_utilization x the card's memory after the weights, in blocks of 16 tokens).
+    cfg = json.loads(config.read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    head_dim, dtype_bytes = h // heads, 2  # bfloat16
+    layer_params = 2 * h * h + 2 * h * kv_heads * head_dim + 3 * h * inter + 2 * h  # q,o; k,v; MLP; 2 norms
+    weights = dtype_bytes * (layers * layer_params + 2 * vocab * h)  # + embedding and untied LM head
+    kv_per_token = 2 * kv_heads * head_dim * dtype_bytes * layers
+    u = PerfParams().gpu_memory_utilization
+    gib = 1024**3
+    budget = {"A10-24GB": 24 * gib * u - weights, "H100-80GB": 80 * gib * u - weights}
+    expected = {card: int(budget[card] // kv_per_token) // 16 for card in cards}
+
+    blocks = {}
+    for card, ip in ip_of.items():
+        info = _metric_samples(ip, "vllm:cache_config_info")
+        assert len(info) == 1, info
+        labels, value = info[0]
+        assert value == 1 and labels["block_size"] == "16", info
+        blocks[card] = int(labels["num_gpu_blocks"])
+    print(f"num_gpu_blocks measured {blocks}, expected {expected}")
+    for card in cards:
+        assert abs(blocks[card] - expected[card]) <= 1, (card, blocks, expected)
+    ratio = budget["H100-80GB"] / budget["A10-24GB"]
+    a10, h100 = blocks["A10-24GB"], blocks["H100-80GB"]
+    # Each count is floored to whole blocks: the ratio of the counts is within (ratio + 1) / a10 of it.
+    assert h100 / a10 == pytest.approx(ratio, abs=(ratio + 1) / a10), (blocks, ratio)
+
+    # Timing on the own card: a 2000-token prefill takes ~0.46 s on an A10 and ~0.06 s on an H100
+    # (roofline, mfu 0.5). The fastest of three lone requests per pod keeps scheduling noise out.
+    ttft = {card: min(_ttft_s(ip, 2000) for _ in range(3)) for card, ip in ip_of.items()}
+    print(f"server-reported TTFT, fastest of 3 (s): {ttft}")
+    assert ttft["H100-80GB"] < ttft["A10-24GB"], ttft
