@@ -285,6 +285,35 @@ class TestDwell:
         assert state.thresholds(self.POLICY).p99_low_ratio == pytest.approx(0.65)
         assert state.last_retrigger_at == 10.0
 
+    def test_dwell_counts_from_the_end_of_the_shift(self):
+        # Shift at t=4 to the latency gear; the executor is busy (warm-up, drain, rollback window) for
+        # 700 s, longer than the 600 s dwell, with P99 high all along. Counted from the shift's start the
+        # dwell would be over when it settles and p99-high, latched on the transition's samples, would
+        # move off the new gear at once. Counted from the end: no shift for a whole dwell after the last
+        # busy sample, then enterSamples (3) fresh samples.
+        policy = self.POLICY
+        codes, _, state, active = run([SLOW] * 3, policy=policy)
+        assert codes == "HHS" and active == "lat"
+        t = 6.0
+        for _ in range(350):  # busy from t=6 to t=704
+            state, d = decide(state, smp(t, 400.0), policy, table("lat"), t, busy=True)
+            assert d.reason == REASON_SHIFT_IN_PROGRESS
+            t += 2.0
+        last_busy = t - 2.0
+        assert state.last_shift_at == last_busy
+        assert not any(tr.latched or tr.on for tr in state.tracks.values())
+        # Settled on "lat"; P99 now low enough for p99-low (towards "bal") on every sample.
+        kinds = []
+        while t <= last_busy + policy.dwell_s + 10:
+            state, d = decide(state, smp(t, 20.0), policy, table("lat"), t)
+            kinds.append((t, d.kind))
+            t += 2.0
+        shifts = [at for at, k in kinds if k is DecisionKind.SHIFT]
+        raised = [at for at, k in kinds if k is DecisionKind.THRESHOLD_RAISED]
+        # The first latch (3rd fresh sample) falls inside the new dwell: threshold raised, no shift.
+        assert raised and raised[0] == last_busy + 6.0
+        assert all(at >= last_busy + policy.dwell_s for at in shifts)
+
     def test_levels_stop_at_max(self):
         policy = replace(self.POLICY, max_retrigger_steps=2)
         codes, _, state, _ = run([SLOW] * 3 + [{"p99": 20.0}] * 12, policy=policy)

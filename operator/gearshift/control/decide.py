@@ -15,7 +15,8 @@ Per sample (every ``sampleIntervalSeconds``, seed 002):
    over latency gears with less predicted throughput than the active one (gearshift extension, see
    :mod:`gearshift.control.triggers`); a trigger whose gears are all unhealthy is skipped (the next one
    is tried);
-6. inside the dwell (``dwellSeconds`` since the last shift) a latched trigger does not shift: its
+6. inside the dwell (``dwellSeconds`` since the last shift *ended*: each sample taken while a shift is in
+   progress restarts the streaks and the dwell) a latched trigger does not shift: its
    threshold goes up one step (at most ``maxRetriggerSteps``) and it unlatches. Levels return to 0
    after a whole dwell with no re-trigger;
 7. the cost–benefit check (:mod:`gearshift.control.cost`) may veto; otherwise ``Shift``.
@@ -245,7 +246,8 @@ def decide(
         table: the gears, their health and predictions, the active gear and the served model.
         now: the current time, s (same origin as ``Sample.at``).
         overrides: ``spec.forceGear`` and ``spec.paused``.
-        busy: a shift is in progress (the executor is not ``Stable``); signals are still smoothed.
+        busy: a shift is in progress (the executor is not ``Stable``); signals are still smoothed, the
+            trigger streaks restart and the dwell restarts at ``now``.
 
     Returns:
         ``(new_state, decision)``. On ``SHIFT`` the new state starts the dwell at ``now``.
@@ -279,7 +281,12 @@ def decide(
     if overrides.paused:
         return hold(REASON_PAUSED, "spec.paused is true; no shifts")
     if busy:
-        return hold(REASON_SHIFT_IN_PROGRESS, "a shift is in progress")
+        # The dwell counts from the end of a shift, not its start: a shift takes warm-up + drain +
+        # the rollback window, and a trigger latched on the old gear's (or the transition's) samples
+        # would otherwise move off the new gear the moment it settles. So every streak restarts and
+        # the dwell is re-armed on each busy sample; levels stay.
+        busy_state = replace(new, tracks={t: _unlatched(tr) for t, tr in tracks.items()}, last_shift_at=now)
+        return busy_state, Decision(DecisionKind.HOLD, REASON_SHIFT_IN_PROGRESS, "a shift is in progress")
     if overrides.force_gear:
         return _forced(new, table, overrides.force_gear, now, policy)
 
