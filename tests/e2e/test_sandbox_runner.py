@@ -186,7 +186,7 @@ def test_job_pod_reports_exit_code_and_termination_message(sandbox, namespace, w
                         "restartPolicy": "Never",
                         # On a GPU node but without a GPU request: others' pods may hold the shared
                         # sandbox's GPUs.
-                        "nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"},
+                        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A10"},
                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
                         "containers": [
                             {
@@ -331,7 +331,7 @@ def test_simulated_engine_statefulset_serves_and_is_scraped(sandbox, namespace, 
                     "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8000"},
                 },
                 "spec": {
-                    "nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"},
+                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A10"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
                     "containers": [
                         {
