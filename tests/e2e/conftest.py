@@ -190,10 +190,43 @@ def _start_sandbox() -> Cluster:
     )
 
 
+#: Labels of the chart's operator Deployment (charts/gearshift/templates/_helpers.tpl).
+OPERATOR_SELECTOR = "app.kubernetes.io/name=gearshift,app.kubernetes.io/component=operator"
+
+
+def _pause_installed_operators(cluster: Cluster) -> dict[tuple[str, str], int]:
+    """Scale every gearshift operator Deployment already in the sandbox to 0; returns what to restore.
+
+    ``make demo`` leaves its Helm-installed operator running, and it handles every GPUProfile and node
+    of the cluster: beside the tests' own operators it would probe their private nodes (taking their
+    GPUs) and race them on profiles. Its pods are waited out, so none is left acting."""
+    listed = cluster.kubectl_json("get", "deployments", "-A", "-l", OPERATOR_SELECTOR)["items"]
+    paused = {}
+    for d in listed:
+        ns, name = d["metadata"]["namespace"], d["metadata"]["name"]
+        if d["spec"].get("replicas", 1):
+            paused[(ns, name)] = int(d["spec"].get("replicas", 1))
+            cluster.kubectl("scale", "deployment", name, "-n", ns, "--replicas", "0")
+            print(f"e2e: paused the gearshift operator {ns}/{name} for the session (restored afterwards)")
+    for ns, _name in paused:
+        wait_for(
+            lambda ns=ns: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", OPERATOR_SELECTOR)["items"],
+            60,
+            f"the paused operator's pods in {ns} to be gone",
+            1.0,
+        )
+    return paused
+
+
 @pytest.fixture(scope="session")
-def sandbox() -> Cluster:
-    """The cluster under test (see the module docstring). The sandbox is left up afterwards."""
-    return _start_sandbox()
+def sandbox() -> Iterator[Cluster]:
+    """The cluster under test (see the module docstring). The sandbox is left up afterwards; a gearshift
+    operator installed in it before the session (``make demo``'s) is paused for the session."""
+    cluster = _start_sandbox()
+    paused = _pause_installed_operators(cluster) if cluster.is_sandbox else {}
+    yield cluster
+    for (ns, name), replicas in paused.items():
+        cluster.kubectl("scale", "deployment", name, "-n", ns, "--replicas", str(replicas), check=False)
 
 
 @pytest.fixture(scope="session")
