@@ -561,3 +561,36 @@ def test_reconciler_marks_the_gearsets_the_pdservice_scales(api: FakeApi) -> Non
     assert decode["status"]["autoscaled"] is False and not _autoscaled(decode)
     assert decode["status"].get("scaling") is None
     assert "ScalingActive" not in {c["type"] for c in decode["status"].get("conditions") or []}
+
+
+def test_plan_message_counts_distinct_nodes() -> None:
+    from gearshift.api.gearset import Gear
+
+    # Three gears over 5 offered nodes that use only a, b, c and d (a and b shared by two gears).
+    gears = [
+        Gear.model_validate({"name": n, "stages": st})
+        for n, st in (
+            ("latency", [{"layers": [0, 32], "nodes": ["a"]}]),
+            ("balanced", [{"layers": [0, 16], "nodes": ["a"]}, {"layers": [16, 32], "nodes": ["b"]}]),
+            ("throughput", [{"layers": [0, 16], "nodes": ["b", "c"]}, {"layers": [16, 32], "nodes": ["d"]}]),
+        )
+    ]
+    assert rec.plan_message(gears, 5) == (
+        "planned 3 gear(s) on 4 node(s) of 5 usable: latency: [0, 32]@a; balanced: [0, 16]@a | [16, 32]@b; "
+        "throughput: [0, 16]@b,c | [16, 32]@d"
+    )
+
+
+def test_planned_events_on_the_pdservice_name_the_role_and_gearset(api: FakeApi) -> None:
+    reconcile(api)
+    planned = [e for e in api.events if e["reason"] == "Planned"]
+    on_gs = [e for e in planned if e["involvedObject"]["kind"] == "GearSet"]
+    on_pds = [e for e in planned if e["involvedObject"]["kind"] == "PDService"]
+    assert len(on_gs) == 1 and on_gs[0]["involvedObject"]["name"] == "llama3-8b-decode"
+    assert len(on_pds) == 1
+    assert on_pds[0]["message"] == f"decode (GearSet llama3-8b-decode): {on_gs[0]['message']}"
+    # The node count is of the distinct nodes the planned gears use (counted from status here).
+    gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
+    used = {n for g in gs["status"]["plannedGears"] for s in g["stages"] for n in s["nodes"]}
+    n_gears = len(gs["status"]["plannedGears"])
+    assert on_gs[0]["message"].startswith(f"planned {n_gears} gear(s) on {len(used)} node(s) of 4 usable: ")

@@ -456,17 +456,7 @@ def _plan_roles(
             rs.gears = gears
             rs.gs_status_patch["plannedGears"] = [g.to_json() for g in gears]
             rs.gs_status_patch["profilesHash"] = key
-            summary = "; ".join(
-                f"{g.name}: " + " | ".join(f"{s.layers}@{','.join(s.nodes)}" for s in g.stages) for g in gears
-            )
-            events.append(
-                (
-                    role,
-                    REASON_PLANNED,
-                    f"planned {len(gears)} gear(s) on {len(pool)} node(s): {summary}",
-                    False,
-                )
-            )
+            events.append((role, REASON_PLANNED, plan_message(gears, len(pool)), False))
         kept = drop_superseded(rs.gears, running)
         if len(kept) != len(rs.gears):  # the executor has shifted off a gear a re-plan superseded
             rs.gears = kept
@@ -510,6 +500,24 @@ def _plan_roles(
                     )
                 )
     return missing
+
+
+def plan_message(gears: Sequence[Gear], pool_size: int) -> str:
+    """The ``Planned`` event's text: how many gears, on how many distinct nodes, and each gear's stages.
+
+    ``pool_size`` is the number of nodes the planner was offered; gears often share nodes and need not
+    use all of them, so the node count is of the distinct nodes the gears' stages name."""
+    used = {n for g in gears for s in g.stages for n in s.nodes}
+    summary = "; ".join(
+        f"{g.name}: " + " | ".join(f"{s.layers}@{','.join(s.nodes)}" for s in g.stages) for g in gears
+    )
+    return f"planned {len(gears)} gear(s) on {len(used)} node(s) of {pool_size} usable: {summary}"
+
+
+def service_event_message(role: str, gearset: str, message: str) -> str:
+    """A role's event as recorded on the PDService: the GearSet's own message, prefixed with the role and
+    the GearSet it is about (the PDService has two, and its events list would not say which)."""
+    return f"{role} (GearSet {gearset}): {message}"
 
 
 def _running(gs: GearSet) -> list[str]:
@@ -795,7 +803,8 @@ def _reconcile(
             out.planned += [role] if "plannedGears" in patch else []
     for role, reason, message, warning in plan_events:
         emit(api, roles[role].gs_body, reason, message, warning)
-        emit(api, body, reason, message, warning)
+        gs_name = str(roles[role].gs.metadata["name"])
+        emit(api, body, reason, service_event_message(role, gs_name, message), warning)
 
     out.auto = any(rs.gs.spec.mode == "auto" for rs in roles.values())
     out.nodes = {n for d in desires for g in d.gears for st in g.stages for n in st.nodes}
