@@ -394,6 +394,28 @@ class TestDegraded:
         assert ensures[0] == (0, False) and (52, True) in ensures
         assert w.kv_pool["thr"] is True and w.selected == "thr"
 
+    def test_shift_started_says_in_plain_words_what_starts(self):
+        # Full: every stage of the target runs beside the active gear with its KV pool; degraded: weights
+        # only. The old wording was "shadows full" / "shadows weights only (...)".
+        w_full, w_deg = world(), world(full_shadow_fits=False)
+        run(w_full)
+        run(w_deg)
+        started = {
+            k: [e.message for e in w.events if e.reason == "ShiftStarted"]
+            for k, w in (("full", w_full), ("degraded", w_deg))
+        }
+        head = (
+            "imbalance: shifting from gear 'bal' to 'thr': starting shadow pods of every stage of gear 'thr' "
+            "beside the active gear 'bal'"
+        )
+        assert started["full"] == [
+            f"{head}, with weights and KV-cache pool; 'bal' keeps serving until they are Ready and warm"
+        ]
+        assert started["degraded"] == [
+            f"{head}, with model weights only (not enough free GPU memory for their KV-cache pool as well; "
+            "it is allocated after the switch); 'bal' keeps serving until they are Ready and warm"
+        ]
+
     def test_refused_when_degraded_mode_is_off(self):
         w = world(full_shadow_fits=False)
         policy = ShiftPolicy(allow_degraded=False)

@@ -339,6 +339,22 @@ def relieves_saturation(state: ShiftState, obs: GearObservation) -> bool:
     )
 
 
+def shift_started_message(trigger: str, active: str, target: str, degraded: bool) -> str:
+    """The ``ShiftStarted`` event's text, in plain words: which gear is started beside which, and whether
+    its pods get their KV-cache pool now (full) or only weights (degraded: free GPU memory is short, so the
+    pool is grown after the switch, when the old gear's memory is freed)."""
+    head = (
+        f"{trigger}: shifting from gear {active!r} to {target!r}: starting shadow pods of every stage of "
+        f"gear {target!r} beside the active gear {active!r}"
+    )
+    if degraded:
+        return (
+            f"{head}, with model weights only (not enough free GPU memory for their KV-cache pool as well; "
+            f"it is allocated after the switch); {active!r} keeps serving until they are Ready and warm"
+        )
+    return f"{head}, with weights and KV-cache pool; {active!r} keeps serving until they are Ready and warm"
+
+
 def _stable(
     state: ShiftState, world: World, policy: ShiftPolicy, request: ShiftRequest | None
 ) -> tuple[ShiftState, list[Action]]:
@@ -386,11 +402,10 @@ def _stable(
         failure=None,
         failure_message="",
     )
-    mode = "weights only (degraded: memory is short), KV pool after the switch" if degraded else "full"
     return new, [
         *actions,
         EnsureGear(request.target, shadow=True, warm_share=policy.warmup_share, kv_pool=not degraded),
-        Event(EVENT_SHIFT_STARTED, f"{request.trigger}: {active!r} → {request.target!r}; shadows {mode}"),
+        Event(EVENT_SHIFT_STARTED, shift_started_message(request.trigger, active, request.target, degraded)),
         RecordShift(active, request.target, request.trigger, now, Outcome.IN_PROGRESS),
     ]
 
