@@ -318,6 +318,43 @@ class TestTicks:
         assert cond["status"] == "True"
         assert sig.asked == ["balanced"]  # the gear the role Service selects
 
+    def test_no_traffic_blanks_the_latency_instead_of_keeping_the_last_one(self, world: FakeApi) -> None:
+        # First a sample with traffic, then Prometheus shows no completed request in the window (qps 0,
+        # no histogram values): the moving average still holds 150 ms, the status must not show it.
+        sig = FakeSignals()
+        run(world, sig, T0)
+        assert status(world)["signals"]["p99Ms"] == 150.0
+
+        class Idle(FakeSignals):
+            def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
+                return Sample(at=at, stage_utilization=(0.0, 0.0))
+
+        patches: list[dict[str, Any]] = []
+        real = world.patch_status
+
+        def record(*args: Any) -> dict[str, Any]:
+            patches.append(copy.deepcopy(dict(args[-1])))
+            return real(*args)
+
+        world.patch_status = record  # type: ignore[method-assign]
+        run(world, Idle(), T0 + 5)
+        sent = next(p["signals"] for p in patches if "signals" in p)
+        # An explicit null: the API server merges a status patch, so a missing key would keep 150.
+        assert "p99Ms" in sent and sent["p99Ms"] is None
+        assert all(sent[k] is None for k in sh.LATENCY_SIGNAL_KEYS)
+        assert sent["qps"] == pytest.approx(0.7 * 3.0)  # the smoothed rate (alpha 0.3) still decays
+        assert status(world)["signals"].get("p99Ms") is None
+
+    def test_signals_to_status_shows_latency_only_with_completions(self) -> None:
+        policy = ShiftPolicy()
+        smoothed = Sample(at=T0, qps=1.5, ttft_p99_ms=690.514, itl_p99_ms=21.0)
+        busy = Sample(at=T0, qps=0.5, ttft_p99_ms=500.0, itl_p99_ms=None)
+        out = sh.signals_to_status(smoothed, policy, 1, busy)
+        # measured this window: the smoothed value; not measured (ITL): blank
+        assert out["p99TtftMs"] == 690.51 and out["p99ItlMs"] is None and out["qps"] == 1.5
+        idle = Sample(at=T0, qps=0.0, ttft_p99_ms=500.0)
+        assert sh.signals_to_status(smoothed, policy, 1, idle)["p99TtftMs"] is None
+
     def test_forced_shift_end_to_end_keeps_a_ready_gear_selected(self, world: FakeApi) -> None:
         _policy_patch(world, warmS=5, rollbackWindowS=10, drainTimeoutS=30)
         key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)

@@ -254,22 +254,43 @@ def control_to_status(d: DecisionState, policy: ShiftPolicy) -> dict[str, Any]:
     }
 
 
-def signals_to_status(s: Sample, policy: ShiftPolicy, replicas: int) -> dict[str, Any]:
-    """``status.signals`` from the smoothed sample (``queueLength`` per pipeline replica)."""
+#: ``status.signals`` keys of latency percentiles: they describe completed requests, so a sample window
+#: without any has none of them (camelCase, as stored).
+LATENCY_SIGNAL_KEYS = ("p99Ms", "p50TtftMs", "p99TtftMs", "p50ItlMs", "p99ItlMs", "p50E2eMs", "p99E2eMs")
+
+
+def signals_to_status(
+    s: Sample, policy: ShiftPolicy, replicas: int, raw: Sample | None = None
+) -> dict[str, Any]:
+    """``status.signals`` from the smoothed sample ``s`` (``queueLength`` per pipeline replica).
+
+    ``raw`` is the sample ``s`` was smoothed from. The moving average keeps a latency through samples
+    that have none (the triggers want that), but shown in ``kubectl get gearsets`` it is stale: when
+    ``raw`` has no completed request in its window (``qps`` 0, requests/s), or no value for a
+    percentile, that percentile is written as ``null``. The keys are always present (``null`` when
+    unknown) because a JSON merge patch leaves out-of-patch keys as they were."""
+    no_traffic = raw is not None and raw.qps <= 0.0
+
+    def shown(smoothed: float | None, measured: float | None) -> float | None:
+        if raw is not None and (no_traffic or measured is None):
+            return None
+        return _round(smoothed)
+
+    metric = policy.latency_metric
     sig = GearSignals(
         sample_time=datetime.fromtimestamp(s.at, UTC),
         qps=round(s.qps, 3),
-        p99_ms=_round(s.p99_ms(policy.latency_metric)),
-        p50_ttft_ms=_round(s.ttft_p50_ms),
-        p99_ttft_ms=_round(s.ttft_p99_ms),
-        p50_itl_ms=_round(s.itl_p50_ms),
-        p99_itl_ms=_round(s.itl_p99_ms),
-        p50_e2e_ms=_round(s.e2e_p50_ms),
-        p99_e2e_ms=_round(s.e2e_p99_ms),
+        p99_ms=shown(s.p99_ms(metric), raw.p99_ms(metric) if raw else None),
+        p50_ttft_ms=shown(s.ttft_p50_ms, raw.ttft_p50_ms if raw else None),
+        p99_ttft_ms=shown(s.ttft_p99_ms, raw.ttft_p99_ms if raw else None),
+        p50_itl_ms=shown(s.itl_p50_ms, raw.itl_p50_ms if raw else None),
+        p99_itl_ms=shown(s.itl_p99_ms, raw.itl_p99_ms if raw else None),
+        p50_e2e_ms=shown(s.e2e_p50_ms, raw.e2e_p50_ms if raw else None),
+        p99_e2e_ms=shown(s.e2e_p99_ms, raw.e2e_p99_ms if raw else None),
         queue_length=round(s.queue / max(replicas, 1), 3),
         stage_utilization=[round(u, 4) for u in s.stage_utilization],
     )
-    return sig.to_json()
+    return {k: None for k in LATENCY_SIGNAL_KEYS} | sig.to_json()
 
 
 def _round(v: float | None) -> float | None:
@@ -609,7 +630,7 @@ def tick(
         "observedGeneration": gen,
     }
     if new_dstate.smoothed is not None and sample is not None:
-        patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas)
+        patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas, sample)
     with service_lock(namespace, service):
         patch["conditions"] = _keep_other_conditions(api, namespace, name, patch["conditions"])
         api.patch_status(*GS, namespace, name, patch)
