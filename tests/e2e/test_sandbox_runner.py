@@ -11,6 +11,7 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -313,25 +314,32 @@ def test_disallowed_command_fails_with_a_clear_message(sandbox, namespace, wait_
     assert "/bin/sh" in msg and "not allowed" in msg and "gearshift-sim" in msg
 
 
-def test_simulated_engine_statefulset_serves_and_is_scraped(sandbox, namespace, wait_for):
-    """The pod contract end to end with the real ``gearshift-sim`` (docs/ARCHITECTURE.md)."""
-    model = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json"
-    sts = {
+def sim_statefulset(
+    name: str,
+    model: Path,
+    placement: dict[str, Any],
+    *,
+    env: list[dict[str, str]] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A 2-pod StatefulSet of ``gearshift-sim`` (Llama-3-8B served as ``llama3-8b``) run by the sandbox's pod
+    runner on GPU nodes (the GPU taint tolerated); ``placement`` is merged into the pod spec."""
+    meta: dict[str, Any] = {"labels": {"app": name, **RUN}}
+    if annotations:
+        meta["annotations"] = annotations
+    return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": {"name": "sim"},
+        "metadata": {"name": name},
         "spec": {
             "replicas": 2,
-            "serviceName": "sim",
+            "serviceName": name,
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": {"app": "sim"}},
+            "selector": {"matchLabels": {"app": name}},
             "template": {
-                "metadata": {
-                    "labels": {"app": "sim", **RUN},
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8000"},
-                },
+                "metadata": meta,
                 "spec": {
-                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A10"},
+                    **placement,
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
                     "containers": [
                         {
@@ -341,6 +349,7 @@ def test_simulated_engine_statefulset_serves_and_is_scraped(sandbox, namespace, 
                             "env": [
                                 {"name": "GEARSHIFT_MODEL", "value": str(model)},
                                 {"name": "GEARSHIFT_SERVED_MODEL_NAME", "value": "llama3-8b"},
+                                *(env or []),
                             ],
                             "ports": [{"name": "http", "containerPort": 8000}],
                             "readinessProbe": {
@@ -353,6 +362,17 @@ def test_simulated_engine_statefulset_serves_and_is_scraped(sandbox, namespace, 
             },
         },
     }
+
+
+def test_simulated_engine_statefulset_serves_and_is_scraped(sandbox, namespace, wait_for):
+    """The pod contract end to end with the real ``gearshift-sim`` (docs/ARCHITECTURE.md)."""
+    model = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json"
+    sts = sim_statefulset(
+        "sim",
+        model,
+        {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A10"}},
+        annotations={"prometheus.io/scrape": "true", "prometheus.io/port": "8000"},
+    )
     sandbox.apply(sts, namespace)
     wait_for(
         lambda: (
@@ -433,70 +453,45 @@ def test_simulated_engine_pods_of_one_stage_run_as_the_card_under_them(sandbox, 
     if set(by_card) != set(cards):
         pytest.skip(f"the sandbox's fleet lacks a Ready A10-24GB or H100-80GB node (found {by_card})")
     pipeline = {"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]}
-    sts = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": {"name": "sim-own"},
-        "spec": {
-            "replicas": 2,
-            "serviceName": "sim-own",
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": {"app": "sim-own"}},
-            "template": {
-                "metadata": {"labels": {"app": "sim-own", **RUN}},
-                "spec": {
-                    # One pod on the A10 node, one on the H100 node. No nvidia.com/gpu request: others' pods
-                    # may hold the shared sandbox's GPUs, and the pod runner passes the node's card to every
-                    # pod on it (as the other tests here, which run on GPU nodes without a request).
-                    "affinity": {
-                        "nodeAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": {
-                                "nodeSelectorTerms": [
-                                    {
-                                        "matchExpressions": [
-                                            {
-                                                "key": "kubernetes.io/hostname",
-                                                "operator": "In",
-                                                "values": sorted(by_card.values()),
-                                            }
-                                        ]
-                                    }
-                                ]
-                            }
-                        },
-                        "podAntiAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": [
+    # One pod on the A10 node, one on the H100 node. No nvidia.com/gpu request: others' pods may hold the
+    # shared sandbox's GPUs, and the pod runner passes the node's card to every pod on it.
+    placement = {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
                                 {
-                                    "labelSelector": {"matchLabels": {"app": "sim-own"}},
-                                    "topologyKey": "kubernetes.io/hostname",
+                                    "key": "kubernetes.io/hostname",
+                                    "operator": "In",
+                                    "values": sorted(by_card.values()),
                                 }
                             ]
-                        },
-                    },
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
-                    "terminationGracePeriodSeconds": 5,
-                    "containers": [
-                        {
-                            "name": "engine",
-                            "image": "gearshift-worker:dev",
-                            "command": ["gearshift-sim"],
-                            "env": [
-                                {"name": "GEARSHIFT_MODEL", "value": str(config)},
-                                {"name": "GEARSHIFT_SERVED_MODEL_NAME", "value": "llama3-8b"},
-                                {"name": "GEARSHIFT_PIPELINE", "value": json.dumps(pipeline)},
-                                {"name": "GEARSHIFT_STAGE", "value": "0"},
-                            ],
-                            "ports": [{"name": "http", "containerPort": 8000}],
-                            "readinessProbe": {
-                                "httpGet": {"path": "/health", "port": "http"},
-                                "periodSeconds": 2,
-                            },
                         }
-                    ],
-                },
+                    ]
+                }
+            },
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "labelSelector": {"matchLabels": {"app": "sim-own"}},
+                        "topologyKey": "kubernetes.io/hostname",
+                    }
+                ]
             },
         },
+        "terminationGracePeriodSeconds": 5,
     }
+    sts = sim_statefulset(
+        "sim-own",
+        config,
+        placement,
+        env=[
+            {"name": "GEARSHIFT_PIPELINE", "value": json.dumps(pipeline)},
+            {"name": "GEARSHIFT_STAGE", "value": "0"},
+        ],
+    )
     sandbox.apply(sts, namespace)
     wait_for(
         lambda: (
