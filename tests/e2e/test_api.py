@@ -104,7 +104,10 @@ class TestInstall:
                 "phase": "Stable",
                 "activeGear": "balanced",
                 "targetGear": "balanced",
-                "replicas": 2,
+                "replicas": 1,
+                "readyCopies": 4,
+                "desiredCopies": 4,
+                "ready": "4/4",
                 "signals": {"qps": 12.5, "p99Ms": 180.25, "stageUtilization": [0.5, 0.6, 0.4, 0.55]},
                 "conditions": [
                     {
@@ -122,7 +125,8 @@ class TestInstall:
             "-p", json.dumps(status),
         )  # fmt: skip
         row = crds.kubectl("get", "gs", "llama3-8b-prefill", "-n", api_ns, "--no-headers").stdout.split()
-        # REPLICAS is spec.replicas (the example's default 1), READY status.replicas.
+        # REPLICAS is spec.replicas (the example's default 1, pipeline replicas), READY status.ready
+        # (serving copies of the model, ready/wanted).
         assert row[:9] == [
             "llama3-8b-prefill",
             "llama3-8b",
@@ -131,7 +135,7 @@ class TestInstall:
             "balanced",
             "Stable",
             "1",
-            "2",
+            "4/4",
             "180.25",
         ]
         assert row[9] == "12.5"

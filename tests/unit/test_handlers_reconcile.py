@@ -594,3 +594,36 @@ def test_planned_events_on_the_pdservice_name_the_role_and_gearset(api: FakeApi)
     used = {n for g in gs["status"]["plannedGears"] for s in g["stages"] for n in s["nodes"]}
     n_gears = len(gs["status"]["plannedGears"])
     assert on_gs[0]["message"].startswith(f"planned {n_gears} gear(s) on {len(used)} node(s) of 4 usable: ")
+
+
+def test_gearset_ready_column_counts_serving_copies_as_the_pdservice_does(api: FakeApi) -> None:
+    # The demo's case: the active gear is one whole-model stage replicated 4x, at spec.replicas 1.
+    gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+    gs["spec"]["gears"][1]["stages"] = [
+        {"layers": [0, 32], "replicas": 4, "nodeSelector": {names.NODE_GPU_MODEL: "A10-24GB"}}
+    ]
+    api.put(gs, NS)
+    reconcile(api)
+    sts = api.sts()["llama3-8b-prefill-balanced-s0"]
+    assert sts["spec"]["replicas"] == 4
+
+    def ready_pods(n: int) -> None:
+        sts["status"] = {"readyReplicas": n, "updatedReplicas": 4, "observedGeneration": 1}
+        api.store[("apps/v1", "StatefulSet", NS, "llama3-8b-prefill-balanced-s0")] = copy.deepcopy(sts)
+        reconcile(api)
+
+    def shown() -> tuple[dict[str, Any], dict[str, Any]]:
+        gs_st = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]
+        return gs_st, api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+
+    ready_pods(4)
+    gs_st, pds_st = shown()
+    assert (gs_st["readyCopies"], gs_st["desiredCopies"], gs_st["ready"]) == (4, 4, "4/4")
+    assert gs_st["replicas"] == 1  # one pipeline replica, Ready: the scale subresource's count is kept
+    assert (pds_st["prefill"]["readyReplicas"], pds_st["prefill"]["desiredReplicas"]) == (4, 4)
+    ready_msg = next(c["message"] for c in pds_st["conditions"] if c["type"] == "Ready")
+    assert "prefill 4/4" in ready_msg
+    ready_pods(3)  # one copy down: 3 of 4 serve, and the one pipeline replica is not whole
+    gs_st, pds_st = shown()
+    assert gs_st["ready"] == "3/4" and gs_st["readyCopies"] == 3 and gs_st["replicas"] == 0
+    assert pds_st["prefill"]["readyReplicas"] == 3

@@ -292,9 +292,25 @@ KINDS: tuple[Kind, ...] = (
             _col("ACTIVE", ".status.activeGear", description="Gear serving traffic."),
             _col("TARGET", ".status.targetGear", description="Gear being shifted to."),
             _col("PHASE", ".status.phase", description="Executor phase."),
-            _col("REPLICAS", ".spec.replicas", "integer", "Pipeline replicas asked for (autoscaler, HPA)."),
-            _col("READY", ".status.replicas", "integer", "Ready pipeline replicas of the active gear."),
-            _col("P99(ms)", ".status.signals.p99Ms", "number", "Smoothed P99 (TTFT prefill, ITL decode)."),
+            _col(
+                "REPLICAS",
+                ".spec.replicas",
+                "integer",
+                "Pipeline replicas asked for (spec.replicas; autoscaler, HPA): copies of the gear's layout.",
+            ),
+            # A string "ready/wanted": a printer column shows one JSONPath, so the pair is kept in status.
+            _col(
+                "READY",
+                ".status.ready",
+                "string",
+                "Serving copies of the model Ready/wanted in the active gear (as the PDService counts them).",
+            ),
+            _col(
+                "P99(ms)",
+                ".status.signals.p99Ms",
+                "number",
+                "Smoothed P99 (TTFT prefill, ITL decode); empty when the last sample saw no completion.",
+            ),
             _col("QPS", ".status.signals.qps", "number", "Requests/s over the last minute."),
             _AGE,
         ],

@@ -608,8 +608,10 @@ class GearSetSpec(SpecModel):
         default=1,
         ge=0,
         le=1024,
-        description="Pipeline replicas of the active gear: stage k runs replicas x stages[k].replicas pods. "
-        "The scale subresource's target (HPA/KEDA, or gearshift's autoscaler).",
+        description="Pipeline replicas of the active gear (the REPLICAS column): copies of the gear's whole "
+        "layout, stage k running replicas x stages[k].replicas pods. A pipeline replica whose narrowest "
+        "stage has r pods serves r copies of the model, so READY (serving copies, status.ready) can read "
+        "4/4 at replicas 1. The scale subresource's target (HPA/KEDA, or gearshift's autoscaler).",
     )
     policy: ShiftPolicy = Field(default_factory=ShiftPolicy, description="When and how to shift gears.")
 
@@ -844,7 +846,28 @@ class GearSetStatus(StatusModel):
     active_gear: str | None = Field(default=None, max_length=63, description="Gear serving traffic.")
     target_gear: str | None = Field(default=None, max_length=63, description="Gear being shifted to.")
     replicas: int | None = Field(
-        default=None, ge=0, description="Ready pipeline replicas of the active gear (scale subresource)."
+        default=None,
+        ge=0,
+        description="Ready pipeline replicas of the active gear (a replica is Ready when every stage has all "
+        "its pods Ready; the scale subresource's status, compared with spec.replicas).",
+    )
+    ready_copies: int | None = Field(
+        default=None,
+        ge=0,
+        description="Ready serving copies of the model in the active gear: the Ready pods of its narrowest "
+        "stage (a copy needs every stage). A one-stage gear replicated 4x is 4 copies per pipeline "
+        "replica. The same count as the PDService's status.<role>.readyReplicas and Ready message.",
+    )
+    desired_copies: int | None = Field(
+        default=None,
+        ge=0,
+        description="Serving copies wanted: pods of the active gear's narrowest stage (spec.replicas x its "
+        "stage replicas).",
+    )
+    ready: str | None = Field(
+        default=None,
+        max_length=32,
+        description="readyCopies/desiredCopies, e.g. 4/4 (the READY column, as a Deployment shows it).",
     )
     selector: str | None = Field(
         default=None,

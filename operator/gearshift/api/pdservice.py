@@ -478,8 +478,15 @@ class RoleStatus(StatusModel):
 
     gear_set: str | None = Field(default=None, max_length=253, description="GearSet name.")
     active_gear: str | None = Field(default=None, max_length=63, description="Gear serving the role.")
-    ready_replicas: int = Field(default=0, ge=0, description="Pipeline replicas with every stage ready.")
-    desired_replicas: int = Field(default=0, ge=0, description="Pipeline replicas wanted.")
+    ready_replicas: int = Field(
+        default=0,
+        ge=0,
+        description="Ready serving copies of the model in the active gear: Ready pods of its narrowest stage "
+        "(a copy needs every stage); the GearSet's status.readyCopies.",
+    )
+    desired_replicas: int = Field(
+        default=0, ge=0, description="Serving copies wanted: pods of the active gear's narrowest stage."
+    )
     last_scale_time: AwareDatetime | None = Field(default=None, description="When replicas last changed.")
     last_scale_reason: str | None = Field(
         default=None, max_length=1024, description="Why replicas last changed."

@@ -671,6 +671,16 @@ def _role_readiness(
     return ready, desired, rolled, pipelines
 
 
+_COPIES_ATTR = {"readyCopies": "ready_copies", "desiredCopies": "desired_copies", "ready": "ready"}
+
+
+def copies_status(ready: int, desired: int) -> dict[str, Any]:
+    """GearSet status fields of the READY column: serving copies of the model Ready and wanted (pods of
+    the active gear's narrowest stage, what the PDService's Ready message counts), and ``"ready/wanted"``
+    (a printer column shows one JSONPath, so the pair is written as one string, as a Deployment shows)."""
+    return {"readyCopies": ready, "desiredCopies": desired, "ready": f"{ready}/{desired}"}
+
+
 def _unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     out = []
     for pod in pods:
@@ -848,10 +858,15 @@ def _reconcile(
     rolled_all = True
     for role, rs in roles.items():
         ready, desired, rolled, pipelines = _role_readiness(rs, sts, pds, name, ns, settings.images)
-        if not rs.autoscaled and rs.gs.status.replicas != pipelines:
-            # The autoscaler writes it for the roles it scales; the scale subresource (HPA, KEDA) and the
-            # READY column of `kubectl get gearsets` read it for every role.
-            api.patch_status(*GS, ns, rs.gs.metadata["name"], {"replicas": pipelines})
+        counts = copies_status(ready, desired)
+        st_now = rs.gs.status
+        gs_patch = {k: v for k, v in counts.items() if getattr(st_now, _COPIES_ATTR[k]) != v}
+        if not rs.autoscaled and st_now.replicas != pipelines:
+            # The autoscaler writes it for the roles it scales; the scale subresource (HPA, KEDA) reads it
+            # for every role.
+            gs_patch["replicas"] = pipelines
+        if gs_patch:
+            api.patch_status(*GS, ns, rs.gs.metadata["name"], gs_patch)
         role_status[role] = {
             "gearSet": rs.gs.metadata["name"],
             "activeGear": rs.active,
