@@ -2,6 +2,8 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Flags for `gearshift demo`, e.g. make demo DEMO_ARGS="--duration 150".
+DEMO_ARGS ?=
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: venv binaries sandbox-up sandbox-down test unit e2e lint crds demo bench clean
@@ -42,7 +44,7 @@ crds: venv
 	$(VENV)/bin/gearshift crds --out crds --out charts/gearshift/crds
 
 demo: venv binaries
-	$(VENV)/bin/gearshift demo
+	$(VENV)/bin/gearshift demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

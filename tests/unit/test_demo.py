@@ -268,6 +268,44 @@ class TestGearTables:
         assert "×2" in s0
         assert "suits 0.0–5.0 req/s" in text
 
+    def test_a_stage_over_different_cards_shows_its_card_mix_and_nodes(self) -> None:
+        gs = {
+            "metadata": {"name": "p"},
+            "spec": {"mode": "auto"},
+            "status": {
+                "activeGear": "balanced",
+                "plannedGears": [
+                    {
+                        "name": "balanced",
+                        "intent": "balanced",
+                        "microBatch": 8,
+                        "maxBatch": 64,
+                        "predicted": {"bottleneckMs": 927.12, "throughputQps": 107.1, "p99Ms": 42.7},
+                        "stages": [
+                            {
+                                "layers": [0, 32],
+                                "nodes": ["a10-0", "a10-1", "h100-0", "a100-0"],
+                                "gpuModel": "A10-24GB",  # the status holds one model per stage
+                                "replicas": 4,
+                                "predictedTimeMs": 927.12,
+                            }
+                        ],
+                    }
+                ],
+            },
+        }
+        models = {"a10-0": "A10-24GB", "a10-1": "A10-24GB", "h100-0": "H100-80GB", "a100-0": "A100-40GB"}
+        lines = gears.gearset_table("prefill", gs, models).splitlines()
+        s0 = next(ln for ln in lines if ln.strip().startswith("s0"))
+        assert s0.endswith("927.12 ms      ? GiB  ×4 A10-24GB×2, H100-80GB, A100-40GB")
+        assert lines[lines.index(s0) + 1].strip() == "on a10-0, a10-1, h100-0, a100-0"
+        summary = next(ln for ln in lines if "P99" in ln)
+        assert "simulated request P99 42.7 ms with the replicas in parallel" in summary
+        assert "slowest stage replica 927.12 ms/micro-batch" in summary
+        # Without the node → card mapping the stage's one gpuModel stands in for every node.
+        plain = gears.gearset_table("prefill", gs)
+        assert "×4 A10-24GB×4" in plain
+
     def test_stage_nodes_lists_every_node_of_every_stage(self) -> None:
         assert gears.stage_nodes(GEARSET) == [
             ("latency", 0, (0, 32), "gpu-h100-1"),
@@ -301,7 +339,7 @@ class TestLiveLine:
         )  # fmt: skip
         assert line.startswith("[" + "#" * 12 + "." * 12 + "]")
         assert "100/200 req" in line and "prefill latency  decode balanced" in line
-        assert "QPS  12.3" in line and "TTFT    180 ms" in line and "ITL    -   ms" in line
+        assert "router: QPS  12.3  P99 TTFT    180 ms  ITL    -   ms" in line  # the router's figures
 
 
 def report_data(**over: object) -> report.ReportData:
@@ -357,6 +395,10 @@ class TestReport:
             assert heading in md
         assert "From the load generator" in md and "router's own `/metrics`" in md and "Prometheus" in md
         assert "| decode | latency | balanced | p99-low | 70 | 90 | Succeeded |" in md
+        assert (
+            "From the GearSets' `status.history`" in md
+            and "predictions (GearSet `status.plannedGears`)" in md
+        )
         assert "90/98 requests met it; goodput 0.15 req/s" in md
         assert "| TTFT | 1.0 | 1.0 | 2.0 | 3.0 |" in md and "| ITL | – | – | – | – |" in md
         assert "P99 upstream ITL – ms" in md  # NaN prints as a dash, not "nan"
@@ -405,6 +447,37 @@ class TestPlots:
         ]
         for f in files:
             assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 10_000
+
+    def test_shift_spans_run_from_start_to_finish_or_to_the_run_end(self) -> None:
+        done = series.ShiftMark("prefill", "a", "b", "t", "Succeeded", 40.0, 90.0)
+        running = series.ShiftMark("decode", "a", "b", "t", "InProgress", 80.0, None)
+        assert plots.shift_interval(done, 100.0) == (40.0, 90.0)
+        assert plots.shift_interval(running, 100.0) == (80.0, 100.0)
+        assert plots.shift_label(running) == "decode: a→b (in progress)"
+        assert plots.shift_label(done) == "prefill: a→b"
+        fig, ax = plots.plt.subplots()
+        plots._shade_shifts(ax, [done, running], 100.0)
+        spans = [(r.get_x(), r.get_x() + r.get_width()) for r in ax.patches]
+        lines = [ln.get_xdata()[0] for ln in ax.get_lines()]
+        plots.plt.close(fig)
+        assert spans == [(40.0, 90.0), (80.0, 100.0)]
+        assert lines == [40.0, 80.0]  # the line marks the start, finished or not
+
+    def test_near_labels_are_staggered_far_ones_share_a_level(self) -> None:
+        # (left, right) in s: 0–50 and 30–80 overlap; 60–110 clears the first; 120–150 clears all
+        assert plots.stagger_levels([(0, 50), (30, 80), (60, 110), (120, 150)]) == [0, 1, 0, 0]
+        assert plots.stagger_levels([(10, 20), (10, 20), (10, 20)]) == [0, 1, 2]
+        assert plots.stagger_levels([]) == []
+
+    def test_label_width_and_extent(self) -> None:
+        # 10 characters + 2 of padding at 0.62 em of 7 pt: 12 * 0.62 * 7 / 72 in ≈ 0.7233 in; on axes
+        # 10 in wide spanning 500 s that is 36.17 s.
+        assert plots.label_width_s("x" * 10, 500.0, 10.0) == pytest.approx(12 * 0.62 * 7 / 72 * 50)
+        m = series.ShiftMark("prefill", "throughput", "latency", "t", "Succeeded", 480.0, None)
+        w = plots.label_width_s(plots.shift_label(m), 500.0, 10.0)
+        assert plots.label_extent(m, 500.0, 10.0) == pytest.approx((480.0 - w, 480.0, True))
+        early = series.ShiftMark("prefill", "a", "b", "t", "Succeeded", 10.0, 60.0)
+        assert plots.label_extent(early, 500.0, 10.0)[2] is False
 
     def test_gear_colours_are_stable(self) -> None:
         assert plots.gear_colour("latency") == plots.GEAR_COLOURS["latency"]

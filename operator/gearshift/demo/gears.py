@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gearshift.planner.render import card_mix
+
 BAR_WIDTH = 30
 
 
@@ -17,8 +19,18 @@ def _f(value: Any, fmt: str = ".1f", none: str = "?") -> str:
     return none if value is None else format(float(value), fmt)
 
 
-def gear_table(gear: Mapping[str, Any], active: bool = False) -> list[str]:
-    """Lines describing one API gear (camelCase dict): summary, predictions, a bar per stage."""
+def gear_table(
+    gear: Mapping[str, Any], active: bool = False, models: Mapping[str, str | None] | None = None
+) -> list[str]:
+    """Lines describing one API gear (camelCase dict): summary, predictions, a bar per stage.
+
+    Args:
+        gear: the gear as ``status.plannedGears`` or ``spec.gears`` hold it.
+        active: mark it as the active gear.
+        models: node → GPU model (the nodes' ``gearshift.io/gpu-model`` or their GPUProfiles), to show a
+            replicated stage's card mix; without it (or for a node it lacks) the stage's one ``gpuModel``
+            stands in, which for a stage over different cards names only one of them.
+    """
     stages: Sequence[Mapping[str, Any]] = gear.get("stages") or []
     p = gear.get("predicted") or {}
     qr = gear.get("qpsRange") or []
@@ -26,30 +38,41 @@ def gear_table(gear: Mapping[str, Any], active: bool = False) -> list[str]:
     lines = [
         f"gear {gear.get('name')} ({gear.get('intent', '?')}): {len(stages)} stage(s), micro-batch "
         f"{gear.get('microBatch', '?')}, max batch {gear.get('maxBatch', '?')}{mark}",
-        f"  predicted bottleneck {_f(p.get('bottleneckMs'), '.2f')} ms/micro-batch, "
-        f"{_f(p.get('throughputQps'))} req/s, P99 {_f(p.get('p99Ms'))} ms"
+        # The bottleneck is one replica's time per micro-batch; the P99 is per request with every replica
+        # serving in parallel, so it may well be far below the bottleneck.
+        f"  predicted {_f(p.get('throughputQps'))} req/s, simulated request P99 {_f(p.get('p99Ms'))} ms with "
+        f"the replicas in parallel; slowest stage replica {_f(p.get('bottleneckMs'), '.2f')} ms/micro-batch"
         + (f"; suits {_f(qr[0])}–{_f(qr[1])} req/s" if len(qr) == 2 else ""),
     ]
     times = [float(s.get("predictedTimeMs") or 0.0) for s in stages]
     longest = max(times, default=0.0) or 1.0
-    width = max((len(",".join(s.get("nodes") or ["?"])) for s in stages), default=1)
     for k, (s, t) in enumerate(zip(stages, times, strict=True)):
         a, b = ([*list(s.get("layers") or [0, 0]), 0, 0])[:2]
         fill = round(BAR_WIDTH * t / longest)
         bar = "█" * fill + "·" * (BAR_WIDTH - fill)
-        nodes = ",".join(s.get("nodes") or ["?"])
+        nodes = [str(n) for n in s.get("nodes") or []]
+        own = s.get("gpuModel")
+        # The card mix from the nodes, not the stage's one gpuModel: a replicated stage may span cards of
+        # different speeds (the ms column is its slowest replica's).
+        mix = card_mix(nodes, {n: (models or {}).get(n) or own for n in nodes}) if nodes else own or "?"
         reps = int(s.get("replicas") or 1)
-        extra = f" ×{reps}" if reps > 1 else ""
         mem = s.get("predictedMemoryGiB")
         lines.append(
-            f"  s{k:<2} {nodes:<{width}} {s.get('gpuModel') or '':<10} layers {a:>3}–{b:<3} ({b - a:>3}) "
-            f"{bar} {t:8.2f} ms {_f(mem, '6.1f', '     ?')} GiB{extra}"
+            f"  s{k:<2} layers {a:>3}–{b:<3} ({b - a:>3}) {bar} {t:8.2f} ms {_f(mem, '6.1f', '     ?')} GiB  "
+            + (f"×{reps} " if reps > 1 else "")
+            + mix
+            + (f" on {nodes[0]}" if len(nodes) == 1 else "")
         )
+        if len(nodes) > 1:
+            lines.append(f"{'':6}on {', '.join(nodes)}")
     return lines
 
 
-def gearset_table(role: str, gearset: Mapping[str, Any]) -> str:
-    """All gears of one GearSet (API dict) with the active one marked; a header names role and mode."""
+def gearset_table(
+    role: str, gearset: Mapping[str, Any], models: Mapping[str, str | None] | None = None
+) -> str:
+    """All gears of one GearSet (API dict) with the active one marked; a header names role and mode, and
+    what a stage row holds. ``models`` (node → GPU model) as for :func:`gear_table`."""
     spec = gearset.get("spec") or {}
     status = gearset.get("status") or {}
     gears = spec.get("gears") if spec.get("mode") == "explicit" else status.get("plannedGears")
@@ -57,8 +80,13 @@ def gearset_table(role: str, gearset: Mapping[str, Any]) -> str:
     out = [f"{role} ({spec.get('mode', '?')}, GearSet {(gearset.get('metadata') or {}).get('name', '?')}):"]
     if not gears:
         out.append("  (no gears yet)")
+    else:
+        out.append(
+            "  stage rows: layers, ms per micro-batch of the stage's slowest replica (bar), GiB per card, "
+            "cards"
+        )
     for g in gears or []:
-        out.extend(gear_table(g, active=g.get("name") == active))
+        out.extend(gear_table(g, active=g.get("name") == active, models=models))
     return "\n".join(out)
 
 

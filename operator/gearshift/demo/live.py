@@ -1,4 +1,5 @@
-"""The demo's live line: a progress bar, the active gear of each role, QPS and P99 TTFT/ITL (pure)."""
+"""The demo's live line: a progress bar, the active gear of each role, and the router's QPS and upstream
+P99 TTFT/ITL (pure)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,16 @@ def status_line(
     ttft_p99_ms: float | None,
     itl_p99_ms: float | None,
 ) -> str:
-    """One line: ``[####....] 120/540 s  1820/9603 req  prefill balanced  decode latency  QPS  31.2
-    P99 TTFT 180 ms  ITL 42 ms``. Values not measured yet print as ``-``."""
+    """One line: ``[####....] 120/540 s  1820/9603 req  prefill balanced  decode latency  router: QPS  31.2
+    P99 TTFT 180 ms  ITL 42 ms``. Values not measured yet print as ``-``.
+
+    ``qps`` (OK answers/s) and the P99s (ms) are the router's (its ``/metrics``, upstream TTFT and ITL
+    histograms), not the load generator's: the line says so, as the report's figures name their source.
+    """
     frac = elapsed_s / run_s if run_s > 0 else 1.0
     gear_txt = "  ".join(f"{role} {g.text()}" for role, g in gears.items())
     q = "  - " if qps is None or math.isnan(qps) else f"{qps:5.1f}"
     return (
         f"{bar(frac)} {min(elapsed_s, run_s):4.0f}/{run_s:.0f} s  {issued}/{total} req  {gear_txt}  "
-        f"QPS {q}  P99 TTFT {_ms(ttft_p99_ms)} ms  ITL {_ms(itl_p99_ms)} ms"
+        f"router: QPS {q}  P99 TTFT {_ms(ttft_p99_ms)} ms  ITL {_ms(itl_p99_ms)} ms"
     )

@@ -1,7 +1,8 @@
 """The demo report's PNG plots, drawn with matplotlib's Agg backend from plain data (no cluster access).
 
 - :func:`plot_traffic`: QPS, P99 TTFT and P99 ITL over the run, wire and router measurements side by
-  side, SLO lines, which gear each role ran (bands) and every gear shift (vertical lines);
+  side, SLO lines, which gear each role ran (bands) and every gear shift (shaded from its start to its
+  finish, labelled at its start, near labels staggered);
 - :func:`plot_utilization`: per-stage utilisation of each role's gears (Prometheus), shifts marked;
 - :func:`plot_placement`: the fleet (one row per GPU node: model, memory, measured score) and which stage
   of which gear each node hosts, with its layer range.
@@ -34,26 +35,111 @@ def gear_colour(gear: str) -> str:
     return GEAR_COLOURS.get(gear) or _EXTRA[sum(map(ord, gear)) % len(_EXTRA)]
 
 
-def _mark_shifts(ax: plt.Axes, marks: Sequence[ShiftMark], label: bool) -> None:
+#: Shift label font size, points; :func:`label_width_s` estimates widths from it.
+LABEL_FONT_PT = 7.0
+#: Vertical distance between two label levels, points.
+LABEL_STEP_PT = 10.0
+
+
+def shift_interval(m: ShiftMark, run_s: float) -> tuple[float, float]:
+    """When shift ``m`` was under way, s since the run's start: from its start (shadow pods created,
+    warm-up, drain, switch) to its finish, or to the run's end (``run_s``) while still in progress."""
+    end = m.finished_s if m.finished_s is not None else run_s
+    return m.started_s, max(end, m.started_s)
+
+
+def shift_label(m: ShiftMark) -> str:
+    """``prefill: latency→throughput``, with the outcome when it is not ``Succeeded``."""
+    txt = f"{m.role}: {m.from_gear or '?'}→{m.to_gear}"
+    if m.finished_s is None or m.outcome in ("", "InProgress"):
+        return txt + " (in progress)"
+    return txt if m.outcome == "Succeeded" else f"{txt} ({m.outcome})"
+
+
+def label_width_s(text: str, run_s: float, axes_width_in: float, font_pt: float = LABEL_FONT_PT) -> float:
+    """A generous estimate of how many seconds of the x axis ``text`` covers: 0.62 em per character
+    (DejaVu Sans averages about 0.55) plus two characters of padding, on axes ``axes_width_in`` inches
+    wide spanning ``run_s`` s."""
+    width_in = (len(text) + 2) * 0.62 * font_pt / 72.0
+    return width_in * max(run_s, 1.0) / max(axes_width_in, 1e-6)
+
+
+def stagger_levels(extents_s: Sequence[tuple[float, float]]) -> list[int]:
+    """A level (0, 1, ...) per label so that labels on one level never overlap: each label, left to right,
+    takes the lowest level whose previous label ends before it begins (``extents_s``: (left, right), s)."""
+    order = sorted(range(len(extents_s)), key=lambda i: extents_s[i][0])
+    ends: list[float] = []  # per level, where its last label ends
+    levels = [0] * len(extents_s)
+    for i in order:
+        left, right = extents_s[i]
+        free = [k for k, end in enumerate(ends) if end <= left]
+        if free:
+            lvl = free[0]
+        else:
+            lvl = len(ends)
+            ends.append(-math.inf)
+        levels[i] = lvl
+        ends[lvl] = right
+    return levels
+
+
+def label_extent(m: ShiftMark, run_s: float, axes_width_in: float) -> tuple[float, float, bool]:
+    """Where shift ``m``'s label goes on the x axis, s: ``(left, right, to_the_left)``. A label starts at
+    the shift's start; one that would run past the run's end ends there instead (``to_the_left``)."""
+    start = max(shift_interval(m, run_s)[0], 0.0)
+    width = label_width_s(shift_label(m), run_s, axes_width_in)
+    if start + width > run_s and start - width >= 0.0:
+        return start - width, start, True
+    return start, start + width, False
+
+
+def _shade_shifts(ax: plt.Axes, marks: Sequence[ShiftMark], run_s: float) -> None:
+    """Shade each shift's span (start → finish, or → the run's end while in progress) in its target
+    gear's colour, hatched grey when it did not succeed, with a line at its start."""
     for m in marks:
-        at = m.finished_s if m.finished_s is not None else m.started_s
-        style = ROLE_STYLE.get(m.role, "-")
-        colour = "black" if m.outcome == "Succeeded" else "grey"
-        ax.axvline(at, color=colour, linestyle=style, linewidth=1.2, alpha=0.8)
-        if label:
-            txt = f"{m.role}: {m.from_gear or '?'}→{m.to_gear}"
-            if m.outcome != "Succeeded":
-                txt += f" ({m.outcome})"
-            ax.annotate(
-                txt,
-                xy=(at, 1.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(3, -3),
-                textcoords="offset points",
-                rotation=90,
-                va="top",
-                fontsize=7,
-            )
+        start, end = shift_interval(m, run_s)
+        ok = m.outcome == "Succeeded" or m.finished_s is None
+        ax.axvspan(
+            start,
+            end,
+            facecolor=gear_colour(m.to_gear) if ok else "grey",
+            alpha=0.13 if ok else 0.2,
+            hatch=None if ok else "//",
+            linewidth=0,
+            zorder=0,
+        )
+        ax.axvline(start, color="black", linestyle=ROLE_STYLE.get(m.role, "-"), linewidth=1.0, alpha=0.7)
+
+
+def _shift_levels(marks: Sequence[ShiftMark], run_s: float, axes_width_in: float) -> list[int]:
+    """:func:`stagger_levels` of the shifts' labels on axes ``axes_width_in`` inches wide."""
+    return stagger_levels([label_extent(m, run_s, axes_width_in)[:2] for m in marks])
+
+
+def _label_shifts(
+    ax: plt.Axes,
+    marks: Sequence[ShiftMark],
+    run_s: float,
+    levels: Sequence[int],
+    y: float,
+    axes_width_in: float,
+) -> None:
+    """Label every shift at its start: at ``y`` (axes fraction), raised by ``LABEL_STEP_PT`` per level."""
+    for m, lvl in zip(marks, levels, strict=True):
+        left = label_extent(m, run_s, axes_width_in)[2]
+        ann = ax.annotate(
+            shift_label(m),
+            xy=(max(shift_interval(m, run_s)[0], 0.0), y),
+            xycoords=("data", "axes fraction"),
+            xytext=(-2 if left else 2, 2 + LABEL_STEP_PT * lvl),
+            textcoords="offset points",
+            va="bottom",
+            ha="right" if left else "left",
+            fontsize=LABEL_FONT_PT,
+            color="black" if m.outcome in ("Succeeded", "", "InProgress") else "dimgrey",
+            annotation_clip=False,
+        )
+        ann.set_in_layout(False)  # the margins are sized for the labels; keep the panels' width fixed
 
 
 def _bands(ax: plt.Axes, spans: Sequence[GearSpan], roles: Sequence[str]) -> None:
@@ -87,6 +173,12 @@ def _line(ax: plt.Axes, s: Series | None, label: str, **kw: object) -> None:
     ax.plot(s.t, s.v, label=label, **kw)  # type: ignore[arg-type]
 
 
+TRAFFIC_WIDTH_IN = 11.0
+TRAFFIC_HEIGHT_IN = 8.5
+#: Width of the traffic plot's panels, inches (the figure less its margins, for label widths).
+TRAFFIC_AXES_IN = 9.6
+
+
 @dataclass
 class TrafficData:
     """What :func:`plot_traffic` draws; any series may be missing (None)."""
@@ -106,7 +198,7 @@ class TrafficData:
 
 def plot_traffic(data: TrafficData, out: Path) -> Path:
     """Three stacked panels (QPS, P99 TTFT, P99 ITL) over the run; writes ``out`` (PNG) and returns it."""
-    fig, axes = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(TRAFFIC_WIDTH_IN, TRAFFIC_HEIGHT_IN), sharex=True)
     ax_q, ax_t, ax_i = axes
     _line(ax_q, data.offered_qps, "offered (trace)", color="lightgrey", linewidth=2.5)
     _line(ax_q, data.wire.get("sent_qps"), "sent (load generator)", color="tab:blue", linewidth=1)
@@ -128,7 +220,7 @@ def plot_traffic(data: TrafficData, out: Path) -> Path:
         ax.set_xlim(0, max(data.run_s, 1.0))
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=7)
-        _mark_shifts(ax, data.marks, label=ax is ax_q)
+        _shade_shifts(ax, data.marks, data.run_s)
     for ax in (ax_t, ax_i):
         vals = [
             v for s in ax.get_lines() for v in s.get_ydata() if isinstance(v, float) and not math.isnan(v)
@@ -137,12 +229,24 @@ def plot_traffic(data: TrafficData, out: Path) -> Path:
             ax.set_yscale("log")  # one slow burst must not flatten the rest
     roles = sorted({s.role for s in data.spans})
     _bands(ax_q, data.spans, roles)
-    gears = sorted({s.gear for s in data.spans})
+    # Shift labels go above the role bands, at each shift's start, so they never cover the data.
+    levels = _shift_levels(data.marks, data.run_s, TRAFFIC_AXES_IN)
+    _label_shifts(ax_q, data.marks, data.run_s, levels, 1.01 + 0.05 * len(roles), TRAFFIC_AXES_IN)
+    n_levels = max(levels, default=-1) + 1
+    # Grow the figure by the label rows so the panels keep their height.
+    extra_in = n_levels * LABEL_STEP_PT / 72.0
+    fig.set_figheight(TRAFFIC_HEIGHT_IN + extra_in)
+    gears = sorted({s.gear for s in data.spans} | {m.to_gear for m in data.marks})
     handles = [Patch(color=gear_colour(g), label=f"gear {g}") for g in gears]
+    if data.marks:
+        handles.append(
+            Patch(facecolor="lightgrey", label="shift under way: warm-up → drain → switch (target's colour)")
+        )
     if handles:
-        fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=len(handles))
+        fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=min(len(handles), 4))
     fig.suptitle(data.title or "Trace replay: QPS and P99 latency, gear shifts marked", x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 0.97, 0.93))
+    top = 1.0 - (0.07 * TRAFFIC_HEIGHT_IN + extra_in) / (TRAFFIC_HEIGHT_IN + extra_in)
+    fig.tight_layout(rect=(0, 0, 0.97, top))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -175,7 +279,13 @@ def plot_utilization(
                 alpha=1.0 if gear in served or not served else 0.45,
                 linewidth=1.2,
             )
-        ax.set_ylim(0, 1.05)
+        role_marks = [m for m in marks if m.role == role]
+        _shade_shifts(ax, role_marks, run_s)
+        # Labels sit in a strip above the busy-fraction range (0..1.05), one row per level.
+        levels = _shift_levels(role_marks, run_s, TRAFFIC_AXES_IN)
+        top = 1.05 + 0.12 * (max(levels, default=-1) + 1)
+        ax.set_ylim(0, top)
+        _label_shifts(ax, role_marks, run_s, levels, 1.0 / top, TRAFFIC_AXES_IN)
         ax.set_xlim(0, max(run_s, 1.0))
         ax.set_ylabel(f"{role}\nbusy fraction")
         ax.grid(alpha=0.3)
@@ -183,7 +293,6 @@ def plot_utilization(
             ax.legend(loc="best", fontsize=7, ncol=4)
         else:
             ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center")
-        _mark_shifts(ax, [m for m in marks if m.role == role], label=True)
     axes[-1, 0].set_xlabel("seconds since the replay started")
     fig.suptitle(
         title or "Per-stage utilisation (gearshift:stage_utilization, Prometheus)", x=0.01, ha="left"

@@ -114,7 +114,13 @@ def render(d: ReportData) -> str:
         out += ["", f"From Prometheus (the engines' vLLM histograms, over the run): {parts}."]
     out += ["", "## Gear shifts", ""]
     if d.marks:
-        out += ["| role | from | to | trigger | started (s) | finished (s) | outcome |", "| --- " * 7 + "|"]
+        out += [
+            "From the GearSets' `status.history` (seconds since the replay started; a shift runs from its "
+            "start, through the shadow pods' warm-up and the drain, to the switch):",
+            "",
+            "| role | from | to | trigger | started (s) | finished (s) | outcome |",
+            "| --- " * 7 + "|",
+        ]
         for m in d.marks:
             fin = "–" if m.finished_s is None else f"{m.finished_s:.0f}"
             out.append(
@@ -142,7 +148,15 @@ def render(d: ReportData) -> str:
         "```",
         d.fleet_table.rstrip(),
     ]
-    out += ["```", "", "## The gears the operator planned", ""]
+    out += [
+        "```",
+        "",
+        "## The gears the operator planned",
+        "",
+        "The planner's predictions (GearSet `status.plannedGears`), not measurements; cards from the "
+        "GPUProfiles.",
+        "",
+    ]
     for _role, text in d.gear_tables.items():
         out += ["```", text.rstrip(), "```", ""]
     out += ["## Explore", "", "```bash", *d.explore, "```", ""]

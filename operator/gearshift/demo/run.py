@@ -324,9 +324,19 @@ def _apply_service(ctx: Ctx) -> dict[str, dict[str, Any]]:
     gearsets = wait_until(
         planned, PLAN_TIMEOUT_S, "the GearSets to hold planned gears and an active gear", 2.0
     )
+    models = _node_models(ctx)
     for role, gs in gearsets.items():
-        ctx.say.block(gearset_table(role, gs))
+        ctx.say.block(gearset_table(role, gs, models))
     return gearsets
+
+
+def _node_models(ctx: Ctx) -> dict[str, str | None]:
+    """Node → GPU model from the GPUProfiles (a GearSet stage names one ``gpuModel`` even when its
+    replicas sit on different cards); empty when they cannot be read, so the tables fall back to it."""
+    try:
+        return {r.name: r.gpu_model for r in _fleet_rows(ctx)}
+    except (DemoError, KeyError, ValueError):
+        return {}
 
 
 def _router_url(ctx: Ctx) -> str:
@@ -642,7 +652,7 @@ def _write_report(
         requests=len(win.requests),
         run_s=rep.run_s,
         fleet_table=fleet_table,
-        gear_tables={role: gearset_table(role, gs) for role, gs in gearsets_start.items()},
+        gear_tables={role: gearset_table(role, gs, _node_models(ctx)) for role, gs in gearsets_start.items()},
         load=rep.result.to_dict(),
         router_totals=totals,
         marks=marks,

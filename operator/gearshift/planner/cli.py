@@ -76,5 +76,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"gearshift plan: {exc}", file=sys.stderr)
         return 1
     render = {"table": to_table, "json": to_json, "yaml": to_yaml}[args.output]
+    if args.output == "table":
+        # Node → card model, so a stage replicated over different cards shows its mix.
+        sys.stdout.write(to_table(result, {n.node_id: n.gpu_model for n in profile.nodes}))
+        return 0
     sys.stdout.write(render(result))
     return 0
