@@ -204,6 +204,24 @@ def test_bad_input_is_rejected_at_apply_naming_the_field(
         assert "unknown field" in proc.stderr
 
 
+def test_object_rules_name_the_offending_values(crds: Any, api_ns: str) -> None:
+    # A rule on an object prints `Invalid value: "object"`; its messageExpression says what was given.
+    gs = CASES.bad_body("gearset-explicit.yaml", "spec.gears[0].microBatch", 64)
+    gs["metadata"]["name"] = "bad-values-gs"
+    max_batch = gs["spec"]["gears"][0]["maxBatch"]
+    proc = crds.kubectl("apply", "-n", api_ns, "-f", "-", input=json.dumps(gs), check=False)
+    assert proc.returncode != 0
+    assert f"microBatch (64) must be <= maxBatch ({max_batch})" in proc.stderr, proc.stderr
+
+    pds = CASES.bad_body("pdservice-llama3-8b.yaml", "spec.router.weights.decode.itl", 0.5)
+    w = pds["spec"]["router"]["weights"]["decode"]
+    # Summed in the rule's order, and printed as the shortest round-trip form (as CEL's string() does).
+    total = w["itl"] + w["memory"] + w["batch"] + w["bandwidth"] + w["network"]
+    proc = crds.kubectl("apply", "-n", api_ns, "-f", "-", input=json.dumps(pds), check=False)
+    assert proc.returncode != 0
+    assert f"must sum to 1; got {total!r}" in proc.stderr, proc.stderr
+
+
 # --- agreement: pydantic-valid <=> accepted by the API server ------------------------------------------
 # Each generator makes a valid spec and then, each with a small probability, one of many mistakes, so that
 # about half of the specs are valid and the invalid ones differ from a valid one in one or two places.

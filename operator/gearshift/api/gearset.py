@@ -56,6 +56,15 @@ Qps = Annotated[float, Field(ge=0, le=1e7)]
 #: A gearshift.gpus model name (e.g. H100-80GB).
 GpuModelName = Annotated[str, Field(min_length=1, max_length=64)]
 
+#: A rule on an object is reported as ``<field>: Invalid value: "object": <message>``, which shows no
+#: value; so each rule that compares values also has a ``messageExpression`` that names them (the API
+#: server falls back to ``message`` if the expression fails to evaluate).
+#: The layer ranges of every stage, for the stage-contiguity rules' messages (``{}``: the problem).
+_STAGES_GOT = (
+    "\"{}: each stage's layers[0] must equal the previous stage's layers[1]; got %s\""
+    ".format([self.stages.map(s, s.layers)])"
+)
+
 #: Rules of the CRD, per model, as ``x-kubernetes-validations`` entries; read by :mod:`gearshift.api.crdgen`.
 #: Each guards its own index accesses so that a schema error elsewhere does not also raise a CEL error.
 CEL: dict[str, list[dict[str, str]]] = {
@@ -63,6 +72,8 @@ CEL: dict[str, list[dict[str, str]]] = {
         {
             "rule": "size(self.layers) != 2 || self.layers[0] < self.layers[1]",
             "message": "layers must be a half-open range [start, end) with start < end",
+            "messageExpression": "'layers must be a half-open range [start, end) with start < end; got %s'"
+            ".format([self.layers])",
             "fieldPath": ".layers",
         },
     ],
@@ -71,28 +82,36 @@ CEL: dict[str, list[dict[str, str]]] = {
             "rule": "size(self.stages) == 0 || size(self.stages[0].layers) != 2 "
             "|| self.stages[0].layers[0] == 0",
             "message": "stages[0].layers must start at layer 0",
+            "messageExpression": "'stages[0].layers must start at layer 0; got %s'"
+            ".format([self.stages[0].layers])",
             "fieldPath": ".stages",
         },
         {
             "rule": "self.stages.all(i, s, i == 0 || size(s.layers) != 2 "
             "|| size(self.stages[i - 1].layers) != 2 || s.layers[0] >= self.stages[i - 1].layers[1])",
             "message": "stages overlap: each stage's layers[0] must equal the previous stage's layers[1]",
+            "messageExpression": _STAGES_GOT.format("stages overlap"),
             "fieldPath": ".stages",
         },
         {
             "rule": "self.stages.all(i, s, i == 0 || size(s.layers) != 2 "
             "|| size(self.stages[i - 1].layers) != 2 || s.layers[0] <= self.stages[i - 1].layers[1])",
             "message": "stages leave a gap: each stage's layers[0] must equal the previous stage's layers[1]",
+            "messageExpression": _STAGES_GOT.format("stages leave a gap"),
             "fieldPath": ".stages",
         },
         {
             "rule": "self.microBatch <= self.maxBatch",
             "message": "microBatch must be <= maxBatch",
+            "messageExpression": "'microBatch (%d) must be <= maxBatch (%d)'"
+            ".format([self.microBatch, self.maxBatch])",
             "fieldPath": ".microBatch",
         },
         {
             "rule": "!has(self.qpsRange) || size(self.qpsRange) != 2 || self.qpsRange[0] <= self.qpsRange[1]",
             "message": "qpsRange must be [low, high] with low <= high",
+            "messageExpression": "'qpsRange must be [low, high] with low <= high; got [%s, %s]'"
+            ".format([self.qpsRange[0], self.qpsRange[1]])",
             "fieldPath": ".qpsRange",
         },
     ],
@@ -100,11 +119,15 @@ CEL: dict[str, list[dict[str, str]]] = {
         {
             "rule": "self.imbalanceLowUtilization < self.imbalanceHighUtilization",
             "message": "imbalanceLowUtilization must be below imbalanceHighUtilization",
+            "messageExpression": "'imbalanceLowUtilization (%s) must be below imbalanceHighUtilization (%s)'"
+            ".format([self.imbalanceLowUtilization, self.imbalanceHighUtilization])",
             "fieldPath": ".imbalanceLowUtilization",
         },
         {
             "rule": "self.p99LowRatio < self.p99HighRatio",
             "message": "p99LowRatio must be below p99HighRatio",
+            "messageExpression": "'p99LowRatio (%s) must be below p99HighRatio (%s)'"
+            ".format([self.p99LowRatio, self.p99HighRatio])",
             "fieldPath": ".p99LowRatio",
         },
     ],
@@ -112,6 +135,8 @@ CEL: dict[str, list[dict[str, str]]] = {
         {
             "rule": "!has(self.minStages) || !has(self.maxStages) || self.minStages <= self.maxStages",
             "message": "minStages must be <= maxStages",
+            "messageExpression": "'minStages (%d) must be <= maxStages (%d)'"
+            ".format([self.minStages, self.maxStages])",
             "fieldPath": ".minStages",
         },
     ],
@@ -140,12 +165,16 @@ CEL: dict[str, list[dict[str, str]]] = {
             "rule": "self.mode != 'explicit' || !has(self.initialGear) "
             "|| (has(self.gears) && self.gears.exists(g, g.name == self.initialGear))",
             "message": "initialGear must name one of spec.gears",
+            "messageExpression": "'initialGear (%s) must name one of spec.gears (%s)'.format("
+            "[self.initialGear, has(self.gears) ? self.gears.map(g, g.name) : []])",
             "fieldPath": ".initialGear",
         },
         {
             "rule": "self.mode != 'explicit' || !has(self.forceGear) "
             "|| (has(self.gears) && self.gears.exists(g, g.name == self.forceGear))",
             "message": "forceGear must name one of spec.gears",
+            "messageExpression": "'forceGear (%s) must name one of spec.gears (%s)'.format("
+            "[self.forceGear, has(self.gears) ? self.gears.map(g, g.name) : []])",
             "fieldPath": ".forceGear",
         },
     ],

@@ -42,6 +42,8 @@ CEL: dict[str, list[dict[str, str]]] = {
         {
             "rule": "self.metadata.name == self.spec.nodeName",
             "message": "spec.nodeName must equal metadata.name: a GPUProfile is named after its node",
+            "messageExpression": "'spec.nodeName (%s) must equal metadata.name (%s): a GPUProfile is named "
+            "after its node'.format([self.spec.nodeName, self.metadata.name])",
         },
     ],
 }

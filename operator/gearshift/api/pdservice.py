@@ -36,13 +36,20 @@ ServicePhase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 WEIGHT_SUM_LOW = 0.999
 WEIGHT_SUM_HIGH = 1.001
 
-#: CRD rules per model (see :mod:`gearshift.api.gearset` for the convention).
+#: The weight sums the router.weights rules check (CEL expressions).
+_PREFILL_SUM = "self.compute + self.load + self.queue + self.network + self.cache"
+_DECODE_SUM = "self.itl + self.memory + self.batch + self.bandwidth + self.network"
+
+#: CRD rules per model (see :mod:`gearshift.api.gearset` for the convention, ``messageExpression`` too).
 CEL: dict[str, list[dict[str, str]]] = {
     "HFConfig": [
         {
             "rule": "!has(self.num_key_value_heads) "
             "|| self.num_attention_heads % self.num_key_value_heads == 0",
             "message": "hfConfig.num_attention_heads must be a multiple of hfConfig.num_key_value_heads",
+            "messageExpression": "'hfConfig.num_attention_heads (%d) must be a multiple of "
+            "hfConfig.num_key_value_heads (%d)'"
+            ".format([self.num_attention_heads, self.num_key_value_heads])",
             "fieldPath": ".num_key_value_heads",
         },
     ],
@@ -66,33 +73,43 @@ CEL: dict[str, list[dict[str, str]]] = {
         {
             "rule": "!has(self.numHeads) || !has(self.numKvHeads) || self.numHeads % self.numKvHeads == 0",
             "message": "model.numHeads must be a multiple of model.numKvHeads (grouped-query attention)",
+            "messageExpression": "'model.numHeads (%d) must be a multiple of model.numKvHeads (%d) "
+            "(grouped-query attention)'"
+            ".format([self.numHeads, self.numKvHeads])",
             "fieldPath": ".numKvHeads",
         },
         {
             "rule": "self.expertsPerToken <= self.numExperts",
             "message": "model.expertsPerToken must be <= model.numExperts",
+            "messageExpression": "'model.expertsPerToken (%d) must be <= model.numExperts (%d)'"
+            ".format([self.expertsPerToken, self.numExperts])",
             "fieldPath": ".expertsPerToken",
         },
     ],
     "PrefillWeights": [
         {
-            "rule": f"self.compute + self.load + self.queue + self.network + self.cache >= {WEIGHT_SUM_LOW} "
-            f"&& self.compute + self.load + self.queue + self.network + self.cache <= {WEIGHT_SUM_HIGH}",
+            "rule": f"{_PREFILL_SUM} >= {WEIGHT_SUM_LOW} && {_PREFILL_SUM} <= {WEIGHT_SUM_HIGH}",
             "message": "router.weights.prefill: compute + load + queue + network + cache must sum to 1",
+            "messageExpression": "'router.weights.prefill: compute + load + queue + network + cache must "
+            "sum to 1; got %s'"
+            f".format([{_PREFILL_SUM}])",
         },
     ],
     "DecodeWeights": [
         {
-            "rule": f"self.itl + self.memory + self.batch + self.bandwidth + self.network "
-            f">= {WEIGHT_SUM_LOW} && self.itl + self.memory + self.batch + self.bandwidth + self.network "
-            f"<= {WEIGHT_SUM_HIGH}",
+            "rule": f"{_DECODE_SUM} >= {WEIGHT_SUM_LOW} && {_DECODE_SUM} <= {WEIGHT_SUM_HIGH}",
             "message": "router.weights.decode: itl + memory + batch + bandwidth + network must sum to 1",
+            "messageExpression": "'router.weights.decode: itl + memory + batch + bandwidth + network must "
+            "sum to 1; got %s'"
+            f".format([{_DECODE_SUM}])",
         },
     ],
     "ScalingSpec": [
         {
             "rule": "self.minReplicas <= self.maxReplicas",
             "message": "scaling.minReplicas must be <= scaling.maxReplicas",
+            "messageExpression": "'scaling.minReplicas (%d) must be <= scaling.maxReplicas (%d)'"
+            ".format([self.minReplicas, self.maxReplicas])",
             "fieldPath": ".minReplicas",
         },
     ],
@@ -101,6 +118,8 @@ CEL: dict[str, list[dict[str, str]]] = {
             "rule": "self.prefill.gearSetRef.name != self.decode.gearSetRef.name",
             "message": "decode.gearSetRef.name must differ from prefill.gearSetRef.name: a GearSet serves "
             "one role",
+            "messageExpression": "'decode.gearSetRef.name must differ from prefill.gearSetRef.name (both "
+            "are %s): a GearSet serves one role'.format([self.decode.gearSetRef.name])",
             "fieldPath": ".decode.gearSetRef.name",
         },
     ],
@@ -109,6 +128,9 @@ CEL: dict[str, list[dict[str, str]]] = {
             "rule": f"size(self.metadata.name) <= {MAX_SERVICE_NAME}",
             "message": f"metadata.name must be at most {MAX_SERVICE_NAME} characters (it prefixes the "
             "StatefulSet names <pds>-<role>-<gear>-s<k>)",
+            "messageExpression": f"'metadata.name must be at most {MAX_SERVICE_NAME} characters (it prefixes "
+            "the StatefulSet names <pds>-<role>-<gear>-s<k>); %s has %d'"
+            ".format([self.metadata.name, size(self.metadata.name)])",
         },
     ],
 }
