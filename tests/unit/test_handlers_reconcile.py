@@ -486,6 +486,32 @@ class TestExplicitGearLayers:
         ready = {c["type"]: c for c in pds["status"]["conditions"]}["Ready"]
         assert ready["status"] == "False" and "make the last stage's layers end at 32" in ready["message"]
 
+    def test_a_refused_edit_of_a_serving_service_reads_degraded_not_failed(self, api: FakeApi) -> None:
+        reconcile(api)
+        pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+        # The service was serving: its last status said Ready=True.
+        pds["status"]["conditions"] = [
+            {"type": "Ready", "status": "True", "reason": "AllReady", "message": "serving",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        ]  # fmt: skip
+        pds["status"]["phase"] = "Ready"
+        api.put(pds, NS)
+        before = {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()}
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        last = gs["spec"]["gears"][0]["stages"][-1]
+        last["layers"] = [last["layers"][0], 40]
+        api.put(gs, NS)
+        with pytest.raises(rec.SpecInvalid):
+            reconcile(api)
+        assert {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()} == before
+        st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+        cond = {c["type"]: c for c in st["conditions"]}
+        assert st["phase"] == "Degraded"
+        assert cond["Ready"]["status"] == "True"
+        assert cond["Progressing"]["status"] == "False"
+        assert "make the last stage's layers end at 32" in cond["Progressing"]["message"]
+        assert "still serving the last applied spec" in cond["Progressing"]["message"]
+
 
 class TestUnknownNodeIsNotALostNode:
     def test_misspelled_node_in_a_new_gear_is_a_placement_problem_not_node_lost(self, api: FakeApi) -> None:

@@ -736,19 +736,34 @@ def _reconcile(
         for reason, message, warning in book.changes:
             emit(api, body, reason, message, warning)
 
+    def refuse(reason: str, msg: str) -> None:
+        # Nothing is applied for a spec that cannot be served, so a service that was Ready still serves
+        # its last applied spec: say the edit was refused (Progressing=False, Degraded) and keep Ready,
+        # rather than Failed, which monitoring would read as down.
+        serving = any(
+            c.get("type") == COND_READY and c.get("status") == "True"
+            for c in old_status.get("conditions") or []
+        )
+        if serving:
+            book.set(
+                COND_PROGRESSING, "False", reason, f"{msg}; still serving the last applied spec", warning=True
+            )
+            finish({"phase": "Degraded", "message": f"spec not applied, serving the last applied one: {msg}"})
+        else:
+            book.set(COND_READY, "False", reason, msg, warning=True)
+            finish({"phase": "Failed", "message": msg})
+
     try:
         pds = PDService.model_validate(body)
     except ValidationError as exc:
         msg = format_validation_error(exc)
-        book.set(COND_READY, "False", REASON_INVALID_SPEC, msg, warning=True)
-        finish({"phase": "Failed", "message": msg})
+        refuse(REASON_INVALID_SPEC, msg)
         raise SpecInvalid(msg) from None
     try:
         roles = _read_gearsets(api, body, pds)
         explicit_layer_problems(pds, roles)
     except SpecInvalid as exc:
-        book.set(COND_READY, "False", common.REASON_GEARSET_MISMATCH, str(exc), warning=True)
-        finish({"phase": "Failed", "message": str(exc)})
+        refuse(common.REASON_GEARSET_MISMATCH, str(exc))
         raise
     except NotYet as exc:
         book.set(COND_PLACED, "False", common.REASON_GEARSET_MISSING, str(exc), warning=True)
@@ -822,8 +837,7 @@ def _reconcile(
     try:
         objs = desired_objects(name, ns, pds.spec, desires, settings.images, owner, settings.prometheus_url)
     except EngineSpecError as exc:
-        book.set(COND_READY, "False", REASON_INVALID_SPEC, str(exc), warning=True)
-        finish({"phase": "Failed", "message": str(exc)})
+        refuse(REASON_INVALID_SPEC, str(exc))
         raise SpecInvalid(str(exc)) from None
     for obj in objs:
         api.apply(obj)
