@@ -438,7 +438,8 @@ class ShiftPolicy(SpecModel):
         gt=0,
         le=1,
         description="Most of a card's compute (and of mirrored traffic) a warming shadow may use "
-        "(seed 002: 20%).",
+        "(seed 002: 20%). Not acted on yet: shadows get no traffic (the role Service selects the active "
+        "gear) and warm by being Ready for warmS.",
     )
     warm_s: float = Field(
         default=30.0,

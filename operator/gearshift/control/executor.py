@@ -8,8 +8,10 @@ Phases (``GearSet.status.phase``)::
       ├──────────────── rollback window passed: old gear deleted ◀───────────────────────────────┘
       └── RollingBack ◀── new gear failed: OOM/crash loop, not Ready and warm in time, P99 regression
 
-- ``Warming``: the target gear's StatefulSets run as *shadows* that get at most ``warmupShare`` of the
-  traffic; the role Service still selects the old gear. It moves on once every target pod has been Ready
+- ``Warming``: the target gear's StatefulSets run as *shadows*; the role Service still selects the old
+  gear, so they get no traffic (seed 002 lets a shadow take up to ``warmupShare`` of mirrored traffic;
+  the router does not mirror yet, and the share is carried in :class:`EnsureGear` for when it does).
+  It moves on once every target pod has been Ready
   for ``warmSeconds``; after ``warmupTimeoutSeconds`` it rolls back.
 - ``Draining``: the role Service selects the new gear, the old gear takes no new requests; wait for its
   in-flight requests to reach 0 (or ``drainTimeoutSeconds``).
@@ -91,8 +93,9 @@ FAIL_P99 = "P99Regression"
 class EnsureGear:
     """Create (or update) the gear's StatefulSets and headless Service.
 
-    ``shadow``: the pods run beside the serving gear and get at most ``warm_share`` of the traffic (and of
-    a card's compute). ``kv_pool`` false: weights only, no KV-cache pool yet (degraded mode).
+    ``shadow``: the pods run beside the serving gear, outside the role Service (no traffic);
+    ``warm_share`` is seed 002's cap on the share of mirrored traffic and of a card's compute a shadow
+    may use, not acted on yet. ``kv_pool`` false: weights only, no KV-cache pool yet (degraded mode).
     """
 
     gear: str
