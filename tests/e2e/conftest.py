@@ -192,23 +192,36 @@ def _start_sandbox() -> Cluster:
 
 #: Labels of the chart's operator Deployment (charts/gearshift/templates/_helpers.tpl).
 OPERATOR_SELECTOR = "app.kubernetes.io/name=gearshift,app.kubernetes.io/component=operator"
+#: Labels of the engine StatefulSets the operator builds (gearshift.k8s.names).
+ENGINE_SELECTOR = "app.kubernetes.io/managed-by=gearshift,app.kubernetes.io/component=engine"
 
 
-def _pause_installed_operators(cluster: Cluster) -> dict[tuple[str, str], int]:
+def _pause_installed_operators(cluster: Cluster) -> dict[tuple[str, str, str], int]:
     """Scale every gearshift operator Deployment already in the sandbox to 0; returns what to restore.
 
     ``make demo`` leaves its Helm-installed operator running, and it handles every GPUProfile and node
     of the cluster: beside the tests' own operators it would probe their private nodes (taking their
-    GPUs) and race them on profiles. Its pods are waited out, so none is left acting."""
+    GPUs) and race them on profiles. Its pods are waited out, so none is left acting. The engine
+    StatefulSets of its services are scaled to 0 as well (their pods hold GPUs the tests need)."""
     listed = cluster.kubectl_json("get", "deployments", "-A", "-l", OPERATOR_SELECTOR)["items"]
     paused = {}
     for d in listed:
         ns, name = d["metadata"]["namespace"], d["metadata"]["name"]
         if d["spec"].get("replicas", 1):
-            paused[(ns, name)] = int(d["spec"].get("replicas", 1))
+            paused[("deployment", ns, name)] = int(d["spec"].get("replicas", 1))
             cluster.kubectl("scale", "deployment", name, "-n", ns, "--replicas", "0")
             print(f"e2e: paused the gearshift operator {ns}/{name} for the session (restored afterwards)")
-    for ns, _name in paused:
+    if paused:
+        # With the operator paused nothing reconciles its services: their engine StatefulSets are scaled
+        # to 0 too, so that the demo's pods do not hold the GPUs the tests place pods on.
+        for sts in cluster.kubectl_json("get", "statefulsets", "-A", "-l", ENGINE_SELECTOR)["items"]:
+            ns, name = sts["metadata"]["namespace"], sts["metadata"]["name"]
+            if sts["spec"].get("replicas", 1):
+                paused[("statefulset", ns, name)] = int(sts["spec"].get("replicas", 1))
+                cluster.kubectl("scale", "statefulset", name, "-n", ns, "--replicas", "0")
+        if any(k[0] == "statefulset" for k in paused):
+            print("e2e: scaled the paused operator's engine StatefulSets to 0 (restored afterwards)")
+    for _kind, ns, _name in [k for k in paused if k[0] == "deployment"]:
         wait_for(
             lambda ns=ns: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", OPERATOR_SELECTOR)["items"],
             60,
@@ -225,8 +238,9 @@ def sandbox() -> Iterator[Cluster]:
     cluster = _start_sandbox()
     paused = _pause_installed_operators(cluster) if cluster.is_sandbox else {}
     yield cluster
-    for (ns, name), replicas in paused.items():
-        cluster.kubectl("scale", "deployment", name, "-n", ns, "--replicas", str(replicas), check=False)
+    # StatefulSets first: the operator, once back, finds its services as it left them.
+    for (kind, ns, name), replicas in sorted(paused.items(), key=lambda kv: kv[0][0] != "statefulset"):
+        cluster.kubectl("scale", kind, name, "-n", ns, "--replicas", str(replicas), check=False)
 
 
 @pytest.fixture(scope="session")
