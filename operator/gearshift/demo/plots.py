@@ -243,7 +243,14 @@ def plot_traffic(data: TrafficData, out: Path) -> Path:
             Patch(facecolor="lightgrey", label="shift under way: warm-up → drain → switch (target's colour)")
         )
     if handles:
-        fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=min(len(handles), 4))
+        # A line below the title (0.3 in down), so a wide legend never covers it.
+        fig.legend(
+            handles=handles,
+            loc="upper right",
+            bbox_to_anchor=(0.995, 1.0 - 0.3 / (TRAFFIC_HEIGHT_IN + extra_in)),
+            fontsize=8,
+            ncol=min(len(handles), 4),
+        )
     fig.suptitle(data.title or "Trace replay: QPS and P99 latency, gear shifts marked", x=0.01, ha="left")
     top = 1.0 - (0.07 * TRAFFIC_HEIGHT_IN + extra_in) / (TRAFFIC_HEIGHT_IN + extra_in)
     fig.tight_layout(rect=(0, 0, 0.97, top))
