@@ -356,6 +356,27 @@ def explicit_layer_problems(pds: PDService, roles: Mapping[str, RoleState]) -> N
         raise SpecInvalid("; ".join(problems))
 
 
+def role_state(pds: PDService, service: str, role: str, gs_body: dict[str, Any]) -> RoleState:
+    """The :class:`RoleState` of ``role`` of PDService ``service`` from the body of the GearSet its
+    ``gearSetRef`` names. Pure (``gearshift render`` calls it too).
+
+    Raises:
+        SpecInvalid: the GearSet does not validate, or serves another service or role.
+    """
+    ref = getattr(pds.spec, role).gear_set_ref.name
+    try:
+        gs = GearSet.model_validate(gs_body)
+    except ValidationError as exc:
+        raise SpecInvalid(f"GearSet {ref!r} is invalid:\n{format_validation_error(exc, 'spec')}") from None
+    if gs.spec.role != role or gs.spec.service_name != service:
+        raise SpecInvalid(
+            f"{role}.gearSetRef names GearSet {ref!r}, which serves service "
+            f"{gs.spec.service_name!r} role {gs.spec.role!r}; set its spec.serviceName: {service} and "
+            f"spec.role: {role}, or refer to another GearSet"
+        )
+    return RoleState(role, gs_body, gs, autoscaled=getattr(pds.spec, role).scaling is not None)
+
+
 def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dict[str, RoleState]:
     ns = body["metadata"]["namespace"]
     name = body["metadata"]["name"]
@@ -367,19 +388,7 @@ def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dic
         if gs_body is None:
             missing.append(f"{role}.gearSetRef {ref!r}")
             continue
-        try:
-            gs = GearSet.model_validate(gs_body)
-        except ValidationError as exc:
-            raise SpecInvalid(
-                f"GearSet {ref!r} is invalid:\n{format_validation_error(exc, 'spec')}"
-            ) from None
-        if gs.spec.role != role or gs.spec.service_name != name:
-            raise SpecInvalid(
-                f"{role}.gearSetRef names GearSet {ref!r}, which serves service "
-                f"{gs.spec.service_name!r} role {gs.spec.role!r}; set its spec.serviceName: {name} and "
-                f"spec.role: {role}, or refer to another GearSet"
-            )
-        out[role] = RoleState(role, gs_body, gs, autoscaled=getattr(pds.spec, role).scaling is not None)
+        out[role] = role_state(pds, name, role, gs_body)
     if missing:
         raise NotYet(f"GearSet not found: {'; '.join(missing)}; create it in namespace {ns}")
     return out
@@ -600,8 +609,8 @@ def _deadlines(pool: Iterable[str], profiles: Mapping[str, Mapping[str, Any]]) -
     return out
 
 
-def _gearset_status(rs: RoleState, now: Any) -> dict[str, Any]:
-    """The GearSet status patch: planned gears, active gear, phase, Planned condition."""
+def gearset_status_patch(rs: RoleState, now: Any) -> dict[str, Any]:
+    """The GearSet status patch: planned gears, active gear, phase, Planned condition. Pure."""
     patch = dict(rs.gs_status_patch)
     st = rs.gs.status
     if bool(st.autoscaled) != rs.autoscaled:
@@ -694,6 +703,84 @@ def _unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     return sorted(out)
 
 
+@dataclass
+class DesiredState:
+    """What one reconcile wants, worked out from what it read (:func:`desired_state`)."""
+
+    desires: list[RoleDesire]
+    """Per role, the gears whose objects should exist and the gear its Service selects."""
+    missing: list[str]
+    """Nodes an ``auto`` role may plan on that have no usable GPUProfile (for the Placed condition)."""
+    problems: list[str]
+    """What keeps a running gear from being placed, and plan failures."""
+    lost: list[str]
+    """Named nodes under running stages that are gone or not Ready."""
+    skip_gears: set[tuple[str, str]]
+    """``(role, gear)`` left as they are because they cannot be placed."""
+    plan_events: list[tuple[str, str, str, bool]]
+    """``(role, reason, message, warning)`` of planning, for the GearSet and the PDService."""
+
+
+def desired_state(
+    pds: PDService,
+    roles: dict[str, RoleState],
+    nodes: dict[str, dict[str, Any]],
+    profiles: dict[str, dict[str, Any]],
+    settings: Settings,
+    now: datetime,
+    bound: Collection[str] = (),
+) -> DesiredState:
+    """Plan the ``auto`` roles, pick each role's active gear and check the running gears' placement. Pure
+    (no API call; plans are cached in memory): :func:`reconcile_service` applies the result, ``gearshift
+    render`` prints it.
+
+    ``roles`` come from :func:`role_state` and are updated in place (gears, active gear, links, status
+    patch); ``bound`` are the nodes the service's pods are bound to or its StatefulSets are pinned to.
+    """
+    plan_events: list[tuple[str, str, str, bool]] = []
+    missing = _plan_roles(pds, roles, nodes, profiles, settings, plan_events, now)
+    problems: list[str] = []
+    lost: list[str] = []
+    desires: list[RoleDesire] = []
+    skip_gears: set[tuple[str, str]] = set()
+    for role, rs in roles.items():
+        if rs.plan_error:
+            problems.append(rs.plan_error)
+        if not rs.gears:
+            problems.append(f"{role}: GearSet {rs.gs.metadata['name']!r} has no gears yet")
+            continue
+        gnames = [g.name for g in rs.gears]
+        rs.in_flight = _in_flight(rs.gs)
+        st = rs.gs.status
+        rs.active = (
+            st.active_gear if st.active_gear in gnames else initial_gear(rs.gears, rs.gs.spec.initial_gear)
+        )
+        run = [rs.active]
+        if rs.in_flight and st.executor:
+            run += [g for g in (st.executor.from_gear, st.executor.to_gear, st.target_gear) if g in gnames]
+        run_gears = [g for g in rs.gears if g.name in dict.fromkeys(run)]
+        for g in run_gears:
+            p, lo = placement_problems(role, g, nodes, bound)
+            problems += p
+            lost += lo
+            if p:
+                skip_gears.add((role, g.name))
+        pol = rs.gs.spec.policy
+        cons = rs.gs.spec.plan.constraints if rs.gs.spec.plan else None
+        desires.append(
+            RoleDesire(
+                role,
+                [g for g in run_gears if (role, g.name) not in skip_gears],
+                None if rs.in_flight else rs.active,
+                rs.gs.spec.replicas,
+                pol.drain_timeout_s,
+                cons.memory_utilization if cons else 0.9,
+                rs.links,
+            )
+        )
+    return DesiredState(desires, missing, problems, lost, skip_gears, plan_events)
+
+
 def reconcile_service(
     api: KubeApi,
     namespace: str,
@@ -772,57 +859,18 @@ def _reconcile(
         raise
 
     nodes, profiles = fleet(api)
-    plan_events: list[tuple[str, str, str, bool]] = []
-    missing = _plan_roles(pds, roles, nodes, profiles, settings, plan_events, now)
-
-    problems: list[str] = []
-    lost: list[str] = []
     service_pods = api.list(*POD, ns, {names.LABEL_SERVICE: name})
     # Pods of a deleted node are garbage-collected soon after it goes; the StatefulSet pinned to it stays.
     bound = {str(p["spec"]["nodeName"]) for p in service_pods if (p.get("spec") or {}).get("nodeName")}
     for sts_obj in api.list(*STS, ns, {names.LABEL_SERVICE: name}):
         bound |= pinned_nodes(sts_obj)
-    desires: list[RoleDesire] = []
-    skip_gears: set[tuple[str, str]] = set()
-    for role, rs in roles.items():
-        if rs.plan_error:
-            problems.append(rs.plan_error)
-        if not rs.gears:
-            problems.append(f"{role}: GearSet {rs.gs.metadata['name']!r} has no gears yet")
-            continue
-        gnames = [g.name for g in rs.gears]
-        rs.in_flight = _in_flight(rs.gs)
-        st = rs.gs.status
-        rs.active = (
-            st.active_gear if st.active_gear in gnames else initial_gear(rs.gears, rs.gs.spec.initial_gear)
-        )
-        run = [rs.active]
-        if rs.in_flight and st.executor:
-            run += [g for g in (st.executor.from_gear, st.executor.to_gear, st.target_gear) if g in gnames]
-        run_gears = [g for g in rs.gears if g.name in dict.fromkeys(run)]
-        for g in run_gears:
-            p, lo = placement_problems(role, g, nodes, bound)
-            problems += p
-            lost += lo
-            if p:
-                skip_gears.add((role, g.name))
-        pol = rs.gs.spec.policy
-        cons = rs.gs.spec.plan.constraints if rs.gs.spec.plan else None
-        desires.append(
-            RoleDesire(
-                role,
-                [g for g in run_gears if (role, g.name) not in skip_gears],
-                None if rs.in_flight else rs.active,
-                rs.gs.spec.replicas,
-                pol.drain_timeout_s,
-                cons.memory_utilization if cons else 0.9,
-                rs.links,
-            )
-        )
+    want = desired_state(pds, roles, nodes, profiles, settings, now, bound)
+    missing, plan_events, desires = want.missing, want.plan_events, want.desires
+    problems, lost, skip_gears = want.problems, want.lost, want.skip_gears
 
     # GearSet status first: the executor and `kubectl get gs` see the plan and the active gear.
     for role, rs in roles.items():
-        patch = _gearset_status(rs, now)
+        patch = gearset_status_patch(rs, now)
         if patch:
             api.patch_status(*GS, ns, rs.gs.metadata["name"], patch)
             out.planned += [role] if "plannedGears" in patch else []
