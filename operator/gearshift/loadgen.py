@@ -38,6 +38,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+#: The trace that ships with gearshift (Azure LLM inference trace 2023, conversation service; source,
+#: licence and columns in ``gearshift/data/README.md``). Package data, resolved from this module's file and
+#: not from the current directory, so it is found after ``pip install -e .`` and a plain ``pip install .``
+#: alike. Every default trace path (the demo, the benchmarks, the tests) is this one.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_2023_conv.csv"
+
 
 class LoadgenError(ValueError):
     """Unusable load-generator input (trace file, URL, bounds); names the field and the fix."""
@@ -438,7 +444,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--url", action="append", required=True,
                    help="base URL (repeat, or comma-separate, for several pods; round-robin)")  # fmt: skip
-    p.add_argument("--trace", required=True, help="CSV: TIMESTAMP,ContextTokens,GeneratedTokens")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                   help="CSV: TIMESTAMP,ContextTokens,GeneratedTokens (default: the bundled Azure LLM 2023 "
+                   "conversation trace)")  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0, help="divide arrival offsets by this (default 1)")
     p.add_argument("--max-requests", type=int, default=100, help="most requests to issue (default 100)")
     p.add_argument("--max-duration", type=float, default=60.0, help="most seconds to issue for (default 60)")

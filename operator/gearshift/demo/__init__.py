@@ -16,9 +16,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from gearshift.loadgen import DEFAULT_TRACE
+
 #: The repository root (operator/gearshift/demo/__init__.py → four levels up).
 REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "demo" / "pdservice-demo.yaml"
 DEFAULT_FLEET = REPO_ROOT / "examples" / "fleets/mixed.yaml"
 DEFAULT_NAMESPACE = "gearshift-demo"
