@@ -71,6 +71,7 @@ from kubernetes import config as kconfig
 
 from gearshift.k8s import names
 from gearshift.k8s.services import ROUTER_PORT
+from gearshift.loadgen import DEFAULT_TRACE as TRACE
 from gearshift.loadgen import LoadResult, TraceRequest, load_trace, run_load
 from gearshift.model import ModelArch
 from gearshift.sandbox import cluster as sbcluster
@@ -89,7 +90,6 @@ from gearshift.sandbox.layout import Layout
 from gearshift.sim.perfmodel import PerfModel, single_stage_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 RESULTS = REPO / "bench" / "results" / "autoscale.json"
 #: Each run's samples and per-request outcomes (compact JSON), from which the figures are computed.
 RAW = REPO / "bench" / "results" / "autoscale_sandbox_runs.json"

@@ -85,12 +85,12 @@ from gearshift.control.smoothing import Sample  # noqa: E402
 from gearshift.demo.series import histogram_quantile  # noqa: E402
 from gearshift.gpus import pd_gpu_prior  # noqa: E402
 from gearshift.k8s.engine import sim_pipeline  # noqa: E402
+from gearshift.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
 from gearshift.model import ModelArch, load_hf_config  # noqa: E402
 from gearshift.planner_input import api_gear, gear_links, initial_gear  # noqa: E402
 from gearshift.sim.engine import Engine, PlannedStep, RequestRejected, SimRequest  # noqa: E402
 from gearshift.sim.perfmodel import PerfModel, PerfParams, parse_pipeline  # noqa: E402
 
-TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 FLEET = ROOT / "examples" / "fleets/mixed.yaml"
 MODEL = ROOT / "examples" / "models" / "llama-3-8b.json"
 OUT = ROOT / "bench" / "results" / "gears.json"
@@ -786,6 +786,7 @@ def _report(
     workload: tuple[int, int],
 ) -> dict[str, Any]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    trace_path = Path(args.trace).resolve()
     return {
         "benchmark": "gears (issue 9): dynamic gear shifting vs static gears vs even layer split",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -831,7 +832,8 @@ def _report(
             "goodput": "requests meeting both SLOs / trace duration (requests/s)",
         },
         "parameters": {
-            "trace": str(args.trace),
+            # Repository-relative for the bundled trace: no path of the machine that ran it.
+            "trace": str(trace_path.relative_to(ROOT) if trace_path.is_relative_to(ROOT) else trace_path),
             "requests": len(trace.t),
             "trace_duration_s": round(trace.duration_s, 1),
             "offered_rps": round(len(trace.t) / trace.duration_s, 4),

@@ -29,10 +29,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from gearshift.loadgen import DEFAULT_TRACE as TRACE
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 RESULTS = REPO / "bench" / "results" / "router.json"
-TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 MODEL = REPO / "examples" / "models" / "llama-3-8b.json"
 BIN = Path(PY).parent
 

@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "operator"))
 sys.path.insert(0, str(REPO / "bench"))
 
+from gearshift.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
 from gearshift.loadgen import load_trace  # noqa: E402
 from gearshift.model import load_hf_config  # noqa: E402
 from gearshift.router import policies as P  # noqa: E402
@@ -57,7 +58,6 @@ from gearshift.router.signals import Histogram, PodSample, apply_sample  # noqa:
 from gearshift.sim.engine import Engine, PlannedStep, SimRequest  # noqa: E402
 from gearshift.sim.perfmodel import Link, PerfModel, single_stage_pipeline  # noqa: E402
 
-TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 MODEL = REPO / "examples" / "models" / "llama-3-8b.json"
 RESULTS = REPO / "bench" / "results" / "router.json"
 PREFILL_GPUS = ["H100-80GB", "A10-24GB", "A10-24GB"]

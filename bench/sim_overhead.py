@@ -28,11 +28,11 @@ from typing import Any
 import aiohttp
 import yaml
 
+from gearshift.loadgen import DEFAULT_TRACE as TRACE
 from gearshift.loadgen import load_trace, run_load
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "sim.json"
-TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 PODS = 24
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -3,7 +3,7 @@ extra pipeline replica, against a run that ignores the node; the move off it bef
 
 What is real: the window arithmetic (``gearshift.control.windows.WindowTiming``: leaveBy = deadline −
 windowMarginS − max(dwellS, warmS + drainTimeoutS + rollbackWindowS)) with the GearSet's default policy,
-and the shared trace (``/work/shared/traces/azure_llm_2023_conv.csv``, replayed ``SPEED`` x faster so one
+and the bundled trace (``gearshift.loadgen.DEFAULT_TRACE``, replayed ``SPEED`` x faster so one
 pipeline replica is overloaded and two are not). What is modelled (stated, not measured on GPUs): the
 decode replicas are bench/autoscale.py's fluid model (continuous batching of at most 64 sequences, step
 ``18 + 0.35 × batch`` ms, a 20 GB KV pool with seed 000's 1.2× headroom rule; SLO: TTFT ≤ 200 ms and mean

@@ -57,6 +57,7 @@ from kubernetes import config as kconfig
 from gearshift.demo import trace as tracewin
 from gearshift.k8s import names
 from gearshift.k8s.services import ROUTER_PORT
+from gearshift.loadgen import DEFAULT_TRACE as TRACE
 from gearshift.loadgen import LoadResult, RequestRecord, load_trace, run_load
 from gearshift.sandbox import cluster as sbcluster
 from gearshift.sandbox.harness import (
@@ -74,7 +75,6 @@ from gearshift.sandbox.harness import (
 from gearshift.sandbox.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 RESULTS = REPO / "bench" / "results" / "time_fragments.json"
 SERVICE = "tfs"
 PREFILL_GS = f"{SERVICE}-prefill"
