@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from gearshift.loadgen import DEFAULT_TRACE as TRACE
+
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 #: Startup (~30 s), 30 s of replay, up to 60 s of drain, the report: well under 5 minutes.
 DEMO_TIMEOUT_S = 280
 

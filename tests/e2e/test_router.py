@@ -14,7 +14,7 @@ the loopback range"), so the role Services' EndpointSlices hold no endpoint and 
 the Services' selectors and the Ready pods they select (router/membership.py, commit 138e328). The test
 asserts that the slices are empty and that the router still knows every head pod by its loopback IP.
 
-Checked: the router pod gets Ready; a bounded slice of /work/shared/traces/azure_llm_2023_conv.csv
+Checked: the router pod gets Ready; a bounded slice of the bundled trace (``gearshift.loadgen.DEFAULT_TRACE``)
 (40 requests, outputs clipped to 16 tokens, prompts to 512) replayed through the router pod's IP with
 ``gearshift.loadgen.run_load`` (streamed) all succeed; the router's ``/metrics`` counts picks on both
 prefill pods and on the decode pod; a streamed request yields several SSE ``data:`` chunks and
@@ -34,12 +34,12 @@ from typing import Any
 import pytest
 
 from gearshift.k8s.services import ROUTER_PORT
+from gearshift.loadgen import DEFAULT_TRACE as TRACE
 from gearshift.loadgen import TraceRequest, load_trace, run_load
 from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TRACE = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 SERVICE = "rt"
 #: Llama-3.2-1B's shape (its config.json): 16 layers, hidden 2048, 32/8 heads, head dim 64.
 MODEL = {
