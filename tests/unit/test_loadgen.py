@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 from aiohttp import web
 
+import gearshift
 from gearshift.loadgen import (
+    DEFAULT_TRACE,
     LoadgenError,
     RequestRecord,
     TraceRequest,
@@ -43,9 +47,56 @@ class TestTrace:
         assert tr[1].offset_s == pytest.approx(50.995169 - 46.68059, abs=1e-6)
         assert tr[2].output_tokens == 1  # a zero-length answer still asks for one token
 
-    def test_the_shared_trace_loads(self) -> None:
-        tr = load_trace("/work/shared/traces/azure_llm_2023_conv.csv", limit=50)
+    def test_the_bundled_trace_loads(self) -> None:
+        tr = load_trace(DEFAULT_TRACE, limit=50)
         assert len(tr) == 50 and all(b.offset_s >= a.offset_s for a, b in itertools.pairwise(tr))
+
+    def test_the_default_trace_is_package_data_whatever_the_cwd(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # From a directory with no ../shared (nor anything else of a checkout's surroundings) around it.
+        monkeypatch.chdir(tmp_path)
+        assert not Path("../shared").exists() and not Path("operator").exists()
+        assert DEFAULT_TRACE.is_absolute()
+        assert DEFAULT_TRACE.parent == Path(gearshift.__file__).resolve().parent / "data"
+        # Rows counted apart from the loader: non-blank lines of the file, less the header.
+        lines = [ln for ln in DEFAULT_TRACE.read_bytes().splitlines() if ln.strip()]
+        assert lines[0].decode() == "TIMESTAMP,ContextTokens,GeneratedTokens"
+        rows = len(lines) - 1
+        assert rows == 19366  # the figure gearshift/data/README.md states
+        tr = load_trace(DEFAULT_TRACE)
+        assert len(tr) == rows
+        assert tr[0].offset_s == 0.0 and tr[-1].offset_s == pytest.approx(3501.72, abs=0.01)
+        assert sum(t.prompt_tokens for t in tr) / rows == pytest.approx(1154.7, abs=0.1)
+
+    def test_every_default_trace_is_the_one_constant(self) -> None:
+        import gearshift.demo as demo
+        from gearshift.cli import build_parser
+
+        assert demo.DEFAULT_TRACE is DEFAULT_TRACE
+        assert build_parser().parse_args(["demo"]).trace == DEFAULT_TRACE
+        assert build_parser().parse_args(["loadgen", "--url", "http://127.0.0.1:1"]).trace == DEFAULT_TRACE
+
+    def test_the_trace_and_its_readme_ship_as_package_data(self) -> None:
+        # A plain (non-editable) ``pip install .`` copies only what package-data names.
+        globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+        pkg = Path(gearshift.__file__).resolve().parent
+        for f in (DEFAULT_TRACE, pkg / "data" / "README.md"):
+            rel = f.relative_to(pkg).as_posix()
+            assert f.is_file() and any(fnmatch.fnmatch(rel, g) for g in globs["gearshift"]), rel
+        readme = (pkg / "data" / "README.md").read_text()
+        for needed in ("Azure/AzurePublicDataset", "AzureLLMInferenceDataset2023", "CC BY 4.0", "Splitwise"):
+            assert needed in readme
+
+    def test_no_trace_path_outside_the_repository(self) -> None:
+        # The trace once lived beside the checkout (in a sibling folder "shared") or at one machine's path.
+        banned = ("shared" + "/traces", "/" + "work/")
+        files = [REPO / "Makefile", REPO / "README.md"]
+        for top in ("operator", "bench", "tests", "e2e"):
+            files += sorted((REPO / top).rglob("*.py"))
+        files += sorted((REPO / "bench" / "results").glob("*.json"))
+        hits = [f"{f.relative_to(REPO)}: {b}" for f in files for b in banned if b in f.read_text()]
+        assert hits == []
 
     def test_missing_column_is_named(self, tmp_path: Path) -> None:
         p = tmp_path / "t.csv"
