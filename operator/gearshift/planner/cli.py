@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gearshift.planner.costs import CostModel, RooflineAssumptions
 
 FORMATS = ("table", "json", "yaml")
 
@@ -17,7 +22,9 @@ def register(sub: Any) -> None:
         description="Plan latency/balanced/throughput gears: unequal layer splits with equal stage times.",
     )
     p.add_argument("--cluster", required=True, help="resource profile (nodes:) or fleet file (nodePools:)")
-    p.add_argument("--model", required=True, help="HF config.json or layer-cost file (layers:)")
+    p.add_argument(
+        "--model", required=True, help="HF config.json, or a layer-cost file (layers:) in YAML or JSON"
+    )
     p.add_argument("--gear", default="all", choices=["latency", "balanced", "throughput", "all"])
     p.add_argument(
         "--single-pipeline",
@@ -48,9 +55,56 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def load_model_file(path: str | Path, assumptions: RooflineAssumptions) -> CostModel:
+    """Read ``--model`` like ``--cluster``: YAML or JSON.
+
+    A file that parses as JSON (any ``.json`` file, and JSON under another name) goes to
+    :func:`gearshift.planner.load_model` unchanged, messages included. Anything else is read as YAML: a
+    mapping with ``layers`` is a layer-cost file, another mapping an HF config written as YAML.
+
+    Raises:
+        PlanInputError: unreadable file, neither YAML nor JSON, or invalid fields.
+    """
+    import yaml
+
+    from gearshift.model import ModelConfigError, arch_from_hf_config
+    from gearshift.planner import load_model
+    from gearshift.planner.costs import RooflineCostModel, parse_layer_costs
+    from gearshift.planner.errors import PlanInputError
+
+    p = Path(path)
+    if p.suffix.lower() == ".json":
+        return load_model(p, assumptions)
+    try:
+        text = p.read_text()
+    except OSError:
+        return load_model(p, assumptions)  # its "cannot read model file" message
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    else:
+        return load_model(p, assumptions)
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PlanInputError(f"model file {str(p)!r} is not valid YAML/JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise PlanInputError(
+            f"model file {str(p)!r} must hold a mapping: a layer-cost file (layers:) or an HF config"
+        )
+    if "layers" in doc:
+        return parse_layer_costs(doc)
+    try:
+        arch = arch_from_hf_config(doc, name=doc.get("_name_or_path") or p.stem)
+    except (ModelConfigError, TypeError, ValueError) as exc:
+        raise PlanInputError(f"model file {str(p)!r}: {exc}") from None
+    return RooflineCostModel(arch, assumptions)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``gearshift plan``; exit 0 on success, 1 when planning fails (message on stderr)."""
-    from gearshift.planner import PlanError, load_cluster, load_model, plan
+    from gearshift.planner import PlanError, load_cluster, plan
     from gearshift.planner.costs import RooflineAssumptions
     from gearshift.planner.render import to_json, to_table, to_yaml
 
@@ -62,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             role=args.role,
             kv_context_tokens=args.kv_context_tokens,
         )
-        model = load_model(args.model, shape)
+        model = load_model_file(args.model, shape)
         intents = ("latency", "balanced", "throughput") if args.gear == "all" else (args.gear,)
         result = plan(
             profile,
