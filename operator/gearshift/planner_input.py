@@ -8,6 +8,8 @@
   hash means re-plan.
 - :func:`api_gear`: a planner :class:`gearshift.planner.Gear` as an API
   :class:`gearshift.api.gearset.Gear` for ``status.plannedGears``.
+- :func:`engine_stage_limit`: the most pipeline stages an engine runs for a role (the planner's
+  ``max_stages``), and :func:`stage_limit_problems`: explicit gears that break it, with the fix.
 
 Pure: takes plain dicts (the API server's JSON) and pydantic models; no I/O.
 """
@@ -30,6 +32,7 @@ from gearshift.fleet import TP_EFFICIENCY, max_micro_batch
 from gearshift.gpus import UnknownGPUError, compute_score, gpu_spec
 from gearshift.k8s.names import NODE_GPU_MODEL
 from gearshift.k8s.placement import GPU_RESOURCE
+from gearshift.model import GIB, ModelArch
 
 #: Sandbox/datasheet node annotations with the NIC figures (gearshift.sandbox.nodes), used for links
 #: between two nodes when neither profile lists the other.
@@ -213,6 +216,96 @@ def resource_profile(
                     "latency_us": max(fa[1], fb[1]),
                 }
     return {"nodes": out}
+
+
+@dataclass(frozen=True)
+class StageLimit:
+    """The most pipeline stages an engine runs for one role, why, and what to do instead."""
+
+    max_stages: int
+    reason: str
+    """Why the engine cannot run more (quoted in plan errors and refusals)."""
+    fix: str
+    """What a user should write instead (quoted in refusals of explicit gears)."""
+
+    @property
+    def why(self) -> str:
+        """``reason: fix``, the tail of a refusal."""
+        return f"{self.reason}: {self.fix}"
+
+
+#: Decode under vLLM's NixlConnector is one pipeline stage. vLLM 0.32.0,
+#: ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py`` (0.32 split the former
+#: ``nixl_connector.py`` into the ``nixl/`` package), ``NixlBaseConnectorWorker.__init__``: with
+#: ``pipeline_parallel_size > 1`` and ``kv_role == "kv_consumer"`` it raises ``NotImplementedError(
+#: "NixlPushConnector consumer (decode) does not support pipeline_parallel_size > 1.")`` ("Decode-side PP
+#: is unsupported (completions counted per consumer rank)"); a PP > 1 producer instead writes its layer
+#: slice "into the matching sub-range of a PP=1 remote's regions" (same file, the region slicing in the
+#: handshake: "This worker holds a PP layer-slice; the PP=1 remote registered the full model"). So prefill
+#: may be PP > 1 into a decode of PP = 1 only (DESIGN.md, "The real engine (vLLM)": 0.33 likewise).
+VLLM_DECODE_STAGE_LIMIT = StageLimit(
+    max_stages=1,
+    reason="vLLM's NixlConnector serves decode from one pipeline stage only (prefill PP>1 into decode PP=1)",
+    fix="give decode one-stage gears and scale with replicas or tensor parallelism",
+)
+
+
+def engine_stage_limit(engine: str, role: str) -> StageLimit | None:
+    """The stage limit of ``role`` (``prefill``/``decode``) under ``engine`` (``vllm``/``sim``), or None.
+
+    Only vLLM's decode role has one (:data:`VLLM_DECODE_STAGE_LIMIT`); vLLM's prefill runs any pipeline
+    depth, and the simulated engine models any pipeline for both roles.
+    """
+    if engine == "vllm" and role == "decode":
+        return VLLM_DECODE_STAGE_LIMIT
+    return None
+
+
+def _usable_gib(
+    name: str, profiles: Mapping[str, Mapping[str, Any]], memory_utilization: float
+) -> float | None:
+    eff = usable_profile(profiles[name]) if name in profiles else None
+    if eff is None or eff.memory_gib is None:
+        return None
+    return eff.memory_gib * (eff.gpu_count or 1) * memory_utilization
+
+
+def stage_limit_problems(
+    gears: Sequence[ApiGear],
+    limit: StageLimit,
+    arch: ModelArch | None = None,
+    profiles: Mapping[str, Mapping[str, Any]] | None = None,
+    memory_utilization: float = 0.9,
+) -> list[str]:
+    """One message per gear of ``gears`` with more stages than ``limit`` allows (empty: all fit).
+
+    Each reads ``gear 'x' has N stages; <reason>: <fix>`` (:meth:`gearshift.api.gearset.Gear.
+    check_stage_limit`). With ``arch`` and ``profiles``, a gear whose model weights alone (GiB, bytes /
+    2^30) exceed the usable memory of every node it names (GPU memory × GPU count × ``memory_utilization``,
+    vLLM's ``--gpu-memory-utilization``) also says that no one of those nodes can hold it, so the fix
+    needs a node with more or larger GPUs. Pure.
+    """
+    out = []
+    for gear in gears:
+        try:
+            gear.check_stage_limit(limit.max_stages, limit.why)
+        except ValueError as exc:
+            msg = str(exc)
+            named = sorted({n for st in gear.stages for n in st.nodes})
+            sizes = {n: _usable_gib(n, profiles or {}, memory_utilization) for n in named}
+            known = {n: v for n, v in sizes.items() if v is not None}
+            if arch is not None and known and limit.max_stages == 1:
+                weights = arch.total_weight_bytes / GIB
+                biggest = max(known, key=lambda n: (known[n], n))
+                if weights > known[biggest]:
+                    msg += (
+                        f"; no node this gear names holds the whole model: its weights alone need "
+                        f"{weights:.2f} GiB and the largest, {biggest}, has {known[biggest]:.2f} GiB usable "
+                        f"(GPU memory x GPU count x {memory_utilization:g}); name a node with more or larger "
+                        "GPUs"
+                    )
+            out.append(msg)
+    return out
 
 
 def inputs_hash(*parts: Any) -> str:

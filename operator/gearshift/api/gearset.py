@@ -362,6 +362,16 @@ class Gear(SpecModel):
                 f"{num_layers} layers; make the last stage's layers end at {num_layers}"
             )
 
+    def check_stage_limit(self, max_stages: int, why: str) -> None:
+        """Check that the gear has at most ``max_stages`` pipeline stages (an engine's limit for a role,
+        e.g. one stage for decode under vLLM's NixlConnector: ``gearshift.planner_input.engine_stage_limit``).
+
+        Raises:
+            ValueError: ``gear 'x' has N stages; <why>`` (``why``: the limit's reason and the fix).
+        """
+        if len(self.stages) > max_stages:
+            raise ValueError(f"gear {self.name!r} has {len(self.stages)} stages; {why}")
+
 
 class ShiftPolicy(SpecModel):
     """When to shift gears and how to execute a shift. Defaults are seed 002's numbers unless noted."""

@@ -79,12 +79,14 @@ from gearshift.k8s.services import build_role_service
 from gearshift.k8s.statefulset import stage_replicas
 from gearshift.planner_input import (
     api_gear,
+    engine_stage_limit,
     gear_links,
     initial_gear,
     inputs_hash,
     node_ready,
     resource_profile,
     role_candidates,
+    stage_limit_problems,
     usable_profile,
 )
 
@@ -289,7 +291,16 @@ def _cached_plan(
     profile = planner.parse_profile(doc)
     cost = planner.RooflineCostModel(pds.spec.model.to_model_arch(), plan_assumptions(gs))
     intents = list(gs.spec.plan.intents) if gs.spec.plan else list(planner.INTENTS)
-    result = planner.plan(profile, cost, intents=intents, sim_requests=settings.sim_requests, windows=windows)
+    limit = engine_stage_limit(pds.spec.engine, gs.spec.role)  # vLLM decode: one stage (issue 18)
+    result = planner.plan(
+        profile,
+        cost,
+        intents=intents,
+        sim_requests=settings.sim_requests,
+        windows=windows,
+        max_stages=limit.max_stages if limit else None,
+        max_stages_why=limit.reason if limit else "",
+    )
     gears = [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
     with _plan_lock:
         _plan_cache[key] = gears
@@ -352,6 +363,28 @@ def explicit_layer_problems(pds: PDService, roles: Mapping[str, RoleState]) -> N
                 gear.check_model_layers(layers)
             except ValueError as exc:
                 problems.append(f"{role}: GearSet {rs.gs.metadata['name']!r}: {exc}")
+    if problems:
+        raise SpecInvalid("; ".join(problems))
+
+
+def explicit_engine_problems(
+    pds: PDService, roles: Mapping[str, RoleState], profiles: Mapping[str, Mapping[str, Any]] | None = None
+) -> None:
+    """Check that every explicit gear has no more stages than the engine runs for its role (vLLM's
+    decode: one, :func:`gearshift.planner_input.engine_stage_limit`), before anything is applied. Pure.
+
+    Raises:
+        SpecInvalid: naming the role, the GearSet, the gear, its stage count, why and what to write
+            instead (and, from ``profiles``, when no node the gear names holds the whole model).
+    """
+    arch = pds.spec.model.to_model_arch()
+    problems = []
+    for role, rs in roles.items():
+        limit = engine_stage_limit(pds.spec.engine, role)
+        if rs.gs.spec.mode != "explicit" or limit is None:
+            continue
+        for msg in stage_limit_problems(rs.gs.spec.gears, limit, arch, profiles):
+            problems.append(f"{role}: GearSet {rs.gs.metadata['name']!r}: {msg}")
     if problems:
         raise SpecInvalid("; ".join(problems))
 
@@ -451,6 +484,9 @@ def _plan_roles(
             # Only a stated workload enters the fingerprint, so plans made before the field existed keep
             # their hash (no re-plan on upgrade); the role is fixed per GearSet.
             parts.append(plan_spec.workload.to_json())
+        limit = engine_stage_limit(pds.spec.engine, role)
+        if limit is not None:  # likewise only when set: sim plans keep their hash
+            parts.append({"maxStages": limit.max_stages})
         key = inputs_hash(*parts, wkey) if wkey else inputs_hash(*parts)
         profile = planner.parse_profile(doc)
         running = _running(rs.gs)
@@ -859,6 +895,11 @@ def _reconcile(
         raise
 
     nodes, profiles = fleet(api)
+    try:
+        explicit_engine_problems(pds, roles, profiles)
+    except SpecInvalid as exc:
+        refuse(REASON_INVALID_SPEC, str(exc))
+        raise
     service_pods = api.list(*POD, ns, {names.LABEL_SERVICE: name})
     # Pods of a deleted node are garbage-collected soon after it goes; the StatefulSet pinned to it stays.
     bound = {str(p["spec"]["nodeName"]) for p in service_pods if (p.get("spec") or {}).get("nodeName")}

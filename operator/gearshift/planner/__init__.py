@@ -22,6 +22,7 @@ from gearshift.planner.errors import (
     NoLinkError,
     PlanError,
     PlanInputError,
+    StageLimitError,
 )
 from gearshift.planner.gears import INTENTS, Gear, PlanResult, Prediction, Stage, plan
 from gearshift.planner.partition import Pipeline, PipelineStage, evaluate, even_split, min_bottleneck
@@ -52,6 +53,7 @@ __all__ = [
     "RooflineAssumptions",
     "RooflineCostModel",
     "Stage",
+    "StageLimitError",
     "Windows",
     "evaluate",
     "even_split",

@@ -8,7 +8,8 @@
           ├── EmptyFleetError     no node to plan on
           ├── LayerTooLargeError  one layer needs more memory than the largest card holds
           ├── NoLinkError         the nodes that could hold the model are not linked
-          └── ModelTooLargeError  the whole model does not fit the fleet's memory
+          ├── ModelTooLargeError  the whole model does not fit the fleet's memory
+          └── StageLimitError     the model needs more stages than the caller allows (``max_stages``)
 """
 
 from __future__ import annotations
@@ -40,3 +41,8 @@ class NoLinkError(InfeasibleError):
 
 class ModelTooLargeError(InfeasibleError):
     """The model's weights plus KV cache exceed the memory the fleet can pool in one pipeline."""
+
+
+class StageLimitError(InfeasibleError):
+    """The model fits the fleet only across more stages than ``max_stages`` allows (e.g. one node's memory
+    is too small for a gear the engine must run as one stage); names what is needed and what is there."""

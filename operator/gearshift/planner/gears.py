@@ -28,6 +28,16 @@ nodes first, so pipeline replica 0 is wholly durable; a stage that came out all 
 durable node at least as fast and as large, or the candidate is dropped), and hot-stage extras prefer
 cheap-only nodes. So a windowed node never holds the only copy of a stage, and dropping it costs
 capacity only.
+
+Stage limit (``max_stages``, issue 18): a caller whose engine cannot run deeper pipelines caps every
+candidate's stage count (each intent's cap above is clamped to it). With ``max_stages=1`` every gear is
+whole-model pipelines of one stage each -- a node's cards run tensor parallel inside the stage (the
+profile's ``memory_gb`` of a node is all its cards) -- and capacity comes from more pipeline replicas and
+hot-stage extras (here: more copies of the one stage). The operator passes ``max_stages=1`` for the decode
+role of a vLLM PDService (vLLM's NixlConnector serves decode from one pipeline stage only:
+:func:`gearshift.planner_input.engine_stage_limit`); the simulated engine has no limit, and without the
+parameter planning is unchanged. A model that fits no node within the limit raises
+:class:`~gearshift.planner.errors.StageLimitError` naming the memory needed and the largest node's.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gearshift.planner.costs import CostModel, LayerCosts
-from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError
+from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError, StageLimitError
 from gearshift.planner.partition import (
     Pipeline,
     PipelineStage,
@@ -283,12 +293,38 @@ def _secure(
     return out
 
 
+def _stage_limit_error(
+    profile: Profile, costs: LayerCosts, node_ids: Sequence[str], kmin: int, max_stages: int, why: str
+) -> StageLimitError:
+    """Why no pipeline of at most ``max_stages`` stages fits ``node_ids`` (the fewest that fit: ``kmin``)."""
+    need = sum(costs.memory_gb(i) for i in range(costs.num_layers))
+    nodes = sorted((profile.node(n) for n in node_ids), key=lambda n: (-n.memory_gb, n.node_id))
+    have = sum(n.memory_gb for n in nodes[:max_stages])
+    because = f": {why}" if why else ""
+    if max_stages == 1:
+        what = "one node's memory"
+        where = f"the largest node, {nodes[0].node_id}, holds {have:.2f} GiB"
+        limit = f"gears here have one stage only{because}"
+    else:
+        what = f"the memory of {max_stages} nodes"
+        where = f"the {max_stages} largest nodes hold {have:.2f} GiB"
+        limit = f"gears here have at most {max_stages}{because}"
+    return StageLimitError(
+        f"the model does not fit {what}: its weights + KV cache need {need:.2f} GiB and {where}, short by "
+        f"{max(need - have, 0.0):.2f} GiB (it needs {kmin} stages, but {limit}); add a node with more GPU "
+        "memory (more or larger cards, tensor parallel inside the node) or lower the KV budget "
+        "(spec.plan.workload, memoryUtilization)"
+    )
+
+
 def _candidates(
     profile: Profile,
     model: CostModel,
     intent: str,
     single_pipeline: bool,
     cheap: frozenset[str] = frozenset(),
+    max_stages: int | None = None,
+    max_stages_why: str = "",
 ) -> list[_Candidate]:
     out: list[_Candidate] = []
     last_error: PlanError | None = None
@@ -324,6 +360,9 @@ def _candidates(
             except InfeasibleError as exc:
                 last_error = exc
             continue
+        if max_stages is not None and kmin > max_stages:
+            last_error = _stage_limit_error(profile, costs, durable, kmin, max_stages, max_stages_why)
+            continue
         caps: list[int | None]
         if single_pipeline:
             caps = [None]
@@ -335,6 +374,8 @@ def _candidates(
             caps = sorted({kmin, max(kmin, 4)})
         else:
             caps = [max(kmin, 8)]
+        if max_stages is not None:
+            caps = sorted({max_stages if c is None else min(c, max_stages) for c in caps})
         for cap in caps:
             for r in range(1, 2 if single_pipeline else MAX_PIPELINES + 1):
                 try:
@@ -414,6 +455,8 @@ def plan(
     sim_requests: int = 2000,
     seed: int = 0,
     windows: Windows | None = None,
+    max_stages: int | None = None,
+    max_stages_why: str = "",
 ) -> PlanResult:
     """Plan the gears of ``model`` on ``profile``.
 
@@ -428,19 +471,24 @@ def plan(
         seed: seed of the simulated arrivals.
         windows: time-limited nodes (seconds left, dwell, margin): those closing within dwell + margin
             are left out, the others hold only cheap-to-drop replicas (module docstring).
+        max_stages: most stages of any gear (None: no limit beyond each intent's); ``1`` plans whole-model
+            one-stage gears only, scaled by pipeline replicas (module docstring, "Stage limit").
+        max_stages_why: why the limit holds, quoted in the error when the model does not fit within it.
 
     Returns:
         A :class:`PlanResult` with one :class:`Gear` per intent, in the order asked.
 
     Raises:
-        PlanError: an unknown intent or qps ≤ 0; InfeasibleError subclasses when no gear fits, naming
-            what does not fit and by how much.
+        PlanError: an unknown intent, qps ≤ 0 or max_stages < 1; InfeasibleError subclasses when no gear
+            fits, naming what does not fit and by how much (StageLimitError: not within ``max_stages``).
     """
     unknown = [i for i in intents if i not in INTENTS]
     if unknown or not intents:
         raise PlanError(f"unknown gear {unknown}; choose from {', '.join(INTENTS)}")
     if qps is not None and qps <= 0:
         raise PlanError(f"qps must be > 0, got {qps}")
+    if max_stages is not None and max_stages < 1:
+        raise PlanError(f"max_stages must be >= 1 or None, got {max_stages}")
     if not profile.nodes:
         raise EmptyFleetError("the resource profile lists no nodes")
     cheap: frozenset[str] = frozenset()
@@ -455,7 +503,9 @@ def plan(
                     f"({windows.dwell_s:g} + {windows.margin_s:g} s): {', '.join(sorted(gone))}"
                 )
         cheap = windows.cheap_only(ids)
-    pools = {i: _candidates(profile, model, i, single_pipeline, cheap) for i in intents}
+    pools = {
+        i: _candidates(profile, model, i, single_pipeline, cheap, max_stages, max_stages_why) for i in intents
+    }
     for cands in pools.values():
         for c in cands:
             _finish(profile, model, c)
