@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gearshift.commands.version",
     "gearshift.api.cli",
     "gearshift.planner.cli",
+    "gearshift.commands.render",
     "gearshift.sim.cli",
     "gearshift.loadgen",
     "gearshift.probe.cli",
