@@ -1,4 +1,9 @@
-"""The router's request path against small in-process aiohttp engines on loopback (PD protocol, errors)."""
+"""The router's request path against small in-process aiohttp engines on loopback (PD protocol, errors).
+
+The PD legs are checked against values written out here from vLLM's toy proxy
+(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py), and, where the vLLM venv is installed
+(``tests/unit/vllm_ref.py``), against vLLM's own request models.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,41 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict
+from vllm_ref import vllm_protocol
 
 from gearshift.router.pool import BackendInfo, PolicyConfig
 from gearshift.router.proxy import ProxyConfig
 from gearshift.router.server import Router, RouterSettings
+
+#: The prefill leg's kv_transfer_params, as vLLM's toy proxy writes them (send_request_to_service).
+TOY_PROXY_PREFILL_KTP = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def nixl_params(engine: str) -> dict[str, Any]:
+    """kv_transfer_params in the shape vLLM 0.32's NixlConnector returns from a prefill (pull mode)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[4, 5]],
+        "remote_engine_id": f"engine-{engine}",
+        "remote_request_id": f"cmpl-x-0-{engine}",
+        "remote_host": "127.0.0.9",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 2,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+    }
 
 
 @dataclass
@@ -28,7 +64,11 @@ class FakeEngine:
     tokens: int = 3
     running: int = 0
     kv_usage: float = 0.25
+    prefill_status: int = 200
+    prefill_reply: Any = None
+    """The prefill answer's body: None → a completion with :func:`nixl_params`; a str → that text."""
     requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[CIMultiDict[str]] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -59,22 +99,17 @@ class FakeEngine:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.headers.append(CIMultiDict(request.headers))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         ktp = body.get("kv_transfer_params") or {}
         if ktp.get("do_remote_decode"):
-            return web.json_response(
-                {
-                    "choices": [{"text": "t"}],
-                    "kv_transfer_params": {
-                        "do_remote_prefill": True,
-                        "do_remote_decode": False,
-                        "remote_engine_id": self.name,
-                        "remote_block_ids": [1, 2],
-                        "num_prompt_tokens": 5,
-                    },
-                }
-            )
+            reply = self.prefill_reply
+            if reply is None:
+                reply = {"choices": [{"text": "t"}], "kv_transfer_params": nixl_params(self.name)}
+            if isinstance(reply, str):
+                return web.Response(status=self.prefill_status, text=reply, content_type="text/plain")
+            return web.json_response(reply, status=self.prefill_status)
         if body.get("stream"):
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
@@ -142,22 +177,226 @@ async def make_router() -> AsyncIterator[Factory]:
         await s.close()
 
 
-async def test_pd_forwarding_non_streaming(make_router: Factory) -> None:
-    client, _router, eng = await make_router(
-        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", FakeEngine("d0"))}
-    )
-    body = {"model": "m", "prompt": "hello world", "max_tokens": 3, "stream_options": {"include_usage": True}}
-    resp = await client.post("/v1/completions", json=body)
+def pd_engines(**prefill: Any) -> dict[str, tuple[str, FakeEngine | None]]:
+    return {"p0": ("prefill", FakeEngine("p0", **prefill)), "d0": ("decode", FakeEngine("d0"))}
+
+
+#: A completions request with every field the prefill leg changes.
+COMPLETION = {
+    "model": "m",
+    "prompt": "hello world",
+    "max_tokens": 7,
+    "min_tokens": 2,
+    "temperature": 0.5,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+async def test_pd_completions_legs_are_vllm_toy_proxy_legs(make_router: Factory) -> None:
+    client, _router, eng = await make_router(pd_engines())
+    resp = await client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "client-id-1"})
     assert resp.status == 200
-    assert (await resp.json())["by"] == "d0"
+    await resp.read()
+    assert resp.headers["X-Request-Id"] == "client-id-1"
     (pre,) = eng["p0"].requests
-    assert pre["max_tokens"] == 1 and pre["stream"] is False
-    assert pre["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
-    assert "stream_options" not in pre
+    assert pre == {
+        "model": "m",
+        "prompt": "hello world",
+        "max_tokens": 1,
+        "temperature": 0.5,
+        "stream": False,
+        "kv_transfer_params": TOY_PROXY_PREFILL_KTP,
+    }
     (dec,) = eng["d0"].requests
-    assert dec["max_tokens"] == 3 and dec["prompt"] == "hello world"
-    assert dec["kv_transfer_params"]["remote_engine_id"] == "p0"
-    assert dec["kv_transfer_params"]["do_remote_prefill"] is True
+    assert dec == {**COMPLETION, "kv_transfer_params": nixl_params("p0")}
+    (pre_h,), (dec_h,) = eng["p0"].headers, eng["d0"].headers
+    assert pre_h["X-Request-Id"] == dec_h["X-Request-Id"] == "client-id-1"
+    assert pre_h["Content-Type"] == dec_h["Content-Type"] == "application/json"
+    assert "Authorization" not in pre_h and "Authorization" not in dec_h
+
+
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi there"}],
+    "max_completion_tokens": 9,
+    "min_tokens": 3,
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("client_body", "prefill_max"),
+    [
+        (CHAT, {"max_tokens": 1, "max_completion_tokens": 1}),
+        # legacy max_tokens only: the chat prefill leg still caps max_completion_tokens (vLLM reads it first)
+        (
+            {**CHAT, "max_completion_tokens": None, "max_tokens": 9},
+            {"max_tokens": 1, "max_completion_tokens": 1},
+        ),
+    ],
+)
+async def test_pd_chat_legs_share_a_generated_request_id(
+    make_router: Factory, client_body: dict[str, Any], prefill_max: dict[str, int]
+) -> None:
+    body = {k: v for k, v in client_body.items() if v is not None}
+    client, _router, eng = await make_router(pd_engines())
+    resp = await client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k1"})
+    assert resp.status == 200
+    await resp.read()
+    (pre,) = eng["p0"].requests
+    expected = {k: v for k, v in body.items() if k not in ("min_tokens", "stream_options")}
+    assert pre == {**expected, **prefill_max, "stream": False, "kv_transfer_params": TOY_PROXY_PREFILL_KTP}
+    (dec,) = eng["d0"].requests
+    assert dec == {**body, "kv_transfer_params": nixl_params("p0")}
+    (pre_h,), (dec_h,) = eng["p0"].headers, eng["d0"].headers
+    rid = pre_h["X-Request-Id"]
+    assert len(rid) == 32 and int(rid, 16) >= 0  # uuid4().hex, as vLLM's random_uuid
+    assert dec_h["X-Request-Id"] == rid == resp.headers["X-Request-Id"]
+    assert pre_h["Authorization"] == dec_h["Authorization"] == "Bearer k1"
+
+
+async def test_each_request_gets_its_own_id(make_router: Factory) -> None:
+    client, _router, eng = await make_router(pd_engines())
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
+    pre_ids = [h["X-Request-Id"] for h in eng["p0"].headers]
+    assert pre_ids == [h["X-Request-Id"] for h in eng["d0"].headers]
+    assert len(set(pre_ids)) == 3
+
+
+async def test_body_request_id_is_the_id_without_a_header(make_router: Factory) -> None:
+    client, _router, eng = await make_router(pd_engines())
+    body = {"prompt": "x", "max_tokens": 2, "request_id": "body-id-5"}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200 and resp.headers["X-Request-Id"] == "body-id-5"
+    assert eng["p0"].headers[0]["X-Request-Id"] == eng["d0"].headers[0]["X-Request-Id"] == "body-id-5"
+    assert eng["p0"].requests[0]["request_id"] == eng["d0"].requests[0]["request_id"] == "body-id-5"
+
+
+async def test_prefill_without_kv_params_sends_decode_the_plain_request(
+    make_router: Factory,
+) -> None:
+    # A prefill pod without a KV connector answers kv_transfer_params: null; the decode pod prefills itself.
+    client, _router, eng = await make_router(
+        pd_engines(prefill_reply={"choices": [{"text": "t"}], "kv_transfer_params": None})
+    )
+    body = {"model": "m", "prompt": "a b", "max_tokens": 4}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    assert eng["d0"].requests == [body]
+
+
+VLLM_TOO_LONG = {
+    "error": {
+        "message": "This model's maximum context length is 8 tokens. However, you requested 12 tokens.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("status", "reply", "client_status", "message", "err_type"),
+    [
+        (
+            400,
+            VLLM_TOO_LONG,
+            400,
+            "prefill pod p0 refused the request (HTTP 400): This model's maximum context length is 8 tokens. "
+            "However, you requested 12 tokens.",
+            "BadRequestError",
+        ),
+        (
+            400,
+            {"object": "error", "message": "bad model", "type": "NotFoundError", "param": None, "code": 404},
+            400,
+            "prefill pod p0 refused the request (HTTP 400): bad model",
+            "NotFoundError",
+        ),
+        (
+            500,
+            "Internal Server Error",
+            502,
+            "prefill pod p0 failed (HTTP 500): Internal Server Error; the decode pod was not called",
+            "upstream_error",
+        ),
+        (
+            200,
+            "<html>not json</html>",
+            502,
+            "prefill pod p0 answered HTTP 200 with a body that is not JSON; the decode pod was not called",
+            "upstream_error",
+        ),
+    ],
+)
+async def test_failed_prefill_is_an_openai_error_and_decode_is_not_called(
+    make_router: Factory, status: int, reply: Any, client_status: int, message: str, err_type: str
+) -> None:
+    client, _router, eng = await make_router(pd_engines(prefill_status=status, prefill_reply=reply))
+    resp = await client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r-9"})
+    assert resp.status == client_status
+    assert resp.headers["X-Request-Id"] == "r-9"
+    assert await resp.json() == {"error": {"message": message, "type": err_type, "code": client_status}}
+    assert len(eng["p0"].requests) == 1
+    assert eng["d0"].requests == []
+    metrics = await (await client.get("/metrics")).text()
+    outcome = "client_error" if client_status == 400 else "upstream_error"
+    assert f'decode_pod="-",outcome="{outcome}",policy="round-robin",prefill_pod="p0"}} 1.0' in metrics
+
+
+async def test_plain_mode_forwards_the_bytes_with_a_request_id(make_router: Factory) -> None:
+    client, _router, eng = await make_router({"b0": ("both", FakeEngine("b0"))})
+    raw = b'{"prompt": "x",   "max_tokens": 2, "min_tokens": 1}'
+    resp = await client.post(
+        "/v1/completions", data=raw, headers={"Content-Type": "application/json", "X-Request-Id": "p-1"}
+    )
+    assert resp.status == 200 and resp.headers["X-Request-Id"] == "p-1"
+    assert eng["b0"].requests == [json.loads(raw)]
+    assert eng["b0"].headers[0]["X-Request-Id"] == "p-1"
+
+
+# --- against vLLM's own request models -----------------------------------------------------------------
+async def test_vllm_reads_the_completions_legs_as_intended(make_router: Factory) -> None:
+    vllm = vllm_protocol()
+    client, _router, eng = await make_router(pd_engines())
+    assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
+    (pre,), (dec,) = eng["p0"].requests, eng["d0"].requests
+    p = vllm.request("completion", pre)
+    assert p["extra"] == []  # every field is one vLLM reads
+    assert (p["max_tokens"], p["min_tokens"], p["stream"], p["stream_options"]) == (1, 0, False, None)
+    assert p["kv_transfer_params"] == TOY_PROXY_PREFILL_KTP
+    d = vllm.request("completion", dec)
+    assert d["extra"] == []
+    assert (d["max_tokens"], d["min_tokens"], d["stream"]) == (7, 2, True)
+    assert d["stream_options"]["include_usage"] is True
+    assert d["kv_transfer_params"] == nixl_params("p0")
+
+
+async def test_vllm_reads_the_chat_legs_as_intended(make_router: Factory) -> None:
+    vllm = vllm_protocol()
+    client, _router, eng = await make_router(pd_engines())
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+    (pre,), (dec,) = eng["p0"].requests, eng["d0"].requests
+    p = vllm.request("chat", pre)
+    assert p["extra"] == []
+    assert (p["max_tokens"], p["min_tokens"], p["stream"], p["stream_options"]) == (1, 0, False, None)
+    assert p["kv_transfer_params"] == TOY_PROXY_PREFILL_KTP
+    d = vllm.request("chat", dec)
+    assert d["extra"] == []
+    assert (d["max_tokens"], d["min_tokens"], d["stream"]) == (9, 3, True)
+    assert d["kv_transfer_params"] == nixl_params("p0")
+
+
+async def test_vllm_refuses_the_prefill_leg_had_stream_options_stayed() -> None:
+    # Why the prefill leg drops stream_options: vLLM refuses it on a non-streamed request.
+    vllm = vllm_protocol()
+    out = vllm.call("request", kind="completion", body={"prompt": "x", "stream": False, "stream_options": {}})
+    assert out["ok"] is True  # an empty stream_options is falsy, so allowed
+    body = {"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}
+    out = vllm.call("request", kind="completion", body=body)
+    assert out["ok"] is False and "stream_options" in out["error"]
 
 
 async def test_streaming_passthrough_and_metrics(make_router: Factory) -> None:
@@ -194,6 +433,8 @@ async def test_retry_on_failed_connect_and_ejection(make_router: Factory) -> Non
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert resp.status == 200
     assert len(eng["p-ok"].requests) == 1
+    # the retried prefill leg keeps the request's id: the decode leg carries the same one
+    assert eng["p-ok"].headers[0]["X-Request-Id"] == eng["d0"].headers[0]["X-Request-Id"]
     dead = router.pool.backends["p-dead"]
     assert dead.failures == 1 and dead.ejected_until > 0
     metrics = await (await client.get("/metrics")).text()

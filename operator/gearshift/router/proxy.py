@@ -10,26 +10,29 @@ Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request:
    and placement is retried, head first, until headroom appears (requests finish, a scale-up's new pod
    joins) or ``headroom_wait_s`` passes (then 503, "scale-up requested"). The
    ``gearshift_router_no_decode_headroom`` counter — the autoscaler's immediate scale-up signal — counts
-   each held request once, at its first miss. Then send the prefill pod the request with
-   ``max_tokens: 1``, ``stream: false`` and
-   ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false}``; send the decode pod the
-   client's request plus the ``kv_transfer_params`` the prefill pod returned, streaming it back as it comes
-   (vLLM's NixlConnector proxy protocol). With only ``both`` pods: forward the request as is;
+   each held request once, at its first miss. Then the two legs of vLLM's disaggregated-prefill protocol,
+   exactly as vLLM's own proxy sends them (see :func:`prefill_leg_body`, :func:`decode_leg_body`,
+   :func:`leg_headers`): the prefill leg, then the decode leg streamed back as it comes, both under one
+   ``X-Request-Id``. A prefill leg that fails (an HTTP error, or a body that is not JSON) ends the request
+   with an OpenAI-shaped error naming the prefill pod; the decode pod is not called. With only ``both``
+   pods: forward the client's bytes as they are (with the ``X-Request-Id`` header);
 3. a failed *connect* (nothing sent, nothing received) is retried on another pod of the same role, and
    counts towards ejecting the pod; anything after the first byte of a response is not retried;
 4. every request has a deadline (``request_timeout_s``): 504 when it passes before the response started.
 
-Errors are OpenAI-shaped JSON: ``{"error": {"message", "type", "code"}}``.
+Every response to the client carries the request's ``X-Request-Id`` (the client's, or the one generated
+for it), as vLLM's ``--enable-request-id-headers`` does. Errors are OpenAI-shaped JSON:
+``{"error": {"message", "type", "code"}}``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
+import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,105 @@ log = logging.getLogger(__name__)
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
 #: Characters per token when the prompt is text (OpenAI's rule of thumb: ~4 characters per English token).
 CHARS_PER_TOKEN = 4.0
+
+#: The header both legs of one PD request share. vLLM's serving layer takes the engine request id from it
+#: (``_base_request_id``: vllm/entrypoints/openai/serving_engine.py, 0.11-0.12;
+#: vllm/entrypoints/serve/engine/serving.py, 0.32). On vLLM 0.11-0.12 the decode side's NixlConnector
+#: tells the prefill side to free the request's KV blocks under *its own* request id, so two different ids
+#: leave the prefill pod holding them until ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` passes (120 s there;
+#: vllm/envs.py). Later versions also send ``remote_request_id`` in ``kv_transfer_params``
+#: (NIXL_CONNECTOR_VERSION 2, vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py); one id
+#: for both legs is still what vLLM's toy proxy sends
+#: (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py).
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def prefill_kv_transfer_params() -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill leg: vLLM's toy proxy's, key for key
+    (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, ``send_request_to_service``).
+    ``do_remote_decode: true`` makes the prefill pod's NixlConnector keep the prompt's KV blocks for a decode
+    pod to pull and answer with the parameters that pod needs (``request_finished`` in
+    vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py; nixl/pull_scheduler.py in 0.32)."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+def is_chat(path: str) -> bool:
+    """Whether ``path`` is the chat completions endpoint."""
+    return path.endswith("/chat/completions")
+
+
+def prefill_leg_body(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """The prefill leg's body: the client's request with the changes vLLM's toy proxy makes
+    (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, ``send_request_to_service``):
+
+    - ``kv_transfer_params`` = :func:`prefill_kv_transfer_params` (replacing any the client sent);
+    - ``stream: false`` (the router reads the prefill pod's ``kv_transfer_params`` from one JSON body;
+      vLLM returns them in the non-streamed response, vllm/entrypoints/openai/protocol.py
+      ``CompletionResponse.kv_transfer_params``);
+    - ``max_tokens: 1``, and ``max_completion_tokens: 1`` where the client sent it — always for chat, where
+      vLLM's ``ChatCompletionRequest`` reads ``max_completion_tokens`` before ``max_tokens``; completions
+      has no such field, so it is only overwritten there, never added;
+    - ``stream_options`` removed (vLLM refuses it when ``stream`` is false: ``validate_stream_options``
+      in vllm/entrypoints/openai/protocol.py);
+    - ``min_tokens`` and ``min_completion_tokens`` removed ("not supported for P": a minimum above the
+      one token would fail vLLM's ``min_tokens <= max_tokens`` check in vllm/sampling_params.py).
+
+    The client's ``body`` is not changed (the decode leg is built from it). (vllm/entrypoints/openai/
+    protocol.py is split into openai/completion/protocol.py and openai/chat_completion/protocol.py by 0.32.)
+    """
+    leg = dict(body)
+    leg["kv_transfer_params"] = prefill_kv_transfer_params()
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if chat or "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("stream_options", None)
+    leg.pop("min_tokens", None)
+    leg.pop("min_completion_tokens", None)
+    return leg
+
+
+def decode_leg_body(body: Mapping[str, Any], prefill_response: Any) -> dict[str, Any]:
+    """The decode leg's body: the client's request as it came, with ``kv_transfer_params`` set to what the
+    prefill pod's response returned, when it returned any (vLLM's toy proxy,
+    tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, ``_handle_completions``). Without them (a
+    prefill pod with no KV connector answers ``kv_transfer_params: null``) the decode pod gets the plain
+    request and prefills it itself, as there."""
+    leg = dict(body)
+    ktp = prefill_response.get("kv_transfer_params") if isinstance(prefill_response, dict) else None
+    if ktp:
+        leg["kv_transfer_params"] = ktp
+    return leg
+
+
+def request_id_for(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
+    """The request's id: the client's ``X-Request-Id`` header, else the ``request_id`` of its body (vLLM's
+    own request field, vllm/entrypoints/openai/protocol.py, which vLLM uses when no header is given), else a
+    new one (``uuid4().hex``, as vLLM's ``random_uuid``, vllm/utils)."""
+    rid = headers.get(REQUEST_ID_HEADER)
+    if rid and rid.strip():
+        return rid
+    rid = body.get("request_id")
+    if isinstance(rid, str) and rid.strip():
+        return rid
+    return uuid.uuid4().hex
+
+
+def leg_headers(request_id: str, authorization: str | None = None) -> dict[str, str]:
+    """Headers of a leg to an engine: JSON, the shared ``X-Request-Id`` and the client's
+    ``Authorization`` (vLLM's toy proxy sends ``Authorization: Bearer $OPENAI_API_KEY``; passing the
+    client's through serves engines started with ``--api-key`` the same way)."""
+    h = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+    if authorization:
+        h["Authorization"] = authorization
+    return h
 
 
 @dataclass
@@ -90,6 +192,49 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, err_type: str, outcome: str) -> None:
         super().__init__(message)
         self.status, self.message, self.err_type, self.outcome = status, message, err_type, outcome
+
+
+def _upstream_error_text(text: str) -> tuple[str, str | None]:
+    """The message and type of an engine's error body: vLLM's ``{"error": {"message", "type", ..}}``
+    (``ErrorResponse``, vllm/entrypoints/openai/protocol.py), its older flat ``{"object": "error",
+    "message", "type"}``, or the raw text."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or "(empty body)", None
+    if isinstance(doc, dict):
+        inner = doc.get("error") if isinstance(doc.get("error"), dict) else doc
+        msg = inner.get("message")
+        if isinstance(msg, str):
+            typ = inner.get("type")
+            return msg, typ if isinstance(typ, str) else None
+    return text.strip()[:500], None
+
+
+def prefill_failed(pod: str, status: int, text: str) -> RequestError:
+    """The error the client gets when the prefill leg fails: the engine's 4xx (the request itself is
+    wrong for the model, e.g. too long) keeps its status and type; anything else is a 502."""
+    msg, typ = _upstream_error_text(text)
+    if 400 <= status < 500:
+        return RequestError(
+            status,
+            f"prefill pod {pod} refused the request (HTTP {status}): {msg}",
+            typ or "invalid_request_error",
+            "client_error",
+        )
+    return RequestError(
+        502,
+        f"prefill pod {pod} failed (HTTP {status}): {msg}; the decode pod was not called",
+        "upstream_error",
+        "upstream_error",
+    )
+
+
+def _with_id(resp: web.Response, rid: str | None) -> web.Response:
+    """``resp`` with the request's ``X-Request-Id`` header, when the request has one yet."""
+    if rid:
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp
 
 
 def _text_tokens(text: str, mode: str) -> int:
@@ -318,10 +463,12 @@ class Proxy:
         path: str,
         body: dict[str, Any],
         client_timeout: aiohttp.ClientTimeout,
+        headers: Mapping[str, str],
         first: Backend | None = None,
         raw: bytes | None = None,
     ) -> tuple[Backend, aiohttp.ClientResponse]:
-        """POST to ``first`` (or a freshly picked pod); on a failed connect retry on another pod.
+        """POST to ``first`` (or a freshly picked pod); on a failed connect retry on another pod, with the
+        same body and headers (the same ``X-Request-Id``).
 
         Returns the pod and the open response. The pod's in-flight count is raised here; the caller lowers it.
         """
@@ -347,7 +494,7 @@ class Proxy:
                 resp = await self.session.post(
                     b.info.url + path,
                     data=payload,
-                    headers={"Content-Type": "application/json"},
+                    headers=headers,
                     timeout=client_timeout,
                 )
             except CONNECT_ERRORS as exc:
@@ -379,6 +526,7 @@ class Proxy:
         policy = self.pool.config.policy
         labels = {"prefill": "-", "decode": "-"}
         t_in = self.clock()
+        rid: str | None = request.headers.get(REQUEST_ID_HEADER)
         try:
             try:
                 body = validate_body(await request.json(), request.path)
@@ -386,28 +534,30 @@ class Proxy:
                 raise RequestError(
                     400, f"request body is not JSON: {exc}", "invalid_request_error", "client_error"
                 ) from None
+            rid = request_id_for(request.headers, body)
             await self.admit()
         except RequestError as err:
             self.metrics.requests.labels(policy, "-", "-", err.outcome).inc()
-            return error_response(err.status, err.message, err.err_type)
+            return _with_id(error_response(err.status, err.message, err.err_type), rid)
         self.inflight += 1
         self.metrics.inflight.inc()
         outcome = "ok"
         try:
             # asyncio.timeout, unlike wait_for, runs the request in this task (no task per request).
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                return await self._forward(request, body, labels, t_in)
+                return await self._forward(request, body, rid, labels, t_in)
         except RequestError as err:
             outcome = err.outcome
-            return error_response(err.status, err.message, err.err_type)
+            return _with_id(error_response(err.status, err.message, err.err_type), rid)
         except TimeoutError:
             outcome = "timeout"
-            return error_response(
-                504, f"no complete answer within {self.cfg.request_timeout_s:g} s", "timeout"
+            return _with_id(
+                error_response(504, f"no complete answer within {self.cfg.request_timeout_s:g} s", "timeout"),
+                rid,
             )
         except (aiohttp.ClientError, ConnectionResetError) as exc:
             outcome = "upstream_error"
-            return error_response(502, f"upstream failed: {exc}", "upstream_error")
+            return _with_id(error_response(502, f"upstream failed: {exc}", "upstream_error"), rid)
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
@@ -416,7 +566,7 @@ class Proxy:
             self.metrics.e2e.labels(policy).observe(self.clock() - t_in)
 
     async def _forward(
-        self, request: web.Request, body: dict[str, Any], labels: dict[str, str], t_in: float
+        self, request: web.Request, body: dict[str, Any], rid: str, labels: dict[str, str], t_in: float
     ) -> web.StreamResponse:
         policy = self.pool.config.policy
         max_tokens = (
@@ -434,31 +584,51 @@ class Proxy:
         )
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
         pd = self.pool.has_role("prefill") and self.pool.has_role("decode")
+        # One X-Request-Id for both legs (and for a retry of either): see REQUEST_ID_HEADER.
+        headers = leg_headers(rid, request.headers.get("Authorization"))
         upstream_body = body
         decode_peer: Backend | None = None
         decode_choice: Backend | None = None
         if pd:
             decode_choice = await self._place_decode(req)
-            prefill_body = copy.deepcopy(body)
-            prefill_body.update(
-                max_tokens=1,
-                stream=False,
-                kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+            prefill_body = prefill_leg_body(body, is_chat(request.path))
+            pb, presp = await self._open(
+                "prefill", req, decode_choice, request.path, prefill_body, timeout, headers
             )
-            prefill_body.pop("max_completion_tokens", None)
-            prefill_body.pop("stream_options", None)
-            pb, presp = await self._open("prefill", req, decode_choice, request.path, prefill_body, timeout)
             labels["prefill"] = pb.info.name
             try:
-                if presp.status != 200:
-                    text = await presp.text()
-                    return web.Response(status=presp.status, body=text, content_type=presp.content_type)
-                pjson = await presp.json()
+                text = await presp.text()
+            except (aiohttp.ClientError, ConnectionResetError) as exc:
+                raise RequestError(
+                    502,
+                    f"prefill pod {pb.info.name} broke off its answer: {exc}; the decode pod was not called",
+                    "upstream_error",
+                    "upstream_error",
+                ) from exc
             finally:
                 presp.release()
                 pb.inflight -= 1
-            upstream_body = dict(body)
-            upstream_body["kv_transfer_params"] = pjson.get("kv_transfer_params") or {}
+            if presp.status != 200:
+                raise prefill_failed(pb.info.name, presp.status, text)
+            try:
+                pjson = json.loads(text)
+            except ValueError:
+                raise RequestError(
+                    502,
+                    f"prefill pod {pb.info.name} answered HTTP 200 with a body that is not JSON; "
+                    "the decode pod was not called",
+                    "upstream_error",
+                    "upstream_error",
+                ) from None
+            upstream_body = decode_leg_body(body, pjson)
+            if upstream_body.get("kv_transfer_params") is body.get("kv_transfer_params"):
+                log.warning(
+                    "prefill pod %s returned no kv_transfer_params (no KV connector?); "
+                    "decode pod %s prefills request %s itself",
+                    pb.info.name,
+                    decode_choice.info.name,
+                    rid,
+                )
             decode_peer = pb
         db, dresp = await self._open(
             "decode" if pd else "both",
@@ -467,6 +637,7 @@ class Proxy:
             request.path,
             upstream_body,
             timeout,
+            headers,
             first=decode_choice if pd else None,
             # Plain mode forwards the client's bytes unchanged: no re-encoding on the hot path.
             raw=None if pd else await request.read(),
@@ -475,13 +646,13 @@ class Proxy:
         if not pd:
             labels["prefill"] = db.info.name
         try:
-            return await self._relay(request, dresp, t_in, policy)
+            return await self._relay(request, dresp, t_in, policy, rid)
         finally:
             dresp.release()
             db.inflight -= 1
 
     async def _relay(
-        self, request: web.Request, resp: aiohttp.ClientResponse, t_in: float, policy: str
+        self, request: web.Request, resp: aiohttp.ClientResponse, t_in: float, policy: str, rid: str
     ) -> web.StreamResponse:
         """Copy the upstream response to the client, streaming SSE as it arrives; observe TTFT and ITL."""
         ctype = resp.headers.get("Content-Type", "application/json")
@@ -491,9 +662,12 @@ class Proxy:
             if resp.status == 200:
                 # Non-streamed: the first token reaches the client with the last; ITL is not observable here.
                 self.metrics.ttft.labels(policy).observe(t - t_in)
-            return web.Response(status=resp.status, body=data, headers={"Content-Type": ctype})
+            return web.Response(
+                status=resp.status, body=data, headers={"Content-Type": ctype, REQUEST_ID_HEADER: rid}
+            )
         out = web.StreamResponse(
-            status=resp.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
+            status=resp.status,
+            headers={"Content-Type": ctype, "Cache-Control": "no-cache", REQUEST_ID_HEADER: rid},
         )
         await out.prepare(request)
         last: float | None = None
