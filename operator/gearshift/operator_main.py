@@ -32,6 +32,7 @@ HANDLER_MODULES: tuple[str, ...] = (
     "gearshift.handlers.gpuprofile",
     "gearshift.handlers.shifting",
     "gearshift.handlers.autoscale",
+    "gearshift.handlers.replicas",
 )
 
 DOMAIN = "gearshift.io"
