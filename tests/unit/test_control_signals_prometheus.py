@@ -29,7 +29,14 @@ from prometheus_client import (
     generate_latest,
 )
 
-from gearshift.control.signals import GearSelector, SignalsUnavailable, fetch_sample
+from gearshift.control.signals import (
+    GearSelector,
+    PipelineShape,
+    SignalsUnavailable,
+    UtilizationSource,
+    fetch_reading,
+    fetch_sample,
+)
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
@@ -39,6 +46,7 @@ pytestmark = [
 SEL = GearSelector("llm", "chat", "prefill", "bal")
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RATE = 20.0  # requests/s the exporter reports
+PREFILL_S, DECODE_S = 0.1, 0.5  # each request's vllm:request_prefill/decode_time_seconds
 
 
 def free_port() -> int:
@@ -59,6 +67,8 @@ def exporter() -> Iterator[tuple[int, Callable[[], float]]]:
     ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", buckets=BUCKETS, registry=registry)
     itl = Histogram("vllm:inter_token_latency_seconds", "itl", buckets=BUCKETS, registry=registry)
     e2e = Histogram("vllm:e2e_request_latency_seconds", "e2e", buckets=BUCKETS, registry=registry)
+    prefill = Histogram("vllm:request_prefill_time_seconds", "prefill", buckets=BUCKETS, registry=registry)
+    decode = Histogram("vllm:request_decode_time_seconds", "decode", buckets=BUCKETS, registry=registry)
 
     class Metrics(BaseHTTPRequestHandler):
         # Always the classic text format (0.0.4), as vLLM's engines are scraped: prometheus_client's
@@ -86,6 +96,8 @@ def exporter() -> Iterator[tuple[int, Callable[[], float]]]:
             ttft.observe(0.15)  # bucket (0.1, 0.25]
             itl.observe(0.02)  # bucket (0.01, 0.025]
             e2e.observe(0.7)  # bucket (0.5, 1.0]
+            prefill.observe(PREFILL_S)
+            decode.observe(DECODE_S)
 
     worker = threading.Thread(target=traffic, daemon=True)
     started = time.monotonic()
@@ -164,3 +176,32 @@ def test_fetch_sample_from_real_prometheus(prometheus: str, exporter: tuple[int,
 
     with pytest.raises(SignalsUnavailable, match="no series"):
         fetch_sample(prometheus, GearSelector("llm", "chat", "prefill", "other"), 0.0, window="10s")
+
+
+def test_fetch_vllm_reading_from_real_prometheus(prometheus: str, exporter: tuple[int, Callable[[], float]]):
+    """The vLLM queries: 20 req/s each spending 0.1 s in prefill and 0.5 s in decode keep, by Little's
+    law, 20 x 0.6 = 12 requests in execution on the one head engine; of 32 seats that is 0.375, and with
+    stage times 10 and 20 ms stage 0 reads 0.375 x 10/20 = 0.1875. The ``gearshift:stage_utilization``
+    series the exporter also serves are not read."""
+    shape = PipelineShape("bal", (10.0, 20.0), (1, 1), max_num_seqs=32)
+    start = time.monotonic()
+    reading = None
+    last: Exception | None = None
+    while time.monotonic() < start + 45.0:
+        try:
+            reading = fetch_reading(prometheus, SEL, 0.0, engine="vllm", shape=shape, window="10s")
+            if time.monotonic() - start > 15.0 and reading.source is UtilizationSource.DERIVED:
+                break
+        except SignalsUnavailable as err:
+            last = err
+        time.sleep(1.0)
+    assert reading is not None, f"no reading within 45 s: {last}"
+    assert reading.source is UtilizationSource.DERIVED
+    produced = exporter[1]()
+    busy = produced * (PREFILL_S + DECODE_S) / 32
+    assert reading.pipeline_utilization == pytest.approx(busy, rel=0.3)
+    assert reading.pipeline_utilization == pytest.approx(0.375, rel=0.3)
+    u0, u1 = reading.sample.stage_utilization
+    assert u1 == reading.pipeline_utilization and u0 == pytest.approx(u1 * 10.0 / 20.0)
+    assert (reading.sample.queue, reading.sample.running) == (7.0, 3.0)
+    assert reading.sample.ttft_p99_ms == pytest.approx((0.1 + 0.99 * 0.15) * 1000, rel=1e-6)

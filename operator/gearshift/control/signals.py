@@ -7,7 +7,23 @@ Prometheus' pod discovery maps pod labels to series labels with ``labelmap`` (``
 namespace, service, role and gear. Quantiles use ``histogram_quantile`` over the rate of the ``_bucket``
 series summed by ``le`` (the Prometheus documentation's recipe for aggregated histograms).
 
-Everything here is pure except :func:`fetch_sample`, the only function that talks to Prometheus.
+Per-stage utilisation has two sources, chosen by the PDService's ``spec.engine``
+(:class:`UtilizationSource`, recorded in ``GearSet.status.signals.stageUtilizationSource``):
+
+- ``sim`` → ``engine``: the simulated engine measures every stage's busy fraction and exports it;
+- ``vllm`` → ``derived``: vLLM exports no per-stage utilisation (its metrics are the scheduler's and the
+  requests', ``vllm/v1/metrics/loggers.py``, vLLM 0.32.0), and only the head pod (stage 0) serves
+  ``/metrics``. The head's scheduler runs the whole pipeline, so its metrics describe the pipeline; the
+  per-stage split comes from the planner's stage times (:func:`derived_stage_utilization`). When a
+  multi-stage gear has no stage times, or the head has completed nothing yet in two scrapes, the sample
+  has no stage utilisation (source ``none``): the imbalance trigger cannot fire for it, every other
+  trigger works from the queue and the TTFT/ITL histograms.
+
+Prometheus spells "no value" as ``NaN`` (``histogram_quantile`` over buckets that did not move) and a
+division by zero as ``±Inf``; every non-finite value is *no data* here and never reaches a Sample.
+
+Everything here is pure except :func:`fetch_reading` (and :func:`fetch_sample`), the only functions that
+talk to Prometheus.
 
 Exceptions::
 
@@ -18,8 +34,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any, Literal
 
 from gearshift.control.smoothing import Sample
 
@@ -41,6 +58,29 @@ SUCCESS_TOTAL = "vllm:request_success_total"
 E2E = "vllm:e2e_request_latency_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
+#: Per request, seconds from first scheduled to first token, and from first to last token; observed when
+#: the request finishes (vLLM 0.32.0 ``vllm/v1/metrics/stats.py`` ``update_from_finished_request``;
+#: histograms ``vllm:request_prefill_time_seconds`` and ``vllm:request_decode_time_seconds`` in
+#: ``vllm/v1/metrics/loggers.py``). Their sum is the request's time in the scheduler's RUNNING set
+#: (``inference_time = last_token_ts - scheduled_ts`` there).
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+DECODE_TIME = "vllm:request_decode_time_seconds"
+
+#: The serving engine of a PDService (``PDService.spec.engine``).
+Engine = Literal["vllm", "sim"]
+ENGINES: tuple[str, ...] = ("vllm", "sim")
+
+
+class UtilizationSource(StrEnum):
+    """Where a sample's per-stage utilisation came from (``status.signals.stageUtilizationSource``)."""
+
+    ENGINE = "engine"
+    """Measured and exported by the engine per stage (``gearshift:stage_utilization``, the sim)."""
+    DERIVED = "derived"
+    """vLLM: the head's seat occupancy × the planner's stage-time ratios
+    (:func:`derived_stage_utilization`)."""
+    NONE = "none"
+    """Not known this sample (see :attr:`Reading.note`): the imbalance trigger cannot fire."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +101,26 @@ class GearSelector:
             (LABEL_GEAR, self.gear),
         )
         return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """What the derivation of per-stage utilisation needs to know of the sampled gear (from its spec).
+
+    ``stage_times_ms[k]``: the planner's time of one micro-batch in stage k, ms (``Stage.predictedTimeMs``),
+    ``None`` when not given; ``stage_replicas[k]``: pods of stage k per pipeline replica;
+    ``max_num_seqs``: the gear's ``maxBatch``, which the operator passes to vLLM as ``--max-num-seqs``
+    (:func:`gearshift.k8s.engine.vllm_args`).
+    """
+
+    gear: str
+    stage_times_ms: tuple[float | None, ...]
+    stage_replicas: tuple[int, ...] = ()
+    max_num_seqs: int = 256
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_times_ms)
 
 
 def _escape(value: str) -> str:
@@ -90,6 +150,24 @@ def qps_query(sel: GearSelector, window: str = "1m") -> str:
     return f"sum(rate({SUCCESS_TOTAL}{m}[{window}])) or sum(rate({E2E}_count{m}[{window}]))"
 
 
+def concurrency_query(sel: GearSelector, window: str = "1m") -> str:
+    """Mean requests in execution (the scheduler's RUNNING set) per head engine over ``window``.
+
+    By Little's law the time-average number of requests in a state equals the seconds spent in it per
+    second of wall time: ``rate(<prefill time>_sum) + rate(<decode time>_sum)``, summed over the gear's
+    head pods and divided by the number of head engines (``count`` of their ``num_requests_running``
+    series: one per engine, each with its own scheduler and ``--max-num-seqs``). Unlike the
+    ``num_requests_running`` gauge, which is one value at the last scrape, this integrates over the
+    same window as the QPS and the quantiles. It counts requests when they finish, so a request longer
+    than the window is counted at its end; the moving average smooths that.
+    """
+    m = sel.matchers()
+    return (
+        f"(sum(rate({PREFILL_TIME}_sum{m}[{window}])) + sum(rate({DECODE_TIME}_sum{m}[{window}])))"
+        f" / count({RUNNING}{m})"
+    )
+
+
 def quantile_query(histogram: str, q: float, sel: GearSelector, window: str = "1m") -> str:
     """The ``q`` quantile of ``histogram`` (seconds) over ``window`` across the gear's pods, in seconds.
 
@@ -105,28 +183,119 @@ def quantile_query(histogram: str, q: float, sel: GearSelector, window: str = "1
 class SignalQueries:
     """Every query of one sample, by the :class:`~gearshift.control.smoothing.Sample` field it fills."""
 
-    stage_utilization: str
+    stage_utilization: str | None
+    """The engine's per-stage utilisation (sim); ``None`` for vLLM (it has none)."""
     queue: str
     running: str
     qps: str
     quantiles: Mapping[str, str]
     """``ttft_p50_ms`` … ``e2e_p99_ms`` → query (results in s, converted to ms)."""
+    concurrency: str | None = None
+    """vLLM: :func:`concurrency_query` (the head's seat occupancy is derived from it); ``None`` for sim."""
+    engine: Engine = "sim"
+
+    def all(self) -> list[str]:
+        """Every query to run, in a stable order."""
+        extra = [q for q in (self.stage_utilization, self.concurrency) if q is not None]
+        return [*extra, self.queue, self.running, self.qps, *self.quantiles.values()]
 
 
-def signal_queries(sel: GearSelector, window: str = "1m") -> SignalQueries:
-    """All queries of one sample of ``sel``'s gear."""
+def signal_queries(sel: GearSelector, window: str = "1m", engine: Engine = "sim") -> SignalQueries:
+    """All queries of one sample of ``sel``'s gear served by ``engine``.
+
+    Raises:
+        ValueError: ``engine`` is neither ``vllm`` nor ``sim``.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     quantiles = {
         f"{name}_p{int(q * 100)}_ms": quantile_query(hist, q, sel, window)
         for name, hist in (("ttft", TTFT), ("itl", ITL), ("e2e", E2E))
         for q in (0.5, 0.99)
     }
+    vllm = engine == "vllm"
     return SignalQueries(
-        stage_utilization=stage_utilization_query(sel),
+        stage_utilization=None if vllm else stage_utilization_query(sel),
         queue=queue_query(sel),
         running=running_query(sel),
         qps=qps_query(sel, window),
         quantiles=quantiles,
+        concurrency=concurrency_query(sel, window) if vllm else None,
+        engine=engine,
     )
+
+
+# --- the derivation for vLLM (pure) ----------------------------------------------------------------------
+def seat_occupancy(concurrency: float, max_num_seqs: int) -> float:
+    """The head's busy fraction for vLLM: the share of its scheduler's seats in use, in [0, 1].
+
+    ``concurrency`` is the time-averaged count of requests in execution per head engine
+    (:func:`concurrency_query`); ``max_num_seqs`` the engine's ``--max-num-seqs`` (the gear's ``maxBatch``).
+
+    Why seats rather than the phase-time sum on its own: vLLM's scheduler admits at most
+    ``max_num_seqs`` requests into RUNNING (``vllm/v1/core/sched/scheduler.py``,
+    ``max_num_running_reqs``), and a pipeline of K stages keeps K micro-batches in flight out of that set
+    (``vllm/config/vllm.py`` ``max_concurrent_batches``). The planner sizes ``maxBatch`` as micro-batch ×
+    stages so that a full set of seats keeps every stage busy (:class:`gearshift.planner.gears.Gear`), so
+    occupancy is the share of the pipeline's micro-batch slots filled: 1 is the pipeline running at its
+    bottleneck's pace with no room for more, which is what the imbalance trigger's 90 % means. The raw
+    concurrency is not a fraction (32 decoding requests read 32), and "some request running" saturates
+    at one request in a memory-bound decode step that would carry ``max_num_seqs`` at about the same cost.
+    Known bias: where the per-step token budget (``--max-num-batched-tokens``, micro-batch × 2048 here)
+    fills before the seats (prefill of very long prompts), a saturated prefill pipeline reads below 1;
+    the queue-based ``saturation`` trigger and ``p99-high`` still see that overload.
+
+    Raises:
+        ValueError: ``max_num_seqs`` < 1.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if not math.isfinite(concurrency):
+        raise ValueError(f"concurrency must be finite, got {concurrency}")
+    return min(1.0, max(0.0, concurrency / max_num_seqs))
+
+
+def derived_stage_utilization(
+    busy: float, stage_times_ms: Sequence[float | None], stage_replicas: Sequence[int] = ()
+) -> tuple[float, ...] | None:
+    """Per-stage utilisation of a pipeline from its busy fraction and the planner's stage times.
+
+    ``u_k = busy × e_k / max_j e_j`` with ``e_k = t_k / r_k``: ``t_k`` the planner's time of one
+    micro-batch in stage k (ms), ``r_k`` the stage's pods per pipeline replica (a stage served by r pods
+    takes a micro-batch every ``t / r``: :mod:`gearshift.planner.gears`' capacity rule; ``()`` = all 1).
+    A pipeline is paced by its bottleneck: while it is busy the bottleneck stage computes all the time
+    and stage k ``e_k / e_max`` of it. So the bottleneck reads ``busy`` and the others less, in the
+    planner's proportions. This can only show the imbalance the planner predicted, scaled by the load
+    measured; a stage slower than predicted is not seen (vLLM reports no per-rank step times).
+
+    A one-stage pipeline needs no stage time (``u_0 = busy``). Returns ``None`` when a multi-stage
+    pipeline lacks a positive, finite time for some stage (an explicit gear without predictions).
+
+    Raises:
+        ValueError: ``busy`` outside [0, 1], no stages, or replicas not matching the stages or below 1.
+    """
+    if not (math.isfinite(busy) and 0.0 <= busy <= 1.0):
+        raise ValueError(f"busy fraction must be in [0, 1], got {busy}")
+    n = len(stage_times_ms)
+    if n == 0:
+        raise ValueError("a pipeline has at least one stage")
+    replicas = tuple(stage_replicas) or (1,) * n
+    if len(replicas) != n or any(r < 1 for r in replicas):
+        raise ValueError(f"stage replicas {list(replicas)} must be >= 1, one per stage ({n})")
+    if n == 1:
+        return (busy,)
+    if any(t is None or not math.isfinite(t) or t <= 0.0 for t in stage_times_ms):
+        return None
+    effective = [float(t) / r for t, r in zip(stage_times_ms, replicas, strict=True)]  # type: ignore[arg-type]
+    slowest = max(effective)
+    return tuple(busy * e / slowest for e in effective)
+
+
+def missing_stage_times(shape: PipelineShape) -> list[int]:
+    """Stages of a multi-stage ``shape`` without a positive, finite predicted time (``[]``: none missing)."""
+    if shape.stages <= 1:
+        return []
+    return [k for k, t in enumerate(shape.stage_times_ms) if t is None or not math.isfinite(t) or t <= 0.0]
 
 
 # --- parsing of the HTTP API's instant-vector results ---------------------------------------------------
@@ -134,7 +303,8 @@ def parse_vector(result: Sequence[Mapping[str, Any]], query: str = "") -> list[t
     """``[(labels, value)]`` from the ``data.result`` of an instant query (``resultType: vector``).
 
     Each element is ``{"metric": {labels}, "value": [<unix time>, "<number as string>"]}``; Prometheus
-    spells special values ``"NaN"``, ``"+Inf"``, ``"-Inf"``, which ``float`` reads.
+    spells special values ``"NaN"``, ``"+Inf"``, ``"-Inf"``, which ``float`` reads (callers treat them
+    as no data).
 
     Raises:
         SignalsUnavailable: an element not of that shape (naming the query).
@@ -149,10 +319,10 @@ def parse_vector(result: Sequence[Mapping[str, Any]], query: str = "") -> list[t
 
 
 def scalar(result: Sequence[Mapping[str, Any]], query: str, *, required: bool) -> float | None:
-    """The single value of an aggregated query; ``None`` when empty or NaN and not ``required``.
+    """The single value of an aggregated query; ``None`` when empty or not finite (NaN, ±Inf: no data).
 
     Raises:
-        SignalsUnavailable: ``required`` and the result is empty (the series are missing).
+        SignalsUnavailable: ``required`` and the result is empty (the series are missing) or not finite.
     """
     values = parse_vector(result, query)
     if not values:
@@ -160,14 +330,19 @@ def scalar(result: Sequence[Mapping[str, Any]], query: str, *, required: bool) -
             raise SignalsUnavailable(f"no series for {query!r}: are the gear's pods scraped?")
         return None
     value = values[0][1]
-    return None if math.isnan(value) else value
+    if math.isfinite(value):
+        return value
+    if required:
+        raise SignalsUnavailable(f"{query!r} gave {value} (no data)")
+    return None
 
 
 def stage_values(result: Sequence[Mapping[str, Any]], query: str) -> tuple[float, ...]:
     """Per-stage values ordered by the ``stage`` label (0, 1, …).
 
     Raises:
-        SignalsUnavailable: empty, a series without an integer ``stage`` label, or stages missing in between.
+        SignalsUnavailable: empty, a series without an integer ``stage`` label, stages missing in between,
+            or a value that is not finite (no data).
     """
     values = parse_vector(result, query)
     if not values:
@@ -178,42 +353,116 @@ def stage_values(result: Sequence[Mapping[str, Any]], query: str) -> tuple[float
             by_stage[int(labels["stage"])] = value
         except (KeyError, ValueError) as err:
             raise SignalsUnavailable(f"series {labels} of {query!r} has no integer 'stage' label") from err
+        if not math.isfinite(value):
+            raise SignalsUnavailable(f"stage {labels['stage']} of {query!r} is {value} (no data)")
     if sorted(by_stage) != list(range(len(by_stage))):
         raise SignalsUnavailable(f"stages {sorted(by_stage)} of {query!r} are not 0..{len(by_stage) - 1}")
     return tuple(by_stage[k] for k in range(len(by_stage)))
 
 
+@dataclass(frozen=True)
+class Reading:
+    """One sample and how its stage utilisation was obtained."""
+
+    sample: Sample
+    source: UtilizationSource = UtilizationSource.ENGINE
+    pipeline_utilization: float | None = None
+    """vLLM: the head's seat occupancy this sample (:func:`seat_occupancy`), 0..1; ``None`` otherwise."""
+    note: str = ""
+    """Why ``sample.stage_utilization`` is empty (source ``none``); a stable sentence, no numbers that
+    change from sample to sample (it goes into a condition message)."""
+
+
 def sample_from_results(at: float, queries: SignalQueries, results: Mapping[str, Sequence[Any]]) -> Sample:
-    """Build a :class:`Sample` from the ``data.result`` of each query (keyed by the query string).
+    """Build a :class:`Sample` from the ``data.result`` of each query (keyed by the query string), for the
+    engine's own stage utilisation (sim); see :func:`reading_from_results` for both engines.
 
     Stage utilisation, queue, running and QPS are required; a quantile may be absent or NaN (no traffic).
 
     Raises:
         SignalsUnavailable: a required series missing or a malformed result.
     """
+    return reading_from_results(at, queries, results).sample
+
+
+def reading_from_results(
+    at: float,
+    queries: SignalQueries,
+    results: Mapping[str, Sequence[Any]],
+    shape: PipelineShape | None = None,
+) -> Reading:
+    """Build a :class:`Reading` from the ``data.result`` of each query (keyed by the query string).
+
+    Queue, running and QPS are required; a quantile may be absent or not finite (no traffic). The sim's
+    per-stage utilisation is required too. For vLLM (``queries.concurrency`` set) the stage utilisation
+    is derived from the head's seat occupancy and ``shape`` (the sampled gear); when that cannot be done
+    the sample has none and :attr:`Reading.note` says why, instead of failing the whole sample.
+
+    Raises:
+        SignalsUnavailable: a required series missing or a malformed result.
+    """
+    stages: tuple[float, ...] = ()
+    if queries.stage_utilization is not None:
+        stages = stage_values(results.get(queries.stage_utilization, []), queries.stage_utilization)
     quantiles = {
-        field: None if (v := scalar(results.get(q, []), q, required=False)) is None else v * 1000.0
-        for field, q in queries.quantiles.items()
+        field_: None if (v := scalar(results.get(q, []), q, required=False)) is None else v * 1000.0
+        for field_, q in queries.quantiles.items()
     }
-    return Sample(
+    base = Sample(
         at=at,
-        stage_utilization=stage_values(results.get(queries.stage_utilization, []), queries.stage_utilization),
+        stage_utilization=stages,
         queue=scalar(results.get(queries.queue, []), queries.queue, required=True) or 0.0,
         running=scalar(results.get(queries.running, []), queries.running, required=True) or 0.0,
         qps=scalar(results.get(queries.qps, []), queries.qps, required=True) or 0.0,
         **quantiles,
     )
+    if queries.stage_utilization is not None:
+        return Reading(base, UtilizationSource.ENGINE)
+    if queries.concurrency is None:
+        raise ValueError("queries have neither a stage utilisation nor a concurrency query")
+    if shape is None:
+        note = "the sampled gear is not in the GearSet's gears, so its stage times are unknown"
+        return Reading(base, UtilizationSource.NONE, note=note)
+    concurrency = scalar(results.get(queries.concurrency, []), queries.concurrency, required=False)
+    if concurrency is None:
+        note = (
+            f"gear {shape.gear!r}: the head's {PREFILL_TIME} and {DECODE_TIME} rates have no value "
+            "(fewer than two scrapes of them in the window: just started, or a vLLM without them)"
+        )
+        return Reading(base, UtilizationSource.NONE, note=note)
+    busy = seat_occupancy(concurrency, shape.max_num_seqs)
+    stages_u = derived_stage_utilization(busy, shape.stage_times_ms, shape.stage_replicas or ())
+    if stages_u is None:
+        missing = ", ".join(str(k) for k in missing_stage_times(shape))
+        note = (
+            f"gear {shape.gear!r} has {shape.stages} stages and stage(s) {missing} carry no "
+            "predictedTimeMs (an explicit gear without the planner's predictions), so per-stage "
+            "utilisation cannot be derived from vLLM's metrics"
+        )
+        return Reading(base, UtilizationSource.NONE, pipeline_utilization=busy, note=note)
+    return Reading(
+        replace(base, stage_utilization=stages_u), UtilizationSource.DERIVED, pipeline_utilization=busy
+    )
 
 
-def fetch_sample(
-    url: str, sel: GearSelector, at: float, *, window: str = "1m", timeout_s: float = 5.0
-) -> Sample:
-    """Query Prometheus at ``url`` for one sample of ``sel``'s gear (the only non-pure function here).
+def fetch_reading(
+    url: str,
+    sel: GearSelector,
+    at: float,
+    *,
+    engine: Engine = "sim",
+    shape: PipelineShape | None = None,
+    window: str = "1m",
+    timeout_s: float = 5.0,
+) -> Reading:
+    """Query Prometheus at ``url`` for one reading of ``sel``'s gear (not pure: it talks to Prometheus).
 
     Args:
         url: Prometheus base URL, e.g. ``http://127.0.0.1:9090``.
         sel: the gear's pods.
         at: the sample's time, s (the caller's clock).
+        engine: ``PDService.spec.engine``; picks the queries (:func:`signal_queries`).
+        shape: the sampled gear's stages (vLLM's derivation needs them).
         window: range of the rates, a PromQL duration.
         timeout_s: per-request timeout, s.
 
@@ -226,21 +475,26 @@ def fetch_sample(
     from prometheus_api_client.exceptions import PrometheusApiClientException
     from urllib3.util.retry import Retry
 
-    queries = signal_queries(sel, window)
+    queries = signal_queries(sel, window, engine)
     # No retries: the next sample comes in sampleIntervalSeconds anyway, and a retrying client (the
     # library's default backs off for seconds) would stall the control loop while Prometheus is down.
     prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0))
-    wanted = [
-        queries.stage_utilization,
-        queries.queue,
-        queries.running,
-        queries.qps,
-        *queries.quantiles.values(),
-    ]
     results: dict[str, Sequence[Any]] = {}
-    for query in wanted:
+    for query in queries.all():
         try:
             results[query] = prom.custom_query(query)
         except (PrometheusApiClientException, requests.RequestException) as err:
             raise SignalsUnavailable(f"Prometheus at {url} did not answer {query!r}: {err}") from err
-    return sample_from_results(at, queries, results)
+    return reading_from_results(at, queries, results, shape)
+
+
+def fetch_sample(
+    url: str, sel: GearSelector, at: float, *, window: str = "1m", timeout_s: float = 5.0
+) -> Sample:
+    """One sample of ``sel``'s gear with the engine's own stage utilisation (the sim's queries); see
+    :func:`fetch_reading`.
+
+    Raises:
+        SignalsUnavailable: Prometheus unreachable, an error answer, or a required series missing.
+    """
+    return fetch_reading(url, sel, at, window=window, timeout_s=timeout_s).sample

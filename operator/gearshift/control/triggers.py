@@ -2,7 +2,9 @@
 step per re-trigger in a dwell.
 
   - ``imbalance``: some stage's utilisation > ``imbalanceHighUtilization`` (0.9) while every other stage's is
-    < ``imbalanceLowUtilization`` (0.6) → the throughput gear (seed 002);
+    < ``imbalanceLowUtilization`` (0.6) → the throughput gear (seed 002). Utilisation is the engine's own
+    per stage (the sim) or, for vLLM, derived from the head's seat occupancy and the planner's stage times
+    (:mod:`gearshift.control.signals`); without either the trigger cannot fire;
   - ``saturation`` (gearshift extension): P99 > ``p99HighRatio`` × target *and* more than
     ``saturationQueue`` requests waiting per pipeline replica (smoothed) → the healthy gear with the
     highest predicted throughput, if it is higher than the active gear's. Seed 002's triggers cannot
@@ -92,7 +94,11 @@ def thresholds(policy: ShiftPolicy, levels: Mapping[Trigger, int]) -> Thresholds
 
 
 def imbalanced(utilization: tuple[float, ...], high: float, low: float) -> bool:
-    """True when one stage is above ``high`` and all the others are below ``low``; needs >= 2 stages."""
+    """True when one stage is above ``high`` and all the others are below ``low``; needs >= 2 stages.
+
+    An empty ``utilization`` (not known this sample: a vLLM gear whose stage times are unknown, see
+    :func:`gearshift.control.signals.derived_stage_utilization`) never fires.
+    """
     if len(utilization) < 2:
         return False
     hot = max(range(len(utilization)), key=utilization.__getitem__)
