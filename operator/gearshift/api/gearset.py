@@ -43,6 +43,8 @@ ShiftTrigger = Literal[
     "imbalance", "saturation", "p99-high", "p99-low", "forced", "initial", "replan", "window", "rollback"
 ]
 ShiftOutcome = Literal["InProgress", "Succeeded", "RolledBack", "Failed", "Aborted"]
+#: Where ``status.signals.stageUtilization`` comes from (``gearshift.control.signals.UtilizationSource``).
+StageUtilizationSource = Literal["engine", "derived", "none"]
 
 GEAR_INTENTS: tuple[GearIntent, ...] = ("latency", "balanced", "throughput")
 GEAR_PHASES: tuple[str, ...] = GearPhase.__args__  # type: ignore[attr-defined]
@@ -714,7 +716,23 @@ class GearSignals(StatusModel):
     queue_length: float | None = Field(default=None, description="Waiting requests per pipeline replica.")
     kv_cache_usage: float | None = Field(default=None, description="KV-cache usage, 0..1.")
     stage_utilization: list[float] = Field(
-        default_factory=list, max_length=MAX_STAGES, description="Utilisation of each stage, 0..1, in order."
+        default_factory=list,
+        max_length=MAX_STAGES,
+        description="Utilisation of each stage, 0..1, in order; empty when not known.",
+    )
+    stage_utilization_source: StageUtilizationSource | None = Field(
+        default=None,
+        description="Where stageUtilization comes from: engine (the simulated engine measures and "
+        "exports each stage's busy fraction), derived (vLLM exports none: the head's seat occupancy, "
+        "pipelineUtilization, times each stage's predictedTimeMs / the bottleneck's), none (not known "
+        "this sample, e.g. a multi-stage vLLM gear without predictedTimeMs: the imbalance trigger is off; "
+        "the SignalsAvailable condition says why).",
+    )
+    pipeline_utilization: float | None = Field(
+        default=None,
+        description="vLLM only: the head engine's seat occupancy in the last sample (not smoothed), 0..1: "
+        "mean requests in execution over the window (rate of vllm:request_prefill_time_seconds_sum + "
+        "vllm:request_decode_time_seconds_sum per head engine) / maxBatch (--max-num-seqs).",
     )
 
 
