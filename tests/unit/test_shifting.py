@@ -4,6 +4,8 @@ world, free-GPU check, and whole shifts driven tick by tick (forced, restarts, s
 from __future__ import annotations
 
 import copy
+import json
+import math
 from typing import Any
 
 import pytest
@@ -13,7 +15,15 @@ from gearshift.api.gearset import ControlState, ExecutorState, Gear
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Phase, ShiftState
 from gearshift.control.policy import ShiftPolicy
-from gearshift.control.signals import GearSelector, SignalsUnavailable
+from gearshift.control.signals import (
+    GearSelector,
+    PipelineShape,
+    Reading,
+    SignalsUnavailable,
+    UtilizationSource,
+    reading_from_results,
+    signal_queries,
+)
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
 from gearshift.handlers import reconcile as rec
@@ -26,18 +36,30 @@ T0 = 1_800_000_000.0
 
 
 class FakeSignals:
-    """A signal source with a switch: up (a steady sample, no in-flight requests) or down."""
+    """A signal source with a switch: up (a steady sample, no in-flight requests) or down.
+
+    Subclasses change :meth:`raw` (the sample); :meth:`sample` wraps it as the engine's own reading and
+    records the engine and gear shape the tick asked with."""
 
     def __init__(self) -> None:
         self.up = True
         self.in_flight_n = 0
         self.asked: list[str] = []
+        self.engines: list[str] = []
+        self.shapes: list[PipelineShape | None] = []
 
-    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
+    def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
+        return Sample(at=at, stage_utilization=(0.5, 0.5), qps=3.0, ttft_p99_ms=150.0, itl_p99_ms=20.0)
+
+    def sample(
+        self, url: str, sel: GearSelector, at: float, *, engine: str, shape: PipelineShape | None
+    ) -> Reading:
         self.asked.append(sel.gear)
+        self.engines.append(engine)
+        self.shapes.append(shape)
         if not self.up:
             raise SignalsUnavailable(f"Prometheus at {url} did not answer: connection refused")
-        return Sample(at=at, stage_utilization=(0.5, 0.5), qps=3.0, ttft_p99_ms=150.0, itl_p99_ms=20.0)
+        return Reading(self.raw(url, sel, at), UtilizationSource.ENGINE)
 
     def in_flight(self, url: str, sel: GearSelector) -> int:
         if not self.up:
@@ -55,8 +77,8 @@ class PerGearSignals(FakeSignals):
         self.in_flight_by_gear: dict[str, int] = {}
         self.drained: list[str] = []
 
-    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
-        base = super().sample(url, sel, at)
+    def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
+        base = super().raw(url, sel, at)
         return Sample(at=at, stage_utilization=base.stage_utilization,
                       qps=self.qps_by_gear.get(sel.gear, base.qps),
                       ttft_p99_ms=self.p99_by_gear[sel.gear], itl_p99_ms=base.itl_p99_ms)  # fmt: skip
@@ -326,7 +348,7 @@ class TestTicks:
         assert status(world)["signals"]["p99Ms"] == 150.0
 
         class Idle(FakeSignals):
-            def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
+            def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
                 return Sample(at=at, stage_utilization=(0.0, 0.0))
 
         patches: list[dict[str, Any]] = []
@@ -551,3 +573,152 @@ class TestTicks:
         run(world, FakeSignals(), T0)
         rec.reconcile_service(world, NS, "llama3-8b", rec.Settings(sim_requests=200))
         assert prefill_gears(world) == {"balanced", "latency"} and selected(world) == "balanced"
+
+
+def _vec(value: str) -> list[dict[str, Any]]:
+    return [{"metric": {}, "value": [T0, value]}]
+
+
+class VllmProm(FakeSignals):
+    """Prometheus in front of a vLLM head: answers the controller's own queries for the engine it asks
+    with (:func:`signal_queries`) with canned series, parsed by the real :func:`reading_from_results`.
+    Only vLLM's names exist: a sim-engine sample finds no ``gearshift:stage_utilization`` and fails."""
+
+    def __init__(self, concurrency: str = "24", ttft_p99_s: str = "0.15", waiting: str = "0") -> None:
+        super().__init__()
+        self.concurrency, self.ttft_p99_s, self.waiting = concurrency, ttft_p99_s, waiting
+
+    def sample(
+        self, url: str, sel: GearSelector, at: float, *, engine: str, shape: PipelineShape | None
+    ) -> Reading:
+        self.asked.append(sel.gear)
+        self.engines.append(engine)
+        self.shapes.append(shape)
+        q = signal_queries(sel, engine=engine)  # type: ignore[arg-type]
+        answers = {q.queue: _vec(self.waiting), q.running: _vec("24"), q.qps: _vec("3")}
+        if q.concurrency is not None:
+            answers[q.concurrency] = _vec(self.concurrency)
+        answers[q.quantiles["ttft_p99_ms"]] = _vec(self.ttft_p99_s)
+        answers[q.quantiles["itl_p99_ms"]] = _vec("NaN")  # histogram_quantile without data
+        return reading_from_results(at, q, answers, shape)
+
+
+def _engine(api: FakeApi, engine: str) -> None:
+    key = api._key("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+    api.store[key]["spec"]["engine"] = engine
+
+
+def _stage_times(api: FakeApi, gear: str, times: list[float]) -> None:
+    key = api._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    (g,) = [g for g in api.store[key]["spec"]["gears"] if g["name"] == gear]
+    for stage, t in zip(g["stages"], times, strict=True):
+        stage["predictedTimeMs"] = t
+
+
+def _signals_condition(api: FakeApi) -> dict[str, Any]:
+    return next(c for c in status(api)["conditions"] if c["type"] == "SignalsAvailable")
+
+
+class TestVllmService:
+    """An ``engine: vllm`` PDService: no ``gearshift:stage_utilization`` anywhere, yet the loop samples,
+    decides and shifts. The example's balanced gear has 4 stages, maxBatch 64 and no predictedTimeMs."""
+
+    def test_explicit_gear_without_stage_times_still_samples(self, world: FakeApi) -> None:
+        _engine(world, "vllm")
+        sig = VllmProm(concurrency="24")
+        r = run(world, sig, T0)
+        assert r.signals_ok and sig.engines == ["vllm"]
+        shape = sig.shapes[0]
+        assert shape is not None and shape.gear == "balanced" and shape.max_num_seqs == 64
+        assert shape.stage_times_ms == (None, None, None, None)
+        cond = _signals_condition(world)
+        assert (cond["status"], cond["reason"]) == ("True", "StageBalanceUnavailable")
+        assert "predictedTimeMs" in cond["message"] and "imbalance trigger is off" in cond["message"]
+        sig_st = status(world)["signals"]
+        assert sig_st["stageUtilizationSource"] == "none" and sig_st["stageUtilization"] == []
+        assert sig_st["pipelineUtilization"] == 0.375  # 24 requests in execution / 64 seats
+        assert sig_st["p99Ms"] == 150.0 and sig_st["p99ItlMs"] is None
+
+    def test_stage_times_give_derived_utilization(self, world: FakeApi) -> None:
+        _engine(world, "vllm")
+        _stage_times(world, "balanced", [20.0, 20.0, 10.0, 10.0])
+        run(world, VllmProm(concurrency="48"), T0)
+        # busy 48/64 = 0.75; bottleneck 20 ms: 0.75, 0.75, 0.75 * 10/20, 0.75 * 10/20
+        sig_st = status(world)["signals"]
+        assert sig_st["stageUtilizationSource"] == "derived"
+        assert sig_st["stageUtilization"] == [0.75, 0.75, 0.375, 0.375]
+        assert sig_st["pipelineUtilization"] == 0.75
+        assert _signals_condition(world)["reason"] == "SignalsOk"
+
+    def test_sim_records_the_engine_source(self, world: FakeApi) -> None:
+        sig = FakeSignals()
+        run(world, sig, T0)
+        assert sig.engines == ["sim"]
+        sig_st = status(world)["signals"]
+        assert sig_st["stageUtilizationSource"] == "engine" and sig_st.get("pipelineUtilization") is None
+
+    def test_p99_high_shifts_without_stage_times(self, world: FakeApi) -> None:
+        # TTFT P99 500 ms > 1.2 x the 200 ms target, three samples in a row → the latency gear.
+        _engine(world, "vllm")
+        sig = VllmProm(ttft_p99_s="0.5")
+        results = [run(world, sig, T0 + 2 * i) for i in range(3)]
+        d = results[-1].decision
+        assert d is not None and d.kind.value == "Shift" and d.trigger == "p99-high" and d.target == "latency"
+        assert results[-1].phase is Phase.WARMING and "latency" in prefill_gears(world)
+        assert _signals_condition(world)["status"] == "True"
+
+    def test_imbalance_shifts_on_derived_utilization(self, world: FakeApi) -> None:
+        # Stage times 30, 10, 10, 10 ms and 62 of 64 seats busy (0.96875): the bottleneck reads 0.969 >
+        # 0.9 while the others read 0.96875 * 10/30 = 0.323 < 0.6 → the throughput gear. P99 150 ms is
+        # between 0.7 and 1.2 x 200 ms, so no latency trigger competes.
+        _engine(world, "vllm")
+        _stage_times(world, "balanced", [30.0, 10.0, 10.0, 10.0])
+        sig = VllmProm(concurrency="62", ttft_p99_s="0.15")
+        results = [run(world, sig, T0 + 2 * i) for i in range(3)]
+        assert status(world)["signals"]["stageUtilization"] == [0.9688, 0.3229, 0.3229, 0.3229]
+        d = results[-1].decision
+        assert d is not None and d.trigger == "imbalance" and d.target == "throughput"
+        assert results[-1].phase is Phase.WARMING
+
+    def test_sim_engine_without_its_series_is_signals_missing(self, world: FakeApi) -> None:
+        # The sim path is unchanged: its per-stage series are required.
+        r = run(world, VllmProm(), T0)
+        assert not r.signals_ok and "gearshift:stage_utilization" in r.message
+        assert _signals_condition(world)["status"] == "False"
+
+
+def test_non_finite_values_never_reach_the_status_patch(world: FakeApi) -> None:
+    class Broken(FakeSignals):
+        def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
+            return Sample(at=at, stage_utilization=(math.nan, 0.5), qps=math.inf, ttft_p99_ms=math.nan,
+                          itl_p99_ms=math.inf, queue=math.nan)  # fmt: skip
+
+    patches: list[dict[str, Any]] = []
+    real = world.patch_status
+
+    def record(*args: Any) -> dict[str, Any]:
+        patches.append(copy.deepcopy(dict(args[-1])))
+        return real(*args)
+
+    world.patch_status = record  # type: ignore[method-assign]
+    run(world, Broken(), T0)
+    run(world, Broken(), T0 + 2)
+    assert patches
+    for p in patches:
+        json.dumps(p, allow_nan=False)  # raises ValueError on NaN/Inf
+    sent = patches[-1]["signals"]
+    assert sent.get("qps") is None and sent["p99ItlMs"] is None and sent["stageUtilization"] == []
+
+
+def test_json_safe() -> None:
+    assert sh.json_safe({"a": [1.0, math.nan, {"b": -math.inf}], "c": "x", "d": 2}) == {
+        "a": [1.0, None, {"b": None}],
+        "c": "x",
+        "d": 2,
+    }
+
+
+def test_signals_to_status_always_sends_the_source_keys() -> None:
+    out = sh.signals_to_status(Sample(at=T0, qps=1.0), ShiftPolicy(), 1)
+    assert "stageUtilizationSource" in out and out["stageUtilizationSource"] is None
+    assert "pipelineUtilization" in out and out["pipelineUtilization"] is None

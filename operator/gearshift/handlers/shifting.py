@@ -6,10 +6,16 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
 2. observe the role's world: StatefulSets and pods per gear (Ready, Ready since, OOM/crash loops), the
    gear the role Service ``<pds>-<role>`` selects, whether free GPUs hold a full shadow of another gear;
 3. fetch one sample of the serving gear from Prometheus (``PDService.spec.prometheusUrl``, else the
-   operator's ``--prometheus-url``); during ``Draining`` also the old gear's in-flight requests, during
-   ``RollingBack`` the failed gear's (:func:`~gearshift.control.executor.draining_gear`). No
-   Prometheus, an error or a missing series → ``SignalsAvailable=False`` and the decision holds (no shift
-   starts; a shift already running still finishes, its steps need no signals);
+   operator's ``--prometheus-url``) with the queries of the PDService's ``spec.engine``
+   (:func:`gearshift.control.signals.signal_queries`): the sim exports per-stage utilisation, for vLLM
+   it is derived from the head's metrics and the gear's ``predictedTimeMs``
+   (:func:`gearshift.control.signals.derived_stage_utilization`); during ``Draining`` also the old
+   gear's in-flight requests, during ``RollingBack`` the failed gear's
+   (:func:`~gearshift.control.executor.draining_gear`). No Prometheus, an error or a missing series →
+   ``SignalsAvailable=False`` and the decision holds (no shift starts; a shift already running still
+   finishes, its steps need no signals). A vLLM sample without derivable stage utilisation (a
+   multi-stage gear without stage times, or no completions yet) is still a sample:
+   ``SignalsAvailable=True`` with reason ``StageBalanceUnavailable`` and the imbalance trigger off;
 4. :func:`gearshift.control.decide.decide` → :func:`gearshift.control.adapt.shift_request` →
    :func:`gearshift.control.executor.step`; when the active gear holds stages on a time-limited node the
    reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``), :func:`window_request`
@@ -36,6 +42,7 @@ it every turn. Both need kopf's finalizer on the GearSet.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -75,9 +82,13 @@ from gearshift.control.executor import (
 )
 from gearshift.control.policy import GearTable, PolicyError, ShiftPolicy
 from gearshift.control.signals import (
+    Engine,
     GearSelector,
+    PipelineShape,
+    Reading,
     SignalsUnavailable,
-    fetch_sample,
+    UtilizationSource,
+    fetch_reading,
     queue_query,
     running_query,
 )
@@ -111,6 +122,10 @@ log = logging.getLogger(__name__)
 PLURAL = "gearsets"
 #: Condition reason when signals are there.
 REASON_SIGNALS_OK = "SignalsOk"
+#: Condition reason (SignalsAvailable=True) when a sample has no per-stage utilisation: vLLM exports none
+#: and the gear's stage times, which the derivation needs, are unknown (or nothing completed yet); the
+#: imbalance trigger is off, the others run.
+REASON_STAGE_BALANCE_UNAVAILABLE = "StageBalanceUnavailable"
 #: Condition reason when neither the PDService nor the operator names a Prometheus.
 REASON_NO_PROMETHEUS = "NoPrometheus"
 #: The shortest loop period, s, whatever ``sampleIntervalS`` says (keeps a typo from spinning the loop).
@@ -201,9 +216,28 @@ _SAMPLE_KEYS = {
 
 
 def _sample_to_ema(s: Sample) -> dict[str, float]:
-    out = {key: float(v) for f, key in _SAMPLE_KEYS.items() if (v := getattr(s, f)) is not None}
-    out |= {f"stage{k}": float(u) for k, u in enumerate(s.stage_utilization)}
+    # Non-finite values are no data: JSON has no NaN/Inf, and the API server would refuse the patch.
+    out = {key: float(v) for f, key in _SAMPLE_KEYS.items() if _finite(v := getattr(s, f)) is not None}
+    if all(math.isfinite(u) for u in s.stage_utilization):
+        out |= {f"stage{k}": float(u) for k, u in enumerate(s.stage_utilization)}
     return out
+
+
+def _finite(v: float | None) -> float | None:
+    """``v`` when it is a finite number, else ``None`` (NaN and ±Inf mean no data)."""
+    return v if v is not None and math.isfinite(v) else None
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±Inf) replaced by ``None``, recursively through dicts,
+    lists and tuples: the last guard before a status patch, whose JSON encoding refuses them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _ema_to_sample(ema: Mapping[str, float]) -> Sample | None:
@@ -257,18 +291,28 @@ def control_to_status(d: DecisionState, policy: ShiftPolicy) -> dict[str, Any]:
 #: ``status.signals`` keys of latency percentiles: they describe completed requests, so a sample window
 #: without any has none of them (camelCase, as stored).
 LATENCY_SIGNAL_KEYS = ("p99Ms", "p50TtftMs", "p99TtftMs", "p50ItlMs", "p99ItlMs", "p50E2eMs", "p99E2eMs")
+#: ``status.signals`` keys that only some samples have (always sent, ``null`` when unknown).
+OPTIONAL_SIGNAL_KEYS = (*LATENCY_SIGNAL_KEYS, "stageUtilizationSource", "pipelineUtilization")
 
 
 def signals_to_status(
-    s: Sample, policy: ShiftPolicy, replicas: int, raw: Sample | None = None
+    s: Sample,
+    policy: ShiftPolicy,
+    replicas: int,
+    raw: Sample | None = None,
+    reading: Reading | None = None,
 ) -> dict[str, Any]:
     """``status.signals`` from the smoothed sample ``s`` (``queueLength`` per pipeline replica).
 
     ``raw`` is the sample ``s`` was smoothed from. The moving average keeps a latency through samples
     that have none (the triggers want that), but shown in ``kubectl get gearsets`` it is stale: when
     ``raw`` has no completed request in its window (``qps`` 0, requests/s), or no value for a
-    percentile, that percentile is written as ``null``. The keys are always present (``null`` when
-    unknown) because a JSON merge patch leaves out-of-patch keys as they were."""
+    percentile, that percentile is written as ``null``. ``reading`` (the raw sample's) gives
+    ``stageUtilizationSource`` (engine, derived, none) and, for vLLM, ``pipelineUtilization`` (this
+    sample's seat occupancy of the head, not smoothed). When the raw sample has no stage utilisation,
+    ``stageUtilization`` is empty rather than the average of an earlier one. The optional keys are
+    always present (``null`` when unknown) because a JSON merge patch leaves out-of-patch keys as they
+    were. Non-finite numbers are written as ``null``."""
     no_traffic = raw is not None and raw.qps <= 0.0
 
     def shown(smoothed: float | None, measured: float | None) -> float | None:
@@ -276,10 +320,14 @@ def signals_to_status(
             return None
         return _round(smoothed)
 
+    stages = s.stage_utilization
+    if raw is not None and not raw.stage_utilization:
+        stages = ()
+
     metric = policy.latency_metric
     sig = GearSignals(
         sample_time=datetime.fromtimestamp(s.at, UTC),
-        qps=round(s.qps, 3),
+        qps=_finite(round(s.qps, 3)),
         p99_ms=shown(s.p99_ms(metric), raw.p99_ms(metric) if raw else None),
         p50_ttft_ms=shown(s.ttft_p50_ms, raw.ttft_p50_ms if raw else None),
         p99_ttft_ms=shown(s.ttft_p99_ms, raw.ttft_p99_ms if raw else None),
@@ -287,14 +335,18 @@ def signals_to_status(
         p99_itl_ms=shown(s.itl_p99_ms, raw.itl_p99_ms if raw else None),
         p50_e2e_ms=shown(s.e2e_p50_ms, raw.e2e_p50_ms if raw else None),
         p99_e2e_ms=shown(s.e2e_p99_ms, raw.e2e_p99_ms if raw else None),
-        queue_length=round(s.queue / max(replicas, 1), 3),
-        stage_utilization=[round(u, 4) for u in s.stage_utilization],
+        queue_length=_finite(round(s.queue / max(replicas, 1), 3)),
+        stage_utilization=[round(u, 4) for u in stages] if all(math.isfinite(u) for u in stages) else [],
+        stage_utilization_source=None if reading is None else reading.source.value,
+        pipeline_utilization=None
+        if reading is None or _finite(reading.pipeline_utilization) is None
+        else round(reading.pipeline_utilization, 4),  # type: ignore[arg-type]
     )
-    return {k: None for k in LATENCY_SIGNAL_KEYS} | sig.to_json()
+    return {k: None for k in OPTIONAL_SIGNAL_KEYS} | json_safe(sig.to_json())
 
 
 def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 2)
+    return None if v is None or not math.isfinite(v) else round(v, 2)
 
 
 # --- the observed world (pure) -------------------------------------------------------------------------
@@ -405,8 +457,11 @@ def shadow_fits(
 class SignalSource(Protocol):
     """Where a tick gets its numbers (Prometheus in the operator, a fake in unit tests)."""
 
-    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
-        """One raw sample of ``sel``'s gear; raises SignalsUnavailable."""
+    def sample(
+        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
+    ) -> Reading:
+        """One raw reading of ``sel``'s gear served by ``engine`` (``shape``: its stages, for vLLM's
+        derived stage utilisation); raises SignalsUnavailable."""
         ...
 
     def in_flight(self, url: str, sel: GearSelector) -> int:
@@ -420,8 +475,10 @@ class PrometheusSignals:
     def __init__(self, timeout_s: float = 2.0) -> None:
         self.timeout_s = timeout_s
 
-    def sample(self, url: str, sel: GearSelector, at: float) -> Sample:
-        return fetch_sample(url, sel, at, timeout_s=self.timeout_s)
+    def sample(
+        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
+    ) -> Reading:
+        return fetch_reading(url, sel, at, engine=engine, shape=shape, timeout_s=self.timeout_s)
 
     def in_flight(self, url: str, sel: GearSelector) -> int:
         import requests
@@ -440,6 +497,18 @@ class PrometheusSignals:
                 raise SignalsUnavailable(f"no series for {q!r}")
             total += float(result[0]["value"][1])
         return round(total)
+
+
+def pipeline_shape(gear: Gear) -> PipelineShape:
+    """What vLLM's derived stage utilisation needs of ``gear``: the planner's per-stage times
+    (``predictedTimeMs``, ms; ``None`` where not given), per-stage replicas and ``maxBatch``
+    (``--max-num-seqs``)."""
+    return PipelineShape(
+        gear=gear.name,
+        stage_times_ms=tuple(s.predicted_time_ms for s in gear.stages),
+        stage_replicas=tuple(s.replicas for s in gear.stages),
+        max_num_seqs=gear.max_batch,
+    )
 
 
 # --- one tick ------------------------------------------------------------------------------------------
@@ -549,13 +618,20 @@ def tick(
     selected = selected_gear(api.get(*SVC, namespace, names.role_service_name(service, role)))
     url = pds.spec.prometheus_url or settings.prometheus_url
     sample_gear = selected if selected in by_gear else state.active
+    spec_gears = {g.name: g for g in gears}
+    engine: Engine = pds.spec.engine
     sample: Sample | None = None
+    reading: Reading | None = None
     why = ""
     if not url:
         why = "no Prometheus URL: set PDService spec.prometheusUrl or the operator's --prometheus-url"
     else:
+        shape = pipeline_shape(spec_gears[sample_gear]) if sample_gear in spec_gears else None
         try:
-            sample = signals.sample(url, GearSelector(namespace, service, role, sample_gear), now)
+            reading = signals.sample(
+                url, GearSelector(namespace, service, role, sample_gear), now, engine=engine, shape=shape
+            )
+            sample = reading.sample
         except SignalsUnavailable as exc:
             why = str(exc)
     # The gear being drained: the old one while Draining, the failed one while RollingBack.
@@ -567,7 +643,6 @@ def tick(
         except SignalsUnavailable as exc:
             log.info("GearSet %s/%s: in-flight requests of %s unknown: %s", namespace, name, drained, exc)
     observations: dict[str, GearObservation] = {}
-    spec_gears = {g.name: g for g in gears}
     for gname, objs in by_gear.items():
         pods = [p for p in pods_all if (p["metadata"].get("labels") or {}).get(names.LABEL_GEAR) == gname]
         obs = observe_gear(spec_gears.get(gname), objs, pods)
@@ -603,7 +678,15 @@ def tick(
     # --- status --------------------------------------------------------------------------------------
     gen = gs_body["metadata"].get("generation")
     book = ConditionBook(conditions_from([c.to_json() for c in st.conditions]), gen, _now_dt(now))
-    if sample is not None:
+    if reading is not None and reading.source is UtilizationSource.NONE:
+        book.set(
+            COND_SIGNALS_AVAILABLE,
+            "True",
+            REASON_STAGE_BALANCE_UNAVAILABLE,
+            f"Prometheus at {url} answers (engine {engine}); {reading.note}: the imbalance trigger is off "
+            "for this gear, the saturation and P99 triggers run",
+        )
+    elif sample is not None:
         book.set(COND_SIGNALS_AVAILABLE, "True", REASON_SIGNALS_OK, f"Prometheus at {url} answers")
     else:
         reason = REASON_NO_PROMETHEUS if not url else REASON_SIGNALS_MISSING
@@ -630,10 +713,10 @@ def tick(
         "observedGeneration": gen,
     }
     if new_dstate.smoothed is not None and sample is not None:
-        patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas, sample)
+        patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas, sample, reading)
     with service_lock(namespace, service):
         patch["conditions"] = _keep_other_conditions(api, namespace, name, patch["conditions"])
-        api.patch_status(*GS, namespace, name, patch)
+        api.patch_status(*GS, namespace, name, json_safe(patch))
 
     # --- act -----------------------------------------------------------------------------------------
     for a in actions:
