@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -11,16 +12,34 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from vllm_ref import vllm_protocol
 
 from gearshift.model import GIB, ModelArch, load_hf_config
 from gearshift.sim.config import SimConfigError, config_from_env, on_own_card
 from gearshift.sim.engine import Engine, RequestRejected
 from gearshift.sim.perfmodel import Link, PerfModel, PerfParams, Work, parse_pipeline
-from gearshift.sim.server import BadRequest, build_app, parse_request
+from gearshift.sim.server import (
+    ENGINE_KEY,
+    REMOTE_PREFILL_KEYS,
+    BadRequest,
+    build_app,
+    engine_request_id,
+    parse_request,
+    remote_prefill_tokens,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA8B_PATH = str(REPO / "examples" / "models" / "llama-3-8b.json")
 LLAMA8B = load_hf_config(LLAMA8B_PATH)
+#: The prefill leg's kv_transfer_params as vLLM's toy proxy sends them (and the router does).
+TOY_PROXY_PREFILL_KTP = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 ARCH = ModelArch("tiny", num_layers=4, hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128,
                  intermediate_size=4096, vocab_size=1000)  # fmt: skip
 
@@ -107,6 +126,22 @@ class TestScheduler:
 
 def math_ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class TestPdProtocol:
+    def test_remote_prefill_needs_blocks_and_the_four_keys(self) -> None:
+        full = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e",
+                "remote_request_id": "r", "remote_host": "h", "remote_port": 1}  # fmt: skip
+        assert remote_prefill_tokens(full, 50) == 50  # the decode request's own prompt, as vLLM counts
+        assert remote_prefill_tokens({**full, "do_remote_prefill": False}, 50) == 0
+        assert remote_prefill_tokens({**full, "remote_block_ids": []}, 50) == 0
+        for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port"):
+            assert remote_prefill_tokens({k: v for k, v in full.items() if k != key}, 50) == 0
+        assert remote_prefill_tokens({}, 50) == 0
+
+    def test_engine_request_ids(self) -> None:
+        assert re.fullmatch(r"cmpl-a-0-[0-9a-f]{8}", engine_request_id("cmpl-a", chat=False))
+        assert re.fullmatch(r"chatcmpl-a-[0-9a-f]{8}", engine_request_id("chatcmpl-a", chat=True))
 
 
 class TestParsing:
@@ -254,16 +289,31 @@ class TestServer_:
         body = {"prompt": [3] * 1000, "max_tokens": 3}
         r = await prefill.post(
             "/v1/completions",
-            json={
-                **body,
-                "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
-            },
+            json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": TOY_PROXY_PREFILL_KTP},
+            headers={"X-Request-Id": "rid-7"},
         )
         doc = await r.json()
+        assert doc["id"] == "cmpl-rid-7"  # vLLM: cmpl-<X-Request-Id>
         ktp = doc["kv_transfer_params"]
-        assert ktp["do_remote_prefill"] is True and ktp["num_prompt_tokens"] == 1000
-        assert len(ktp["remote_block_ids"]) == math_ceil(1000, 16)
+        (blocks,) = ktp["remote_block_ids"]  # one KV-cache group
+        assert blocks == list(range(blocks[0], blocks[0] + math_ceil(1000, 16)))
+        assert re.fullmatch(r"cmpl-rid-7-0-[0-9a-f]{8}", ktp["remote_request_id"])
+        stats = await (await prefill.get("/sim/stats")).json()
+        assert ktp == {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": stats["engineId"],
+            "remote_request_id": ktp["remote_request_id"],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": 1000,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+        }
         assert doc["usage"]["completion_tokens"] == 1
 
         model = PerfModel(
@@ -275,6 +325,59 @@ class TestServer_:
         _, times, t0 = await _stream(decode, {**body, "kv_transfer_params": ktp})
         assert expected <= times[0] - t0 < expected + 0.15
         assert len(times) == 3
+
+    async def test_chat_prefill_ids_and_a_pipeline_tp_pp(self, client_for: Any) -> None:
+        stage = {"gpu": "A10-24GB", "gpus": 2}
+        doc = {"stages": [{"layers": [0, 16], **stage}, {"layers": [16, 32], **stage}]}
+        prefill = await client_for(a10_env(GEARSHIFT_ROLE="prefill", GEARSHIFT_PIPELINE=json.dumps(doc)))
+        body = {
+            "messages": [{"role": "user", "content": "a b c"}],
+            "max_tokens": 1,
+            "max_completion_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": TOY_PROXY_PREFILL_KTP,
+        }
+        out = await (
+            await prefill.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "c1"})
+        ).json()
+        assert out["id"] == "chatcmpl-c1"
+        ktp = out["kv_transfer_params"]
+        assert re.fullmatch(r"chatcmpl-c1-[0-9a-f]{8}", ktp["remote_request_id"])
+        assert (ktp["tp_size"], ktp["pp_size"], ktp["remote_num_tokens"]) == (2, 2, 3)
+
+    async def test_ids_from_the_body_or_new(self, client_for: Any) -> None:
+        client = await client_for(a10_env())
+        out = await (await client.post("/v1/completions", json={"prompt": "a", "request_id": "b-2"})).json()
+        assert out["id"] == "cmpl-b-2"
+        out = await (await client.post("/v1/completions", json={"prompt": "a"})).json()
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", out["id"])
+
+    async def test_kv_transfer_params_only_for_a_remote_decode_request(self, client_for: Any) -> None:
+        # vLLM's NixlConnector returns them only for a request that asked (request_finished: no params, no
+        # answer); a prefill pod still answers a plain request after one token (the simulator's role rule).
+        prefill = await client_for(a10_env(GEARSHIFT_ROLE="prefill"))
+        out = await (await prefill.post("/v1/completions", json={"prompt": "a b", "max_tokens": 4})).json()
+        assert "kv_transfer_params" not in out and out["usage"]["completion_tokens"] == 1
+
+    async def test_decode_with_invalid_params_prefills_itself(self, client_for: Any) -> None:
+        decode = await client_for(a10_env(GEARSHIFT_ROLE="decode"))
+        engine = decode.server.app[ENGINE_KEY]
+        calls: list[dict[str, Any]] = []
+        real = engine.new_request
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            calls.append(kw)
+            return real(*args, **kw)
+
+        engine.new_request = spy  # type: ignore[method-assign]
+        # vLLM 0.11's shape lacks remote_request_id: 0.32 ignores such params ("Got invalid KVTransferParams")
+        old = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],
+               "remote_engine_id": "e", "remote_host": "h", "remote_port": 5600, "tp_size": 1}  # fmt: skip
+        body = {"prompt": [1] * 40, "max_tokens": 2}
+        assert (await decode.post("/v1/completions", json={**body, "kv_transfer_params": old})).status == 200
+        good = {**old, "remote_request_id": "cmpl-x-0-abcdefgh"}
+        assert (await decode.post("/v1/completions", json={**body, "kv_transfer_params": good})).status == 200
+        assert [c["remote_kv_tokens"] for c in calls] == [0, 40]
 
     async def test_metrics_use_vllm_names_and_count(self, client_for: Any) -> None:
         client = await client_for(a10_env())
@@ -333,3 +436,93 @@ def test_listen_flags_make_one_engine_config_per_listener() -> None:
     cfgs = configs_from_args(args, a10_env())
     assert [c.listen for c in cfgs] == ["127.0.0.2:8000", "127.0.0.3:8000"]
     assert cfgs[0] == replace(cfgs[1], host="127.0.0.2")
+
+
+# --- the simulated engine against vLLM's own code ------------------------------------------------------
+class TestAgainstVllm:
+    async def test_prefill_answers_parse_as_vllm_responses_with_nixl_keys(self, client_for: Any) -> None:
+        vllm = vllm_protocol()
+        nixl = vllm.nixl()
+        prefill = await client_for(a10_env(GEARSHIFT_ROLE="prefill"))
+        decode = await client_for(a10_env(GEARSHIFT_ROLE="decode"))
+        legs = {
+            "completion": ("/v1/completions", {"model": "llama", "prompt": "a b c", "max_tokens": 5}),
+            "chat": (
+                "/v1/chat/completions",
+                {
+                    "model": "llama",
+                    "messages": [{"role": "user", "content": "a b"}],
+                    "max_completion_tokens": 5,
+                },
+            ),
+        }
+        for kind, (path, body) in legs.items():
+            ask = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": TOY_PROXY_PREFILL_KTP}
+            if kind == "chat":
+                ask["max_completion_tokens"] = 1
+            r = await prefill.post(path, json=ask, headers={"X-Request-Id": f"v-{kind}"})
+            assert r.status == 200
+            doc = await r.json()
+            parsed = vllm.response(kind, doc)
+            ktp = doc["kv_transfer_params"]
+            assert parsed["kv_transfer_params"] == ktp
+            # the keys NixlConnector's scheduler returns (request_finished), no more, no fewer
+            assert sorted(ktp) == sorted(nixl["prefill_returns"]), nixl["source"]
+            # what vLLM's decode side requires before it pulls (update_state_after_alloc)
+            assert list(REMOTE_PREFILL_KEYS) == nixl["decode_requires"]
+            # the decode leg the router builds from it reaches vLLM's engine with these params
+            dec = {**body, "kv_transfer_params": ktp}
+            seen = vllm.request(kind, dec)
+            assert seen["extra"] == [] and seen["kv_transfer_params"] == ktp and seen["max_tokens"] == 5
+            r = await decode.post(path, json=dec, headers={"X-Request-Id": f"v-{kind}"})
+            assert r.status == 200
+            assert (
+                vllm.response(kind, await r.json())["id"]
+                == ("chatcmpl-" if kind == "chat" else "cmpl-") + f"v-{kind}"
+            )
+
+
+async def test_router_and_sim_speak_one_protocol(client_for: Any) -> None:
+    """The router in front of a simulated prefill and decode pod: the decode pod pulls the KV of the
+    prompt (no prefill of its own) under the client's request id."""
+    from gearshift.router.pool import BackendInfo, PolicyConfig
+    from gearshift.router.server import Router, RouterSettings
+
+    prefill = await client_for(a10_env(GEARSHIFT_ROLE="prefill"))
+    decode = await client_for(a10_env(GEARSHIFT_ROLE="decode"))
+    engine = decode.server.app[ENGINE_KEY]
+    calls: list[dict[str, Any]] = []
+    real = engine.new_request
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        calls.append(kw)
+        return real(*args, **kw)
+
+    engine.new_request = spy  # type: ignore[method-assign]
+    router = Router(
+        RouterSettings(
+            backends=[
+                BackendInfo("p0", str(prefill.make_url("")).rstrip("/"), "prefill"),
+                BackendInfo("d0", str(decode.make_url("")).rstrip("/"), "decode"),
+            ],
+            policy=PolicyConfig(policy="round-robin"),
+            scrape_interval_s=0.05,
+            health_interval_s=30.0,
+            seed=1,
+        )
+    )
+    client = TestClient(TestServer(router.app(), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        body = {"model": "llama", "prompt": [5] * 64, "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        resp = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "e2e-1"})
+        assert resp.status == 200 and resp.headers["X-Request-Id"] == "e2e-1"
+        events = [e.removeprefix("data: ") for e in (await resp.text()).split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert {c["id"] for c in chunks} == {"cmpl-e2e-1"}
+        assert chunks[-1]["usage"] == {"prompt_tokens": 64, "completion_tokens": 3, "total_tokens": 67}
+        assert calls == [{"remote_kv_tokens": 64, "prefill_only": False}]
+    finally:
+        await client.close()

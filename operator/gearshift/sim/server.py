@@ -12,10 +12,13 @@ counting words gets the same count. There is no EOS: a request always generates 
 (vLLM with ``ignore_eos: true``); ``max_tokens`` defaults to 16 for completions (OpenAI's default) and
 :data:`DEFAULT_CHAT_MAX_TOKENS` for chat.
 
-PD protocol (docs/ARCHITECTURE.md): a ``prefill`` pod, or any request with
-``kv_transfer_params.do_remote_decode``, answers after the first token with ``kv_transfer_params`` for
-the decode pod; a request with ``kv_transfer_params.do_remote_prefill`` skips prefill and pulls
-``num_prompt_tokens`` tokens of KV over the KV link first.
+PD protocol (docs/ARCHITECTURE.md), as vLLM's NixlConnector speaks it (see :func:`prefill_kv_transfer_params`
+and :func:`remote_prefill_tokens`): a request with ``kv_transfer_params.do_remote_decode`` is prefilled
+and answered after one token with the ``kv_transfer_params`` a decode pod needs, in NixlConnector's
+shape; a request with valid ``kv_transfer_params.do_remote_prefill`` skips prefill and pulls its prompt's
+KV over the KV link first. A ``prefill`` pod answers any request after one token. Request ids follow
+vLLM's serving layer: the response ``id`` is ``cmpl-<X-Request-Id>`` (``chatcmpl-`` for chat), the
+header's value, else the body's ``request_id``, else a new one.
 
 One process can serve many pods: ``--listen HOST:PORT`` repeated (same engine settings, one engine per
 listener) or ``--pods FILE`` (YAML/JSON list of ``{listen: HOST:PORT, env: {GEARSHIFT_...}}``).
@@ -27,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -50,8 +54,17 @@ from gearshift.sim.perfmodel import PerfModel
 DEFAULT_CHAT_MAX_TOKENS = 256
 TOKEN_TEXT = " tok"
 ENGINE_KEY = web.AppKey("engine", Engine)
+ENGINE_ID_KEY = web.AppKey("engine_id", str)
 CONFIG_KEY = web.AppKey("config", SimConfig)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+log = logging.getLogger(__name__)
+#: vLLM's default NIXL side-channel port, ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (vllm/envs.py), which a prefill
+#: pod's ``kv_transfer_params`` name as ``remote_port`` (the simulator opens no side channel).
+NIXL_SIDE_CHANNEL_PORT = 5600
+#: What a decode request's ``kv_transfer_params`` must hold besides non-empty ``remote_block_ids`` for
+#: vLLM to pull the KV (``update_state_after_alloc`` in
+#: vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py, 0.32).
+REMOTE_PREFILL_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
 # --- request parsing (pure) ----------------------------------------------------------------------
@@ -65,6 +78,8 @@ class ParsedRequest:
     include_usage: bool
     model: str | None
     kv_transfer_params: Mapping[str, Any] | None
+    request_id: str | None = None
+    """The body's ``request_id`` (vLLM's own field; the ``X-Request-Id`` header comes first)."""
 
 
 class BadRequest(ValueError):
@@ -140,6 +155,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if ktp is not None and not isinstance(ktp, dict):
         raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
     model = body.get("model")
+    rid = body.get("request_id")
     return ParsedRequest(
         prompt_tokens=prompt,
         max_tokens=max_tokens,
@@ -147,7 +163,72 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         include_usage=bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False,
         model=model if isinstance(model, str) else None,
         kv_transfer_params=ktp,
+        request_id=rid if isinstance(rid, str) and rid else None,
     )
+
+
+# --- PD protocol (pure) --------------------------------------------------------------------------
+def response_id(headers: Mapping[str, str], pr: ParsedRequest, chat: bool) -> str:
+    """The response ``id``: ``cmpl-<id>`` or ``chatcmpl-<id>``, ``<id>`` being the ``X-Request-Id``
+    header, else the body's ``request_id``, else a new one (vLLM's serving layer: ``_base_request_id``
+    in vllm/entrypoints/serve/engine/serving.py, used by openai/completion/serving.py and
+    openai/chat_completion/serving.py)."""
+    base = headers.get("X-Request-Id") or pr.request_id or uuid.uuid4().hex
+    return ("chatcmpl-" if chat else "cmpl-") + base
+
+
+def engine_request_id(rid: str, chat: bool) -> str:
+    """The engine's internal id of a request whose response id is ``rid``: completions add the prompt's
+    index (``f"{request_id}-{i}"``, vllm/entrypoints/openai/completion/serving.py), and the engine adds 8
+    random characters (``assign_request_id`` in vllm/v1/engine/input_processor.py). A prefill pod returns
+    it as ``remote_request_id``."""
+    return f"{rid if chat else rid + '-0'}-{uuid.uuid4().hex[:8]}"
+
+
+def prefill_kv_transfer_params(
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    tp_size: int,
+    pp_size: int,
+) -> dict[str, Any]:
+    """What a prefill pod answers a ``do_remote_decode`` request with: the dict NixlConnector's scheduler
+    returns from ``request_finished`` (vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py,
+    0.32; nixl_connector.py before), key for key. ``remote_block_ids`` holds one list per KV-cache group
+    (one group here: every layer is full attention); ``remote_host``/``remote_port`` are the pod's NIXL side
+    channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``, the pod IP, and :data:`NIXL_SIDE_CHANNEL_PORT`);
+    ``tp_size`` is the GPUs of a stage (vLLM: the same TP on every stage)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(block_ids)],
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": NIXL_SIDE_CHANNEL_PORT,
+        "tp_size": tp_size,
+        "dcp_size": 1,
+        "pp_size": pp_size,
+        "remote_num_tokens": num_tokens,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+    }
+
+
+def remote_prefill_tokens(ktp: Mapping[str, Any], prompt_tokens: int) -> int:
+    """Prompt tokens whose KV a decode request pulls instead of computing: all of them when
+    ``kv_transfer_params`` asks for a remote prefill and names the blocks and where they are, else 0 (vLLM
+    logs "Got invalid KVTransferParams" and the request does not use KV transfer). vLLM counts the decode
+    request's own prompt, not a number sent along (``get_num_new_matched_tokens`` and
+    ``update_state_after_alloc`` in vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py)."""
+    if not ktp.get("do_remote_prefill"):
+        return 0
+    if not ktp.get("remote_block_ids") or not all(k in ktp for k in REMOTE_PREFILL_KEYS):
+        return 0
+    return prompt_tokens
 
 
 def _error(
@@ -189,14 +270,11 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     if pr.model is not None and pr.model != cfg.served_model_name:
         return _error(404, f"The model `{pr.model}` does not exist.", "model", "NotFoundError")
     ktp = pr.kv_transfer_params or {}
-    remote_kv = 0
-    if ktp.get("do_remote_prefill"):
-        n = ktp.get("num_prompt_tokens", pr.prompt_tokens)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            msg = "kv_transfer_params.num_prompt_tokens must be a positive integer"
-            return _error(400, msg, "kv_transfer_params")
-        remote_kv = n
-    prefill_only = bool(ktp.get("do_remote_decode")) or cfg.role == "prefill"
+    remote_kv = remote_prefill_tokens(ktp, pr.prompt_tokens)
+    if ktp.get("do_remote_prefill") and not remote_kv:
+        log.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", ktp)
+    remote_decode = bool(ktp.get("do_remote_decode"))
+    prefill_only = remote_decode or cfg.role == "prefill"
     max_tokens = 1 if prefill_only else pr.max_tokens
     try:
         req = engine.new_request(
@@ -205,7 +283,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     except RequestRejected as exc:
         return _error(400, str(exc), exc.param)
     created = int(time.time())
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+    rid = response_id(request.headers, pr, chat)
     obj = "chat.completion" if chat else "text_completion"
     try:
         if not pr.stream:
@@ -218,16 +296,17 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                 "choices": [_choice(chat, req.generated, req.finish_reason, delta=False)],
                 "usage": _usage(req),
             }
-            if prefill_only:
-                out["kv_transfer_params"] = {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_engine_id": cfg.listen,
-                    "remote_host": cfg.host,
-                    "remote_port": cfg.port,
-                    "remote_block_ids": list(range(req.first_block, req.first_block + _blocks(engine, req))),
-                    "num_prompt_tokens": req.prompt_tokens,
-                }
+            if remote_decode:
+                stages = cfg.pipeline.stages
+                out["kv_transfer_params"] = prefill_kv_transfer_params(
+                    engine_id=request.app[ENGINE_ID_KEY],
+                    request_id=engine_request_id(rid, chat),
+                    host=cfg.host,
+                    block_ids=range(req.first_block, req.first_block + _blocks(engine, req)),
+                    num_tokens=req.prompt_tokens,
+                    tp_size=stages[0].gpus,
+                    pp_size=len(stages),
+                )
             return web.json_response(out)
         return await _stream(
             request, engine, req, chat, rid, obj, created, pr.include_usage, cfg.served_model_name
@@ -313,7 +392,8 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _stats(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     cfg = request.app[CONFIG_KEY]
-    return web.json_response({"listen": cfg.listen, "role": cfg.role, **engine.stats()})
+    doc = {"listen": cfg.listen, "role": cfg.role, "engineId": request.app[ENGINE_ID_KEY], **engine.stats()}
+    return web.json_response(doc)
 
 
 # --- app construction ----------------------------------------------------------------------------
@@ -383,6 +463,9 @@ def build_app(cfg: SimConfig, lag: LoopLagMonitor | None = None) -> web.Applicat
     if lag is not None:
         engine.metrics.add_collector(lag.collector)
     app[ENGINE_KEY] = engine
+    # NixlConnector's engine id: kv_transfer_config.engine_id, by default a new uuid4 per engine
+    # (vllm/config/kv_transfer.py).
+    app[ENGINE_ID_KEY] = str(uuid.uuid4())
     app[REGISTRY_KEY] = engine.metrics.registry
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
