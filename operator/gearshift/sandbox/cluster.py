@@ -378,6 +378,9 @@ def _runner_argv(layout: Layout) -> list[str]:
         str(layout.pods_dir),
         "--venv-bin",
         str(layout.venv_bin),
+        "--hostpath-root",
+        str(layout.hostpath_root),
+        *(["--vllm-bin", str(layout.vllm_bin)] if layout.vllm_installed else []),
     ]
 
 
@@ -391,7 +394,8 @@ def code_fingerprint(*modules: str) -> str:
 
 def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say) -> int:
     pidfile = layout.run_dir / "podrunner.pid"
-    code = code_fingerprint("podrunner", "podspec", "procs", "nodes")
+    code = code_fingerprint("podrunner", "podspec", "procs", "nodes", "mountns")
+    code += "+vllm" if layout.vllm_installed else ""
     pid = procs.running(pidfile)
     if pid is not None and state.get("podrunner_code") == code:
         return pid

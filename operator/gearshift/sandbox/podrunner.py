@@ -144,7 +144,15 @@ class PodRun:
 class PodRunner:
     """Watches opted-in pods and runs them (see the module docstring)."""
 
-    def __init__(self, api_client: Any, kubeconfig: Path, pods_dir: Path, venv_bin: Path) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        kubeconfig: Path,
+        pods_dir: Path,
+        venv_bin: Path,
+        vllm_bin: Path | None = None,
+        hostpath_root: Path | None = None,
+    ) -> None:
         from kubernetes import client
 
         self.api = api_client
@@ -152,6 +160,15 @@ class PodRunner:
         self.kubeconfig = kubeconfig
         self.pods_dir = pods_dir
         self.venv_bin = venv_bin
+        self.vllm_bin = vllm_bin
+        self.hostpath_root = hostpath_root or pods_dir / "hostpath"
+        #: Cluster DNS of pods under headless Services (``uid -> (ip, names)``), served to containers in
+        #: a mount namespace as their ``/etc/hosts`` (see ``mountns``); rewritten in place on change so
+        #: that every bind mount of it sees the new records.
+        self.dns: dict[str, tuple[str, list[str]]] = {}
+        self.hosts_path = pods_dir / "hosts"
+        self.hosts_base = Path("/etc/hosts").read_text() if Path("/etc/hosts").is_file() else ""
+        self.next_core = 0
         self.runs: dict[str, PodRun] = {}
         self.finished: set[str] = set()
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
@@ -229,7 +246,34 @@ class PodRunner:
         finally:
             self._shutdown()
 
+    def _update_dns(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind == "RESYNC":
+            gone = set(self.dns) - set(pod["uids"])
+            changed = bool(gone)
+            for uid in gone:
+                del self.dns[uid]
+        else:
+            uid = pod["metadata"]["uid"]
+            ip = (pod.get("status") or {}).get("podIP")
+            names = podspec.cluster_dns_names(pod)
+            record = (ip, names) if ip and names and kind != "DELETED" else None
+            changed = self.dns.get(uid) != record
+            if record is None:
+                self.dns.pop(uid, None)
+            else:
+                self.dns[uid] = record
+        if changed or not self.hosts_path.exists():
+            self.hosts_path.parent.mkdir(parents=True, exist_ok=True)
+            text = podspec.hosts_file(self.hosts_base, self.dns)
+            # In place (same inode): bind mounts of the file see the rewrite.
+            with self.hosts_path.open("a+") as f:
+                f.seek(0)
+                f.truncate()
+                f.write(text)
+
     def _handle(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind in ("SYNC", "ADDED", "MODIFIED", "DELETED", "RESYNC"):
+            self._update_dns(kind, pod)
         if kind == "RESYNC":
             # Pods gone while the watch was down.
             for uid in set(self.runs) - set(pod["uids"]):
@@ -359,7 +403,28 @@ class PodRunner:
                     **env,
                     **extra,
                 }
-                argv = podspec.container_argv(c, full, self.venv_bin)
+                argv = podspec.container_argv(c, full, self.venv_bin, self.vllm_bin)
+                if Path(argv[0]).name == podspec.VLLM_COMMAND and self.vllm_bin is not None:
+                    full.update(podspec.vllm_cpu_env(self.next_core % (os.cpu_count() or 1)))
+                    full["PATH"] = f"{self.vllm_bin}:{full['PATH']}"
+                    self.next_core += 1
+                if c.get("volumeMounts"):
+                    mounts = podspec.mount_plan(pod, c, pod_dir, self.hostpath_root)
+                    plan_file = pod_dir / f"{c['name']}.mounts.json"
+                    plan_file.write_text(json.dumps({"mounts": mounts, "hosts": str(self.hosts_path)}))
+                    argv = [
+                        "unshare",
+                        "--mount",
+                        "--propagation",
+                        "private",
+                        "--",
+                        sys.executable,
+                        "-m",
+                        "gearshift.sandbox.mountns",
+                        str(plan_file),
+                        "--",
+                        *argv,
+                    ]
                 cr = ContainerRun(
                     name=c["name"],
                     image=c.get("image", ""),
@@ -647,11 +712,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--venv-bin", type=Path, default=Path(sys.executable).parent, help="console scripts dir"
     )
+    parser.add_argument("--vllm-bin", type=Path, default=None, help="the vLLM CPU venv's bin dir")
+    parser.add_argument(
+        "--hostpath-root", type=Path, default=None, help="where hostPath volumes live (default: pods dir)"
+    )
     args = parser.parse_args(argv)
     from kubernetes import config as kconfig
 
     api = kconfig.new_client_from_config(config_file=str(args.kubeconfig))
-    runner = PodRunner(api, args.kubeconfig.resolve(), args.pods_dir.resolve(), args.venv_bin)
+    runner = PodRunner(
+        api,
+        args.kubeconfig.resolve(),
+        args.pods_dir.resolve(),
+        args.venv_bin,
+        vllm_bin=args.vllm_bin,
+        hostpath_root=args.hostpath_root,
+    )
     signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
     signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
     runner.run()

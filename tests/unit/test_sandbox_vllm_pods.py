@@ -1,0 +1,145 @@
+"""The pod runner's pure helpers for real-vLLM pods (gearshift.sandbox.podspec): the ``vllm`` program,
+volume mounts as a kubelet makes them, cluster DNS for headless Services, the CPU-platform env."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gearshift.sandbox import podspec
+from gearshift.sandbox.podspec import (
+    PodSpecError,
+    cluster_dns_names,
+    container_argv,
+    hosts_file,
+    mount_plan,
+    quantity_bytes,
+    vllm_cpu_env,
+)
+
+POD = {
+    "metadata": {"name": "svc-prefill-a-s0-0", "namespace": "ns1", "uid": "u-1"},
+    "spec": {
+        "hostname": "svc-prefill-a-s0-0",
+        "subdomain": "svc-prefill-a",
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+            {"name": "scratch", "emptyDir": {}},
+            {
+                "name": "models",
+                "hostPath": {"path": "/var/lib/gearshift/models", "type": "DirectoryOrCreate"},
+            },
+            {"name": "claim", "persistentVolumeClaim": {"claimName": "c"}},
+        ],
+    },
+    "status": {"podIP": "127.9.1.4"},
+}
+
+
+class TestVllmCommand:
+    def test_vllm_resolves_in_the_vllm_venv(self, tmp_path: Path) -> None:
+        vbin = tmp_path / "vllm-venv" / "bin"
+        vbin.mkdir(parents=True)
+        (vbin / "vllm").write_text("#!/bin/sh\n")
+        c = {"name": "engine", "command": ["vllm"], "args": ["serve", "m", "--host", "$(IP)"]}
+        argv = container_argv(c, {"IP": "127.9.1.4"}, tmp_path / "venv" / "bin", vbin)
+        assert argv == [str(vbin / "vllm"), "serve", "m", "--host", "127.9.1.4"]
+
+    def test_vllm_without_install_names_the_fix(self, tmp_path: Path) -> None:
+        c = {"name": "engine", "command": ["vllm"], "args": ["serve", "m"]}
+        with pytest.raises(PodSpecError, match=r"install-vllm\.sh"):
+            container_argv(c, {}, tmp_path, None)
+
+    def test_cpu_env_pins_one_core_and_stays_on_loopback(self) -> None:
+        env = vllm_cpu_env(1)
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+        assert env["VLLM_TARGET_DEVICE"] == "cpu"
+        assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["UCX_NET_DEVICES"] == "lo"
+        assert env["HF_HUB_OFFLINE"] == "1"
+        # Only platform env: nothing that changes what the operator wrote (args, model, ports, roles).
+        assert not any(k.startswith(("GEARSHIFT_", "VLLM_PP_", "VLLM_NIXL_")) for k in env)
+
+
+class TestMounts:
+    def test_kubelet_volume_kinds(self, tmp_path: Path) -> None:
+        c = {
+            "name": "engine",
+            "volumeMounts": [
+                {"name": "dshm", "mountPath": "/dev/shm"},
+                {"name": "scratch", "mountPath": "/scratch"},
+                {"name": "models", "mountPath": "/root/.cache/huggingface", "readOnly": True},
+            ],
+        }
+        plan = mount_plan(POD, c, tmp_path / "pod", tmp_path / "hostpath")
+        assert plan == [
+            {
+                "target": "/dev/shm",
+                "readOnly": False,
+                "kind": "tmpfs",
+                "source": "tmpfs",
+                "sizeBytes": 2 * 2**30,
+            },
+            {
+                "target": "/scratch",
+                "readOnly": False,
+                "kind": "bind",
+                "source": str(tmp_path / "pod" / "volumes" / "scratch"),
+                "sizeBytes": None,
+            },
+            {
+                "target": "/root/.cache/huggingface",
+                "readOnly": True,
+                "kind": "bind",
+                "source": str(tmp_path / "hostpath" / "var/lib/gearshift/models"),
+                "sizeBytes": None,
+            },
+        ]
+
+    @pytest.mark.parametrize(
+        ("mount", "match"),
+        [
+            ({"name": "claim", "mountPath": "/c"}, r"spec.volumes\[claim\]: persistentVolumeClaim"),
+            ({"name": "nope", "mountPath": "/c"}, r"names no volume"),
+            ({"name": "scratch", "mountPath": "rel"}, r"absolute path"),
+            ({"name": "scratch", "mountPath": "/c", "subPath": "x"}, r"subPath"),
+        ],
+    )
+    def test_refused_with_the_field(self, tmp_path: Path, mount: dict, match: str) -> None:
+        with pytest.raises(PodSpecError, match=match):
+            mount_plan(POD, {"name": "engine", "volumeMounts": [mount]}, tmp_path, tmp_path)
+
+    @pytest.mark.parametrize(
+        ("q", "n"), [("2Gi", 2 * 1024**3), ("512M", 512 * 10**6), (1024, 1024), ("1.5Ki", 1536), (None, None)]
+    )
+    def test_quantity(self, q: object, n: int | None) -> None:
+        assert quantity_bytes(q) == n
+
+    def test_bad_quantity(self) -> None:
+        with pytest.raises(PodSpecError, match="quantity"):
+            quantity_bytes("two gigs")
+
+
+class TestClusterDns:
+    def test_statefulset_pod_names(self) -> None:
+        assert cluster_dns_names(POD) == [
+            "svc-prefill-a-s0-0.svc-prefill-a.ns1.svc.cluster.local",
+            "svc-prefill-a-s0-0.svc-prefill-a.ns1.svc",
+            "svc-prefill-a-s0-0.svc-prefill-a.ns1",
+            "svc-prefill-a-s0-0.svc-prefill-a",
+        ]
+
+    def test_no_subdomain_no_record(self) -> None:
+        assert cluster_dns_names({"metadata": {"namespace": "n"}, "spec": {"hostname": "h"}}) == []
+
+    def test_hosts_file_keeps_the_machine_entries(self) -> None:
+        text = hosts_file(
+            "127.0.0.1\tlocalhost\n", {"u2": ("127.9.1.5", ["b.s"]), "u1": ("127.9.1.4", ["a.s"])}
+        )
+        lines = text.splitlines()
+        assert lines[0] == "127.0.0.1\tlocalhost"
+        assert lines[2:] == ["127.9.1.4\ta.s", "127.9.1.5\tb.s"]
+
+
+def test_vllm_is_an_allowed_program() -> None:
+    assert podspec.VLLM_COMMAND in podspec.ALLOWED_COMMANDS
