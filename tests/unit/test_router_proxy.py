@@ -389,14 +389,18 @@ async def test_vllm_reads_the_chat_legs_as_intended(make_router: Factory) -> Non
     assert d["kv_transfer_params"] == nixl_params("p0")
 
 
-async def test_vllm_refuses_the_prefill_leg_had_stream_options_stayed() -> None:
-    # Why the prefill leg drops stream_options: vLLM refuses it on a non-streamed request.
+async def test_vllm_refuses_the_prefill_leg_had_stream_options_or_min_tokens_stayed() -> None:
+    # Why the prefill leg drops them: vLLM refuses stream_options on a non-streamed request, and a
+    # min_tokens above the leg's max_tokens of 1.
     vllm = vllm_protocol()
     out = vllm.call("request", kind="completion", body={"prompt": "x", "stream": False, "stream_options": {}})
     assert out["ok"] is True  # an empty stream_options is falsy, so allowed
     body = {"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}
     out = vllm.call("request", kind="completion", body=body)
     assert out["ok"] is False and "stream_options" in out["error"]
+    out = vllm.call("request", kind="chat", body={**CHAT, "stream": False, "stream_options": None,
+                                                  "max_tokens": 1, "max_completion_tokens": 1})  # fmt: skip
+    assert out["ok"] is False and "min_tokens must be less than or equal to" in out["error"]
 
 
 async def test_streaming_passthrough_and_metrics(make_router: Factory) -> None:
