@@ -236,8 +236,8 @@ class StageLimit:
 
 #: Decode under vLLM's NixlConnector is one pipeline stage. vLLM 0.32.0,
 #: ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py`` (0.32 split the former
-#: ``nixl_connector.py`` into the ``nixl/`` package), ``NixlBaseConnectorWorker.__init__``: with
-#: ``pipeline_parallel_size > 1`` and ``kv_role == "kv_consumer"`` it raises ``NotImplementedError(
+#: ``nixl_connector.py`` into the ``nixl/`` package), ``NixlBaseConnectorWorker.__init__`` (lines 774-779):
+#: with ``pipeline_parallel_size > 1`` and ``kv_role == "kv_consumer"`` it raises ``NotImplementedError(
 #: "NixlPushConnector consumer (decode) does not support pipeline_parallel_size > 1.")`` ("Decode-side PP
 #: is unsupported (completions counted per consumer rank)"); a PP > 1 producer instead writes its layer
 #: slice "into the matching sub-range of a PP=1 remote's regions" (same file, the region slicing in the
