@@ -292,7 +292,9 @@ class TestDockerfiles:
     def test_images_are_pinned_and_non_root(self):
         worker = (ROOT / "worker-image/Dockerfile").read_text()
         op = (ROOT / "operator.Dockerfile").read_text()
-        assert "FROM vllm/vllm-openai:v0.11.0" in worker
+        from gearshift.k8s.engine import VLLM_VERSION
+
+        assert f"FROM vllm/vllm-openai:v{VLLM_VERSION}\n" in worker
         assert all(
             ln.split()[1].count(":") == 1 and ":latest" not in ln
             for ln in op.splitlines()

@@ -62,12 +62,12 @@ def build_router_deployment(
     owner: dict[str, Any] | None = None,
     prometheus_url: str | None = None,
 ) -> dict[str, Any]:
-    """The router Deployment ``<pds>-router``; labelled for the sandbox pod runner when engine is ``sim``."""
+    """The router Deployment ``<pds>-router``; labelled for the sandbox pod runner (an inert label on a
+    cluster), whatever the engine: in the sandbox the router runs beside simulated or real vLLM pods."""
     name = names.router_name(service)
     selector = {names.LABEL_SERVICE: service, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
     pod_labels = names.common_labels(service, names.COMPONENT_ROUTER)
-    if spec.engine == "sim":
-        pod_labels[names.LABEL_SANDBOX_RUN] = "true"
+    pod_labels[names.LABEL_SANDBOX_RUN] = "true"
     env = [
         {
             "name": "GEARSHIFT_MODEL",
