@@ -248,10 +248,13 @@ class TestVllm:
             if kv_role is None:
                 assert kv is None and "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env and "nixl" not in ports
                 continue
+            # The push connector (engine.py docstring: vLLM 0.32's pull connector refuses a prefill
+            # pipeline); one engine id per pipeline replica, the head pod's name, on every rank.
             assert json.loads(kv) == {
-                "kv_connector": "NixlConnector",
+                "kv_connector": "NixlPushConnector",
                 "kv_role": kv_role,
                 "kv_buffer_device": device,
+                "engine_id": f"llama3-8b-{role}-balanced-s0-$(GEARSHIFT_POD_INDEX)",
             }
             assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.7"
             assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" == str(ports["nixl"])

