@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 from gearshift.sandbox import vllm_service as vs
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, teardown_run
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, teardown_run
 from gearshift.sandbox.layout import Layout
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
@@ -60,6 +60,7 @@ def _vllm_installed(sandbox: Any) -> None:
         pytest.fail(
             f"vLLM for the sandbox is missing ({layout.vllm_root}): run `bash e2e/sandbox/install-vllm.sh`"
         )
+    install_crds(sandbox)
 
 
 class Run:

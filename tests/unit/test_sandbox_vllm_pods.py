@@ -96,6 +96,31 @@ class TestMounts:
             },
         ]
 
+    def test_service_account_volume_is_not_mounted(self, tmp_path: Path) -> None:
+        # What the ServiceAccount admission plugin adds to every pod; the runner hands out a KUBECONFIG.
+        sa = {
+            "name": "kube-api-access-x",
+            "projected": {
+                "sources": [
+                    {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                    {
+                        "configMap": {
+                            "name": "kube-root-ca.crt",
+                            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                        }
+                    },
+                ]
+            },
+        }
+        pod = {**POD, "spec": {**POD["spec"], "volumes": [*POD["spec"]["volumes"], sa]}}
+        c = {
+            "name": "engine",
+            "volumeMounts": [
+                {"name": "kube-api-access-x", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+            ],
+        }
+        assert mount_plan(pod, c, tmp_path, tmp_path) == []
+
     @pytest.mark.parametrize(
         ("mount", "match"),
         [

@@ -404,12 +404,15 @@ class PodRunner:
                     **extra,
                 }
                 argv = podspec.container_argv(c, full, self.venv_bin, self.vllm_bin)
-                if Path(argv[0]).name == podspec.VLLM_COMMAND and self.vllm_bin is not None:
+                is_vllm = Path(argv[0]).name == podspec.VLLM_COMMAND
+                if is_vllm:
                     full.update(podspec.vllm_cpu_env(self.next_core % (os.cpu_count() or 1)))
                     full["PATH"] = f"{self.vllm_bin}:{full['PATH']}"
                     self.next_core += 1
-                if c.get("volumeMounts"):
-                    mounts = podspec.mount_plan(pod, c, pod_dir, self.hostpath_root)
+                # Volumes and cluster DNS for vLLM pods (model cache, /dev/shm, --master-addr); gearshift's
+                # own programs keep running on the host's filesystem as they always have.
+                mounts = podspec.mount_plan(pod, c, pod_dir, self.hostpath_root) if is_vllm else []
+                if is_vllm:
                     plan_file = pod_dir / f"{c['name']}.mounts.json"
                     plan_file.write_text(json.dumps({"mounts": mounts, "hosts": str(self.hosts_path)}))
                     argv = [

@@ -413,6 +413,10 @@ def mount_plan(
         vol = volumes.get(name)
         if vol is None:
             raise PodSpecError(f"{where}.name {name!r} names no volume in spec.volumes")
+        if is_service_account_volume(vol):
+            # The ServiceAccount admission plugin's kube-api-access volume: the runner gives the pod its
+            # credentials as a KUBECONFIG instead (see service_account_for), so nothing is mounted.
+            continue
         entry: dict[str, Any] = {"target": str(target), "readOnly": bool(vm.get("readOnly", False))}
         if "emptyDir" in vol:
             ed = vol.get("emptyDir") or {}
@@ -433,6 +437,13 @@ def mount_plan(
             )
         plan.append(entry)
     return plan
+
+
+def is_service_account_volume(vol: dict[str, Any]) -> bool:
+    """The projected ``kube-api-access-*`` volume the ServiceAccount admission plugin adds to every pod
+    (a serviceAccountToken, the ``kube-root-ca.crt`` ConfigMap and the namespace from the downward API)."""
+    sources = ((vol.get("projected") or {}).get("sources")) or []
+    return bool(sources) and any("serviceAccountToken" in src for src in sources)
 
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([KMGTPE]i?|[kmgtpe])?$")

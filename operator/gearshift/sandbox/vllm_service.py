@@ -35,7 +35,8 @@ MODEL: dict[str, Any] = {
     "vocabSize": 512,
     "dtype": "float32",
 }
-SERVED = "tiny"
+#: The name clients send: the operator serves the model under its own id (``--served-model-name``).
+SERVED = MODEL["name"]
 #: hostPath of the model cache the sandbox fills (install-vllm.sh; sandbox/layout.py hostpath_root).
 MODEL_CACHE = "/var/lib/gearshift/models"
 #: Bytes of K and V per token per layer: 2 × KV heads × head_dim × 4 bytes (float32).
@@ -87,7 +88,6 @@ def pdservice(ns: str, svc: str, prometheus_url: str | None) -> dict[str, Any]:
         "metadata": {"name": svc, "namespace": ns},
         "spec": {
             "model": MODEL,
-            "servedModelName": SERVED,
             "engine": "vllm",
             "modelCache": {"hostPath": MODEL_CACHE},
             "kvBufferDevice": "cpu",
