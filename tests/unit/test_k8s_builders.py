@@ -255,6 +255,8 @@ class TestVllm:
                 "kv_role": kv_role,
                 "kv_buffer_device": device,
                 "engine_id": f"llama3-8b-{role}-balanced-s0-$(GEARSHIFT_POD_INDEX)",
+                # a slow first handshake must not outlast the prefill's hold on the KV (engine.py)
+                "kv_connector_extra_config": {"kv_lease_duration": 120},
             }
             assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.7"
             assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" == str(ports["nixl"])

@@ -113,6 +113,7 @@ for name, case in cases.items():
             "kv_role": kv.kv_role,
             "kv_buffer_device": kv.kv_buffer_device,
             "engine_id": kv.engine_id,
+            "lease_s": kv.get_from_extra_config("kv_lease_duration", None),
             "is_kv_producer": kv.is_kv_producer,
             "is_kv_consumer": kv.is_kv_consumer,
         },
@@ -328,6 +329,7 @@ def test_vllm_reads_what_the_manifest_means(parsed: dict[str, Any], name: str, k
         assert kv["kv_connector"] == "NixlPushConnector"
         # every rank of pipeline replica 1 names the replica's head pod as its engine
         assert kv["engine_id"] == f"{svc}-{c['role']}-{gear.name}-s0-1"
+        assert kv["lease_s"] == 120
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[c["role"]]
         assert kv["is_kv_producer"] == (c["role"] == "prefill")
         assert kv["is_kv_consumer"] == (c["role"] == "decode")

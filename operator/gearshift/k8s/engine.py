@@ -86,6 +86,13 @@ TOKENS_PER_SEQUENCE_STEP = 2048
 #: The KV connector of PD disaggregation (``vllm/distributed/kv_transfer/kv_connector/v1/nixl``): the
 #: push variant, which takes prefill pipelines of several stages (module docstring).
 KV_CONNECTOR = "NixlPushConnector"
+#: How long a prefill engine keeps a finished request's KV blocks for its decode engine, s
+#: (``kv_connector_extra_config.kv_lease_duration``; vLLM 0.32's default is 30, ``nixl/base_scheduler.py``).
+#: The first request between two engines waits for their NIXL handshake; measured on the 2-core sandbox it
+#: took over 30 s, the prefill released the blocks ("Releasing expired KV blocks ... before lease
+#: expired") and the decode waited for its 480 s watchdog. 120 s covers a slow handshake; what it costs is
+#: blocks held that long for a request whose decode leg never comes.
+KV_LEASE_S = 120
 #: KVTransferConfig.kv_role per role (``vllm/config/kv_transfer.py``); role ``both`` transfers no KV.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 #: NIXL handshake port (``vllm/envs.py`` VLLM_NIXL_SIDE_CHANNEL_PORT default); each pod has its own IP.
@@ -269,7 +276,7 @@ def is_pd(ctx: EngineContext) -> bool:
     return ctx.role in KV_ROLES
 
 
-def kv_transfer_config(ctx: EngineContext, gear: Gear) -> dict[str, str] | None:
+def kv_transfer_config(ctx: EngineContext, gear: Gear) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of the role (KVTransferConfig, ``vllm/config/kv_transfer.py``), or None
     for role ``both`` (no PD). ``engine_id`` is the name of the pipeline replica's head pod, the same on
     every rank (``$(GEARSHIFT_POD_INDEX)`` expanded by the kubelet)."""
@@ -282,6 +289,7 @@ def kv_transfer_config(ctx: EngineContext, gear: Gear) -> dict[str, str] | None:
         "kv_role": role,
         "kv_buffer_device": ctx.kv_buffer_device,
         "engine_id": head,
+        "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
     }
 
 
