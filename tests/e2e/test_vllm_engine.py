@@ -46,7 +46,7 @@ from gearshift.sandbox.layout import Layout
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
 
-LOAD_RPS = 1.0
+LOAD_RPS = 0.5
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,9 +95,11 @@ class Run:
 def run_a(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     run = Run(sandbox, tmp_path_factory.mktemp("vllm-a"), "a")
     try:
-        p, d = run.gpus.add("A10-24GB", "p"), run.gpus.add("A10-24GB", "d")
+        p, p2, d = run.gpus.add("A10-24GB", "p"), run.gpus.add("A10-24GB", "p"), run.gpus.add("A10-24GB", "d")
+        # The shift moves prefill to another card with the same engine arguments, so the shadow loads
+        # vLLM's compiled graph from its cache (~/.cache/vllm) instead of compiling beside two engines.
         run.svc.apply(
-            {"prefill": ([vs.one_stage("one", [p]), vs.one_stage("oneb", [p], 4)], "one"),
+            {"prefill": ([vs.one_stage("one", [p]), vs.one_stage("oneb", [p2])], "one"),
              "decode": ([vs.one_stage("d", [d])], "d")},
             sandbox.prometheus_url,
         )  # fmt: skip
@@ -228,7 +230,7 @@ def test_d_shift_between_real_vllm_gears_under_load(run_a: Run, reference_output
     assert failed == [], failed[:5]
     assert len(ok) >= 5, len(ok)
     assert bad_selector == [], bad_selector[:5]
-    # Same weights, other --max-num-seqs: the same greedy output.
+    # Same weights on another card: the same greedy output.
     assert svc.complete() == reference_output
 
 

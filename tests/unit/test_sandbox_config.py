@@ -213,3 +213,16 @@ def test_api_server_reaches_kubelets_by_loopback_internal_ip_not_by_dns():
     assert {"key": "kubelet-preferred-address-types", "value": "InternalIP"} in patch["extraArgs"]
     # ... and that address is a loopback one, so `kubectl logs` never leaves the machine.
     assert node_ip(42, 3).startswith("127.")
+
+
+def test_controllers_run_without_leader_election() -> None:
+    """One controller manager and one scheduler: a slow lease renewal must not make them exit."""
+    from pathlib import Path
+
+    from gearshift.sandbox.stages import kwokctl_configuration
+
+    names = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "etcd", "kwok")
+    cfg = kwokctl_configuration({n: Path(f"/x/{n}") for n in names}, "v1.34.4")
+    for name in ("kube-controller-manager", "kube-scheduler"):
+        (patch,) = [p for p in cfg["componentsPatches"] if p["name"] == name]
+        assert {"key": "leader-elect", "value": "false"} in patch["extraArgs"]

@@ -196,10 +196,15 @@ def kwokctl_configuration(binaries: dict[str, Path], kube_version: str) -> dict[
         # The API server reaches a node's kubelet (``kubectl logs``/``exec``) by the first address type
         # it finds; the default order starts with Hostname, which it would resolve through the host's
         # DNS server -- traffic off loopback. The fake nodes' InternalIPs are loopback addresses.
+        # One controller manager and one scheduler: leader election only adds a way to die. Under load
+        # (real vLLM processes on 2 cores) a lease renewal outlasted its 10 s deadline, both logged
+        # "leaderelection lost" and exited, and nothing restarts a kwokctl binary component.
         "componentsPatches": [
             {
                 "name": "kube-apiserver",
                 "extraArgs": [{"key": "kubelet-preferred-address-types", "value": "InternalIP"}],
-            }
+            },
+            {"name": "kube-controller-manager", "extraArgs": [{"key": "leader-elect", "value": "false"}]},
+            {"name": "kube-scheduler", "extraArgs": [{"key": "leader-elect", "value": "false"}]},
         ],
     }

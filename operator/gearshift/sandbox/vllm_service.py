@@ -44,8 +44,9 @@ KV_BYTES_PER_TOKEN_LAYER = 2 * MODEL["numKvHeads"] * MODEL["headDim"] * 4
 #: The sandbox's CPU KV pool per process (podspec.VLLM_CPU_ENV VLLM_CPU_KVCACHE_SPACE), bytes.
 KV_POOL_BYTES = 1 << 30
 PROMPT = "the gear shift stage pipeline prefill decode token cache"
-#: Start-up of a vLLM CPU process is 30-90 s on a quiet 2-core machine, minutes on a busy one.
-READY_S = 900.0
+#: Start-up of a vLLM CPU process is 30-90 s on a quiet 2-core machine; beside two serving engines (each
+#: NIXL instance polls a core) a shadow took over 15 min once.
+READY_S = 1200.0
 
 
 def gearset(ns: str, svc: str, role: str, gears: list[dict[str, Any]], initial: str) -> dict[str, Any]:
