@@ -231,6 +231,10 @@ class TestVllm:
         )
         assert flag(c["args"], "--node-rank") == str(k) and ("--headless" in c["args"]) == (k > 0)
         assert ("readinessProbe" in c) == (k == 0)  # headless ranks serve no HTTP
+        if k == 0:  # a busy API server process must not flap the head's readiness (engine.py)
+            assert {c[p]["timeoutSeconds"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {
+                5
+            }
 
     @pytest.mark.parametrize(
         ("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer"), ("both", None)]

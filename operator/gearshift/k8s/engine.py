@@ -227,12 +227,19 @@ def _common_env(ctx: EngineContext, gear: Gear, k: int) -> list[dict[str, Any]]:
     ]
 
 
-def _http_probe(path: str, period: int, failures: int, initial: int = 0) -> dict[str, Any]:
+#: ``timeoutSeconds`` of a vLLM head's probes, s. vLLM answers ``/health`` from its API server process,
+#: which also tokenizes and streams: on a busy host (measured: the 2-core sandbox with three engines, each
+#: NIXL instance polling a core) a 2 s timeout failed three probes in a row, the head went NotReady and the
+#: router lost the role for a request. 5 s, with the same failure thresholds, drops a dead head as before.
+VLLM_PROBE_TIMEOUT_S = 5
+
+
+def _http_probe(path: str, period: int, failures: int, initial: int = 0, timeout: int = 2) -> dict[str, Any]:
     probe: dict[str, Any] = {
         "httpGet": {"path": path, "port": "http"},
         "periodSeconds": period,
         "failureThreshold": failures,
-        "timeoutSeconds": 2,
+        "timeoutSeconds": timeout,
     }
     if initial:
         probe["initialDelaySeconds"] = initial
@@ -437,9 +444,10 @@ def vllm_container(ctx: EngineContext, gear: Gear, k: int, resources: dict[str, 
         "volumeMounts": vllm_volumes(ctx)[1],
     }
     if k == 0:
-        c["startupProbe"] = _http_probe("/health", 10, 120)
-        c["readinessProbe"] = _http_probe("/health", 5, 3)
-        c["livenessProbe"] = _http_probe("/health", 10, 6)
+        t = VLLM_PROBE_TIMEOUT_S
+        c["startupProbe"] = _http_probe("/health", 10, 120, timeout=t)
+        c["readinessProbe"] = _http_probe("/health", 5, 3, timeout=t)
+        c["livenessProbe"] = _http_probe("/health", 10, 6, timeout=t)
     return c
 
 
