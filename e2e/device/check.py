@@ -724,7 +724,10 @@ def greedy(run: Run, replica: Replica, served: str) -> list[str]:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text format)."""
+    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text format).
+
+    The sandbox's ``vllm_service.metric`` uses prometheus_client's parser; the device machine has no
+    prometheus_client and nothing can be installed there beyond the carried wheels, hence this copy."""
     total = 0.0
     for line in text.splitlines():
         m = re.match(r"^([^{ #]+)(\{([^}]*)\})?\s+(\S+)", line)

@@ -18,6 +18,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.sandbox.harness import Kubectl, apply, get_json, pod_ready, pods, wait_until
@@ -139,19 +141,14 @@ def sse_text(raw: bytes, chat: bool) -> tuple[str, bool]:
     return "".join(text), done
 
 
-_SAMPLE = re.compile(r"^([^{ ]+)(\{([^}]*)\})?\s+(\S+)")
-
-
 def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``, in a Prometheus text exposition."""
+    """Sum of the samples of ``name`` whose labels include ``labels``, in a Prometheus text exposition
+    (parsed with prometheus_client's own parser)."""
     total = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(4))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += float(sample.value)
     return total
 
 
