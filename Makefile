@@ -38,11 +38,11 @@ unit: venv
 	$(VENV)/bin/pytest -m "not e2e" tests
 
 e2e: venv binaries vllm
-	$(VENV)/bin/pytest -m "e2e and not vllm_shift" tests
+	$(VENV)/bin/pytest -m "e2e and not vllm_slow" tests
 
 test: venv binaries vllm
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -m "not vllm_shift" tests
+	$(VENV)/bin/pytest -m "not vllm_slow" tests
 
 crds: venv
 	$(VENV)/bin/gearshift crds --out crds --out charts/gearshift/crds
