@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
 from gearshift.model import ModelArch  # noqa: E402
+from gearshift.router.proxy import REQUEST_ID_HEADER, decode_leg_body, prefill_leg_body  # noqa: E402
 from gearshift.sandbox import cluster as sbcluster  # noqa: E402
 from gearshift.sandbox import vllm_service as vs  # noqa: E402
 from gearshift.sandbox.harness import (  # noqa: E402
@@ -108,17 +109,15 @@ def vllm_kv(svc: vs.VllmService, pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def direct_pd(prefill_url: str, decode_url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    """vLLM's own two-leg PD request (toy_proxy_server.py) straight to the pods, one X-Request-Id."""
+    """vLLM's own two-leg PD request (toy_proxy_server.py) straight to the pods, one X-Request-Id; the
+    legs are the router's own builders, so only the hop through the router differs."""
     rid = uuid.uuid4().hex
-    remote = dict.fromkeys(("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"))
-    params = {"do_remote_decode": True, "do_remote_prefill": False, **remote}
-    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
-    status, raw = vs.post(f"{prefill_url}/v1/completions", leg, headers={"X-Request-Id": rid})
+    leg = prefill_leg_body(body, chat=False)
+    status, raw = vs.post(f"{prefill_url}/v1/completions", leg, headers={REQUEST_ID_HEADER: rid})
     if status != 200:
         return status, raw
-    params = json.loads(raw).get("kv_transfer_params")
-    return vs.post(f"{decode_url}/v1/completions", {**body, "kv_transfer_params": params},
-                   headers={"X-Request-Id": rid})  # fmt: skip
+    decode = decode_leg_body(body, json.loads(raw))
+    return vs.post(f"{decode_url}/v1/completions", decode, headers={REQUEST_ID_HEADER: rid})
 
 
 def router_overhead(svc: vs.VllmService, n: int) -> dict[str, Any]:

@@ -370,7 +370,7 @@ class PodRunner:
     def _start_pod(self, pod: dict[str, Any], node: dict[str, Any]) -> None:
         meta, spec = pod["metadata"], pod["spec"]
         uid, ns, name = meta["uid"], meta["namespace"], meta["name"]
-        pod_dir = self.pods_dir / f"{ns}_{name}_{uid[:8]}"
+        pod_dir = self.pods_dir / podspec.pod_dir_name(pod)
         pod_dir.mkdir(parents=True, exist_ok=True)
         restart_policy = spec.get("restartPolicy", "Always")
         prev = {c["name"]: c for c in pod.get("status", {}).get("containerStatuses") or []}

@@ -38,6 +38,13 @@ class PodSpecError(ValueError):
     """A pod the runner cannot run; the message goes into the pod's status and names the field."""
 
 
+def pod_dir_name(pod: dict[str, Any]) -> str:
+    """The runner's directory of a pod under its pods dir: ``<namespace>_<name>_<uid[:8]>`` (a replacement
+    pod of the same name, new UID, gets a directory of its own)."""
+    meta = pod["metadata"]
+    return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+
+
 def is_job_like(pod: dict[str, Any]) -> bool:
     """True for run-to-completion pods (``restartPolicy`` Never or OnFailure, as Job pods have)."""
     return pod.get("spec", {}).get("restartPolicy", "Always") in ("Never", "OnFailure")

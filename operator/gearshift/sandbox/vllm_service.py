@@ -24,6 +24,7 @@ from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.sandbox.harness import Kubectl, apply, get_json, pod_ready, pods, wait_until
 from gearshift.sandbox.layout import Layout
+from gearshift.sandbox.podspec import pod_dir_name
 
 #: The sandbox's tiny Llama (e2e/sandbox/build_tiny_model.py), by its Hugging Face id.
 MODEL: dict[str, Any] = {
@@ -167,8 +168,7 @@ def kv_tokens_logged(log: str) -> int:
 
 def pod_dir(pod: dict[str, Any], layout: Layout | None = None) -> Path:
     """The pod runner's directory of ``pod`` (logs, pid files)."""
-    meta = pod["metadata"]
-    return (layout or Layout.from_env()).pods_dir / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+    return (layout or Layout.from_env()).pods_dir / pod_dir_name(pod)
 
 
 def engine_log(pod: dict[str, Any]) -> str:
