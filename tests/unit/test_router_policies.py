@@ -10,6 +10,7 @@ from typing import ClassVar
 import pytest
 
 from gearshift.router import policies as P
+from gearshift.router.outlier import OutlierConfig
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool
 
 KV_PER_TOKEN = 131072  # Llama-3-8B: 2 (K, V) × 8 kv heads × 128 dims × 2 bytes × 32 layers
@@ -280,15 +281,22 @@ class TestPoolPick:
         names = [pool.pick("prefill", req, 0.0).info.name for _ in range(18)]
         assert names == ["fast", "slow"] + ["fast"] * 15 + ["slow"]
 
-    def test_ejected_pods_are_skipped(self) -> None:
+    def test_ejected_pods_are_skipped_until_panic(self) -> None:
         pool = self.pool("round-robin")
         pool.backends["fast"].ejected_until = 10.0
         req = P.RequestView(prompt_tokens=10)
+        # 1 of 2 available = 50 %: not below Envoy's 50 % panic threshold, so the ejected pod is skipped.
         assert {pool.pick("prefill", req, 5.0).info.name for _ in range(3)} == {"slow"}
-        assert pool.pick("prefill", req, 11.0).info.name in {"fast", "slow"}
+        assert pool.panic["prefill"] is False
+        assert {pool.pick("prefill", req, 11.0).info.name for _ in range(2)} == {"fast", "slow"}
+        # 0 of 2 available: panic mode routes to both rather than refusing.
         pool.backends["slow"].healthy = False
         pool.backends["fast"].ejected_until = 20.0
-        with pytest.raises(P.NoPodError, match="no prefill pod"):
+        assert {pool.pick("prefill", req, 12.0).info.name for _ in range(2)} == {"fast", "slow"}
+        assert pool.panic["prefill"] is True
+        # with panic mode off (threshold 0) nothing is routable
+        pool.outlier = OutlierConfig(panic_threshold_percent=0)
+        with pytest.raises(P.NoPodError, match="no prefill pod available: every pod was tried already"):
             pool.pick("prefill", req, 12.0)
 
     def test_bad_policy_and_weights_name_the_field(self) -> None:

@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 from vllm_ref import vllm_protocol
 
+from gearshift.router.outlier import OutlierConfig
 from gearshift.router.pool import BackendInfo, PolicyConfig
 from gearshift.router.proxy import ProxyConfig
 from gearshift.router.server import Router, RouterSettings
@@ -145,6 +146,8 @@ async def make_router() -> AsyncIterator[Factory]:
         engines: dict[str, tuple[str, FakeEngine | None]],
         policy: str = "round-robin",
         proxy: ProxyConfig | None = None,
+        outlier: OutlierConfig | None = None,
+        health_interval_s: float = 30.0,
     ) -> tuple[TestClient, Router, dict[str, FakeEngine]]:
         infos = []
         for name, (role, eng) in engines.items():
@@ -161,7 +164,8 @@ async def make_router() -> AsyncIterator[Factory]:
             policy=PolicyConfig(policy=policy),
             proxy=proxy or ProxyConfig(),
             scrape_interval_s=0.05,
-            health_interval_s=30.0,
+            health_interval_s=health_interval_s,
+            outlier=outlier or OutlierConfig(),
             seed=1,
         )
         router = Router(settings)
@@ -425,7 +429,7 @@ async def test_streaming_passthrough_and_metrics(make_router: Factory) -> None:
     assert 'gearshift_router_upstream_itl_seconds_count{policy="round-robin"} 4.0' in metrics
 
 
-async def test_retry_on_failed_connect_and_ejection(make_router: Factory) -> None:
+async def test_retry_on_failed_connect_and_ejection_after_consecutive_errors(make_router: Factory) -> None:
     client, router, eng = await make_router(
         {
             "d0": ("decode", FakeEngine("d0")),
@@ -440,26 +444,152 @@ async def test_retry_on_failed_connect_and_ejection(make_router: Factory) -> Non
     # the retried prefill leg keeps the request's id: the decode leg carries the same one
     assert eng["p-ok"].headers[0]["X-Request-Id"] == eng["d0"].headers[0]["X-Request-Id"]
     dead = router.pool.backends["p-dead"]
-    assert dead.failures == 1 and dead.ejected_until > 0
+    # one failed connect is not an outlier (Envoy consecutive_5xx: 5)
+    assert dead.failures == 1 and dead.ejected_until == 0.0
+    sent = 1
+    while dead.ejected_until == 0.0 and sent < 20:
+        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
+        sent += 1
+    assert dead.ejected_until > 0, "5 consecutive failed connects did not eject the pod"
     metrics = await (await client.get("/metrics")).text()
-    assert 'gearshift_router_retries_total{pod="p-dead",role="prefill"} 1.0' in metrics
-    # while ejected, the dead pod is not tried again
+    assert 'gearshift_router_retries_total{pod="p-dead",role="prefill"} 5.0' in metrics
+    assert 'gearshift_router_ejections_total{pod="p-dead",role="prefill"} 1.0' in metrics
+    # ejected for base_ejection_time × 1 (30 s): the dead pod is not tried again; every request served
+    assert 29 < dead.ejected_until - router.clock() <= 30
     for _ in range(3):
         assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
-    assert dead.failures == 1
-    assert len(eng["p-ok"].requests) == 4
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_retries_total{pod="p-dead",role="prefill"} 5.0' in metrics
+    assert len(eng["p-ok"].requests) == sent + 3
 
 
-async def test_all_pods_dead_is_502_then_503(make_router: Factory) -> None:
-    client, _router, _ = await make_router({"b0": ("both", None), "b1": ("both", None)})
+async def test_all_pods_dead_is_502_and_never_no_pod(make_router: Factory) -> None:
+    client, router, _ = await make_router({"b0": ("both", None), "b1": ("both", None)})
     resp = await client.post("/v1/completions", json={"prompt": "x"})
     assert resp.status == 502
     assert "could not connect to any both pod (tried b0, b1)" in (await resp.json())["error"]["message"]
-    resp = await client.post("/v1/completions", json={"prompt": "x"})
-    assert resp.status == 503
-    assert (await resp.json())["error"]["type"] == "service_unavailable"
+    # At most 10 % of a role (at least one pod) is ejected: b0 goes after 5 errors, b1 never, so the
+    # router keeps trying and answers 502 (upstream down), not 503 "no pod".
+    for _ in range(6):
+        resp = await client.post("/v1/completions", json={"prompt": "x"})
+        assert resp.status == 502, await resp.text()
+    ejected = [n for n, b in router.pool.backends.items() if b.ejected_until > router.clock()]
+    assert len(ejected) == 1
     health = await client.get("/health")
-    assert health.status == 503
+    assert health.status == 200
+    assert (await health.json())["routable"]["both"] == 1
+
+
+@dataclass
+class SlowHealth(FakeEngine):
+    """An engine whose /health answers after ``health_delay_s`` (a loaded machine)."""
+
+    health_delay_s: float = 0.0
+    health_status: int = 200
+
+    async def health(self, _r: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
+        return web.json_response({}, status=self.health_status)
+
+
+async def test_a_slow_health_check_does_not_take_the_only_decode_pod_out(make_router: Factory) -> None:
+    """The CI failure of #20 row 1: vLLM's /health took more than the old 1 s on a loaded machine, the one
+    decode pod was marked unhealthy and requests got 503 "no decode pod available"."""
+    slow = SlowHealth("d0", health_delay_s=0.3)
+    client, router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", slow)},
+        outlier=OutlierConfig(check_timeout_s=0.1, unhealthy_threshold=3, healthy_threshold=2),
+        health_interval_s=0.05,
+    )
+    d0 = router.pool.backends["d0"]
+    for _ in range(200):
+        if not d0.healthy:
+            break
+        await asyncio.sleep(0.02)
+    assert not d0.healthy, "3 checks slower than the timeout did not mark the pod unhealthy"
+    # the only decode pod fails its checks: panic mode still routes to it, and it answers
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert resp.status == 200, await resp.text()
+    assert len(eng["d0"].requests) == 1
+    health = await (await client.get("/health")).json()
+    assert health["panic"] == ["decode"] and health["pods"]["decode"] == 0
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_panic{role="decode"} 1.0' in metrics
+    # it answers in time again: healthy after healthy_threshold passes
+    slow.health_delay_s = 0.0
+    for _ in range(200):
+        if d0.healthy:
+            break
+        await asyncio.sleep(0.02)
+    assert d0.healthy and d0.check_passes >= 2
+
+
+async def test_one_slow_check_is_not_unhealthy(make_router: Factory) -> None:
+    slow = SlowHealth("d0")
+    _client, router, _ = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", slow), "d1": ("decode", FakeEngine("d1"))},
+        outlier=OutlierConfig(check_timeout_s=0.5, unhealthy_threshold=3),
+        health_interval_s=0.05,
+    )
+    d0 = router.pool.backends["d0"]
+    slow.health_delay_s = 1.0
+    for _ in range(100):
+        if d0.check_failures:
+            break
+        await asyncio.sleep(0.02)
+    slow.health_delay_s = 0.0
+    assert d0.check_failures >= 1
+    for _ in range(100):
+        if d0.check_failures == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert d0.healthy and d0.check_failures == 0
+
+
+async def test_prefill_5xx_is_retried_on_another_prefill_pod(make_router: Factory) -> None:
+    client, router, eng = await make_router(
+        {
+            "d0": ("decode", FakeEngine("d0")),
+            "p-a": ("prefill", FakeEngine("p-a", prefill_status=503, prefill_reply="busy")),
+            "p-b": ("prefill", FakeEngine("p-b")),
+        }
+    )
+    resp = await client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Request-Id": "r1"}
+    )
+    assert resp.status == 200, await resp.text()
+    assert len(eng["p-a"].requests) == 1 and len(eng["p-b"].requests) == 1
+    # the retry and the decode leg carry the client's id
+    assert [h["X-Request-Id"] for h in eng["p-b"].headers + eng["d0"].headers] == ["r1", "r1"]
+    assert router.pool.backends["p-a"].failures == 1
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_retries_total{pod="p-a",role="prefill"} 1.0' in metrics
+
+
+async def test_decode_5xx_is_relayed_not_retried(make_router: Factory) -> None:
+    @dataclass
+    class FailingDecode(FakeEngine):
+        async def completions(self, request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                return await super().completions(request)
+            self.requests.append(body)
+            return web.json_response(
+                {"error": {"message": "engine dead", "type": "InternalServerError"}}, status=500
+            )
+
+    client, router, eng = await make_router(
+        {
+            "p0": ("prefill", FakeEngine("p0")),
+            "d-a": ("decode", FailingDecode("d-a")),
+            "d-b": ("decode", FakeEngine("d-b")),
+        }
+    )
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert resp.status == 500
+    assert (await resp.json())["error"]["message"] == "engine dead"
+    assert len(eng["d-a"].requests) == 1 and eng["d-b"].requests == []
+    assert router.pool.backends["d-a"].failures == 1
 
 
 async def test_queue_full_is_429(make_router: Factory) -> None:

@@ -30,6 +30,8 @@ class RouterMetrics:
     inflight: Gauge
     queued: Gauge
     pods_available: Gauge
+    ejections: Counter
+    panic: Gauge
 
 
 def make_metrics() -> RouterMetrics:
@@ -102,5 +104,17 @@ def make_metrics() -> RouterMetrics:
         queued=Gauge("gearshift_router_queued", "Requests waiting for admission.", registry=reg),
         pods_available=Gauge(
             "gearshift_router_pods_available", "Healthy, non-ejected pods per role.", ["role"], registry=reg
+        ),
+        ejections=Counter(
+            "gearshift_router_ejections",
+            "Pods ejected by outlier detection (consecutive errors), by role and pod.",
+            ["role", "pod"],
+            registry=reg,
+        ),
+        panic=Gauge(
+            "gearshift_router_panic",
+            "1 while a role is below the panic threshold and every pod of it is routed to, health ignored.",
+            ["role"],
+            registry=reg,
         ),
     )

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gearshift.router import outlier
 from gearshift.router import policies as P
 
 
@@ -51,14 +52,21 @@ class Backend:
     fc_queue: float = 0.0
     """FastChat queue length: overwritten by each scrape, +1 at each pick."""
     inflight: int = 0
+    # Health and ejection state, kept by gearshift.router.outlier (Envoy's semantics).
     healthy: bool = True
+    check_failures: int = 0
+    check_passes: int = 0
     failures: int = 0
+    """Consecutive errors (5xx answers, failed connects) of proxied legs."""
     ejected_until: float = 0.0
+    ejections: int = 0
+    returned_at: float = 0.0
     last_scrape: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.ejected_until
+        """Healthy by active checks and not ejected (panic mode may still route to it)."""
+        return outlier.available(self, now)
 
     def view(self) -> P.PodView:
         i = self.info
@@ -114,8 +122,16 @@ class PolicyConfig:
 class Pool:
     """The pods of one PDService by name, and the per-role picking state."""
 
-    def __init__(self, config: PolicyConfig, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig,
+        rng: random.Random | None = None,
+        outlier_cfg: outlier.OutlierConfig | None = None,
+    ) -> None:
         self.config = config
+        self.outlier = outlier_cfg or outlier.OutlierConfig()
+        self.panic: dict[str, bool] = {}
+        """Per role: whether the last pick ran in panic mode (every pod routable, health ignored)."""
         self.backends: dict[str, Backend] = {}
         self.rng = rng or random.Random()
         self._rr: dict[str, int] = {}
@@ -135,16 +151,25 @@ class Pool:
                 new[info.name] = Backend(info)
         self.backends = new
 
+    def members(self, role: str) -> list[Backend]:
+        """Pods serving ``role`` (``both`` pods serve either), sorted by name."""
+        return [b for _, b in sorted(self.backends.items()) if b.info.role == role or b.info.role == "both"]
+
     def candidates(self, role: str, now: float, exclude: Iterable[str] = ()) -> list[Backend]:
-        """Available pods serving ``role`` (``both`` pods serve either), sorted by name, minus ``exclude``."""
+        """Routable pods serving ``role`` (:func:`gearshift.router.outlier.routable`: the available ones,
+        or all of them in panic mode), sorted by name, minus ``exclude``."""
         skip = set(exclude)
-        out = [
-            b
-            for name, b in sorted(self.backends.items())
-            if name not in skip and b.available(now) and (b.info.role == role or b.info.role == "both")
-        ]
+        members = self.members(role)
+        outlier.release_expired(members, now)
+        idx, self.panic[role] = outlier.routable(members, now, self.outlier)
+        out = [members[i] for i in idx if members[i].info.name not in skip]
         spared = [b for b in out if b.info.name not in self.avoid]
         return spared or out
+
+    def record_error(self, b: Backend, now: float) -> bool:
+        """Count an error of ``b``'s leg; True when that ejected ``b`` (:func:`outlier.record_error`)."""
+        role = "decode" if b.info.role == "both" else b.info.role
+        return outlier.record_error(b, now, self.members(role), self.outlier)
 
     def has_role(self, role: str) -> bool:
         return any(b.info.role == role for b in self.backends.values())
@@ -166,7 +191,7 @@ class Pool:
         cands = self.candidates(role, now, exclude)
         if not cands:
             raise P.NoPodError(
-                role, "no healthy pod (all ejected, failing health checks, or none in the set)"
+                role, "no pod in the set" if not self.members(role) else "every pod was tried already"
             )
         views = [b.view() for b in cands]
         cfg = self.config

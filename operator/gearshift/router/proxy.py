@@ -16,8 +16,12 @@ Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request:
    ``X-Request-Id``. A prefill leg that fails (an HTTP error, or a body that is not JSON) ends the request
    with an OpenAI-shaped error naming the prefill pod; the decode pod is not called. With only ``both``
    pods: forward the client's bytes as they are (with the ``X-Request-Id`` header);
-3. a failed *connect* (nothing sent, nothing received) is retried on another pod of the same role, and
-   counts towards ejecting the pod; anything after the first byte of a response is not retried;
+3. retries on another pod of the same role (Envoy's ``retry_on`` with the ``previous_hosts`` predicate): a
+   failed *connect* (nothing sent) of either leg, and a 5xx answer of the prefill leg, which is idempotent
+   (one token, nothing reached the client, the decode pod not yet called). A decode leg's 5xx is relayed,
+   not retried: its pod may hold the request's transferred KV. Nothing after the first byte of the
+   client's response is retried. Every 5xx answer and failed connect counts towards ejecting the pod
+   (:mod:`gearshift.router.outlier`: Envoy's consecutive-5xx ejection, ejection cap and panic threshold);
 4. every request has a deadline (``request_timeout_s``): 504 when it passes before the response started.
 
 Every response to the client carries the request's ``X-Request-Id`` (the client's, or the one generated
@@ -41,8 +45,8 @@ from aiohttp import web
 
 from gearshift.router import policies as P
 from gearshift.router.metrics import RouterMetrics
+from gearshift.router.outlier import record_success
 from gearshift.router.pool import Backend, Pool
-from gearshift.router.signals import record_failure, record_success
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +165,6 @@ class ProxyConfig:
     request_timeout_s: float = 300.0
     connect_timeout_s: float = 2.0
     retries: int = 2
-    eject_after: int = 1
-    eject_s: float = 5.0
     kv_bytes_per_token: float = 0.0
     prefill_ms_per_token: float = 0.0
     """Prefill ms per prompt token on the reference card (speed 1); 0 → unknown (pd-score's seed queue)."""
@@ -455,6 +457,18 @@ class Proxy:
         self.metrics.picks.labels(self.pool.config.policy, role, b.info.name).inc()
         return b
 
+    def _count_error(self, role: P.Role, b: Backend) -> None:
+        """One 5xx answer or failed connect of ``b``: outlier detection may eject it."""
+        if self.pool.record_error(b, self.clock()):
+            self.metrics.ejections.labels(role, b.info.name).inc()
+            log.warning(
+                "%s pod %s ejected for %.0f s after %d consecutive errors",
+                role,
+                b.info.name,
+                b.ejected_until - self.clock(),
+                self.pool.outlier.consecutive_errors,
+            )
+
     async def _open(
         self,
         role: P.Role,
@@ -466,11 +480,17 @@ class Proxy:
         headers: Mapping[str, str],
         first: Backend | None = None,
         raw: bytes | None = None,
+        retry_5xx: bool = False,
     ) -> tuple[Backend, aiohttp.ClientResponse]:
-        """POST to ``first`` (or a freshly picked pod); on a failed connect retry on another pod, with the
-        same body and headers (the same ``X-Request-Id``).
+        """POST to ``first`` (or a freshly picked pod); on a failed connect — and, with ``retry_5xx`` (the
+        prefill leg), on a 5xx answer — retry on a pod not tried yet, with the same body and headers (the
+        same ``X-Request-Id``), at most ``retries`` times.
 
-        Returns the pod and the open response. The pod's in-flight count is raised here; the caller lowers it.
+        Returns the pod and the open response (a 5xx one when no other pod is left to try). The pod's
+        in-flight count is raised here; the caller lowers it.
+
+        Raises:
+            RequestError: 503 when no pod of ``role`` is routable; 502 when no connect succeeded.
         """
         tried: set[str] = set()
         payload = raw if raw is not None else json.dumps(body).encode()
@@ -500,7 +520,7 @@ class Proxy:
             except CONNECT_ERRORS as exc:
                 b.inflight -= 1
                 tried.add(b.info.name)
-                record_failure(b, self.clock(), self.cfg.eject_after, self.cfg.eject_s)
+                self._count_error(role, b)
                 log.warning(
                     "connect to %s pod %s failed (%s), attempt %d", role, b.info.name, exc, attempt + 1
                 )
@@ -516,8 +536,30 @@ class Proxy:
             except BaseException:
                 b.inflight -= 1
                 raise
-            record_success(b)
-            return b, resp
+            if resp.status < 500:
+                record_success(b)
+                return b, resp
+            self._count_error(role, b)
+            others = self.pool.candidates(role, self.clock(), tried | {b.info.name})
+            if not retry_5xx or attempt == self.cfg.retries or not others:
+                return b, resp
+            try:
+                text = await resp.text()
+            except (aiohttp.ClientError, ConnectionResetError) as exc:
+                text = f"(body lost: {exc})"
+            finally:
+                resp.release()
+                b.inflight -= 1
+            tried.add(b.info.name)
+            log.warning(
+                "%s pod %s answered HTTP %d (%s), attempt %d: retrying on another pod",
+                role,
+                b.info.name,
+                resp.status,
+                text[:200],
+                attempt + 1,
+            )
+            self.metrics.retries.labels(role, b.info.name).inc()
         raise AssertionError("unreachable")
 
     # --- the handler -----------------------------------------------------------------------------
@@ -593,7 +635,7 @@ class Proxy:
             decode_choice = await self._place_decode(req)
             prefill_body = prefill_leg_body(body, is_chat(request.path))
             pb, presp = await self._open(
-                "prefill", req, decode_choice, request.path, prefill_body, timeout, headers
+                "prefill", req, decode_choice, request.path, prefill_body, timeout, headers, retry_5xx=True
             )
             labels["prefill"] = pb.info.name
             try:

@@ -37,9 +37,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gearshift.control import pd_balance
 from gearshift.model import load_hf_config
+from gearshift.router import outlier
 from gearshift.router import policies as P
 from gearshift.router.membership import EndpointSliceMembership, parse_backend
 from gearshift.router.metrics import RouterMetrics, make_metrics
+from gearshift.router.outlier import OutlierConfig, OutlierConfigError
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool
 from gearshift.router.proxy import Proxy, ProxyConfig, error_response
 from gearshift.router.signals import HealthChecker, PrometheusSource, Scraper
@@ -61,6 +63,7 @@ class RouterSettings:
     prometheus_url: str | None = None
     scrape_interval_s: float = 0.5
     health_interval_s: float = 2.0
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
     balance_interval_s: float = pd_balance.INTERVAL_S
     apply_rebalance: bool = False
     seed: int | None = None
@@ -103,7 +106,7 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics: RouterMetrics = make_metrics()
-        self.pool = Pool(settings.policy, random.Random(settings.seed))
+        self.pool = Pool(settings.policy, random.Random(settings.seed), settings.outlier)
         self.pool.set_members(settings.backends)
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
@@ -141,7 +144,7 @@ class Router:
                     clock=self.clock,
                 ).run()
             )
-        self._spawn(HealthChecker(self.pool, self.session, s.health_interval_s).run())
+        self._spawn(HealthChecker(self.pool, self.session, s.health_interval_s, self.clock).run())
         self._spawn(self._balance_loop())
 
     def _spawn(self, coro: Any) -> None:
@@ -191,19 +194,32 @@ class Router:
             503, "no pod answered /v1/models and no --served-model-name is set", "service_unavailable"
         )
 
-    def _role_counts(self) -> dict[str, int]:
+    def _role_counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, bool]]:
+        """Per role: available pods (healthy, not ejected), routable pods, and whether in panic mode."""
         now = self.clock()
-        counts = {}
+        available, routable, panic = {}, {}, {}
         for role in ("prefill", "decode", "both"):
-            n = sum(1 for b in self.pool.backends.values() if b.info.role == role and b.available(now))
-            counts[role] = n
-            self.metrics.pods_available.labels(role).set(n)
-        return counts
+            members = [b for b in self.pool.backends.values() if b.info.role == role]
+            available[role] = sum(1 for b in members if b.available(now))
+            idx, panic[role] = outlier.routable(members, now, self.pool.outlier)
+            routable[role] = len(idx)
+            self.metrics.pods_available.labels(role).set(available[role])
+            self.metrics.panic.labels(role).set(1.0 if panic[role] else 0.0)
+        return available, routable, panic
 
     async def health(self, _request: web.Request) -> web.Response:
-        c = self._role_counts()
-        ready = (c["prefill"] > 0 and c["decode"] > 0) or c["both"] > 0
-        body = {"status": "ok" if ready else "unavailable", "pods": c, "policy": self.pool.config.policy}
+        """Ready while each role has a routable pod. Panic mode routes to pods failing their checks, so the
+        router stays ready while pods exist: dropping it from its Service would refuse every request,
+        where a slow pod may still answer (Envoy's panic threshold)."""
+        available, routable, panic = self._role_counts()
+        ready = (routable["prefill"] > 0 and routable["decode"] > 0) or routable["both"] > 0
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "pods": available,
+            "routable": routable,
+            "panic": sorted(r for r, p in panic.items() if p),
+            "policy": self.pool.config.policy,
+        }
         return web.json_response(body, status=200 if ready else 503)
 
     async def prom(self, _request: web.Request) -> web.Response:
@@ -313,8 +329,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="s a request no decode pod has KV headroom for is held while placement is retried (0: refuse)",
     )
     p.add_argument("--request-timeout", type=float, default=300.0, help="s")
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--eject-s", type=float, default=5.0)
+    p.add_argument("--retries", type=int, default=2, help="retries of a leg on another pod")
+    # Envoy's outlier detection and active health checking (gearshift.router.outlier); defaults are Envoy's.
+    d = OutlierConfig()
+    p.add_argument("--health-timeout", type=float, default=d.check_timeout_s, help="s; a slower check fails")
+    p.add_argument("--unhealthy-threshold", type=int, default=d.unhealthy_threshold, help="failed checks")
+    p.add_argument("--healthy-threshold", type=int, default=d.healthy_threshold, help="passing checks")
+    p.add_argument(
+        "--consecutive-errors", type=int, default=d.consecutive_errors, help="5xx/connect errors that eject"
+    )
+    p.add_argument("--base-ejection-time", type=float, default=d.base_ejection_s, help="s, × ejections")
+    p.add_argument("--max-ejection-time", type=float, default=d.max_ejection_s, help="s")
+    p.add_argument("--max-ejection-percent", type=float, default=d.max_ejection_percent, help="% per role")
+    p.add_argument(
+        "--panic-threshold", type=float, default=d.panic_threshold_percent, help="% available; 0 disables"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed of lottery and power-of-two")
     p.add_argument("--log-level", default="INFO")
 
@@ -416,7 +445,6 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             headroom_wait_s=a.headroom_wait,
             request_timeout_s=a.request_timeout,
             retries=a.retries,
-            eject_s=a.eject_s,
             kv_bytes_per_token=kv_bytes_per_token(a.model),
             prefill_ms_per_token=prefill_ms_per_token(a.model),
             text_tokens=a.text_tokens,
@@ -425,10 +453,34 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
         prometheus_url=a.prometheus,
         scrape_interval_s=a.scrape_interval,
         health_interval_s=a.health_interval,
+        outlier=outlier_config(a),
         balance_interval_s=a.balance_interval,
         apply_rebalance=a.apply_rebalance,
         seed=a.seed,
     )
+
+
+def outlier_config(a: argparse.Namespace) -> OutlierConfig:
+    """The outlier thresholds of the flags.
+
+    Raises:
+        SettingsError: a threshold out of range (the message names it).
+    """
+    flags = {
+        "consecutive_errors": "consecutive-errors",
+        "base_ejection_s": "base-ejection-time",
+        "max_ejection_s": "max-ejection-time",
+        "max_ejection_percent": "max-ejection-percent",
+        "panic_threshold_percent": "panic-threshold",
+        "unhealthy_threshold": "unhealthy-threshold",
+        "healthy_threshold": "healthy-threshold",
+        "check_timeout_s": "health-timeout",
+    }
+    values = {field_name: getattr(a, flag.replace("-", "_")) for field_name, flag in flags.items()}
+    try:
+        return OutlierConfig(**values)
+    except OutlierConfigError as exc:
+        raise SettingsError(f"--{flags[exc.field]}: {exc}") from exc
 
 
 def run(a: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gearshift.router import outlier
 from gearshift.router.pool import Backend, Pool
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -182,48 +184,34 @@ class Scraper:
 
 
 class HealthChecker:
-    """Active health checks (``GET /health``) plus passive ejection after connect failures.
-
-    A pod failing its check is marked unhealthy until a check passes; ``eject_after`` consecutive failed
-    connects by proxied requests eject it for ``eject_s`` seconds (whichever comes first clears it).
-    """
+    """Active health checks (``GET /health`` every ``interval_s``), counted by
+    :func:`gearshift.router.outlier.record_check` with the pool's thresholds and timeout."""
 
     def __init__(
-        self, pool: Pool, session: aiohttp.ClientSession, interval_s: float = 2.0, timeout_s: float = 1.0
+        self,
+        pool: Pool,
+        session: aiohttp.ClientSession,
+        interval_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.pool, self.session = pool, session
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s, self.clock = interval_s, clock
 
     async def check_one(self, b: Backend) -> None:
+        cfg = self.pool.outlier
         ok = False
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with self.session.get(
-                b.info.url + "/health", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                b.info.url + "/health", timeout=aiohttp.ClientTimeout(total=cfg.check_timeout_s)
             ) as resp:
                 ok = resp.status == 200
-        b.healthy = ok
-        if ok:
-            b.failures = 0
-            b.ejected_until = 0.0
+        outlier.record_check(b, ok, self.clock(), cfg)
 
     async def run(self) -> None:
         # Sleep first: EndpointSlice endpoints are already ready, and static pods are trusted until checked.
         while True:
             await asyncio.sleep(self.interval_s)
             await asyncio.gather(*(self.check_one(b) for b in list(self.pool.backends.values())))
-
-
-def record_failure(b: Backend, now: float, eject_after: int = 1, eject_s: float = 5.0) -> bool:
-    """Count a failed connect; returns True when the pod is now ejected until ``now + eject_s``."""
-    b.failures += 1
-    if b.failures >= eject_after:
-        b.ejected_until = now + eject_s
-        return True
-    return False
-
-
-def record_success(b: Backend) -> None:
-    b.failures = 0
 
 
 class PrometheusSource:

@@ -235,7 +235,7 @@ class VllmService:
         """A greedy completion through the router; its text.
 
         Raises:
-            AssertionError: not HTTP 200 (the body in the message).
+            AssertionError: not HTTP 200 (the body, kubectl's view and each engine's log tail in the message).
         """
         status, body = post(
             f"{self.router}/v1/completions",
@@ -243,7 +243,9 @@ class VllmService:
             timeout=timeout_s,
         )
         if status != 200:
-            raise AssertionError(f"completion through the router: HTTP {status}: {body[:500]!r}")
+            raise AssertionError(
+                f"completion through the router: HTTP {status}: {body[:500]!r}\n{self.diagnose()}"
+            )
         return str(json.loads(body)["choices"][0]["text"])
 
     def pod_url(self, pod: dict[str, Any]) -> str:
