@@ -494,12 +494,15 @@ def drain_done(
 
 # --- PromQL of the autoscaler's signals (head pods of one gear) ----------------------------------------
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+#: The gauge's name before vLLM 0.10 renamed it.
+KV_CACHE_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 NO_HEADROOM_TOTAL = "gearshift_router_no_decode_headroom_total"
 
 
 def kv_usage_query(matchers: str) -> str:
-    """KV-cache usage of the fullest head pod matching ``matchers`` (``{...}``), 0..1."""
-    return f"max({KV_CACHE_USAGE}{matchers})"
+    """KV-cache usage of the fullest head pod matching ``matchers`` (``{...}``), 0..1; the older gauge name
+    when no pod exports the current one (PromQL ``or``)."""
+    return f"max({KV_CACHE_USAGE}{matchers}) or max({KV_CACHE_USAGE_OLD}{matchers})"
 
 
 def pod_in_flight_query(namespace: str, pods: Sequence[str]) -> str:

@@ -80,8 +80,11 @@ from gearshift.control.executor import (
     draining_gear,
     step,
 )
-from gearshift.control.policy import GearTable, PolicyError, ShiftPolicy
+from gearshift.control.policy import GearTable, LatencyMetric, PolicyError, ShiftPolicy
 from gearshift.control.signals import (
+    E2E,
+    ITL,
+    TTFT,
     Engine,
     GearSelector,
     PipelineShape,
@@ -126,6 +129,15 @@ REASON_SIGNALS_OK = "SignalsOk"
 #: and the gear's stage times, which the derivation needs, are unknown (or nothing completed yet); the
 #: imbalance trigger is off, the others run.
 REASON_STAGE_BALANCE_UNAVAILABLE = "StageBalanceUnavailable"
+#: Condition reason (SignalsAvailable=True, a Warning event) when requests are served but the latency
+#: metric the P99 triggers read has no data: its histogram is not exported or not scraped (#20 row 3).
+REASON_LATENCY_UNAVAILABLE = "LatencyUnavailable"
+#: The histogram each latency metric is read from (vLLM's names).
+LATENCY_HISTOGRAM = {
+    LatencyMetric.TTFT: TTFT,
+    LatencyMetric.ITL: ITL,
+    LatencyMetric.E2E: E2E,
+}
 #: Condition reason when neither the PDService nor the operator names a Prometheus.
 REASON_NO_PROMETHEUS = "NoPrometheus"
 #: The shortest loop period, s, whatever ``sampleIntervalS`` says (keeps a typo from spinning the loop).
@@ -685,6 +697,17 @@ def tick(
             REASON_STAGE_BALANCE_UNAVAILABLE,
             f"Prometheus at {url} answers (engine {engine}); {reading.note}: the imbalance trigger is off "
             "for this gear, the saturation and P99 triggers run",
+        )
+    elif sample is not None and sample.qps > 0 and sample.p99_ms(policy.latency_metric) is None:
+        metric = policy.latency_metric
+        book.set(
+            COND_SIGNALS_AVAILABLE,
+            "True",
+            REASON_LATENCY_UNAVAILABLE,
+            f"Prometheus at {url} answers and the gear serves requests, but {metric.value} P99 has no data: "
+            f"is {LATENCY_HISTOGRAM[metric]}_bucket exported by the head pods and scraped? "
+            "The P99 triggers are off; the saturation and imbalance triggers run",
+            warning=True,
         )
     elif sample is not None:
         book.set(COND_SIGNALS_AVAILABLE, "True", REASON_SIGNALS_OK, f"Prometheus at {url} answers")

@@ -46,7 +46,8 @@ class Backend:
     running: float = 0.0
     waiting: float = 0.0
     gpu_util: float = 0.0
-    kv_usage: float = 0.0
+    kv_usage: float | None = None
+    """KV-cache usage 0..1; None while the pod exports no KV-usage series (unknown is not empty)."""
     kv_capacity_bytes: float | None = None
     itl_ms: float | None = None
     fc_queue: float = 0.0
@@ -68,7 +69,8 @@ class Backend:
         """Healthy by active checks and not ejected (panic mode may still route to it)."""
         return outlier.available(self, now)
 
-    def view(self) -> P.PodView:
+    def view(self, kv_usage_unknown: float = 0.0) -> P.PodView:
+        """The frozen view policies score; ``kv_usage_unknown`` stands in for a KV usage not reported."""
         i = self.info
         return P.PodView(
             name=i.name,
@@ -87,7 +89,7 @@ class Backend:
             queue_length=self.fc_queue,
             inflight=self.inflight,
             gpu_util=self.gpu_util,
-            kv_usage=self.kv_usage,
+            kv_usage=self.kv_usage if self.kv_usage is not None else kv_usage_unknown,
             kv_capacity_bytes=self.kv_capacity_bytes
             if self.kv_capacity_bytes is not None
             else i.kv_capacity_bytes,
@@ -193,7 +195,10 @@ class Pool:
             raise P.NoPodError(
                 role, "no pod in the set" if not self.members(role) else "every pod was tried already"
             )
-        views = [b.view() for b in cands]
+        # A pod that exports no KV usage is priced as the fullest pod that does: scoring it as empty sent it
+        # every decode request (#20 row 3). Among pods that all hide it the value is moot (all equal).
+        known = [b.kv_usage for b in cands if b.kv_usage is not None]
+        views = [b.view(max(known, default=0.0)) for b in cands]
         cfg = self.config
         policy = cfg.policy
         if policy == "pd-score":

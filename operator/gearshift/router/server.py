@@ -88,7 +88,8 @@ def balance_round(pool: Pool, now: float, target_itl_ms: float) -> pd_balance.De
                 name=b.info.name,
                 role=b.info.role,
                 gpu_util=b.gpu_util,
-                memory_util=b.kv_usage,
+                # Unknown KV usage: judged by GPU load alone rather than as an empty cache.
+                memory_util=b.kv_usage if b.kv_usage is not None else b.gpu_util,
                 itl_p99_ms=p99,
                 queue_depth=b.waiting + b.running,
                 max_batch=b.info.max_batch,

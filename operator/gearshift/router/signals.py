@@ -73,7 +73,8 @@ class PodSample:
 
     running: float = 0.0
     waiting: float = 0.0
-    kv_usage: float = 0.0
+    kv_usage: float | None = None
+    """Fullest KV-usage series, 0..1; None when the pod exports none."""
     stage_util: dict[str, float] = field(default_factory=dict)
     itl: Histogram | None = None
     kv_capacity_tokens: float | None = None
@@ -94,7 +95,9 @@ def parse_metrics(text: str) -> PodSample:
         elif name in WAITING:
             s.waiting += sum(x.value for x in fam.samples)
         elif name in KV_USAGE:
-            s.kv_usage = max([s.kv_usage, *(x.value for x in fam.samples)])
+            values = [x.value for x in fam.samples if math.isfinite(x.value)]
+            if values:
+                s.kv_usage = max([*values, *([s.kv_usage] if s.kv_usage is not None else [])])
         elif name == STAGE_UTIL:
             for x in fam.samples:
                 s.stage_util[x.labels.get("stage", "0")] = x.value
@@ -224,7 +227,10 @@ class PrometheusSource:
     QUERIES: ClassVar[dict[str, str]] = {
         "running": 'sum by (pod) (vllm:num_requests_running{pod=~"%s"})',
         "waiting": 'sum by (pod) (vllm:num_requests_waiting{pod=~"%s"})',
-        "kv_usage": 'max by (pod) (vllm:kv_cache_usage_perc{pod=~"%s"})',
+        # vLLM renamed the gauge (0.10: gpu_cache_usage_perc → kv_cache_usage_perc); `or` takes the old
+        # name only for pods without the new one.
+        "kv_usage": 'max by (pod) (vllm:kv_cache_usage_perc{pod=~"%s"}) '
+        'or max by (pod) (vllm:gpu_cache_usage_perc{pod=~"%s"})',
         "itl_s": 'sum by (pod) (rate(vllm:inter_token_latency_seconds_sum{pod=~"%s"}[30s])) / '
         'sum by (pod) (rate(vllm:inter_token_latency_seconds_count{pod=~"%s"}[30s]))',
         "util": 'max by (pod) (gearshift:stage_utilization{pod=~"%s"})',
@@ -254,7 +260,7 @@ class PrometheusSource:
             for row in self.prom.custom_query(q.replace("%s", names)):
                 b = self.pool.backends.get(row["metric"].get("pod", ""))
                 value = float(row["value"][1])
-                if b is None or math.isnan(value):
+                if b is None or not math.isfinite(value):
                     continue
                 if key == "itl_s":
                     b.itl_ms = value * 1000
