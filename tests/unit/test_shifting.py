@@ -367,6 +367,23 @@ class TestTicks:
         assert sent["qps"] == pytest.approx(0.7 * 3.0)  # the smoothed rate (alpha 0.3) still decays
         assert status(world)["signals"].get("p99Ms") is None
 
+    def test_served_requests_without_latency_histograms_warn_once(self, world: FakeApi) -> None:
+        # #20 row 3: the head pods serve (qps > 0) but export no TTFT histogram: the P99 triggers are
+        # blind, which the condition and one Warning event say (SignalsAvailable stays True).
+        class NoHistograms(FakeSignals):
+            def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
+                return Sample(at=at, stage_utilization=(0.5, 0.5), qps=3.0)
+
+        for k in range(3):
+            run(world, NoHistograms(), T0 + 5 * k)
+        cond = _signals_condition(world)
+        assert (cond["status"], cond["reason"]) == ("True", "LatencyUnavailable")
+        assert "vllm:time_to_first_token_seconds_bucket" in cond["message"]  # prefill role: TTFT
+        warned = [e for e in world.events if e["reason"] == "LatencyUnavailable"]
+        assert len(warned) == 1 and warned[0]["type"] == "Warning"
+        run(world, FakeSignals(), T0 + 20)
+        assert _signals_condition(world)["reason"] == "SignalsOk"
+
     def test_signals_to_status_shows_latency_only_with_completions(self) -> None:
         policy = ShiftPolicy()
         smoothed = Sample(at=T0, qps=1.5, ttft_p99_ms=690.514, itl_p99_ms=21.0)
