@@ -3,12 +3,16 @@ volume mounts as a kubelet makes them, cluster DNS for headless Services, the CP
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from gearshift.sandbox import podspec
+from gearshift.sandbox.layout import Layout
 from gearshift.sandbox.podspec import (
+    VLLM_SITE_DIR,
     PodSpecError,
     cluster_dns_names,
     container_argv,
@@ -168,3 +172,45 @@ class TestClusterDns:
 
 def test_vllm_is_an_allowed_program() -> None:
     assert podspec.VLLM_COMMAND in podspec.ALLOWED_COMMANDS
+
+
+class TestNixlProgressDelay:
+    """``sandbox/vllm_site/sitecustomize.py`` run by the vLLM venv's own Python against NIXL's own
+    ``nixl_agent``: the agent NIXL builds gets the sandbox's progress-thread delay."""
+
+    PROBE = """
+import sys
+import nixl_cu13._api as api
+bindings = sys.modules["nixl_cu13._bindings"]
+class Seen(Exception):
+    pass
+def record(name, config):
+    raise Seen(config.pthrDelay)
+bindings.nixlAgent = record
+try:
+    api.nixl_agent("probe", api.nixl_agent_config(backends=[]))
+except Seen as seen:
+    print("pthrDelay", seen.args[0])
+"""
+
+    def test_nixl_agents_get_the_delay(self, tmp_path: Path) -> None:
+        layout = Layout.from_env()
+        if not layout.vllm_installed:
+            pytest.fail(f"vLLM for the sandbox is missing ({layout.vllm_root}): run `make vllm`")
+        py = str(layout.vllm_bin / "python")
+        env = {**vllm_cpu_env(0), "PATH": "/usr/bin:/bin", "SANDBOX_NIXL_PROGRESS_DELAY_US": "777"}
+        out = subprocess.run(
+            [str(py), "-c", self.PROBE], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "pthrDelay 777" in out.stdout, out.stdout + out.stderr[-2000:]
+        # without the folder on PYTHONPATH NIXL keeps its own 0 (what the patch exists for)
+        env["PYTHONPATH"] = ""
+        out = subprocess.run(
+            [str(py), "-c", self.PROBE], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert "pthrDelay 0" in out.stdout, out.stdout + out.stderr[-2000:]
+
+    def test_container_pythonpath_is_kept_after_the_sandbox_folder(self) -> None:
+        env = vllm_cpu_env(0, "/opt/app")
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(VLLM_SITE_DIR), "/opt/app"]

@@ -406,7 +406,8 @@ class PodRunner:
                 argv = podspec.container_argv(c, full, self.venv_bin, self.vllm_bin)
                 is_vllm = Path(argv[0]).name == podspec.VLLM_COMMAND
                 if is_vllm:
-                    full.update(podspec.vllm_cpu_env(self.next_core % (os.cpu_count() or 1)))
+                    core = self.next_core % (os.cpu_count() or 1)
+                    full.update(podspec.vllm_cpu_env(core, full.get("PYTHONPATH", "")))
                     full["PATH"] = f"{self.vllm_bin}:{full['PATH']}"
                     self.next_core += 1
                 # Volumes and cluster DNS for vLLM pods (model cache, /dev/shm, --master-addr); gearshift's

@@ -15,6 +15,7 @@ Kubernetes semantics followed (kubelet, ``pkg/kubelet/kuberuntime`` and the API 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -382,13 +383,20 @@ VLLM_CPU_ENV = {
     # vLLM's usage stats would try to reach the internet.
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    # vllm_site/sitecustomize.py: NIXL's progress thread sleeps this long between turns instead of
+    # busy-polling a core per engine (its docstring has the measurements).
+    "SANDBOX_NIXL_PROGRESS_DELAY_US": "1000",
 }
+#: The folder whose ``sitecustomize.py`` every sandbox vLLM process imports (``PYTHONPATH``).
+VLLM_SITE_DIR = Path(__file__).resolve().parent / "vllm_site"
 
 
-def vllm_cpu_env(core: int) -> dict[str, str]:
+def vllm_cpu_env(core: int, pythonpath: str = "") -> dict[str, str]:
     """:data:`VLLM_CPU_ENV` with ``VLLM_CPU_OMP_THREADS_BIND`` = ``core`` (vllm/envs.py: the cores the
-    CPU worker's OpenMP threads are pinned to; one core per process keeps two processes off each other)."""
-    return {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    CPU worker's OpenMP threads are pinned to; one core per process keeps two processes off each other)
+    and :data:`VLLM_SITE_DIR` first on ``PYTHONPATH`` (before the container's own ``pythonpath``)."""
+    path = os.pathsep.join(p for p in (str(VLLM_SITE_DIR), pythonpath) if p)
+    return {**VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "PYTHONPATH": path}
 
 
 def mount_plan(
