@@ -20,6 +20,7 @@ import argparse
 import importlib
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ HANDLER_MODULES: tuple[str, ...] = (
 
 DOMAIN = "gearshift.io"
 FINALIZER = f"{DOMAIN}/finalizer"
+#: Exit status when the installed CRDs are older than the operator (a config error, like a bad flag: 2).
+EXIT_STALE_CRDS = 3
+#: Left out of kopf's diff base (``AnnotationsDiffBaseStorage(ignored_fields=...)``): see operator_startup.
+DIFFBASE_IGNORED = ("metadata.annotations", "metadata.labels")
 
 log = logging.getLogger("gearshift.operator")
 
@@ -210,8 +215,11 @@ def run(args: argparse.Namespace) -> int:
     def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
+        # The diff base is the spec only: kopf's default essence also copies metadata.annotations, so a
+        # user annotation of 150 KiB made the last-handled annotation pass the API's 256 KiB limit for
+        # all annotations and every patch failed "Too long" (#20 row 4). No handler reacts to annotations.
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=DOMAIN, key="last-handled-configuration"
+            prefix=DOMAIN, key="last-handled-configuration", ignored_fields=DIFFBASE_IGNORED
         )
         # Our own events say what happened; kopf's per-handler events would double them.
         settings.posting.level = logging.WARNING
@@ -247,6 +255,15 @@ def run(args: argparse.Namespace) -> int:
 
         start_http_server(args.metrics_port, addr=args.metrics_host)
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
+    # Before kopf starts: against older CRDs the API server would prune what the handlers write.
+    from gearshift.handlers.crds import StaleCRDs, check_installed_crds
+
+    try:
+        check_installed_crds(pdservice.api())
+    except StaleCRDs as exc:
+        log.error("%s", exc)
+        print(f"gearshift operator: {exc}", file=sys.stderr)
+        return EXIT_STALE_CRDS
     liveness = f"http://{args.probe_host}:{args.probe_port}/healthz" if args.probe_port else None
     kopf.run(
         standalone=not args.peering,

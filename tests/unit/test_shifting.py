@@ -526,7 +526,14 @@ class TestTicks:
         # the forced gear is now unhealthy: no new attempt
         r = run(world, sig, T0 + 40)
         assert r.decision is not None and r.decision.reason == "ForceGearUnhealthy"
+        assert "change the gear to retry" in r.decision.message
         assert prefill_gears(world) == {"balanced"}
+        # #20 row 6: the user changes the gear, as the hold says: the edited gear is tried again
+        latency = next(g for g in world.store[key]["spec"]["gears"] if g["name"] == "latency")
+        latency["maxBatch"] = latency["maxBatch"] // 2
+        r = run(world, sig, T0 + 42)
+        assert r.decision is not None and r.decision.reason != "ForceGearUnhealthy", r.decision
+        assert r.phase is Phase.WARMING and "latency" in prefill_gears(world)
 
     def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeApi) -> None:
         """Baseline = balanced's smoothed TTFT P99 at the decision (150 ms): latency at 1000 ms exceeds

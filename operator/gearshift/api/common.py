@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 #: API group and version of every gearshift kind.
@@ -44,6 +44,30 @@ MAX_CONDITIONS = 16
 MAX_HISTORY = 50
 MAX_PEERS = 256
 MAX_MESSAGE = 32768
+"""A condition message's maxLength (Kubernetes API conventions: ``metav1.Condition.message``)."""
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` cut to at most ``limit`` characters, saying how much was left out; unchanged when it fits.
+
+    Messages the operator writes list what they found (missing nodes, stages, pods); a list the user's
+    spec makes long must not make the status write fail schema validation on every reconcile.
+    """
+    if len(text) <= limit:
+        return text
+    # The suffix's own length depends on the count; 40 characters always hold it.
+    keep = max(0, limit - 40)
+    return f"{text[:keep]}… ({len(text) - keep} more characters)"
+
+
+def _bounded_input(value: Any) -> Any:
+    return bounded(value) if isinstance(value, str) else value
+
+
+#: A status message the operator writes: cut to :data:`MAX_MESSAGE` on the way in (never a validation
+#: error: #20 row 4), and ``maxLength`` in the CRD.
+Message = Annotated[str, BeforeValidator(_bounded_input), Field(max_length=MAX_MESSAGE)]
+
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -176,7 +200,7 @@ class Condition(StatusModel):
         max_length=1024,
         description="CamelCase reason of the last transition or update, for machines.",
     )
-    message: str = Field(default="", max_length=MAX_MESSAGE, description="Human-readable details.")
+    message: Message = Field(default="", description="Human-readable details.")
     last_transition_time: AwareDatetime | None = Field(
         default=None, description="When status last changed (RFC 3339); unchanged by reason/message edits."
     )
@@ -217,6 +241,7 @@ def set_condition(
     old = find_condition(conditions, type_)
     kept = old is not None and old.status == status and old.last_transition_time is not None
     transition = old.last_transition_time if kept and old is not None else now
+    message = bounded(message)
     new = Condition(
         type=type_,
         status=status,

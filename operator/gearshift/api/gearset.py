@@ -22,12 +22,12 @@ from gearshift.api.common import (
     MAX_GEAR_NAME,
     MAX_GEARS,
     MAX_HISTORY,
-    MAX_MESSAGE,
     MAX_NODES_PER_STAGE,
     MAX_SERVICE_NAME,
     MAX_STAGES,
     Condition,
     DnsLabel,
+    Message,
     NodeName,
     Selector,
     SpecModel,
@@ -744,12 +744,17 @@ class GearHealth(StatusModel):
     reason: str = Field(
         default="", max_length=1024, description="CamelCase reason (OOMKilled, Timeout, ...)."
     )
-    message: str = Field(default="", max_length=MAX_MESSAGE, description="Details.")
+    message: Message = Field(default="", description="Details.")
     since: AwareDatetime | None = Field(default=None, description="When the gear was last marked.")
     profiles_hash: str | None = Field(
         default=None,
         max_length=128,
         description="GPUProfiles fingerprint when marked; a different one clears the mark.",
+    )
+    gear_hash: str | None = Field(
+        default=None,
+        max_length=128,
+        description="Fingerprint of the gear's spec when marked; editing the gear clears the mark.",
     )
 
 
@@ -762,7 +767,7 @@ class ShiftRecord(StatusModel):
     started_at: AwareDatetime = Field(description="When the shift started.")
     finished_at: AwareDatetime | None = Field(default=None, description="When it ended.")
     outcome: ShiftOutcome = Field(default="InProgress", description="How it ended.")
-    message: str = Field(default="", max_length=MAX_MESSAGE, description="Details.")
+    message: Message = Field(default="", description="Details.")
 
 
 class ExecutorState(StatusModel):
@@ -804,7 +809,7 @@ class ExecutorState(StatusModel):
     failure: str | None = Field(
         default=None, max_length=1024, description="CamelCase reason of the rollback in progress."
     )
-    failure_message: str = Field(default="", max_length=MAX_MESSAGE, description="Why it rolls back.")
+    failure_message: Message = Field(default="", description="Why it rolls back.")
     paused_at: AwareDatetime | None = Field(
         default=None, description="When spec.paused held the shift (deadlines are extended by the pause)."
     )
@@ -852,7 +857,7 @@ class ScalingStatus(StatusModel):
         default=None, max_length=64, description="Hold, ScaleUp or ScaleDown (the latest decision)."
     )
     last_reason: str | None = Field(default=None, max_length=128, description="CamelCase reason of it.")
-    last_message: str = Field(default="", max_length=MAX_MESSAGE, description="Details of it.")
+    last_message: Message = Field(default="", description="Details of it.")
     last_scale_time: AwareDatetime | None = Field(default=None, description="When replicas last changed.")
     up_since: AwareDatetime | None = Field(default=None, description="Start of the scale-up window run.")
     up_floor: int | None = Field(default=None, ge=0, description="Lowest recommendation in that run.")
@@ -867,8 +872,8 @@ class ScalingStatus(StatusModel):
     )
     drain_target: int | None = Field(default=None, ge=0, description="Replicas the drain scales down to.")
     drain_started_at: AwareDatetime | None = Field(default=None, description="When the drain began.")
-    placement: str = Field(
-        default="", max_length=MAX_MESSAGE, description="Nodes the last scale-up expects its new pods on."
+    placement: Message = Field(
+        default="", description="Nodes the last scale-up expects its new pods on."
     )
 
 

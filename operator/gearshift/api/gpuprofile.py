@@ -16,10 +16,10 @@ from pydantic import AwareDatetime, ConfigDict, Field, model_validator
 from gearshift.api.common import (
     API_VERSION,
     MAX_CONDITIONS,
-    MAX_MESSAGE,
     MAX_OBJECT_NAME,
     MAX_PEERS,
     Condition,
+    Message,
     NodeName,
     SpecModel,
     StatusModel,
@@ -230,7 +230,7 @@ class GPUProfileStatus(StatusModel):
         max_length=32,
         description="Status fields whose value comes from spec.override instead of the measurement.",
     )
-    message: str | None = Field(default=None, max_length=MAX_MESSAGE, description="Last error or note.")
+    message: Message | None = Field(default=None, description="Last error or note.")
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=MAX_CONDITIONS,

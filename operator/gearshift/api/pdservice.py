@@ -17,10 +17,10 @@ from pydantic import AwareDatetime, ConfigDict, Field, ValidationError, model_va
 from gearshift.api.common import (
     API_VERSION,
     MAX_CONDITIONS,
-    MAX_MESSAGE,
     MAX_SERVICE_NAME,
     Condition,
     DnsLabel,
+    Message,
     SpecModel,
     StatusModel,
 )
@@ -759,7 +759,7 @@ class PDServiceStatus(StatusModel):
     decode: RoleStatus | None = Field(default=None, description="The decode role.")
     router_ready: bool | None = Field(default=None, description="The router Deployment is available.")
     endpoint: str | None = Field(default=None, max_length=1024, description="Client Service host:port.")
-    message: str | None = Field(default=None, max_length=MAX_MESSAGE, description="Last error or note.")
+    message: Message | None = Field(default=None, description="Last error or note.")
     window_leave_by: AwareDatetime | None = Field(
         default=None,
         description="Earliest leaveBy of a time-limited node in use (issue 13; GearSet status.windowedNodes "

@@ -30,6 +30,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("gearshift.io/v1alpha1", "PDService"): ("pdservices", True),
     ("gearshift.io/v1alpha1", "GearSet"): ("gearsets", True),
     ("gearshift.io/v1alpha1", "GPUProfile"): ("gpuprofiles", False),
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
 }
 
 

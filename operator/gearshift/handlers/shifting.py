@@ -41,6 +41,8 @@ it every turn. Both need kopf's finalizer on the GearSet.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import threading
@@ -60,7 +62,7 @@ from gearshift.api.common import (
     REASON_WINDOW_NO_TARGET,
     VERSION,
 )
-from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearSet, GearSignals
+from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearHealth, GearSet, GearSignals
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, TriggerTrack, decide
 from gearshift.control.executor import (
@@ -568,7 +570,32 @@ def _history(raw: list[dict[str, Any]], rec: RecordShift, message_limit: int = 4
     return out[-MAX_HISTORY:]
 
 
-def _health(raw: list[dict[str, Any]], mark: MarkUnhealthy, now: float, profiles_hash: str | None) -> list:
+def gear_fingerprint(gear: Gear) -> str:
+    """A stable hash of a gear's spec (its JSON with sorted keys), for :class:`GearHealth` marks."""
+    text = json.dumps(gear.model_dump(mode="json", by_alias=True), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def current_marks(gs: GearSet) -> list[GearHealth]:
+    """The health marks that still hold (seed 002: a gear is unhealthy until the model or the profiles
+    change): marked under the current GPUProfiles, and on the gear as it is now — an edited gear is a new
+    gear and is tried again, as the ``ForceGearUnhealthy`` hold tells users."""
+    st = gs.status
+    gears = {g.name: gear_fingerprint(g) for g in gs.gears()}
+    return [
+        h
+        for h in st.gear_health
+        if h.profiles_hash in (None, st.profiles_hash) and h.gear_hash in (None, gears.get(h.gear))
+    ]
+
+
+def _health(
+    raw: list[dict[str, Any]],
+    mark: MarkUnhealthy,
+    now: float,
+    profiles_hash: str | None,
+    gear_hash: str | None,
+) -> list:
     entry = {
         "gear": mark.gear,
         "healthy": False,
@@ -576,6 +603,7 @@ def _health(raw: list[dict[str, Any]], mark: MarkUnhealthy, now: float, profiles
         "message": mark.message[:4000],
         "since": to_time(now),
         "profilesHash": profiles_hash,
+        "gearHash": gear_hash,
     }
     return [h for h in raw if h.get("gear") != mark.gear] + [entry]
 
@@ -665,7 +693,7 @@ def tick(
             obs = replace(obs, p99_ms=sample.p99_ms(policy.latency_metric), qps=sample.qps)
         observations[gname] = obs
     # --- decide and step -----------------------------------------------------------------------------
-    marks = [h for h in st.gear_health if h.profiles_hash in (None, st.profiles_hash)]
+    marks = current_marks(gs)
     table = GearTable(gear_views(gears, marks), active=state.active, arch=pds.spec.model.to_model_arch())
     t0 = time.perf_counter()
     overrides = Overrides(force_gear=gs.spec.force_gear, paused=gs.spec.paused)
@@ -723,7 +751,10 @@ def tick(
             if a.outcome is not Outcome.IN_PROGRESS:
                 metrics.SHIFTS.labels(role, a.outcome.value).inc()
         elif isinstance(a, MarkUnhealthy):
-            health = _health(health, a, now, st.profiles_hash)
+            marked = spec_gears.get(a.gear)
+            health = _health(
+                health, a, now, st.profiles_hash, gear_fingerprint(marked) if marked is not None else None
+            )
     patch: dict[str, Any] = {
         "phase": new_state.phase.value,
         "activeGear": new_state.active,

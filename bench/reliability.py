@@ -1,0 +1,150 @@
+"""A busy machine against a quiet one (#20): the demo's trace window replayed twice, side by side in one run.
+
+- ``quiet``: ``gearshift demo`` as ``make demo`` runs it (same trace, same window, ``--duration``);
+- ``busy``: the same, while a background process keeps one core busy for the whole replay (a Python busy
+  loop, bounded by time, started before the replay and ended by its process id afterwards). On the
+  2-core sandbox machine that is half the CPU: the control plane, the operator, the router and every
+  simulated engine share the other half.
+
+What a user would pick instead is the same service on a quiet machine; the busy run has to keep up with it.
+Goal (the issue): 0 failed requests in both runs and busy goodput >= 0.8 x quiet goodput. Goodput is
+requests meeting the PDService SLO per second of replay (the demo's ``goodput_rps``); both runs report
+their simulated GPU-hours of the fleet over the replay (cards × replay time) so the cost of each figure
+is stated.
+
+Also written, per row of #20, the tests that cover it (``ROWS``).
+
+Run: ``PYTHONPATH=operator .venv/bin/python bench/reliability.py [--duration S] [--out FILE]``; it brings
+the sandbox up (or reuses it) through ``gearshift demo`` and leaves it up. About 2 × (duration + 1 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench/results/reliability.json"
+
+#: #20's rows and the tests that fail on the code before the fix and pass after it.
+ROWS: dict[str, dict[str, Any]] = {
+    "1 busy machine loses requests": {
+        "fix": "router/outlier.py: Envoy's health-check thresholds, consecutive-5xx ejection with a "
+        "10 % cap, panic threshold; prefill 5xx retried on another pod",
+        "tests": [
+            "tests/unit/test_router_outlier.py",
+            "tests/unit/test_router_proxy.py::test_a_slow_health_check_does_not_take_the_only_decode_pod_out",
+            "tests/unit/test_router_proxy.py::test_all_pods_dead_is_502_and_never_no_pod",
+            "tests/unit/test_router_proxy.py::test_prefill_5xx_is_retried_on_another_prefill_pod",
+            "tests/e2e/test_vllm_engine.py (real vLLM through the router on the loaded sandbox)",
+            "bench/reliability.py (this file: busy against quiet)",
+        ],
+    },
+    "2 non-finite signals": {
+        "fix": "handlers/shifting.py: non-finite values are no data and never reach a patch",
+        "tests": ["tests/unit/test_shifting.py::test_non_finite_values_never_reach_the_status_patch"],
+    },
+    "3 a missing metric is not zero": {
+        "fix": "router: unknown KV usage priced as the fullest reporting pod; KV queries fall back to "
+        "vllm:gpu_cache_usage_perc; LatencyUnavailable condition and event",
+        "tests": [
+            "tests/unit/test_missing_metrics.py",
+            "tests/unit/test_shifting.py::TestTicks::test_served_requests_without_latency_histograms_warn_once",
+        ],
+    },
+    "4 objects near the API's limits": {
+        "fix": "kopf's diff base without metadata; every status message cut to the schema's maxLength",
+        "tests": ["tests/e2e/test_api_limits.py"],
+    },
+}
+
+
+def burner(seconds: float) -> subprocess.Popen[bytes]:
+    """One process that keeps one core busy for ``seconds`` s (its own session, ended by pid)."""
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def demo(duration: float, results: Path, report_dir: Path) -> dict[str, Any]:
+    """``gearshift demo`` with this window; its summary (the report's summary.json)."""
+    cmd = [
+        str(REPO / ".venv/bin/gearshift"), "demo", "--duration", str(duration),
+        "--results", str(results), "--report-dir", str(report_dir), "--keep",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=duration + 900)
+    return dict(json.loads(results.read_text()))
+
+
+def summary(run: dict[str, Any], cards: int) -> dict[str, Any]:
+    req = run["requests"]
+    return {
+        "requests": req,
+        "goodput_rps": run["goodput_rps"],
+        "throughput_rps": run["throughput_rps"],
+        "ttft_ms": run["ttft_ms"],
+        "itl_ms": run["itl_ms"],
+        "replay_s": run["replay_s"],
+        "fleet_gpu_hours": round(cards * run["replay_s"] / 3600.0, 3),
+        "shifts": [f"{s['role']} {s['from']}→{s['to']} {s['outcome']}" for s in run.get("shifts", [])],
+    }
+
+
+def fleet_cards() -> int:
+    """Physical GPU cards of the demo's fleet (``examples/fleets/mixed.yaml``)."""
+    from gearshift.demo import DEFAULT_FLEET
+    from gearshift.fleet import load_fleet
+
+    return sum(n.gpus for n in load_fleet(DEFAULT_FLEET).nodes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=240.0, help="replay issuing time per run, s")
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args(argv)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gs-reliability-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    cards = fleet_cards()
+    t0 = time.time()
+    quiet = demo(a.duration, work / "quiet.json", work / "quiet")
+    hog = burner(a.duration + 900)
+    try:
+        busy = demo(a.duration, work / "busy.json", work / "busy")
+    finally:
+        os.killpg(hog.pid, signal.SIGTERM)
+        hog.wait(10)
+    q, b = summary(quiet, cards), summary(busy, cards)
+    ratio = b["goodput_rps"] / q["goodput_rps"] if q["goodput_rps"] else 0.0
+    failed = q["requests"]["failed"] + b["requests"]["failed"]
+    out = {
+        "command": "PYTHONPATH=operator .venv/bin/python bench/reliability.py "
+        + " ".join(argv or sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "machine": {"cpus": os.cpu_count(), "background_load": "1 busy-loop process (one core)"},
+        "trace_window_s": quiet["trace_window_s"],
+        "time_scale": quiet["time_scale"],
+        "quiet": q,
+        "busy": b,
+        "busy_over_quiet_goodput": round(ratio, 3),
+        "goal": {"failed_requests": 0, "busy_over_quiet_goodput_min": 0.8},
+        "goal_met": failed == 0 and ratio >= 0.8,
+        "rows": ROWS,
+        "wall_s": round(time.time() - t0, 1),
+    }
+    a.out.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    print(json.dumps({k: out[k] for k in ("busy_over_quiet_goodput", "goal_met")}))
+    for name in ("quiet", "busy"):
+        r = out[name]
+        print(f"{name}: {r['requests']} goodput {r['goodput_rps']} req/s, TTFT P99 {r['ttft_ms']['p99']} ms")
+    return 0 if out["goal_met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""#20 row 4 on the sandbox: objects near the API's limits do not make the operator loop.
+
+The operator runs as a process watching this module's namespace (``harness.OperatorProcess``) on two
+private GPU nodes (``harness.GpuNodes``), engine ``sim``.
+
+1. A PDService carrying a 150 KiB user annotation: kopf's diff base used to copy it into its
+   last-handled-configuration annotation, the two passed the API server's 256 KiB limit for all of an
+   object's annotations, and every patch failed "Too long" forever. Now the diff base holds no
+   annotations: the service reconciles (its StatefulSets appear, its status is written) and a spec edit
+   after it is handled too.
+2. A GearSet whose stages name many Nodes that do not exist: the message listing them exceeded the
+   condition's 32768-character maxLength and every reconcile failed pydantic's ``string_too_long``. Now
+   the message is cut to the limit and says how much was left out, and the condition is written.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gearshift.api.common import MAX_MESSAGE
+from gearshift.sandbox.harness import (
+    GpuNodes,
+    OperatorProcess,
+    get_json,
+    install_crds,
+    teardown_run,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+G = "gearshift.io/v1alpha1"
+MODEL = {
+    "name": "meta-llama/Llama-3.2-1B",
+    "numLayers": 16,
+    "hiddenSize": 2048,
+    "numHeads": 32,
+    "numKvHeads": 8,
+    "headDim": 64,
+    "intermediateSize": 8192,
+    "vocabSize": 128256,
+    "dtype": "bfloat16",
+}
+ANNOTATION = "example.com/notes"
+ANNOTATION_BYTES = 150 * 1024
+
+
+class World:
+    def __init__(self, sandbox: Any, tmp: Path) -> None:
+        install_crds(sandbox)
+        self.sandbox = sandbox
+        self.ns = f"e2e-limits-{uuid.uuid4().hex[:6]}"
+        sandbox.kubectl("create", "namespace", self.ns)
+        self.gpus = GpuNodes(sandbox, "e2e-lim", cidr_base=140)
+        self.op: OperatorProcess | None = OperatorProcess(sandbox, self.ns, tmp / "operator.log")
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        obj["metadata"]["namespace"] = self.ns
+        # server-side apply: a client-side apply would store the object (and its 150 KiB annotation)
+        # again in kubectl's own last-applied annotation and be refused before the operator sees it.
+        self.sandbox.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(obj))
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        return dict(get_json(self.sandbox, kind, name, "-n", self.ns))
+
+
+@pytest.fixture(scope="module")
+def world(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    w = World(sandbox, tmp_path_factory.mktemp("limits"))
+    try:
+        yield w
+    finally:
+        left = teardown_run(sandbox, w.ns, w.op, w.gpus, wait_s=60)
+        assert left == [], f"teardown left {left}"
+
+
+def _gearset(name: str, service: str, role: str, stages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": G,
+        "kind": "GearSet",
+        "metadata": {"name": name},
+        "spec": {
+            "serviceName": service,
+            "role": role,
+            "mode": "explicit",
+            "gears": [{"name": "g", "microBatch": 4, "maxBatch": 32, "stages": stages}],
+        },
+    }
+
+
+def _service(name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if annotations:
+        meta["annotations"] = annotations
+    return {
+        "apiVersion": G,
+        "kind": "PDService",
+        "metadata": meta,
+        "spec": {
+            "model": MODEL,
+            "engine": "sim",
+            "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
+            "decode": {"gearSetRef": {"name": f"{name}-decode"}},
+        },
+    }
+
+
+def _statefulsets(w: World, service: str) -> list[dict[str, Any]]:
+    out = get_json(w.sandbox, "sts", "-n", w.ns, "-l", f"gearshift.io/service={service}")
+    return list(out["items"])
+
+
+def test_a_large_user_annotation_does_not_stop_reconciling(world: World) -> None:
+    p, d = world.gpus.add("A10-24GB", "p"), world.gpus.add("A10-24GB", "d")
+    whole = [{"layers": [0, 16], "gpuModel": "A10-24GB"}]
+    world.apply(_gearset("big-prefill", "big", "prefill", [{**whole[0], "nodes": [p]}]))
+    world.apply(_gearset("big-decode", "big", "decode", [{**whole[0], "nodes": [d]}]))
+    world.apply(_service("big", {ANNOTATION: "x" * ANNOTATION_BYTES}))
+    sts = wait_until(lambda: _statefulsets(world, "big") or None, 120, "the service's StatefulSets")
+    assert {s["metadata"]["labels"]["gearshift.io/role"] for s in sts} == {"prefill", "decode"}
+    pds = world.get("pds", "big")
+    notes = pds["metadata"]["annotations"]
+    assert len(notes[ANNOTATION]) == ANNOTATION_BYTES
+    diffbase = notes.get("gearshift.io/last-handled-configuration")
+    assert diffbase is not None and ANNOTATION not in diffbase, "kopf's diff base copied the annotation"
+    assert json.loads(diffbase)["spec"]["engine"] == "sim"
+    # A spec edit after it is handled: the new SLO reaches the diff base.
+    world.sandbox.kubectl(
+        "patch",
+        "pds",
+        "big",
+        "-n",
+        world.ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"slo": {"ttftMs": 1234}}}),
+    )
+
+    def edited() -> bool | None:
+        base = world.get("pds", "big")["metadata"]["annotations"].get(
+            "gearshift.io/last-handled-configuration"
+        )
+        return True if base and json.loads(base)["spec"].get("slo", {}).get("ttftMs") == 1234 else None
+
+    wait_until(edited, 60, "the edit handled")
+    assert world.op is not None and "Too long" not in world.op.log_tail(200_000)
+
+
+def test_a_message_naming_many_missing_nodes_is_cut_to_the_schema(world: World) -> None:
+    # 4 stages × 64 node names of 200 characters: the "no Node named ..." list alone is ~52,000 characters.
+    stages = [
+        {"layers": [4 * k, 4 * k + 4], "gpuModel": "A10-24GB",
+         "nodes": [f"n{k}-{i:02d}-" + "m" * 194 for i in range(64)]}
+        for k in range(4)
+    ]  # fmt: skip
+    world.apply(_gearset("lost-prefill", "lost", "prefill", stages))
+    world.apply(_gearset("lost-decode", "lost", "decode", stages))
+    world.apply(_service("lost"))
+
+    def long_condition() -> dict[str, Any] | None:
+        for kind, name in (("pds", "lost"), ("gs", "lost-prefill")):
+            for c in (world.get(kind, name).get("status") or {}).get("conditions") or []:
+                if "no Node named" in c.get("message", ""):
+                    return dict(c)
+        return None
+
+    cond = wait_until(long_condition, 120, "a condition naming the missing nodes")
+    msg = cond["message"]
+    assert len(msg) <= MAX_MESSAGE
+    assert msg.endswith("more characters)"), msg[-200:]
+    assert world.op is not None and "string_too_long" not in world.op.log_tail(200_000)

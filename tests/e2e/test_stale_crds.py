@@ -1,0 +1,61 @@
+"""#20 row 5 on the sandbox: an operator started against older CRDs says so and stops; the documented
+upgrade path (server-side apply of the release's ``charts/gearshift/crds/``) lets it start.
+
+What ``helm upgrade`` leaves behind is simulated by applying this release's GearSet CRD without
+``status.executor`` (the field whose pruning made a forced shift cycle Warming ↔ Degraded). The CRDs are
+put back whatever happens (``install_crds``), since every other test of the session shares them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gearshift.api import crdgen
+from gearshift.sandbox.harness import OperatorProcess, install_crds, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+GEARSETS = next(k for k in crdgen.KINDS if k.kind == "GearSet")
+
+
+def test_stale_crd_stops_the_operator_until_the_crds_are_upgraded(sandbox: Any, tmp_path: Path) -> None:
+    ns = f"e2e-crds-{uuid.uuid4().hex[:6]}"
+    sandbox.kubectl("create", "namespace", ns)
+    old = crdgen.crd(GEARSETS)
+    del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
+        "executor"
+    ]
+    op: OperatorProcess | None = None
+    try:
+        sandbox.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(old))
+        sandbox.kubectl("wait", "--for=condition=Established", f"crd/{GEARSETS.name}", "--timeout=60s")
+        op = OperatorProcess(sandbox, ns, tmp_path / "operator.log")
+        assert op.proc is not None
+        code = op.proc.wait(timeout=120)
+        log = op.log_tail(20_000)
+        assert code == 3, log
+        assert "gearsets.gearshift.io lacks status.executor" in log, log
+        assert "kubectl apply --server-side --force-conflicts -f charts/gearshift/crds/" in log
+        # The upgrade path the message gives (charts/gearshift/crds/ of this checkout).
+        sandbox.kubectl(
+            "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "charts/gearshift/crds")
+        )
+        sandbox.kubectl("wait", "--for=condition=Established", f"crd/{GEARSETS.name}", "--timeout=60s")
+        op.start()
+        wait_until(
+            lambda: "installed CRDs match this operator" in op.log_tail(20_000) or None, 60, "the check"
+        )
+        time.sleep(3)
+        assert op.running, op.log_tail(4000)
+    finally:
+        if op is not None:
+            op.stop()
+        install_crds(sandbox)
+        sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
