@@ -872,9 +872,7 @@ class ScalingStatus(StatusModel):
     )
     drain_target: int | None = Field(default=None, ge=0, description="Replicas the drain scales down to.")
     drain_started_at: AwareDatetime | None = Field(default=None, description="When the drain began.")
-    placement: Message = Field(
-        default="", description="Nodes the last scale-up expects its new pods on."
-    )
+    placement: Message = Field(default="", description="Nodes the last scale-up expects its new pods on.")
 
 
 class WindowedNode(StatusModel):
