@@ -42,6 +42,7 @@ e2e: venv binaries vllm
 
 test: venv binaries vllm
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -m "not vllm_slow" tests
 
 crds: venv
