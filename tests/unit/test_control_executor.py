@@ -17,6 +17,7 @@ from gearshift.control.executor import (
     Action,
     DeleteGear,
     EnsureGear,
+    Event,
     Outcome,
     Phase,
     RecordShift,
@@ -383,6 +384,29 @@ class TestOverrides:
         w = world()
         records = run(w, request=ShiftRequest("thr", "forced"))
         assert of(records, RecordShift)[-1][1].trigger == "forced" and w.selected == "thr"
+
+
+class TestCancel:
+    def test_cancel_while_warming_deletes_the_shadow_and_keeps_the_old_gear(self):
+        w = world(new=GearScript(ready_after_s=20))
+        state, actions = step(ShiftState(active="bal"), w.observe(0), POLICY, request=REQUEST)
+        w.apply(actions, 0)
+        state, actions = step(state, w.observe(10), POLICY, cancel="spec.forceGear was cleared")
+        w.apply(actions, 10)
+        assert state == ShiftState(active="bal")
+        assert [type(a) for a in actions] == [DeleteGear, Event, RecordShift]
+        rec = actions[-1]
+        assert isinstance(rec, RecordShift) and rec.outcome is Outcome.ABORTED and rec.finished_at == 10
+        assert w.selected == "bal" and "thr" not in w.created and w.lost == {}
+
+    def test_cancel_after_the_switch_is_ignored(self):
+        # From Draining on the new gear serves: the shift finishes, a later decision may shift back.
+        w = world()
+        records = run(w)
+        draining = next(r.state for r in records if r.phase is Phase.DRAINING)
+        state, actions = step(draining, w.observe(51), POLICY, cancel="spec.forceGear was cleared")
+        assert state.phase is not Phase.STABLE or state.active == "thr"
+        assert not any(isinstance(a, DeleteGear) and a.gear == "thr" for a in actions)
 
 
 class TestDegraded:

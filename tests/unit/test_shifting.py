@@ -535,6 +535,30 @@ class TestTicks:
         assert r.decision is not None and r.decision.reason != "ForceGearUnhealthy", r.decision
         assert r.phase is Phase.WARMING and "latency" in prefill_gears(world)
 
+    @pytest.mark.parametrize("revert", ["balanced", None])
+    def test_force_reverted_while_warming_cancels_the_shift(self, world: FakeApi, revert: str | None) -> None:
+        # #20 row 6: the shadow is still warming when the user reverts spec.forceGear: the shift is
+        # cancelled (shadow deleted, history Aborted), not completed and then undone by a second shift.
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        r = run(world, sig, T0)
+        assert r.phase is Phase.WARMING and prefill_gears(world) == {"balanced", "latency"}
+        if revert is None:
+            del world.store[key]["spec"]["forceGear"]
+        else:
+            world.store[key]["spec"]["forceGear"] = revert
+        r = run(world, sig, T0 + 2)
+        st = status(world)
+        assert r.phase is Phase.STABLE and st["activeGear"] == "balanced"
+        assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
+        assert st["history"][-1]["outcome"] == "Aborted"
+        assert "cancelled while 'latency' warmed" in st["history"][-1]["message"]
+        assert "ShiftCancelled" in [e["reason"] for e in world.events]
+        assert st.get("gearHealth") in (None, [])  # a cancel is not a failure of the gear
+        r = run(world, sig, T0 + 4)
+        assert r.phase is Phase.STABLE and prefill_gears(world) == {"balanced"}
+
     def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeApi) -> None:
         """Baseline = balanced's smoothed TTFT P99 at the decision (150 ms): latency at 1000 ms exceeds
         2 × max(150, target 200) = 400 ms. The Service returns to balanced first; latency is deleted only

@@ -69,6 +69,8 @@ class Outcome(StrEnum):
     SUCCEEDED = "Succeeded"
     ROLLED_BACK = "RolledBack"
     FAILED = "Failed"
+    ABORTED = "Aborted"
+    """Cancelled before the switch: its ``spec.forceGear`` was reverted while the target warmed."""
 
 
 # --- event reasons (the same strings as gearshift.api.common's REASON_* constants) -----------------
@@ -81,6 +83,7 @@ EVENT_SHIFT_COMPLETED = "ShiftCompleted"
 EVENT_ROLLED_BACK = "RolledBack"
 EVENT_GEAR_UNHEALTHY = "GearUnhealthy"
 EVENT_SHIFT_REFUSED = "ShiftRefused"
+EVENT_SHIFT_CANCELLED = "ShiftCancelled"
 EVENT_GEAR_MISSING = "GearMissing"
 
 # --- why a gear is marked unhealthy --------------------------------------------------------------
@@ -279,6 +282,7 @@ def step(
     *,
     request: ShiftRequest | None = None,
     paused: bool = False,
+    cancel: str | None = None,
 ) -> tuple[ShiftState, list[Action]]:
     """One executor step: the next state and the actions to apply, in order.
 
@@ -289,6 +293,11 @@ def step(
         request: a shift the decision asked for; used only when Stable, ignored otherwise.
         paused: ``spec.paused``: a shift in progress holds where it is (its deadlines are extended by the
             time spent paused), and no new shift starts.
+        cancel: why the shift in progress is no longer wanted (a reverted ``spec.forceGear``). Honoured
+            only while ``Warming``/``Degraded``: the old gear still serves and the shadow has taken no
+            traffic, so the shadow is deleted and the state is Stable on the old gear again (outcome
+            ``Aborted``). From ``Draining`` on the new gear serves: the shift finishes, and a new
+            decision may shift back (undoing a switch is itself a shift).
 
     Returns:
         ``(new_state, actions)``; no actions means nothing to do until the world changes.
@@ -301,6 +310,8 @@ def step(
         state = replace(
             state, paused_at=None, deadline=None if state.deadline is None else state.deadline + held
         )
+    if cancel is not None and state.phase in (Phase.WARMING, Phase.DEGRADED):
+        return _cancel(state, world, cancel)
     match state.phase:
         case Phase.STABLE:
             return _stable(state, world, policy, request)
@@ -410,6 +421,20 @@ def _stable(
         EnsureGear(request.target, shadow=True, warm_share=policy.warmup_share, kv_pool=not degraded),
         Event(EVENT_SHIFT_STARTED, shift_started_message(request.trigger, active, request.target, degraded)),
         RecordShift(active, request.target, request.trigger, now, Outcome.IN_PROGRESS),
+    ]
+
+
+def _cancel(state: ShiftState, world: World, why: str) -> tuple[ShiftState, list[Action]]:
+    target, old = state.to_gear, state.from_gear
+    assert target is not None and old is not None and state.trigger is not None
+    assert state.started_at is not None
+    message = f"{old!r} → {target!r} cancelled while {target!r} warmed: {why}"
+    actions: list[Action] = [] if world.selected == old else [SelectGear(old)]
+    return ShiftState(active=old), [
+        *actions,
+        DeleteGear(target),
+        Event(EVENT_SHIFT_CANCELLED, message),
+        RecordShift(old, target, state.trigger, state.started_at, Outcome.ABORTED, world.now, message),
     ]
 
 

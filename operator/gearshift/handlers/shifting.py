@@ -64,7 +64,15 @@ from gearshift.api.common import (
 )
 from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearHealth, GearSet, GearSignals
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
-from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, TriggerTrack, decide
+from gearshift.control.decide import (
+    MANUAL,
+    Decision,
+    DecisionKind,
+    DecisionState,
+    Overrides,
+    TriggerTrack,
+    decide,
+)
 from gearshift.control.executor import (
     Action,
     DeleteGear,
@@ -576,6 +584,15 @@ def gear_fingerprint(gear: Gear) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def forced_shift_reverted(gs: GearSet, state: ShiftState) -> str | None:
+    """Why a shift ``spec.forceGear`` started is no longer wanted, or None: the field now names another
+    gear or none (#20 row 6). The executor cancels it only before the switch."""
+    if not state.busy or state.trigger != MANUAL or gs.spec.force_gear == state.to_gear:
+        return None
+    now_forced = f"names {gs.spec.force_gear!r}" if gs.spec.force_gear else "was cleared"
+    return f"spec.forceGear {now_forced}"
+
+
 def current_marks(gs: GearSet) -> list[GearHealth]:
     """The health marks that still hold (seed 002: a gear is unhealthy until the model or the profiles
     change): marked under the current GPUProfiles, and on the gear as it is now — an edited gear is a new
@@ -713,7 +730,9 @@ def tick(
         # Only a shift about to start needs the cluster-wide view of free GPUs.
         fits = shadow_fits(spec_gears[request.target], gs.spec.replicas, api.list(*NODE), api.list(*POD))
     world = World(now=now, gears=observations, selected=selected, full_shadow_fits=fits)
-    new_state, actions = step(state, world, policy, request=request, paused=gs.spec.paused)
+    new_state, actions = step(
+        state, world, policy, request=request, paused=gs.spec.paused, cancel=forced_shift_reverted(gs, state)
+    )
 
     # --- status --------------------------------------------------------------------------------------
     gen = gs_body["metadata"].get("generation")
