@@ -559,6 +559,18 @@ class TestTicks:
         r = run(world, sig, T0 + 4)
         assert r.phase is Phase.STABLE and prefill_gears(world) == {"balanced"}
 
+    def test_deleting_the_gearset_mid_shift_frees_the_shadow_and_keeps_the_serving_gear(
+        self, world: FakeApi
+    ) -> None:
+        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        run(world, FakeSignals(), T0)
+        assert prefill_gears(world) == {"balanced", "latency"}
+        freed = sh.free_gears_of_deleted_gearset(world, NS, world.store[key])
+        assert freed == ["latency"]
+        assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
+        assert sh.gears_to_free([], None, "balanced") == []
+
     def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeApi) -> None:
         """Baseline = balanced's smoothed TTFT P99 at the decision (150 ms): latency at 1000 ms exceeds
         2 × max(150, target 200) = 400 ms. The Service returns to balanced first; latency is deleted only

@@ -937,3 +937,44 @@ async def gearset_shifting(
         floor_s=MIN_INTERVAL_S,
         expected=(KubeApiError, NotYet, KeyError),
     )
+
+
+def gears_to_free(sts: Sequence[Mapping[str, Any]], selected: str | None, active: str | None) -> list[str]:
+    """Gears of a deleted GearSet's role whose StatefulSets go with it: every gear but the one serving
+    (the role Service's, else ``status.activeGear``), sorted. Pure.
+
+    The serving gear stays: deleting its pods would drop requests, and the PDService's own deletion (owner
+    references) or a new GearSet decides its fate. A shadow or a drained old gear holds GPUs for nothing.
+    """
+    keep = selected or active
+    gears = {(s.get("metadata", {}).get("labels") or {}).get(names.LABEL_GEAR) for s in sts}
+    return sorted(g for g in gears if g and g != keep)
+
+
+def free_gears_of_deleted_gearset(api: KubeApi, namespace: str, body: Mapping[str, Any]) -> list[str]:
+    """On a GearSet's deletion: delete its role's StatefulSets of gears not serving; returns those gears."""
+    spec, st = body.get("spec") or {}, body.get("status") or {}
+    service, role = spec.get("serviceName"), spec.get("role")
+    if not service or not role:
+        return []
+    labels = {
+        names.LABEL_SERVICE: service,
+        names.LABEL_ROLE: role,
+        names.LABEL_COMPONENT: names.COMPONENT_ENGINE,
+    }
+    sts = api.list(*STS, namespace, labels)
+    selected = selected_gear(api.get(*SVC, namespace, names.role_service_name(service, role)))
+    freed = gears_to_free(sts, selected, st.get("activeGear"))
+    for gear in freed:
+        delete_gear_sync(api, namespace, service, role, gear)
+    if freed:
+        log.info("GearSet %s/%s deleted: freed gear(s) %s", namespace, body["metadata"]["name"], freed)
+    return freed
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def gearset_deleted(namespace: str, body: kopf.Body, **_: Any) -> None:
+    """#20 row 6: a GearSet deleted mid-shift left its shadow StatefulSets (and their GPUs) behind."""
+    from gearshift.handlers import pdservice
+
+    free_gears_of_deleted_gearset(pdservice.api(), namespace, body)
