@@ -33,6 +33,7 @@ sandbox-down: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 unit: venv
 	$(VENV)/bin/pytest -m "not e2e" tests
@@ -43,6 +44,7 @@ e2e: venv binaries vllm
 test: venv binaries vllm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -m "not vllm_slow" tests
 
 crds: venv

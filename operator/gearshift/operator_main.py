@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gearshift.k8s.names import DOMAIN
+
 #: Handler modules the operator loads; each registers its kopf handlers on import. Other features add a
 #: line here.
 HANDLER_MODULES: tuple[str, ...] = (
@@ -36,7 +38,6 @@ HANDLER_MODULES: tuple[str, ...] = (
     "gearshift.handlers.replicas",
 )
 
-DOMAIN = "gearshift.io"
 FINALIZER = f"{DOMAIN}/finalizer"
 #: Exit status when the installed CRDs are older than the operator (a config error, like a bad flag: 2).
 EXIT_STALE_CRDS = 3

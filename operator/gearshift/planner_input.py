@@ -16,8 +16,6 @@ Pure: takes plain dicts (the API server's JSON) and pydantic models; no I/O.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,12 +304,6 @@ def stage_limit_problems(
                     )
             out.append(msg)
     return out
-
-
-def inputs_hash(*parts: Any) -> str:
-    """A 16-hex-digit SHA-256 fingerprint of JSON-serialisable ``parts`` (key order does not matter)."""
-    raw = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def api_gear(

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from gearshift.adapters.prometheus import fetch_reading
 from gearshift.control.signals import (
     GearSelector,
     SignalsUnavailable,
-    fetch_sample,
     parse_vector,
     qps_query,
     quantile_query,
@@ -110,4 +110,4 @@ def test_unreachable_prometheus_raises_signals_unavailable():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(SignalsUnavailable, match="did not answer"):
-        fetch_sample(f"http://127.0.0.1:{port}", SEL, 0.0, timeout_s=1.0)
+        fetch_reading(f"http://127.0.0.1:{port}", SEL, 0.0, timeout_s=1.0)

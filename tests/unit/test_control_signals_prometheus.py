@@ -29,13 +29,12 @@ from prometheus_client import (
     generate_latest,
 )
 
+from gearshift.adapters.prometheus import fetch_reading
 from gearshift.control.signals import (
     GearSelector,
     PipelineShape,
     SignalsUnavailable,
     UtilizationSource,
-    fetch_reading,
-    fetch_sample,
 )
 
 PROMETHEUS = shutil.which("prometheus")
@@ -150,14 +149,14 @@ def prometheus(exporter: tuple[int, Callable[[], float]], tmp_path: Path) -> Ite
             proc.wait(timeout=5)
 
 
-def test_fetch_sample_from_real_prometheus(prometheus: str, exporter: tuple[int, Callable[[], float]]):
+def test_fetch_reading_from_real_prometheus(prometheus: str, exporter: tuple[int, Callable[[], float]]):
     start = time.monotonic()
     deadline = start + 45.0
     last: Exception | None = None
     sample = None
     while time.monotonic() < deadline:
         try:
-            sample = fetch_sample(prometheus, SEL, 0.0, window="10s", timeout_s=2.0)
+            sample = fetch_reading(prometheus, SEL, 0.0, window="10s", timeout_s=2.0).sample
             # Once the 10 s window is full of scrapes, rate() no longer sees the series' start.
             if time.monotonic() - start > 15.0 and sample.ttft_p99_ms is not None:
                 break
@@ -175,7 +174,7 @@ def test_fetch_sample_from_real_prometheus(prometheus: str, exporter: tuple[int,
     assert sample.e2e_p50_ms == pytest.approx((0.5 + 0.50 * 0.5) * 1000, rel=1e-6)
 
     with pytest.raises(SignalsUnavailable, match="no series"):
-        fetch_sample(prometheus, GearSelector("llm", "chat", "prefill", "other"), 0.0, window="10s")
+        fetch_reading(prometheus, GearSelector("llm", "chat", "prefill", "other"), 0.0, window="10s")
 
 
 def test_fetch_vllm_reading_from_real_prometheus(prometheus: str, exporter: tuple[int, Callable[[], float]]):

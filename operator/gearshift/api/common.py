@@ -8,6 +8,8 @@ Conditions follow the Kubernetes API conventions (``metav1.Condition``): ``type`
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar
@@ -15,9 +17,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-#: API group and version of every gearshift kind.
-GROUP = "gearshift.io"
-VERSION = "v1alpha1"
+from gearshift import GROUP, VERSION  # the one place of the API group and version
+
 API_VERSION = f"{GROUP}/{VERSION}"
 
 # --- name limits derived from the name templates (DESIGN.md) --------------------------------------
@@ -58,6 +59,13 @@ def bounded(text: str, limit: int = MAX_MESSAGE) -> str:
     # The suffix's own length depends on the count; 40 characters always hold it.
     keep = max(0, limit - 40)
     return f"{text[:keep]}… ({len(text) - keep} more characters)"
+
+
+def inputs_hash(*parts: Any) -> str:
+    """A 16-hex-digit SHA-256 fingerprint of JSON-serialisable ``parts`` (key order does not matter): what
+    a plan depends on (``status.profilesHash``), a gear's spec (``gearHealth.gearHash``), a pod template."""
+    raw = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def _bounded_input(value: Any) -> Any:

@@ -22,8 +22,8 @@ Per-stage utilisation has two sources, chosen by the PDService's ``spec.engine``
 Prometheus spells "no value" as ``NaN`` (``histogram_quantile`` over buckets that did not move) and a
 division by zero as ``±Inf``; every non-finite value is *no data* here and never reaches a Sample.
 
-Everything here is pure except :func:`fetch_reading` (and :func:`fetch_sample`), the only functions that
-talk to Prometheus.
+Everything here is pure: :mod:`gearshift.adapters.prometheus` sends the queries and hands the answers to
+:func:`reading_from_results`.
 
 Exceptions::
 
@@ -443,58 +443,3 @@ def reading_from_results(
     return Reading(
         replace(base, stage_utilization=stages_u), UtilizationSource.DERIVED, pipeline_utilization=busy
     )
-
-
-def fetch_reading(
-    url: str,
-    sel: GearSelector,
-    at: float,
-    *,
-    engine: Engine = "sim",
-    shape: PipelineShape | None = None,
-    window: str = "1m",
-    timeout_s: float = 5.0,
-) -> Reading:
-    """Query Prometheus at ``url`` for one reading of ``sel``'s gear (not pure: it talks to Prometheus).
-
-    Args:
-        url: Prometheus base URL, e.g. ``http://127.0.0.1:9090``.
-        sel: the gear's pods.
-        at: the sample's time, s (the caller's clock).
-        engine: ``PDService.spec.engine``; picks the queries (:func:`signal_queries`).
-        shape: the sampled gear's stages (vLLM's derivation needs them).
-        window: range of the rates, a PromQL duration.
-        timeout_s: per-request timeout, s.
-
-    Raises:
-        SignalsUnavailable: Prometheus unreachable, an error answer, or a required series missing.
-    """
-    # Imported here so that the pure parts of gearshift.control never load an HTTP client.
-    import requests
-    from prometheus_api_client import PrometheusConnect
-    from prometheus_api_client.exceptions import PrometheusApiClientException
-    from urllib3.util.retry import Retry
-
-    queries = signal_queries(sel, window, engine)
-    # No retries: the next sample comes in sampleIntervalSeconds anyway, and a retrying client (the
-    # library's default backs off for seconds) would stall the control loop while Prometheus is down.
-    prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0))
-    results: dict[str, Sequence[Any]] = {}
-    for query in queries.all():
-        try:
-            results[query] = prom.custom_query(query)
-        except (PrometheusApiClientException, requests.RequestException) as err:
-            raise SignalsUnavailable(f"Prometheus at {url} did not answer {query!r}: {err}") from err
-    return reading_from_results(at, queries, results, shape)
-
-
-def fetch_sample(
-    url: str, sel: GearSelector, at: float, *, window: str = "1m", timeout_s: float = 5.0
-) -> Sample:
-    """One sample of ``sel``'s gear with the engine's own stage utilisation (the sim's queries); see
-    :func:`fetch_reading`.
-
-    Raises:
-        SignalsUnavailable: Prometheus unreachable, an error answer, or a required series missing.
-    """
-    return fetch_reading(url, sel, at, window=window, timeout_s=timeout_s).sample

@@ -100,27 +100,19 @@ class LiveSignals:
         self.timeout_s = timeout_s
 
     def sample(self, url: str, sel: GearSelector, metric: str, slo_ms: float, at: float) -> sc.ScaleSample:
-        import requests
-        from prometheus_api_client import PrometheusConnect
-        from prometheus_api_client.exceptions import PrometheusApiClientException
-        from urllib3.util.retry import Retry
-
+        from gearshift.adapters import prometheus
         from gearshift.control.signals import quantile_query, queue_query, running_query, scalar
 
-        prom = PrometheusConnect(url=url, disable_ssl=True, timeout=self.timeout_s, retry=Retry(total=0))
         queries = {
             "kv": sc.kv_usage_query(sel.matchers()),
             "waiting": queue_query(sel),
             "running": running_query(sel),
             "p99": quantile_query(metric, 0.99, sel),
         }
-        out: dict[str, float | None] = {}
-        for key, q in queries.items():
-            try:
-                res = prom.custom_query(q)
-            except (PrometheusApiClientException, requests.RequestException) as err:
-                raise SignalsUnavailable(f"Prometheus at {url} did not answer {q!r}: {err}") from err
-            out[key] = scalar(res, q, required=key in ("waiting", "running"))
+        results = prometheus.instant_queries(url, queries.values(), self.timeout_s)
+        out = {
+            key: scalar(results[q], q, required=key in ("waiting", "running")) for key, q in queries.items()
+        }
         p99 = out["p99"]
         return sc.ScaleSample(
             at=at,

@@ -324,7 +324,8 @@ async def fleet_node_changed(name: str, body: kopf.Body, type: str | None, **_: 
 @kopf.on.event(GROUP, VERSION, "gpuprofiles")
 async def fleet_profile_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
     """A GPUProfile's numbers changed (a probe finished, an override): services planning on it re-plan."""
-    from gearshift.planner_input import inputs_hash, usable_profile
+    from gearshift.api.common import inputs_hash
+    from gearshift.planner_input import usable_profile
 
     # Only the numbers a plan reads: probe bookkeeping (times, attempts) must not trigger reconciles.
     eff = None if type == "DELETED" else usable_profile(body)

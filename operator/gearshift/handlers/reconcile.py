@@ -50,6 +50,7 @@ from gearshift.api.common import (
     REASON_WINDOW_VACATED,
     REASON_WINDOWED_IN_USE,
     format_validation_error,
+    inputs_hash,
 )
 from gearshift.api.gearset import Gear, GearSet, Workload
 from gearshift.api.pdservice import PDService
@@ -82,7 +83,6 @@ from gearshift.planner_input import (
     engine_stage_limit,
     gear_links,
     initial_gear,
-    inputs_hash,
     node_ready,
     resource_profile,
     role_candidates,

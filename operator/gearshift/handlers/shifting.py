@@ -41,8 +41,6 @@ it every turn. Both need kopf's finalizer on the GearSet.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import threading
@@ -54,6 +52,7 @@ from typing import Any, Protocol
 
 import kopf
 
+from gearshift.adapters import prometheus
 from gearshift.api.common import (
     COND_SIGNALS_AVAILABLE,
     GROUP,
@@ -61,6 +60,7 @@ from gearshift.api.common import (
     REASON_SIGNALS_MISSING,
     REASON_WINDOW_NO_TARGET,
     VERSION,
+    inputs_hash,
 )
 from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearHealth, GearSet, GearSignals
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
@@ -101,9 +101,6 @@ from gearshift.control.signals import (
     Reading,
     SignalsUnavailable,
     UtilizationSource,
-    fetch_reading,
-    queue_query,
-    running_query,
 )
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import TRIGGERS, Trigger
@@ -500,25 +497,10 @@ class PrometheusSignals:
     def sample(
         self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
     ) -> Reading:
-        return fetch_reading(url, sel, at, engine=engine, shape=shape, timeout_s=self.timeout_s)
+        return prometheus.fetch_reading(url, sel, at, engine=engine, shape=shape, timeout_s=self.timeout_s)
 
     def in_flight(self, url: str, sel: GearSelector) -> int:
-        import requests
-        from prometheus_api_client import PrometheusConnect
-        from prometheus_api_client.exceptions import PrometheusApiClientException
-        from urllib3.util.retry import Retry
-
-        prom = PrometheusConnect(url=url, disable_ssl=True, timeout=self.timeout_s, retry=Retry(total=0))
-        total = 0.0
-        for q in (running_query(sel), queue_query(sel)):
-            try:
-                result = prom.custom_query(q)
-            except (PrometheusApiClientException, requests.RequestException) as err:
-                raise SignalsUnavailable(f"Prometheus at {url} did not answer {q!r}: {err}") from err
-            if not result:
-                raise SignalsUnavailable(f"no series for {q!r}")
-            total += float(result[0]["value"][1])
-        return round(total)
+        return prometheus.in_flight(url, sel, self.timeout_s)
 
 
 def pipeline_shape(gear: Gear) -> PipelineShape:
@@ -579,9 +561,8 @@ def _history(raw: list[dict[str, Any]], rec: RecordShift, message_limit: int = 4
 
 
 def gear_fingerprint(gear: Gear) -> str:
-    """A stable hash of a gear's spec (its JSON with sorted keys), for :class:`GearHealth` marks."""
-    text = json.dumps(gear.model_dump(mode="json", by_alias=True), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A stable hash of a gear's spec, for :class:`GearHealth` marks."""
+    return inputs_hash(gear.model_dump(mode="json", by_alias=True))
 
 
 def forced_shift_reverted(gs: GearSet, state: ShiftState) -> str | None:

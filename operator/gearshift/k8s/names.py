@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import re
 
-DOMAIN = "gearshift.io"
+from gearshift import GROUP
+
+#: The prefix of every gearshift label, annotation and finalizer (the API group).
+DOMAIN = GROUP
+#: Prefix of the datasheet annotations on each sandbox GPU node, which the simulated probe reads.
+ANNOTATION_PREFIX = f"{DOMAIN}/"
 
 # --- labels on objects the operator creates (DESIGN.md) -------------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"

@@ -22,10 +22,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gearshift.gpus import gpu_spec
+from gearshift.k8s.names import ANNOTATION_PREFIX
 from gearshift.model import ModelArch
 from gearshift.probe import ops
 from gearshift.probe.report import SCHEMA_VERSION
-from gearshift.sandbox.nodes import ANNOTATION_PREFIX
 
 ENV_ANNOTATIONS = "GEARSHIFT_NODE_ANNOTATIONS"
 ENV_GPU_COUNT = "GEARSHIFT_GPU_COUNT"

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from gearshift import GROUP, VERSION
 from gearshift.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import LABEL_DRAINING, NODE_GPU_MODEL, role_service_name
 from gearshift.router.policies import pipeline_speed
@@ -367,7 +368,7 @@ class EndpointSliceMembership:
                 except Exception:  # a node we may not read (RBAC) still routes, with the prior
                     n = {}
                 try:
-                    prof = custom.get_cluster_custom_object("gearshift.io", "v1alpha1", "gpuprofiles", node)
+                    prof = custom.get_cluster_custom_object(GROUP, VERSION, "gpuprofiles", node)
                 except Exception:
                     prof = None
                 cache_nodes[node] = node_facts(n, prof)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from gearshift.fleet import Fleet, FleetNode
+from gearshift.k8s import names
 
 #: Label a pod sets to have the sandbox's local pod runner run its container (see ``podrunner``).
 SANDBOX_RUN_LABEL = "gearshift.io/sandbox-run"
@@ -47,7 +48,7 @@ MAX_PODS = 110
 GFD_FAMILY = {"ada": "ada-lovelace"}
 
 #: Prefix of the datasheet annotations on each GPU node (values from ``gearshift.gpus`` and the fleet file).
-ANNOTATION_PREFIX = "gearshift.io/"
+ANNOTATION_PREFIX = names.ANNOTATION_PREFIX
 
 
 class NodeLayoutError(ValueError):
