@@ -341,9 +341,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--base-ejection-time", type=float, default=d.base_ejection_s, help="s, × ejections")
     p.add_argument("--max-ejection-time", type=float, default=d.max_ejection_s, help="s")
-    p.add_argument("--max-ejection-percent", type=float, default=d.max_ejection_percent, help="% per role")
     p.add_argument(
-        "--panic-threshold", type=float, default=d.panic_threshold_percent, help="% available; 0 disables"
+        "--max-ejection-percent", type=float, default=d.max_ejection_percent, help="%% of a role at once"
+    )
+    p.add_argument(
+        "--panic-threshold",
+        type=float,
+        default=d.panic_threshold_percent,
+        help="%% available below which all pods are used; 0 disables",
     )
     p.add_argument("--seed", type=int, default=None, help="random seed of lottery and power-of-two")
     p.add_argument("--log-level", default="INFO")
