@@ -36,6 +36,16 @@ def test_a_status_field_taken_out_is_named_with_its_path() -> None:
     assert "gearsets.gearshift.io lacks status.executor" in msg and "kubectl apply --server-side" in msg
 
 
+def test_an_enum_value_the_operator_writes_is_checked() -> None:
+    crds = current()
+    status = schema(crds["gearsets.gearshift.io"])["properties"]["status"]["properties"]
+    outcome = status["history"]["items"]["properties"]["outcome"]
+    outcome["enum"] = [v for v in outcome["enum"] if v != "Aborted"]
+    assert crdcheck.stale_crds(crds) == {
+        "gearsets.gearshift.io": ["status.history[].outcome value 'Aborted'"]
+    }
+
+
 def test_nested_list_items_and_maps_are_descended() -> None:
     items_want = {"type": "array", "items": {"properties": {"b": {}, "c": {}}}}
     map_want = {"type": "object", "additionalProperties": {"properties": {"x": {}}}}

@@ -56,8 +56,10 @@ def bounded(text: str, limit: int = MAX_MESSAGE) -> str:
     """
     if len(text) <= limit:
         return text
+    if limit < 80:  # too short to say what was cut and keep some text: a plain cut
+        return text[: max(0, limit)]
     # The suffix's own length depends on the count; 40 characters always hold it.
-    keep = max(0, limit - 40)
+    keep = limit - 40
     return f"{text[:keep]}… ({len(text) - keep} more characters)"
 
 

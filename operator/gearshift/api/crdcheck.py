@@ -26,7 +26,8 @@ UPGRADE_HINT = (
 
 
 def schema_gaps(installed: Mapping[str, Any], expected: Mapping[str, Any], path: str = "") -> list[str]:
-    """Property paths of ``expected`` (an openAPIV3Schema) missing from ``installed``, sorted.
+    """Property paths of ``expected`` (an openAPIV3Schema) missing from ``installed``, and enum values
+    ``expected`` allows that ``installed`` does not (``path value 'X'``), sorted.
 
     Descends ``properties``, ``items`` (``path[]``) and ``additionalProperties`` (``path{}``); a node of
     ``installed`` with ``x-kubernetes-preserve-unknown-fields: true`` keeps whatever is written below it,
@@ -35,6 +36,10 @@ def schema_gaps(installed: Mapping[str, Any], expected: Mapping[str, Any], path:
     if installed.get("x-kubernetes-preserve-unknown-fields") is True:
         return []
     gaps: list[str] = []
+    # A value the operator writes that an older enum lacks fails the whole status write (422).
+    if isinstance(expected.get("enum"), list) and isinstance(installed.get("enum"), list):
+        have_values = set(map(str, installed["enum"]))
+        gaps += [f"{path} value {v!r}" for v in expected["enum"] if str(v) not in have_values]
     have = installed.get("properties") or {}
     for name, sub in (expected.get("properties") or {}).items():
         where = f"{path}.{name}" if path else name

@@ -68,8 +68,9 @@ class OutlierConfig:
             if getattr(self, name) < low:
                 raise OutlierConfigError(name, f"must be at least {low}, got {getattr(self, name)}")
         for name in ("base_ejection_s", "max_ejection_s", "interval_s", "check_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise OutlierConfigError(name, f"must be more than 0 s, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise OutlierConfigError(name, f"must be a finite number of seconds above 0, got {value}")
         for name in ("max_ejection_percent", "panic_threshold_percent"):
             if not 0 <= getattr(self, name) <= 100:
                 raise OutlierConfigError(name, f"must be within 0..100 %, got {getattr(self, name)}")

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -67,6 +68,13 @@ class RouterSettings:
     balance_interval_s: float = pd_balance.INTERVAL_S
     apply_rebalance: bool = False
     seed: int | None = None
+
+
+def _report_crash(task: asyncio.Task[Any]) -> None:
+    """A background loop (scrapes, health checks, membership) that ends by an exception stops its signals
+    silently otherwise: log it loudly."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("router background task %s died", task.get_coro(), exc_info=task.exception())
 
 
 def balance_round(pool: Pool, now: float, target_itl_ms: float) -> pd_balance.Decisions:
@@ -149,7 +157,9 @@ class Router:
         self._spawn(self._balance_loop())
 
     def _spawn(self, coro: Any) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(_report_crash)
+        self._tasks.append(task)
 
     async def stop(self, _app: web.Application | None = None) -> None:
         if self._membership:
@@ -217,6 +227,8 @@ class Router:
         body = {
             "status": "ok" if ready else "unavailable",
             "pods": available,
+            "available": available,
+            "members": {r: sum(1 for b in self.pool.backends.values() if b.info.role == r) for r in routable},
             "routable": routable,
             "panic": sorted(r for r, p in panic.items() if p),
             "policy": self.pool.config.policy,
@@ -419,6 +431,12 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
     """
     if not a.backend and not a.service:
         raise SettingsError("give --backend ROLE=URL (repeat) or --service PDSERVICE (EndpointSlice watch)")
+    for flag in ("scrape_interval", "health_interval", "balance_interval"):
+        value = getattr(a, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise SettingsError(
+                f"--{flag.replace('_', '-')} must be a finite number of seconds above 0, got {value}"
+            )
     weights: dict[str, Any] = {}
     if a.weights:
         try:
