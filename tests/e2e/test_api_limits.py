@@ -25,6 +25,7 @@ import pytest
 
 from gearshift.api.common import MAX_MESSAGE
 from gearshift.sandbox.harness import (
+    LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,
     get_json,
@@ -36,17 +37,7 @@ from gearshift.sandbox.harness import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 G = "gearshift.io/v1alpha1"
-MODEL = {
-    "name": "meta-llama/Llama-3.2-1B",
-    "numLayers": 16,
-    "hiddenSize": 2048,
-    "numHeads": 32,
-    "numKvHeads": 8,
-    "headDim": 64,
-    "intermediateSize": 8192,
-    "vocabSize": 128256,
-    "dtype": "bfloat16",
-}
+MODEL = LLAMA_3_2_1B
 ANNOTATION = "example.com/notes"
 ANNOTATION_BYTES = 150 * 1024
 

@@ -36,23 +36,12 @@ import pytest
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import DEFAULT_TRACE as TRACE
 from gearshift.loadgen import TraceRequest, load_trace, run_load
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods, teardown_run
+from gearshift.sandbox.harness import LLAMA_3_2_1B, GpuNodes, OperatorProcess, pod_ready, pods, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SERVICE = "rt"
-#: Llama-3.2-1B's shape (its config.json): 16 layers, hidden 2048, 32/8 heads, head dim 64.
-MODEL = {
-    "name": "meta-llama/Llama-3.2-1B",
-    "numLayers": 16,
-    "hiddenSize": 2048,
-    "numHeads": 32,
-    "numKvHeads": 8,
-    "headDim": 64,
-    "intermediateSize": 8192,
-    "vocabSize": 128256,
-    "dtype": "bfloat16",
-}
+MODEL = LLAMA_3_2_1B
 N_REQUESTS = 40
 MAX_OUTPUT = 16
 MAX_PROMPT = 512

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from gearshift.sandbox.harness import (
+    LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,
     install_crds,
@@ -42,18 +43,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SERVICE = "tiny"
 PREFILL_GS = "tiny-prefill"
 DECODE_GS = "tiny-decode"
-#: Llama-3.2-1B's shape (its config.json): 16 layers, hidden 2048, 32/8 heads, head dim 64.
-MODEL = {
-    "name": "meta-llama/Llama-3.2-1B",
-    "numLayers": 16,
-    "hiddenSize": 2048,
-    "numHeads": 32,
-    "numKvHeads": 8,
-    "headDim": 64,
-    "intermediateSize": 8192,
-    "vocabSize": 128256,
-    "dtype": "bfloat16",
-}
+MODEL = LLAMA_3_2_1B
 #: Shortened policy (stated in the test): warm 4 s, rollback window 6 s; signals every 1 s.
 POLICY = {"sampleIntervalS": 1, "warmS": 4, "rollbackWindowS": 6, "drainTimeoutS": 30, "warmupTimeoutS": 120,
           "dwellS": 600}  # fmt: skip

@@ -36,6 +36,7 @@ import pytest
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import LoadResult, TraceRequest, run_load
 from gearshift.sandbox.harness import (
+    LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,
     install_crds,
@@ -48,18 +49,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SERVICE = "tf"
 DECODE_GS = f"{SERVICE}-decode"
-#: Llama-3.2-1B's shape (its config.json): 16 layers, hidden 2048, 32/8 heads, head dim 64.
-MODEL = {
-    "name": "meta-llama/Llama-3.2-1B",
-    "numLayers": 16,
-    "hiddenSize": 2048,
-    "numHeads": 32,
-    "numKvHeads": 8,
-    "headDim": 64,
-    "intermediateSize": 8192,
-    "vocabSize": 128256,
-    "dtype": "bfloat16",
-}
+MODEL = LLAMA_3_2_1B
 POLICY = {"dwellS": 20, "warmS": 5, "drainTimeoutS": 15, "rollbackWindowS": 10, "sampleIntervalS": 1}
 MARGIN_S = 45
 #: The window closes this long after the test declares it.

@@ -55,6 +55,21 @@ class Kubectl(Protocol):
     ) -> subprocess.CompletedProcess[str]: ...
 
 
+#: Llama-3.2-1B's shape (its config.json): 16 layers, hidden 2048, 32/8 heads, head dim 64; the simulated
+#: engine's model in the sandbox e2e tests (``PDService.spec.model``).
+LLAMA_3_2_1B: dict[str, Any] = {
+    "name": "meta-llama/Llama-3.2-1B",
+    "numLayers": 16,
+    "hiddenSize": 2048,
+    "numHeads": 32,
+    "numKvHeads": 8,
+    "headDim": 64,
+    "intermediateSize": 8192,
+    "vocabSize": 128256,
+    "dtype": "bfloat16",
+}
+
+
 class HarnessError(RuntimeError):
     """A kubectl call of the harness failed; the message carries kubectl's stderr."""
 
