@@ -20,7 +20,6 @@ import argparse
 import importlib
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -263,7 +262,6 @@ def run(args: argparse.Namespace) -> int:
         check_installed_crds(pdservice.api())
     except StaleCRDs as exc:
         log.error("%s", exc)
-        print(f"gearshift operator: {exc}", file=sys.stderr)
         return EXIT_STALE_CRDS
     liveness = f"http://{args.probe_host}:{args.probe_port}/healthz" if args.probe_port else None
     kopf.run(

@@ -251,6 +251,8 @@ def set_condition(
     old = find_condition(conditions, type_)
     kept = old is not None and old.status == status and old.last_transition_time is not None
     transition = old.last_transition_time if kept and old is not None else now
+    # Bounded here too, not only by the model: ``changed`` compares against the stored (bounded) message,
+    # so an over-long message would otherwise count as changed and emit an event on every reconcile.
     message = bounded(message)
     new = Condition(
         type=type_,

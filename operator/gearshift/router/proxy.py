@@ -540,8 +540,11 @@ class Proxy:
                 record_success(b)
                 return b, resp
             self._count_error(role, b)
-            others = self.pool.candidates(role, self.clock(), tried | {b.info.name})
-            if not retry_5xx or attempt == self.cfg.retries or not others:
+            if (
+                not retry_5xx
+                or attempt == self.cfg.retries
+                or not self.pool.candidates(role, self.clock(), tried | {b.info.name})
+            ):
                 return b, resp
             try:
                 text = await resp.text()

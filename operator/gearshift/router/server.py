@@ -205,30 +205,32 @@ class Router:
             503, "no pod answered /v1/models and no --served-model-name is set", "service_unavailable"
         )
 
-    def _role_counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, bool]]:
-        """Per role: available pods (healthy, not ejected), routable pods, and whether in panic mode."""
+    def _role_counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, bool]]:
+        """Per role: member pods, available pods (healthy, not ejected), routable pods, and whether in panic
+        mode."""
         now = self.clock()
-        available, routable, panic = {}, {}, {}
+        count, available, routable, panic = {}, {}, {}, {}
         for role in ("prefill", "decode", "both"):
             members = [b for b in self.pool.backends.values() if b.info.role == role]
+            count[role] = len(members)
             available[role] = sum(1 for b in members if b.available(now))
             idx, panic[role] = outlier.routable(members, now, self.pool.outlier)
             routable[role] = len(idx)
             self.metrics.pods_available.labels(role).set(available[role])
             self.metrics.panic.labels(role).set(1.0 if panic[role] else 0.0)
-        return available, routable, panic
+        return count, available, routable, panic
 
     async def health(self, _request: web.Request) -> web.Response:
         """Ready while each role has a routable pod. Panic mode routes to pods failing their checks, so the
         router stays ready while pods exist: dropping it from its Service would refuse every request,
         where a slow pod may still answer (Envoy's panic threshold)."""
-        available, routable, panic = self._role_counts()
+        members, available, routable, panic = self._role_counts()
         ready = (routable["prefill"] > 0 and routable["decode"] > 0) or routable["both"] > 0
         body = {
             "status": "ok" if ready else "unavailable",
             "pods": available,
             "available": available,
-            "members": {r: sum(1 for b in self.pool.backends.values() if b.info.role == r) for r in routable},
+            "members": members,
             "routable": routable,
             "panic": sorted(r for r, p in panic.items() if p),
             "policy": self.pool.config.policy,
