@@ -5,9 +5,9 @@ else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config`` (kopf's and the kuber
 Scope: ``--namespace`` (repeatable, globs allowed as kopf allows them) or every namespace.
 Health: kopf's liveness endpoint ``http://<probe-host>:<probe-port>/healthz`` (answers once the operator
 runs; the chart uses it for liveness and readiness). Metrics: the operator's own Prometheus metrics
-(:mod:`gearshift.handlers.metrics`) on ``--metrics-port``. High availability: ``--peering NAME`` runs
-kopf's peering so that of several replicas only the highest-priority one handles resources (needs kopf's
-``KopfPeering``/``ClusterKopfPeering`` CRDs, installed by the chart); ``--standalone`` (default) skips it.
+(:mod:`gearshift.handlers.metrics`) on ``--metrics-port``. High availability: ``--leader-elect`` makes
+replicas campaign for a Lease (:mod:`gearshift.adapters.leader`); a standby answers ``/healthz`` itself and
+starts kopf only once it leads. Without the flag the operator runs alone.
 
 kopf's finalizer and bookkeeping annotations live under the ``gearshift.io`` domain
 (``gearshift.io/finalizer``, ``gearshift.io/last-handled-configuration``, ``gearshift.io/<handler>``),
@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from gearshift.adapters.leader import LeaderElector, LeaseTimes
+from gearshift.handlers.metrics import LEADER
 from gearshift.k8s.names import DOMAIN
 
 #: Handler modules the operator loads; each registers its kopf handlers on import. Other features add a
@@ -40,6 +46,8 @@ HANDLER_MODULES: tuple[str, ...] = (
 FINALIZER = f"{DOMAIN}/finalizer"
 #: Exit status when the installed CRDs are older than the operator (a config error, like a bad flag: 2).
 EXIT_STALE_CRDS = 3
+#: Exit status when this replica led and could not renew its Lease (the kubelet restarts it as a standby).
+EXIT_LEADERSHIP_LOST = 4
 #: Left out of kopf's diff base (``AnnotationsDiffBaseStorage(ignored_fields=...)``): see operator_startup.
 DIFFBASE_IGNORED = ("metadata.annotations", "metadata.labels")
 
@@ -51,29 +59,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the gearshift operator (kopf) against a cluster")
     add_arguments(p)
     p.set_defaults(func=run)
-
-
-#: Range of ``--priority random``: wide enough that two replicas practically never draw the same one.
-RANDOM_PRIORITY_MAX = 2**30
-
-
-def priority_arg(text: str) -> int:
-    """Parse ``--priority``: an integer, or ``random`` for one drawn in ``[1, RANDOM_PRIORITY_MAX]``.
-
-    Replicas of one Deployment share their arguments, but kopf runs only the highest-priority peer and lets
-    peers of *equal* priority all run (with a warning), so active/standby needs distinct priorities.
-
-    Raises:
-        argparse.ArgumentTypeError: neither an integer nor ``random``.
-    """
-    if text == "random":
-        import secrets
-
-        return 1 + secrets.randbelow(RANDOM_PRIORITY_MAX)
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--priority {text!r}: give an integer or 'random'") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,15 +73,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="namespace to watch (repeatable; default: all namespaces)",
     )
-    peer = p.add_mutually_exclusive_group()
-    peer.add_argument("--peering", metavar="NAME", default=None, help="kopf peering object (active/standby)")
-    peer.add_argument("--standalone", action="store_true", help="no peering (the default without --peering)")
-    p.add_argument(
-        "--priority",
-        type=priority_arg,
-        default=0,
-        help="peering priority (the highest one is active), or 'random' for replicas of one Deployment",
+    lead = p.add_argument_group("leader election (a coordination.k8s.io Lease; client-go's semantics)")
+    lead.add_argument(
+        "--leader-elect", action="store_true", help="campaign for the Lease; only its holder acts"
     )
+    lead.add_argument("--leader-election-id", default="gearshift-operator", metavar="NAME", help="the Lease")
+    lead.add_argument(
+        "--leader-election-namespace",
+        default=env("GEARSHIFT_NAMESPACE"),
+        metavar="NS",
+        help="the Lease's namespace (default: $GEARSHIFT_NAMESPACE, which the chart sets)",
+    )
+    lead.add_argument(
+        "--lease-duration", type=int, default=LeaseTimes.lease_duration_s, metavar="S",
+        help="a standby takes the Lease when its holder has not renewed it for this long",
+    )  # fmt: skip
+    lead.add_argument(
+        "--renew-deadline", type=float, default=LeaseTimes.renew_deadline_s, metavar="S",
+        help="a leader that could not renew for this long exits (status 4)",
+    )  # fmt: skip
+    lead.add_argument(
+        "--retry-period", type=float, default=LeaseTimes.retry_period_s, metavar="S",
+        help="how often candidates try and the leader renews",
+    )  # fmt: skip
     p.add_argument(
         "--probe-host", default=env("GEARSHIFT_PROBE_HOST", "127.0.0.1"), help="health endpoint host"
     )
@@ -149,43 +148,6 @@ def load_handlers(disabled: list[str]) -> list[str]:
     return loaded
 
 
-#: kopf's peering resources (group kopf.dev): ``kopfpeerings`` serve namespaced operators (one object per
-#: watched namespace), ``clusterkopfpeerings`` cluster-wide ones.
-PEERING_GROUP, PEERING_VERSION = "kopf.dev", "v1"
-
-
-def ensure_peering(api_client: Any, name: str, namespaces: list[str]) -> list[str]:
-    """Create kopf's peering object ``name`` where this operator peers: a ``KopfPeering`` in each of
-    ``namespaces``, or one ``ClusterKopfPeering`` when it watches the whole cluster. kopf only patches an
-    existing peering object's status; without the object the replicas would not see each other.
-
-    Returns the objects created (``ns/name`` or ``name``); those that exist already are left alone.
-
-    Raises:
-        kubernetes.client.exceptions.ApiException: any refusal but 409 (already exists).
-    """
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
-    api = client.CustomObjectsApi(api_client)
-    created = []
-    targets: list[str | None] = list(namespaces) if namespaces else [None]
-    for ns in targets:
-        kind = "KopfPeering" if ns else "ClusterKopfPeering"
-        body = {"apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}", "kind": kind, "metadata": {"name": name}}
-        try:
-            if ns:
-                api.create_namespaced_custom_object(PEERING_GROUP, PEERING_VERSION, ns, "kopfpeerings", body)
-            else:
-                api.create_cluster_custom_object(PEERING_GROUP, PEERING_VERSION, "clusterkopfpeerings", body)
-        except ApiException as exc:
-            if exc.status == 409:
-                continue
-            raise
-        created.append(f"{ns}/{name}" if ns else name)
-    return created
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted; returns the exit code."""
     logging.basicConfig(
@@ -196,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
+    times = lease_times(args)
 
     import kopf
 
@@ -228,27 +191,6 @@ def run(args: argparse.Namespace) -> int:
         # (kopf docs, "Configuration: API timeouts"; nolar/kopf#232).
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
-        settings.peering.priority = args.priority
-        if args.peering:
-            settings.peering.name = args.peering
-            settings.peering.mandatory = True
-            from kubernetes import client, config
-            from kubernetes.client.exceptions import ApiException
-
-            try:
-                config.load_incluster_config()
-                api_client = client.ApiClient()
-            except config.ConfigException:
-                api_client = config.new_client_from_config()
-            try:
-                created = ensure_peering(api_client, args.peering, args.namespace)
-            except ApiException as exc:
-                # The peering CRD may be seconds from established (installed with the chart): retry.
-                raise kopf.TemporaryError(
-                    f"cannot create peering {args.peering}: {exc.status} {exc.reason}", delay=5
-                ) from None
-            if created:
-                log.info("created kopf peering object(s): %s", ", ".join(created))
 
     if args.metrics_port:
         from prometheus_client import start_http_server
@@ -263,13 +205,93 @@ def run(args: argparse.Namespace) -> int:
     except StaleCRDs as exc:
         log.error("%s", exc)
         return EXIT_STALE_CRDS
+    elector = None
+    if args.leader_elect:
+        elector = campaign(args, times, pdservice.api().client)  # type: ignore[attr-defined]
+    else:
+        LEADER.set(1)  # alone: it handles resources
     liveness = f"http://{args.probe_host}:{args.probe_port}/healthz" if args.probe_port else None
-    kopf.run(
-        standalone=not args.peering,
-        peering_name=args.peering,
-        priority=args.priority,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=liveness,
-    )
+    try:
+        kopf.run(
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=liveness,
+        )
+    finally:
+        if elector is not None:
+            elector.release()
+            LEADER.set(0)
     return 0
+
+
+def lease_times(args: argparse.Namespace) -> LeaseTimes:
+    """The election's times from the flags.
+
+    Raises:
+        SystemExit: (status 2, like a bad flag) times client-go would refuse, or ``--leader-elect``
+            without a namespace for the Lease; the message names the flags.
+    """
+    times = LeaseTimes(args.lease_duration, args.renew_deadline, args.retry_period)
+    problems = times.problems() if args.leader_elect else []
+    if args.leader_elect and not args.leader_election_namespace:
+        problems.append(
+            "--leader-election-namespace: required with --leader-elect (or set GEARSHIFT_NAMESPACE)"
+        )
+    if problems:
+        print("gearshift operator: " + "; ".join(problems), file=sys.stderr)
+        raise SystemExit(2)
+    return times
+
+
+def campaign(args: argparse.Namespace, times: LeaseTimes, api_client: Any) -> LeaderElector:
+    """Block until this replica holds the Lease; meanwhile answer ``/healthz`` (200: a standby is ready to
+    take over, and a rolling update with ``maxUnavailable: 0`` waits for the new pod to be Ready before it
+    stops the old leader). Returns the elector, still renewing."""
+    ns, name = args.leader_election_namespace, args.leader_election_id
+    elector = LeaderElector(api_client, ns, name, times, on_lost=_exit_lost)
+    server = _standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
+    LEADER.set(0)
+    elector.start()
+    log.info("campaigning for Lease %s/%s as %s", ns, name, elector.identity)
+    seen: str | None = None
+    while not elector.wait_leading(times.retry_period_s):
+        holder = elector.holder()
+        if holder and holder != seen:
+            log.info("standby: Lease %s/%s is held by %s", ns, name, holder)
+            seen = holder
+    if server is not None:
+        server.shutdown()
+        server.server_close()  # kopf's own /healthz binds the same port next
+    LEADER.set(1)
+    log.info("leading: acquired Lease %s/%s as %s", ns, name, elector.identity)
+    return elector
+
+
+def _exit_lost() -> None:
+    LEADER.set(0)
+    sys.stderr.flush()
+    # kopf's handlers cannot be stopped from this thread, and a deposed leader must stop acting now.
+    os._exit(EXIT_LEADERSHIP_LOST)
+
+
+def _standby_health(host: str, port: int, elector: LeaderElector) -> ThreadingHTTPServer:
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's name
+            if self.path.split("?")[0] != "/healthz":
+                self.send_error(404)
+                return
+            body = json.dumps({"leader": False, "lease": f"{elector.namespace}/{elector.name}",
+                               "holder": elector.holder()}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:  # the kubelet probes every 10 s
+            pass
+
+    server = ThreadingHTTPServer((host, port), Health)
+    threading.Thread(target=server.serve_forever, name="standby /healthz", daemon=True).start()
+    return server

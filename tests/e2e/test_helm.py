@@ -225,6 +225,13 @@ def test_rbac_is_minimal(release: Release, sandbox: Any) -> None:
     assert not can("delete", "deployments.apps", "-n", ns)  # the router goes by owner reference
     assert not can("escalate", "roles.rbac.authorization.k8s.io", "-n", ns)
     assert not can("bind", "clusterroles.rbac.authorization.k8s.io")
+    # Leader election: any Lease may be created (create cannot go by name), only the release's own read
+    # and updated, none deleted, and only in the release namespace.
+    assert can("create", "leases.coordination.k8s.io", "-n", ns)
+    assert can("update", f"leases.coordination.k8s.io/{RELEASE}", "-n", ns)
+    assert not can("update", "leases.coordination.k8s.io/someone-elses", "-n", ns)
+    assert not can("delete", f"leases.coordination.k8s.io/{RELEASE}", "-n", ns)
+    assert not can("create", "leases.coordination.k8s.io", "-n", "default")
 
     (pod,) = [p for p in _operator_pods(release.api, ns) if _ready(p)]
     kubeconfig = _pod_kubeconfig(pod)
@@ -241,8 +248,8 @@ def test_rbac_is_minimal(release: Release, sandbox: Any) -> None:
 def test_upgrade_rolls_the_operator_not_the_serving_pods(
     release: Release, sandbox: Any, wait_for: Any
 ) -> None:
-    """helm upgrade to two replicas (peering, active/standby) and DEBUG logs: a new operator pod, the same
-    engine pods."""
+    """helm upgrade to two replicas (leader election, active/standby) and DEBUG logs: new operator pods,
+    one of them holding the Lease, the same engine pods."""
     ns, api = release.namespace, release.api
     engine = {names.LABEL_SERVICE: SERVICE, names.LABEL_COMPONENT: names.COMPONENT_ENGINE}
     before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.list("v1", "Pod", ns, engine)}
@@ -258,20 +265,26 @@ def test_upgrade_rolls_the_operator_not_the_serving_pods(
         "2 ready",
     )
     assert old_op["metadata"]["uid"] not in {p["metadata"]["uid"] for p in ops}
-    assert all("--peering=gearshift" in p["spec"]["containers"][0]["args"] for p in ops)
-    # Both replicas keep their keep-alives in the KopfPeering the operator created in the namespace.
-    peers = wait_for(
-        lambda: len(st := (api_get_peering(sandbox, ns) or {}).get("status") or {}) >= 2 and st,
-        90,
-        "2 peers",
-    )
-    assert len(peers) >= 2
+    assert all("--leader-elect" in p["spec"]["containers"][0]["args"] for p in ops)
+    # The Lease (the release's full name, in the release namespace) is held by one of the two running
+    # pods: the old leader released it on SIGTERM. The identity is <hostname>_<id>, and the sandbox's pod
+    # runner sets HOSTNAME to the pod name, as the kubelet does.
+    pod_names = tuple(sorted(p["metadata"]["name"] for p in ops))
+
+    def holder() -> str:
+        lease = _lease(sandbox, ns, RELEASE)
+        assert lease is not None, f"no Lease {RELEASE} in {ns}"
+        h = lease["spec"].get("holderIdentity") or ""
+        assert h.startswith(pod_names), f"holderIdentity {h!r}, running pods {pod_names}"
+        return h
+
+    wait_for(holder, 60, "the Lease held by a running operator pod")
     after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.list("v1", "Pod", ns, engine)}
     assert after == before
 
 
-def api_get_peering(sandbox: Any, ns: str) -> dict[str, Any] | None:
-    out = sandbox.kubectl("get", "kopfpeerings.kopf.dev", "gearshift", "-n", ns, "-o", "json", check=False)
+def _lease(sandbox: Any, ns: str, name: str) -> dict[str, Any] | None:
+    out = sandbox.kubectl("get", "lease", name, "-n", ns, "-o", "json", check=False)
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
@@ -285,7 +298,6 @@ def test_uninstall_keeps_crds_and_user_resources(release: Release, sandbox: Any,
     crds = sandbox.kubectl("get", "crd", "-o", "name").stdout.split()
     for crd in ("pdservices.gearshift.io", "gearsets.gearshift.io", "gpuprofiles.gearshift.io"):
         assert f"customresourcedefinition.apiextensions.k8s.io/{crd}" in crds
-    assert "customresourcedefinition.apiextensions.k8s.io/kopfpeerings.kopf.dev" in crds  # kept too
     assert api.get(G, "PDService", ns, SERVICE) is not None
     assert api.get(G, "GearSet", ns, f"{SERVICE}-prefill") is not None
     assert api.list("apps/v1", "StatefulSet", ns, {names.LABEL_SERVICE: SERVICE})

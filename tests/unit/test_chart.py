@@ -35,11 +35,15 @@ def _helm() -> str:
 
 
 def render_text(
-    *sets: str, api_versions: tuple[str, ...] = (), check: bool = True
+    *sets: str, api_versions: tuple[str, ...] = (), set_json: tuple[str, ...] = (), check: bool = True
 ) -> subprocess.CompletedProcess[str]:
+    """``helm template`` with ``--set`` for each of ``sets`` and ``--set-json`` for each of ``set_json``
+    (``--set`` makes ``7.5`` a string)."""
     args = [_helm(), "template", "gearshift", str(CHART), "--namespace", NS, "--kube-version", "1.34.0"]
     for s in sets:
         args += ["--set", s]
+    for s in set_json:
+        args += ["--set-json", s]
     for a in api_versions:
         args += ["--api-versions", a]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
@@ -48,8 +52,11 @@ def render_text(
     return proc
 
 
-def render(*sets: str, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(render_text(*sets, api_versions=api_versions).stdout) if d]
+def render(
+    *sets: str, api_versions: tuple[str, ...] = (), set_json: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    text = render_text(*sets, api_versions=api_versions, set_json=set_json).stdout
+    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -86,27 +93,94 @@ class TestSnapshot:
 
 
 class TestDeployment:
-    def test_default_is_two_peered_replicas(self):
+    def test_default_is_two_replicas_electing_a_leader(self):
         docs = render()
         dep = one(docs, "Deployment", "gearshift")
         assert dep["spec"]["replicas"] == 2
         args = container(docs)["args"]
         assert args[0] == "operator"
-        assert "--peering=gearshift" in args and "--priority=random" in args
-        assert "--standalone" not in args
+        assert [a for a in args if a.startswith(("--leader", "--lease", "--renew", "--retry"))] == [
+            "--leader-elect",
+            "--leader-election-id=gearshift",  # the release's full name
+            "--lease-duration=15",
+            "--renew-deadline=10",
+            "--retry-period=2",
+        ]
+        # the Lease's namespace: GEARSHIFT_NAMESPACE, the release namespace
+        assert not [a for a in args if a.startswith("--leader-election-namespace")]
+        env = {e["name"]: e.get("valueFrom") for e in container(docs)["env"]}
+        assert env["GEARSHIFT_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert not {"--standalone", "--peering", "--priority"} & {a.split("=")[0] for a in args}
         assert not [a for a in args if a.startswith("--namespace")]  # all namespaces
         assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == 30  # time to stop kopf and release the Lease
+        assert "podAntiAffinity" in pod["affinity"]
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
-    def test_standalone_when_peering_is_off(self):
-        docs = render("replicaCount=1", "peering.enabled=false")
+    def test_lease_settings_reach_the_operator(self):
+        docs = render(
+            "leaderElection.leaseName=gs-leader",
+            "leaderElection.leaseDuration=30",
+            "leaderElection.renewDeadline=20",
+            "leaderElection.retryPeriod=4",
+        )
         args = container(docs)["args"]
-        assert "--standalone" in args and not [a for a in args if a.startswith("--peering")]
-        assert not by_kind(docs, "PodDisruptionBudget")
-        assert not by_kind(docs, "CustomResourceDefinition")  # no kopf peering CRDs needed
+        assert "--leader-election-id=gs-leader" in args
+        assert {"--lease-duration=30", "--renew-deadline=20", "--retry-period=4"} <= set(args)
+        docs = render(set_json=("leaderElection.renewDeadline=7.5", "leaderElection.retryPeriod=0.5"))
+        args = container(docs)["args"]
+        assert {"--renew-deadline=7.5", "--retry-period=0.5"} <= set(args)  # fractions pass as they are
 
-    def test_several_standalone_replicas_are_refused(self):
-        proc = render_text("replicaCount=2", "peering.enabled=false", check=False)
-        assert proc.returncode != 0 and "peering.enabled" in proc.stderr
+    def test_alone_when_leader_election_is_off(self):
+        docs = render("replicaCount=1", "leaderElection.enabled=false")
+        args = container(docs)["args"]
+        assert not [a for a in args if a.startswith(("--leader", "--lease", "--renew", "--retry"))]
+        assert "--standalone" not in args  # alone is the operator's default
+        assert not by_kind(docs, "PodDisruptionBudget")
+        assert "affinity" not in one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert not [r for r in by_kind(docs, "Role") if "leader" in r["metadata"]["name"]]
+
+    def test_several_replicas_without_leader_election_are_refused(self):
+        proc = render_text("replicaCount=2", "leaderElection.enabled=false", check=False)
+        assert proc.returncode != 0 and "leaderElection.enabled" in proc.stderr
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            ("leaderElection.leaseDuration=10",),  # = renewDeadline
+            ("leaderElection.leaseDuration=8",),  # < renewDeadline
+            ("leaderElection.renewDeadline=2",),  # < 1.2 × retryPeriod
+            ("leaderElection.renewDeadline=2.4",),  # = 1.2 × retryPeriod
+            ("leaderElection.retryPeriod=9",),  # 1.2 × retryPeriod > renewDeadline
+        ],
+    )
+    def test_lease_timings_client_go_refuses_are_refused(self, settings):
+        proc = render_text(set_json=settings, check=False)
+        assert proc.returncode != 0
+        assert "leaderElection: leaseDuration (" in proc.stderr, proc.stderr
+        assert "must exceed renewDeadline (" in proc.stderr
+        assert "which must exceed 1.2 × retryPeriod (" in proc.stderr
+
+    def test_lease_timing_message_names_the_values(self):
+        proc = render_text("leaderElection.leaseDuration=10", check=False)
+        assert (
+            "leaderElection: leaseDuration (10) must exceed renewDeadline (10), "
+            "which must exceed 1.2 × retryPeriod (2)"
+        ) in proc.stderr, proc.stderr
+
+    def test_lease_timings_are_not_checked_when_off(self):
+        render("replicaCount=1", "leaderElection.enabled=false", "leaderElection.leaseDuration=2")
+
+    def test_the_limits_themselves_pass(self):
+        docs = render(
+            set_json=(
+                "leaderElection.leaseDuration=3",
+                "leaderElection.renewDeadline=2.5",
+                "leaderElection.retryPeriod=2",
+            )
+        )
+        assert "--renew-deadline=2.5" in container(docs)["args"]
 
     def test_pod_security(self):
         docs = render()
@@ -184,14 +258,12 @@ class TestRbac:
         assert verbs(fleet, "", "nodes") == {"get", "list", "watch", "patch"}
         assert verbs(fleet, "gearshift.io", "gpuprofiles") == {"get", "list", "watch", "create", "patch"}
         assert verbs(fleet, "gearshift.io", "gpuprofiles/status") == {"patch"}
-        assert verbs(fleet, "kopf.dev", "clusterkopfpeerings") == {"get", "list", "watch", "create", "patch"}
         assert verbs(fleet, "", "namespaces") == set()  # kopf lists namespaces only for --namespace
         assert verbs(work, "apps", "statefulsets") == {"list", "watch", "create", "patch", "delete"}
         assert verbs(work, "apps", "deployments") == {"get", "list", "watch", "create", "patch"}
         # patch: the autoscaler's gearshift.io/draining label on head pods (issue 12); delete: a vLLM
         # head's restart recreates its replica's headless ranks (handlers/replicas.py, issue 18)
         assert verbs(work, "", "pods") == {"get", "list", "watch", "patch", "delete"}
-        assert verbs(work, "kopf.dev", "kopfpeerings") == set()
         names = {b["metadata"]["name"]: b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")}
         assert names == {
             f"gearshift-{NS}-fleet": f"gearshift-{NS}-fleet",
@@ -212,15 +284,54 @@ class TestRbac:
         assert rbs == {
             ("team-a", "ClusterRole", f"gearshift-{NS}-workloads"),
             ("team-b", "ClusterRole", f"gearshift-{NS}-workloads"),
+            (NS, "Role", "gearshift-leader-election"),  # the Lease stays in the release namespace
         }
         fleet = one(docs, "ClusterRole", f"gearshift-{NS}-fleet")
         assert verbs(fleet, "", "nodes") == {"get", "list", "watch"}  # no labels written without profiling
         assert verbs(fleet, "gearshift.io", "gpuprofiles") == {"get", "list", "watch"}
         assert verbs(fleet, "", "namespaces") == {"list", "watch"}
-        assert verbs(fleet, "kopf.dev", "clusterkopfpeerings") == set()
-        work = one(docs, "ClusterRole", f"gearshift-{NS}-workloads")
-        assert verbs(work, "kopf.dev", "kopfpeerings") == {"get", "list", "watch", "create", "patch"}
-        assert not by_kind(docs, "Role")  # no probe Jobs
+        assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == [
+            "gearshift-leader-election"
+        ]  # no probe Jobs
+
+    def test_no_kopf_peering_rules(self):
+        for docs in (render(), render("watchNamespaces={a}")):
+            for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+                assert not [r for r in role["rules"] if "kopf.dev" in r["apiGroups"]], role["metadata"]
+
+    @pytest.mark.parametrize("sets", [(), ("watchNamespaces={team-a,team-b}",)])
+    def test_lease_rules_in_the_release_namespace(self, sets):
+        docs = render(*sets)
+        role = one(docs, "Role", "gearshift-leader-election")
+        assert role["metadata"]["namespace"] == NS  # also when other namespaces are watched
+        rules = [r for r in role["rules"] if "coordination.k8s.io" in r["apiGroups"]]
+        assert rules == role["rules"]  # nothing else
+        by_verbs = {tuple(r["verbs"]): r for r in rules}
+        assert set(by_verbs) == {("create",), ("get", "update")}
+        create = by_verbs[("create",)]
+        assert create["resources"] == ["leases"] and "resourceNames" not in create  # cannot be by name
+        named = by_verbs[("get", "update")]
+        assert named["resources"] == ["leases"] and named["resourceNames"] == ["gearshift"]
+        rb = one(docs, "RoleBinding", "gearshift-leader-election")
+        assert rb["metadata"]["namespace"] == NS
+        assert rb["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "gearshift-leader-election",
+        }
+        assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "gearshift", "namespace": NS}]
+        for cr in by_kind(docs, "ClusterRole"):  # leases are granted nowhere else
+            assert verbs(cr, "coordination.k8s.io", "leases") == set()
+
+    def test_lease_rule_follows_the_lease_name(self):
+        role = one(render("leaderElection.leaseName=gs-leader"), "Role", "gearshift-leader-election")
+        (named,) = [r for r in role["rules"] if "resourceNames" in r]
+        assert named["resourceNames"] == ["gs-leader"]
+
+    def test_no_lease_rules_without_leader_election(self):
+        docs = render("replicaCount=1", "leaderElection.enabled=false")
+        assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == ["gearshift-probes"]
+        assert [b["metadata"]["name"] for b in by_kind(docs, "RoleBinding")] == ["gearshift-probes"]
 
     def test_nothing_dangerous_is_granted(self):
         for docs in (render(), render("watchNamespaces={a}")):
@@ -245,16 +356,13 @@ class TestRbac:
         assert rules > 10 and explained == rules
 
 
-class TestKopfPeeringCrds:
-    def test_rendered_and_kept(self):
-        crds = {d["metadata"]["name"]: d for d in by_kind(render(), "CustomResourceDefinition")}
-        assert set(crds) == {"kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
-        for crd in crds.values():
-            assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-            status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
-            assert status["x-kubernetes-preserve-unknown-fields"] is True
-        assert crds["kopfpeerings.kopf.dev"]["spec"]["scope"] == "Namespaced"
-        assert crds["clusterkopfpeerings.kopf.dev"]["spec"]["scope"] == "Cluster"
+class TestCrds:
+    def test_no_crd_is_rendered(self):
+        """The chart's CRDs are in crds/ (Helm installs them, never templates them); kopf's peering CRDs
+        are no longer needed (leader election uses the built-in Lease)."""
+        for sets in ((), ("watchNamespaces={a}",), ("replicaCount=1", "leaderElection.enabled=false")):
+            assert not by_kind(render(*sets), "CustomResourceDefinition")
+        assert not (CHART / "templates/kopf-peering-crds.yaml").exists()
 
 
 class TestValuesSchema:
@@ -264,7 +372,14 @@ class TestValuesSchema:
             ("replicaCount=0", "/replicaCount"),
             ("watchNamespaces={Bad_NS}", "/watchNamespaces/0"),
             ("prometheusUrl=prometheus:9090", "/prometheusUrl"),
-            ("peering.priority=high", "/peering/priority"),
+            ("leaderElection.leaseDuration=x", "/leaderElection/leaseDuration"),
+            ("leaderElection.leaseDuration=1", "/leaderElection/leaseDuration"),
+            ("leaderElection.renewDeadline=0", "/leaderElection/renewDeadline"),
+            ("leaderElection.retryPeriod=-1", "/leaderElection/retryPeriod"),
+            ("leaderElection.leaseName=Bad_Name", "/leaderElection/leaseName"),
+            ("leaderElection.enabled=yes", "/leaderElection/enabled"),
+            ("leaderElection.unknownKey=1", "/leaderElection"),
+            ("peering.enabled=true", "peering"),  # the old values are gone
             ("logLevel=LOUD", "/logLevel"),
             ("ports.metrics=70000", "/ports/metrics"),
             ("unknownKey=1", "unknownKey"),

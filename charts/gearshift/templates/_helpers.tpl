@@ -43,12 +43,28 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* Peering (active/standby): on unless peering.enabled is false; then the operator runs standalone. */}}
-{{- define "gearshift.peering" -}}
-{{- if .Values.peering.enabled }}true{{- end }}
-{{- if and (not .Values.peering.enabled) (gt (int .Values.replicaCount) 1) }}
-{{- fail "replicaCount > 1 needs peering.enabled: standalone replicas would all handle every resource" }}
+{{/*
+Leader election (active/standby on a Lease): "true" unless leaderElection.enabled is false; then the
+operator runs alone. Checks the values as client-go's NewLeaderElector does.
+*/}}
+{{- define "gearshift.leaderElection" -}}
+{{- $le := .Values.leaderElection }}
+{{- if $le.enabled }}
+{{- $lease := float64 $le.leaseDuration }}
+{{- $renew := float64 $le.renewDeadline }}
+{{- $retry := float64 $le.retryPeriod }}
+{{- if not (and (gt $lease $renew) (gt $renew (mulf 1.2 $retry))) }}
+{{- fail (printf "leaderElection: leaseDuration (%v) must exceed renewDeadline (%v), which must exceed 1.2 × retryPeriod (%v)" $le.leaseDuration $le.renewDeadline $le.retryPeriod) }}
+{{- end -}}
+true
+{{- else if gt (int .Values.replicaCount) 1 }}
+{{- fail "replicaCount > 1 needs leaderElection.enabled: replicas without leader election would all handle every resource" }}
 {{- end }}
+{{- end }}
+
+{{/* The Lease the replicas elect their leader on (in the release namespace). */}}
+{{- define "gearshift.leaseName" -}}
+{{- default (include "gearshift.fullname" .) .Values.leaderElection.leaseName }}
 {{- end }}
 
 {{/* Handler modules passed to --disable. */}}

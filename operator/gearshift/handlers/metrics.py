@@ -34,3 +34,7 @@ DECISION_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
 )
 SERVICES = Gauge("gearshift_operator_pdservices", "PDServices known to this operator, by phase.", ["phase"])
+LEADER = Gauge(
+    "gearshift_operator_leader",
+    "1 while this replica holds the leader Lease and handles resources, 0 while it waits as a standby.",
+)

@@ -261,7 +261,7 @@ class OperatorProcess:
         """Start the process (again, after :meth:`kill`); output appends to ``log``."""
         argv = [
             sys.executable, "-c", _OPERATOR_CODE, "--kubeconfig", str(self.cluster.kubeconfig),
-            "--namespace", self.namespace, "--standalone", "--probe-port", "0", "--metrics-port", "0",
+            "--namespace", self.namespace, "--probe-port", "0", "--metrics-port", "0",
             "--disable", "gearshift.handlers.gpuprofile", "--disable", "gearshift.handlers.nodes",
             *self.extra_args,
         ]  # fmt: skip
