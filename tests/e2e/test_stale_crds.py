@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from gearshift import GROUP, VERSION
 from gearshift.api import crdgen
 from gearshift.sandbox.harness import OperatorProcess, install_crds, wait_until
 
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 GEARSETS = next(k for k in crdgen.KINDS if k.kind == "GearSet")
+API_VERSION = f"{GROUP}/{VERSION}"
 
 
 def test_stale_crd_stops_the_operator_until_the_crds_are_upgraded(sandbox: Any, tmp_path: Path) -> None:
@@ -59,3 +61,55 @@ def test_stale_crd_stops_the_operator_until_the_crds_are_upgraded(sandbox: Any, 
             op.stop()
         install_crds(sandbox)
         sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_status_write_an_older_crd_prunes_is_reported(sandbox: Any) -> None:
+    """Write-back: the same older GearSet CRD, put in while an operator runs. The real API server prunes
+    ``status.executor`` from the write; the operator's status writer finds it, records a Warning event and
+    ``CRDCurrent=False``, and raises instead of going on from state that was not kept."""
+    from gearshift.handlers import common
+    from gearshift.handlers.kubeapi import RestKubeApi
+
+    ns = f"e2e-prune-{uuid.uuid4().hex[:6]}"
+    sandbox.kubectl("create", "namespace", ns)
+    old = crdgen.crd(GEARSETS)
+    del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
+        "executor"
+    ]
+    api = RestKubeApi(sandbox.api_client())
+    stage = {"layers": [0, 16], "gpuModel": "A10-24GB", "nodes": ["n"]}
+    gear = {"name": "a", "microBatch": 4, "maxBatch": 32, "stages": [stage]}
+    gs = {"apiVersion": API_VERSION, "kind": "GearSet", "metadata": {"name": "g", "namespace": ns},
+          "spec": {"serviceName": "s", "role": "prefill", "mode": "explicit", "gears": [gear]}}  # fmt: skip
+    try:
+        sandbox.kubectl("apply", "-f", "-", input=json.dumps(gs))
+        sandbox.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(old))
+        sandbox.kubectl("wait", "--for=condition=Established", f"crd/{GEARSETS.name}", "--timeout=60s")
+        executor = {"phase": "Warming", "target": "a"}
+
+        def pruned() -> str | None:
+            # The API server's schema cache follows the CRD update within a second or so.
+            try:
+                common.patch_status(api, API_VERSION, "GearSet", ns, "g", {"executor": executor})
+            except common.StatusPruned as exc:
+                return str(exc)
+            return None
+
+        message = wait_until(pruned, 30, "the write pruned", interval_s=1.0)
+        assert "status.executor" in message and "charts/gearshift/crds/" in message
+        stored = get_json_obj(sandbox, ns)
+        assert "executor" not in (stored.get("status") or {})
+        cond = next(c for c in stored["status"]["conditions"] if c["type"] == "CRDCurrent")
+        assert (cond["status"], cond["reason"]) == ("False", "FieldsPruned")
+        out = sandbox.kubectl(
+            "get", "events", "-n", ns, "--field-selector", "reason=FieldsPruned", "-o", "json"
+        )
+        events = json.loads(out.stdout)["items"]
+        assert len(events) == 1 and events[0]["type"] == "Warning", events
+    finally:
+        install_crds(sandbox)
+        sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def get_json_obj(sandbox: Any, ns: str) -> dict[str, Any]:
+    return dict(json.loads(sandbox.kubectl("get", "gearset", "g", "-n", ns, "-o", "json").stdout))

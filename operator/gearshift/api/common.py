@@ -194,6 +194,7 @@ REASON_WINDOW_VACATED = "WindowVacated"  # nothing of the service is left on a t
 REASON_WINDOW_NO_TARGET = "WindowNoTarget"  # no healthy gear off the closing node(s) to shift to
 REASON_INVALID_SPEC = "InvalidSpec"  # the spec failed validation in the operator
 REASON_PAUSED = "Paused"  # spec.paused stops gear shifting
+REASON_FIELDS_PRUNED = "FieldsPruned"  # the API server dropped status fields its (older) CRD lacks
 
 
 class Condition(StatusModel):

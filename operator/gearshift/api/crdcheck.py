@@ -95,3 +95,30 @@ def stale_message(stale: Mapping[str, list[str]], limit: int = 8) -> str:
         + "; ".join(parts)
         + f". Fix: {UPGRADE_HINT}"
     )
+
+
+def pruned_paths(
+    written: Mapping[str, Any], stored: Mapping[str, Any] | None, path: str = "status"
+) -> list[str]:
+    """Paths of what was written (a JSON merge patch body below ``path``) that the stored object lacks:
+    the fields the API server pruned because its CRD does not know them.
+
+    ``None`` values (merge-patch deletions) are skipped; dicts are descended, and lists of the same
+    length element by element (``path[i]``), since a merge patch replaces a list whole. Scalars are not
+    compared: another writer may have changed them since, which is not pruning.
+    """
+    out: list[str] = []
+    stored = stored or {}
+    for key, value in written.items():
+        if value is None:
+            continue
+        here = f"{path}.{key}"
+        if key not in stored:
+            out.append(here)
+        elif isinstance(value, Mapping) and isinstance(stored[key], Mapping):
+            out += pruned_paths(value, stored[key], here)
+        elif isinstance(value, list) and isinstance(stored[key], list) and len(value) == len(stored[key]):
+            for i, (w, s) in enumerate(zip(value, stored[key], strict=True)):
+                if isinstance(w, Mapping) and isinstance(s, Mapping):
+                    out += pruned_paths(w, s, f"{here}[{i}]")
+    return out

@@ -50,7 +50,7 @@ from gearshift.api.gearset import Gear, ScalingStatus
 from gearshift.control import scaling as sc
 from gearshift.control.signals import GearSelector, SignalsUnavailable
 from gearshift.gpus import UnknownGPUError, compute_score
-from gearshift.handlers.common import ConditionBook, conditions_from, emit
+from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import GPUP, GS, NODE, POD, SHIFT_STEPS, STS, NotYet, service_lock
@@ -479,7 +479,7 @@ def _write_status(
                 for reason, message, warning in book.changes:
                     emit(api, gs_body, reason, message, warning)
             patch["conditions"] = book.as_json()
-        api.patch_status(*GS, namespace, name, patch)
+        patch_status(api, *GS, namespace, name, patch)
 
 
 def _flipped(raw: Any, status: str) -> bool:

@@ -120,3 +120,64 @@ def conditions_from(raw: Sequence[Mapping[str, Any]] | None) -> list[Condition]:
         except ValueError:
             continue
     return out
+
+
+#: Condition set when a status write lost fields to an older CRD (positive polarity, API conventions).
+CONDITION_CRD_CURRENT = "CRDCurrent"
+#: ``(uid, paths)`` already reported by this process: the event and the error log come once, not per tick.
+_pruned_reported: set[tuple[str, tuple[str, ...]]] = set()
+
+
+class StatusPruned(RuntimeError):
+    """A status write lost fields: the installed CRD is older than this operator (#20 row 5)."""
+
+
+def patch_status(
+    api: KubeApi, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``api.patch_status``, then check that every field written was stored.
+
+    The start-up check (:mod:`gearshift.handlers.crds`) catches old CRDs before kopf runs; this catches a
+    CRD replaced by an older one while the operator runs. A pruned write would otherwise go unnoticed and
+    the next tick would act on state that is not there (a forced shift cycled Warming ↔ Degraded).
+
+    Returns the stored object.
+
+    Raises:
+        StatusPruned: fields were pruned (message: the paths and :data:`crdcheck.UPGRADE_HINT`), after a
+            Warning event ``FieldsPruned`` and the condition ``CRDCurrent=False`` on the object, so the
+            handler stops here instead of going on from state that was not kept.
+        KubeApiError: the patch itself failed.
+    """
+    from gearshift.api import crdcheck
+    from gearshift.api.common import REASON_FIELDS_PRUNED
+
+    stored = api.patch_status(api_version, kind, namespace, name, status)
+    lost = crdcheck.pruned_paths(status, (stored or {}).get("status"))
+    if not lost:
+        return stored
+    message = (
+        f"the API server dropped {', '.join(lost[:8])}{' …' if len(lost) > 8 else ''} from this {kind}'s "
+        f"status: its CRD is older than the operator; {crdcheck.UPGRADE_HINT}"
+    )
+    key = (str(stored.get("metadata", {}).get("uid")), tuple(lost))
+    if key not in _pruned_reported:
+        _pruned_reported.add(key)
+        log.error("%s %s/%s: %s", kind, namespace, name, message)
+        emit(api, stored, REASON_FIELDS_PRUNED, message, warning=True)
+        if "status.conditions" not in lost:
+            conditions, changed = set_condition(
+                conditions_from((stored.get("status") or {}).get("conditions")),
+                CONDITION_CRD_CURRENT, "False", REASON_FIELDS_PRUNED, message, now_utc(),
+                stored.get("metadata", {}).get("generation"),
+            )  # fmt: skip
+            if changed:
+                try:
+                    api.patch_status(
+                        api_version, kind, namespace, name, {"conditions": [c.to_json() for c in conditions]}
+                    )
+                except KubeApiError as exc:
+                    log.warning(
+                        "could not set %s on %s %s/%s: %s", CONDITION_CRD_CURRENT, kind, namespace, name, exc
+                    )
+    raise StatusPruned(message)

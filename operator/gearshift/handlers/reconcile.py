@@ -62,7 +62,7 @@ from gearshift.control.windows import (
     windowed_nodes,
 )
 from gearshift.handlers import common
-from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc
+from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc, patch_status
 from gearshift.handlers.kubeapi import KubeApi
 from gearshift.k8s import names
 from gearshift.k8s.desired import (
@@ -855,7 +855,7 @@ def _reconcile(
         status["observedGeneration"] = gen
         merged = old_status | status
         if merged != old_status:
-            api.patch_status(*PDS, ns, name, status)
+            patch_status(api, *PDS, ns, name, status)
         for reason, message, warning in book.changes:
             emit(api, body, reason, message, warning)
 
@@ -913,7 +913,7 @@ def _reconcile(
     for role, rs in roles.items():
         patch = gearset_status_patch(rs, now)
         if patch:
-            api.patch_status(*GS, ns, rs.gs.metadata["name"], patch)
+            patch_status(api, *GS, ns, rs.gs.metadata["name"], patch)
             out.planned += [role] if "plannedGears" in patch else []
     for role, reason, message, warning in plan_events:
         emit(api, roles[role].gs_body, reason, message, warning)
@@ -969,7 +969,7 @@ def _reconcile(
             # for every role.
             gs_patch["replicas"] = pipelines
         if gs_patch:
-            api.patch_status(*GS, ns, rs.gs.metadata["name"], gs_patch)
+            patch_status(api, *GS, ns, rs.gs.metadata["name"], gs_patch)
         role_status[role] = {
             "gearSet": rs.gs.metadata["name"],
             "activeGear": rs.active,

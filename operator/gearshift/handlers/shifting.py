@@ -106,7 +106,7 @@ from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import TRIGGERS, Trigger
 from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
 from gearshift.handlers import metrics
-from gearshift.handlers.common import ConditionBook, conditions_from, emit
+from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import (
@@ -770,7 +770,7 @@ def tick(
         patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas, sample, reading)
     with service_lock(namespace, service):
         patch["conditions"] = _keep_other_conditions(api, namespace, name, patch["conditions"])
-        api.patch_status(*GS, namespace, name, json_safe(patch))
+        patch_status(api, *GS, namespace, name, json_safe(patch))
 
     # --- act -----------------------------------------------------------------------------------------
     for a in actions:

@@ -1,0 +1,87 @@
+"""#20 row 5, write-back: a status field the API server dropped (an older CRD) is found and reported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gearshift.api.crdcheck import UPGRADE_HINT, pruned_paths
+from gearshift.handlers import common
+
+
+class TestPrunedPaths:
+    def test_nothing_lost(self):
+        written = {"phase": "Ready", "executor": {"state": "Warming", "since": "t"}}
+        assert pruned_paths(written, dict(written)) == []
+
+    def test_a_missing_top_level_and_nested_field(self):
+        written = {"phase": "Ready", "executor": {"state": "Warming"}, "signals": {"p99Ms": 3.0, "qps": 1.0}}
+        stored = {"phase": "Ready", "signals": {"qps": 1.0}}
+        assert pruned_paths(written, stored) == ["status.executor", "status.signals.p99Ms"]
+
+    def test_deletions_and_changed_scalars_are_not_pruning(self):
+        # None deletes in a merge patch; a scalar another writer changed since is no pruning either.
+        assert pruned_paths({"executor": None, "phase": "Ready"}, {"phase": "Degraded"}) == []
+
+    def test_list_elements_compared_one_by_one(self):
+        written = {"gearHealth": [{"gear": "a", "gearHash": "h1"}, {"gear": "b", "gearHash": "h2"}]}
+        stored = {"gearHealth": [{"gear": "a"}, {"gear": "b"}]}
+        assert pruned_paths(written, stored) == [
+            "status.gearHealth[0].gearHash",
+            "status.gearHealth[1].gearHash",
+        ]
+
+    def test_no_stored_status(self):
+        assert pruned_paths({"phase": "Ready"}, None) == ["status.phase"]
+
+
+class PruningApi:
+    """Stores status as an older CRD would: without ``executor``."""
+
+    def __init__(self) -> None:
+        self.obj: dict[str, Any] = {
+            "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
+            "metadata": {"name": "g", "namespace": "ns", "uid": "u1", "generation": 3}, "status": {},
+        }  # fmt: skip
+        self.events: list[dict[str, Any]] = []
+        self.patches: list[dict[str, Any]] = []
+
+    def patch_status(
+        self, api_version: str, kind: str, ns: str | None, name: str, status: Any
+    ) -> dict[str, Any]:
+        self.patches.append(dict(status))
+        kept = {k: v for k, v in status.items() if k != "executor"}
+        self.obj["status"] = {**self.obj["status"], **kept}
+        return self.obj
+
+    def create_event(self, event: Any) -> None:
+        self.events.append(dict(event))
+
+
+def test_a_pruned_write_raises_with_one_event_and_the_condition(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(common, "_pruned_reported", set())
+    api = PruningApi()
+    with pytest.raises(common.StatusPruned) as exc:
+        common.patch_status(
+            api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}
+        )  # type: ignore[arg-type]
+    assert "status.executor" in str(exc.value) and UPGRADE_HINT in str(exc.value)
+    (event,) = api.events
+    assert (event["type"], event["reason"]) == ("Warning", "FieldsPruned")
+    (cond,) = api.obj["status"]["conditions"]
+    assert (cond["type"], cond["status"], cond["reason"]) == ("CRDCurrent", "False", "FieldsPruned")
+    assert cond["observedGeneration"] == 3
+    # Every tick still refuses to go on, but the event and the condition are not repeated.
+    with pytest.raises(common.StatusPruned):
+        common.patch_status(
+            api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}
+        )  # type: ignore[arg-type]
+    assert len(api.events) == 1 and len(api.patches) == 3
+
+
+def test_a_kept_write_returns_the_stored_object(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(common, "_pruned_reported", set())
+    api = PruningApi()
+    stored = common.patch_status(api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"phase": "Ready"})  # type: ignore[arg-type]
+    assert stored["status"]["phase"] == "Ready" and not api.events
