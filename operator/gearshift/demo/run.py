@@ -135,7 +135,8 @@ def _start_operator(ctx: Ctx) -> None:
             SYSTEM_NAMESPACE,
             "--set",
             "sandbox.enabled=true",
-            # One replica: the sandbox shares two cores with everything else, and peering needs none.
+            # One replica: the sandbox shares two cores with everything else; a second would only wait as a
+            # standby for the Lease.
             "--set",
             "replicaCount=1",
             # The sandbox's fake nodes have little allocatable CPU to spare for the operator pod.
