@@ -12,14 +12,16 @@ import hashlib
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from gearshift import GROUP, VERSION  # the one place of the API group and version
 
-API_VERSION = f"{GROUP}/{VERSION}"
+#: The kinds' ``apiVersion`` as a type: a Literal cannot be built from GROUP and VERSION, so it repeats them.
+ApiVersion = Literal["gearshift.io/v1alpha1"]
+API_VERSION = cast(ApiVersion, f"{GROUP}/{VERSION}")
 
 # --- name limits derived from the name templates (DESIGN.md) --------------------------------------
 #: A StatefulSet's name must leave room for the ``controller-revision-hash`` label value

@@ -107,7 +107,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any], where: str = "") -> d
             node.pop("default")
         types = sorted(o.get("type", "") for o in non_null)
         if types == ["integer", "string"]:
-            out = {"x-kubernetes-int-or-string": True}
+            out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
             out.update(structural(node, defs, where))
             out.pop("type", None)
             return out
@@ -120,7 +120,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any], where: str = "") -> d
     if "prefixItems" in node:
         raise CRDGenError(f"{where}: tuples are not structural; use a list with minItems/maxItems")
 
-    out: dict[str, Any] = {}
+    out = {}
     for key, value in node.items():
         if key in _DROP:
             continue

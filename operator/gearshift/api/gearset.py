@@ -25,6 +25,7 @@ from gearshift.api.common import (
     MAX_NODES_PER_STAGE,
     MAX_SERVICE_NAME,
     MAX_STAGES,
+    ApiVersion,
     Condition,
     DnsLabel,
     Message,
@@ -977,7 +978,7 @@ class GearSetStatus(StatusModel):
 class GearSet(StatusModel):
     """A whole GearSet object: ``metadata`` stays a plain mapping (kopf's body), spec and status typed."""
 
-    api_version: Literal["gearshift.io/v1alpha1"] = Field(default=API_VERSION, description="API version.")
+    api_version: ApiVersion = Field(default=API_VERSION, description="API version.")
     kind: Literal["GearSet"] = Field(default="GearSet", description="Kind.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Object metadata.")
     spec: GearSetSpec = Field(description="Desired state.")

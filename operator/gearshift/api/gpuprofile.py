@@ -18,6 +18,7 @@ from gearshift.api.common import (
     MAX_CONDITIONS,
     MAX_OBJECT_NAME,
     MAX_PEERS,
+    ApiVersion,
     Condition,
     Message,
     NodeName,
@@ -47,6 +48,10 @@ CEL: dict[str, list[dict[str, str]]] = {
         },
     ],
 }
+
+
+def _cel(name: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": CEL[name]}
 
 
 class InterconnectLink(StatusModel):
@@ -242,9 +247,9 @@ class GPUProfileStatus(StatusModel):
 class GPUProfile(StatusModel):
     """A whole GPUProfile object: ``metadata`` stays a plain mapping (kopf's body), spec and status typed."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": CEL["GPUProfile"]})
+    model_config = ConfigDict(json_schema_extra=_cel("GPUProfile"))
 
-    api_version: Literal["gearshift.io/v1alpha1"] = Field(default=API_VERSION, description="API version.")
+    api_version: ApiVersion = Field(default=API_VERSION, description="API version.")
     kind: Literal["GPUProfile"] = Field(default="GPUProfile", description="Kind.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Object metadata.")
     spec: GPUProfileSpec = Field(description="Which node and what to pin.")

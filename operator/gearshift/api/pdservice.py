@@ -18,6 +18,7 @@ from gearshift.api.common import (
     API_VERSION,
     MAX_CONDITIONS,
     MAX_SERVICE_NAME,
+    ApiVersion,
     Condition,
     DnsLabel,
     Message,
@@ -776,7 +777,7 @@ class PDServiceStatus(StatusModel):
 class PDService(StatusModel):
     """A whole PDService object: ``metadata`` stays a plain mapping (kopf's body), spec and status typed."""
 
-    api_version: Literal["gearshift.io/v1alpha1"] = Field(default=API_VERSION, description="API version.")
+    api_version: ApiVersion = Field(default=API_VERSION, description="API version.")
     kind: Literal["PDService"] = Field(default="PDService", description="Kind.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Object metadata.")
     spec: PDServiceSpec = Field(description="Desired state.")
