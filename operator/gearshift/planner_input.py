@@ -177,7 +177,7 @@ def resource_profile(
             raise KeyError(f"node {n!r} has no usable GPUProfile")
         effs[n] = eff
     measured: set[frozenset[str]] = set()
-    out = []
+    out: list[dict[str, Any]] = []
     for n in names_:
         eff = effs[n]
         assert eff.gpu_model is not None and eff.memory_gib is not None

@@ -573,7 +573,7 @@ def _rolling_back(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple
     assert target is not None and old is not None
     if not world.ready(old):
         # Traffic stays where it is until the old gear can take it back.
-        missing = [] if world.gear(old).exists else [EnsureGear(old)]
+        missing: list[Action] = [] if world.gear(old).exists else [EnsureGear(old)]
         return state, missing
     failed = world.gear(target)
     if state.deadline is None:

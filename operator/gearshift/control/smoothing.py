@@ -77,7 +77,8 @@ def smooth(previous: Sample | None, sample: Sample, alpha: float) -> Sample:
     sample: stage k of one gear has nothing to do with stage k of another.
     """
     if previous is None:
-        return replace(sample, **{k: _clean(getattr(sample, k)) for k in _OPTIONALS})
+        cleaned: dict[str, Any] = {k: _clean(getattr(sample, k)) for k in _OPTIONALS}
+        return replace(sample, **cleaned)
     if len(previous.stage_utilization) == len(sample.stage_utilization):
         stages = tuple(
             float(ema(p, s, alpha))  # type: ignore[arg-type]

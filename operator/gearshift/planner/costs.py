@@ -73,7 +73,8 @@ class LayerCosts:
 class CostModel(Protocol):
     """Something that yields :class:`LayerCosts` for a micro-batch size."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def at(self, micro_batch: int, decode_batch: int | None = None) -> LayerCosts:
         """The layer costs when each micro-batch carries ``micro_batch`` requests and decode steps read the

@@ -363,7 +363,7 @@ def _candidates(
         if max_stages is not None and kmin > max_stages:
             last_error = _stage_limit_error(profile, costs, durable, kmin, max_stages, max_stages_why)
             continue
-        caps: list[int | None]
+        caps: Sequence[int | None]
         if single_pipeline:
             caps = [None]
         elif intent == "throughput":
