@@ -220,7 +220,7 @@ def _problems(pds_doc: Document, docs: Mapping[str, Document], messages: Sequenc
     lines = []
     for m in messages:
         role = _role_of(m)
-        src = docs[role].source if role in docs else pds_doc.source
+        src = docs[role].source if role is not None and role in docs else pds_doc.source
         lines.append(f"  {src}: {m}")
     return f"{pds_doc.source}: PDService {pds_doc.name!r}: {what}:\n" + "\n".join(lines)
 
@@ -304,10 +304,10 @@ def render_service(
             name, ns, pds.spec, desires, settings.images, owner_reference(body), settings.prometheus_url
         )
     except EngineSpecError as exc:
-        role = next((d.role for d in desires for g in d.gears if f"gear {g.name!r}" in str(exc)), None)
-        src = used[role].source if role else pds_doc.source
+        gear_role = next((d.role for d in desires for g in d.gears if f"gear {g.name!r}" in str(exc)), None)
+        src = used[gear_role].source if gear_role else pds_doc.source
         raise RenderError(
-            f"{src}: {role or 'a'} gear of PDService {name!r} (engine {pds.spec.engine}): {exc}"
+            f"{src}: {gear_role or 'a'} gear of PDService {name!r} (engine {pds.spec.engine}): {exc}"
         ) from None
 
     out = Rendered(name, ns, objects=objects, active={r: str(rs.active) for r, rs in roles.items()})

@@ -45,6 +45,7 @@ from gearshift.api.common import (
     REASON_SCALED_DOWN,
     REASON_SCALED_UP,
     VERSION,
+    ConditionStatus,
 )
 from gearshift.api.gearset import Gear, ScalingStatus
 from gearshift.control import scaling as sc
@@ -294,7 +295,7 @@ def tick(
     st: dict[str, Any] = old.to_json()
     result = TickResult()
     events: list[tuple[str, str, bool]] = []
-    cond: tuple[str, str, str] | None = None
+    cond: tuple[ConditionStatus, str, str] | None = None
 
     # --- a drain in progress --------------------------------------------------------------------------
     if old.draining:
@@ -455,7 +456,7 @@ def _write_status(
     service: str,
     scaling: dict[str, Any],
     ready: int,
-    cond: tuple[str, str, str] | None,
+    cond: tuple[ConditionStatus, str, str] | None,
     now: float,
     gs_body: Mapping[str, Any],
 ) -> None:
@@ -522,7 +523,7 @@ def _autoscaled(body: kopf.Body, **_: Any) -> bool:
     return bool((body.get("status") or {}).get("autoscaled"))
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_autoscaled)
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_autoscaled)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 async def gearset_autoscale(
     namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:

@@ -20,7 +20,7 @@ PLURAL = "gearsets"
 _generations: dict[tuple[str, str], int | None] = {}
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
+@kopf.on.event(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 async def gearset_changed(namespace: str, name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
     """A GearSet was created, deleted or its spec changed: reconcile its PDService (``spec.serviceName``)."""
     key = (namespace, name)

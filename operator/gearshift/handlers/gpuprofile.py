@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -144,8 +144,10 @@ def _write_status(name: str, status: GPUProfileStatus) -> None:
     from kubernetes import client
 
     api = client.CustomObjectsApi(nodes.api_client())
-    obj = api.patch_cluster_custom_object_status(
-        GROUP, VERSION, PLURAL, name, {"status": dump_status(status)}
+    # The client types a custom object as `object`; it is the patched object's JSON.
+    obj = cast(
+        "dict[str, Any]",
+        api.patch_cluster_custom_object_status(GROUP, VERSION, PLURAL, name, {"status": dump_status(status)}),
     )
     with _lock:
         _written[name] = (_rv(obj), dict(obj.get("status") or {}))
@@ -193,7 +195,7 @@ def _is_not_ready(body: kopf.Body, **_: Any) -> bool:
 
 
 # kopf starts and stops a timer as its filter starts and stops matching, so one of the two runs.
-@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S, when=_is_not_ready)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S, when=_is_not_ready)  # type: ignore[arg-type]  # kopf passes its indices as keywords its protocol does not name
 def gpuprofile_reconcile(
     name: str,
     body: kopf.Body,
@@ -208,7 +210,7 @@ def gpuprofile_reconcile(
     _step(name, body, spec, meta, gpu_nodes, profile_scores, logger)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=READY_TICK_S, initial_delay=READY_TICK_S, when=_is_ready)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=READY_TICK_S, initial_delay=READY_TICK_S, when=_is_ready)  # type: ignore[arg-type]  # kopf passes its indices as keywords its protocol does not name
 def gpuprofile_ready_reconcile(
     name: str,
     body: kopf.Body,

@@ -165,7 +165,7 @@ def _kopf_errors(namespace: str, name: str, body: Mapping[str, Any] | None) -> O
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
     """Reconcile on create, resume and spec/metadata updates.
 
@@ -190,7 +190,7 @@ def _needs_attention(body: kopf.Body, **_: Any) -> bool:
     return lagging or windowed or status.get("phase") in ("Pending", "Degraded")
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_S, initial_delay=RETRY_S, when=_needs_attention)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_S, initial_delay=RETRY_S, when=_needs_attention)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def pdservice_retry(namespace: str, name: str, **_: Any) -> None:
     """Retry a PDService that is not Ready yet (placement pending, pods rolling out, profiles missing)."""
     try:
@@ -225,13 +225,13 @@ def _window_in_use(body: kopf.Body, **_: Any) -> bool:
     return (body.get("status") or {}).get("windowLeaveBy") is not None
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=WINDOW_TICK_S, when=_window_in_use)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=WINDOW_TICK_S, when=_window_in_use)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def pdservice_window(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
     """Re-plan as soon as a time-limited node's leaveBy comes (issue 13); see :func:`window_tick`."""
     window_tick(namespace, name, (body.get("status") or {}).get("windowLeaveBy"), datetime.now(UTC))
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
+@kopf.on.event(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def pdservice_forget(namespace: str, name: str, type: str | None, **_: Any) -> None:
     """Drop a deleted PDService from the known set (its objects go with it through owner references)."""
     if type == "DELETED":
@@ -268,7 +268,7 @@ def poke(namespace: str, name: str, delay: float = DEBOUNCE_S) -> bool:
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})
-@kopf.on.event("apps", "v1", "deployments", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})
+@kopf.on.event("apps", "v1", "deployments", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 async def owned_changed(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
     """An owned StatefulSet or Deployment changed (pods became ready, a rollout moved): refresh status."""
     service = labels.get(names.LABEL_SERVICE)

@@ -949,8 +949,8 @@ def _reconcile(
             out.deleted += 1
     for svc in api.list(*SVC, ns, {names.LABEL_SERVICE: name, names.LABEL_COMPONENT: names.COMPONENT_ENGINE}):
         labels = svc["metadata"].get("labels") or {}
-        role, gear = labels.get(names.LABEL_ROLE), labels.get(names.LABEL_GEAR)
-        if gear and role not in flight and (role, gear) not in keep:
+        svc_role, svc_gear = labels.get(names.LABEL_ROLE), labels.get(names.LABEL_GEAR)
+        if svc_gear and svc_role not in flight and (svc_role, svc_gear) not in keep:
             api.delete(*SVC, ns, svc["metadata"]["name"])
             out.deleted += 1
     # --- status ---------------------------------------------------------------------------------

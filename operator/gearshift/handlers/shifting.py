@@ -262,7 +262,7 @@ def json_safe(value: Any) -> Any:
 def _ema_to_sample(ema: Mapping[str, float]) -> Sample | None:
     if "at" not in ema:
         return None
-    stages = []
+    stages: list[float] = []
     while f"stage{len(stages)}" in ema:
         stages.append(float(ema[f"stage{len(stages)}"]))
     values: dict[str, Any] = {f: ema.get(key) for f, key in _SAMPLE_KEYS.items()}
@@ -903,7 +903,7 @@ def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:
     return (body.get("spec") or {}).get("replicas", 1) != 0 or not _settled(body)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_serving_or_busy)
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_serving_or_busy)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 async def gearset_shifting(
     namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:
@@ -953,7 +953,7 @@ def free_gears_of_deleted_gearset(api: KubeApi, namespace: str, body: Mapping[st
     return freed
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def gearset_deleted(namespace: str, body: kopf.Body, **_: Any) -> None:
     """#20 row 6: a GearSet deleted mid-shift left its shadow StatefulSets (and their GPUs) behind."""
     from gearshift.handlers import pdservice
