@@ -140,7 +140,7 @@ class LeaderElector:
         self._release = threading.Event()
         self._released = False
         self._lock = LeaseLock(name, namespace, self.identity)
-        self._lock.api_instance = _TimedLeases(client.CoordinationV1Api(api_client), times.request_timeout_s)
+        self._lock.api_instance = _TimedLeases(client.CoordinationV1Api(api_client), times.request_timeout_s)  # type: ignore[assignment]  # LeaseLock calls only the three methods _TimedLeases has
         config = electionconfig.Config(
             self._lock,
             lease_duration=times.lease_duration_s,

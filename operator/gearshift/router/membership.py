@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from gearshift import GROUP, VERSION
 from gearshift.gpus import GPU_SPECS, compute_score
@@ -236,7 +236,7 @@ def slices_from_pods(
     pick, as the EndpointSlice controller builds them (one slice per Service; ports by name, target ports
     resolved against the pod). Pure; used where the API server refuses the pods' (loopback) addresses."""
     pods = list(pods)
-    out = []
+    out: list[dict[str, Any]] = []
     for svc in services:
         meta, spec = svc.get("metadata") or {}, svc.get("spec") or {}
         selector = spec.get("selector") or {}
@@ -368,7 +368,11 @@ class EndpointSliceMembership:
                 except Exception:  # a node we may not read (RBAC) still routes, with the prior
                     n = {}
                 try:
-                    prof = custom.get_cluster_custom_object(GROUP, VERSION, "gpuprofiles", node)
+                    # The client types a custom object as `object`; it is the GPUProfile's JSON.
+                    prof = cast(
+                        "dict[str, Any]",
+                        custom.get_cluster_custom_object(GROUP, VERSION, "gpuprofiles", node),
+                    )
                 except Exception:
                     prof = None
                 cache_nodes[node] = node_facts(n, prof)
@@ -442,14 +446,14 @@ class EndpointSliceMembership:
             try:
                 listed = disco.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
                 with lock:
-                    slices = {s.metadata.name: ser(s) for s in listed.items}
+                    slices = {s.metadata.name: ser(s) for s in listed.items}  # type: ignore[union-attr,misc]  # a stored object always has metadata.name
                 push()
                 w = watch.Watch()
                 for ev in w.stream(
                     disco.list_namespaced_endpoint_slice,
                     self.namespace,
                     label_selector=selector,
-                    resource_version=listed.metadata.resource_version,
+                    resource_version=listed.metadata.resource_version,  # type: ignore[union-attr]  # the API server always sets a list's metadata
                     timeout_seconds=60,
                 ):
                     obj = ser(ev["object"])

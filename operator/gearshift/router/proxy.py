@@ -205,7 +205,8 @@ def _upstream_error_text(text: str) -> tuple[str, str | None]:
     except ValueError:
         return text.strip()[:500] or "(empty body)", None
     if isinstance(doc, dict):
-        inner = doc.get("error") if isinstance(doc.get("error"), dict) else doc
+        error = doc.get("error")
+        inner = error if isinstance(error, dict) else doc
         msg = inner.get("message")
         if isinstance(msg, str):
             typ = inner.get("type")

@@ -216,7 +216,7 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
     from kubernetes.client.rest import ApiException
 
     core = client.CoreV1Api(kube_client(layout.kubeconfig))
-    existing = {n.metadata.name: n for n in core.list_node().items}
+    existing: dict[str, client.V1Node] = {n.metadata.name: n for n in core.list_node().items}  # type: ignore[union-attr,misc]  # a stored object always has metadata.name
     created = updated = 0
     for m in manifests:
         m = copy.deepcopy(m)
@@ -224,18 +224,18 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
         m["metadata"]["annotations"][MANAGED_ANNOTATION] = layout.name
         name = m["metadata"]["name"]
         node = existing.pop(name, None)
-        if node is not None and node.spec.pod_cidr != m["spec"]["podCIDR"]:
+        if node is not None and node.spec.pod_cidr != m["spec"]["podCIDR"]:  # type: ignore[union-attr]  # a Node always has a spec
             core.delete_node(name)
             node = None
         if node is None:
             try:
-                core.create_node(m)
+                core.create_node(m)  # type: ignore[arg-type]  # the client sends a dict body as it is
                 created += 1
             except ApiException as exc:
                 if exc.status != 409:
                     raise
         elif _node_differs(node, m):
-            live = [{"key": t.key, "value": t.value, "effect": t.effect} for t in node.spec.taints or []]
+            live = [{"key": t.key, "value": t.value, "effect": t.effect} for t in node.spec.taints or []]  # type: ignore[union-attr]  # a Node always has a spec
             # Taints are replaced as a list: keep the ones others set (node lifecycle, tests).
             taints = live + [t for t in m["spec"].get("taints", []) if t not in live]
             core.patch_node(name, {"metadata": m["metadata"], "spec": {"taints": taints or None}})
@@ -244,7 +244,7 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
             continue
         # Node status is a subresource: creation keeps it, but updates go through it.
         core.patch_node_status(name, {"status": m["status"]})
-    stale = [n for n, obj in existing.items() if MANAGED_ANNOTATION in (obj.metadata.annotations or {})]
+    stale = [n for n, obj in existing.items() if MANAGED_ANNOTATION in (obj.metadata.annotations or {})]  # type: ignore[union-attr]  # a stored object always has metadata
     for name in stale:
         core.delete_node(name)
     say(f"nodes: {created} created, {updated} updated, {len(stale)} removed")
@@ -274,9 +274,9 @@ def wait_nodes_ready(layout: Layout, names: list[str], timeout_s: float = NODES_
     pending = set(names)
     while time.monotonic() < deadline:
         for n in core.list_node().items:
-            conds = {c.type: c.status for c in (n.status.conditions or [])}
+            conds = {c.type: c.status for c in (n.status.conditions or [])}  # type: ignore[union-attr]  # a Node always has a status
             if conds.get("Ready") == "True":
-                pending.discard(n.metadata.name)
+                pending.discard(n.metadata.name)  # type: ignore[union-attr]  # a stored object always has metadata
         if not pending:
             return
         time.sleep(0.5)
@@ -530,7 +530,7 @@ def status(layout: Layout) -> dict[str, Any]:
         "components": comps,
         "api_ready": ready,
         "prometheus_url": url,
-        "prometheus_ready": bool(url) and prometheus_ready(url),
+        "prometheus_ready": bool(url and prometheus_ready(url)),
         "podrunner_pid": procs.running(layout.run_dir / "podrunner.pid"),
         "nodes": state.get("nodes", []),
         "up": ready and bool(state),

@@ -196,7 +196,7 @@ class PodRunner:
                 for ev in w.stream(
                     self.core.list_pod_for_all_namespaces,
                     label_selector=LABEL_SELECTOR,
-                    resource_version=listing.metadata.resource_version,
+                    resource_version=listing.metadata.resource_version,  # type: ignore[union-attr]  # the API server always sets a list's metadata
                     timeout_seconds=WATCH_TIMEOUT_S,
                 ):
                     if self.stop.is_set():
@@ -216,7 +216,7 @@ class PodRunner:
             self.nodes_listed = time.monotonic()
             # Every node of the sandbox is kwok's; the pod IP check (loopback only) guards the rest.
             nodes = self.core.list_node()
-            self.nodes = {n.metadata.name: self.api.sanitize_for_serialization(n) for n in nodes.items}
+            self.nodes = {n.metadata.name: self.api.sanitize_for_serialization(n) for n in nodes.items}  # type: ignore[union-attr,misc]  # a stored object always has metadata.name
         return self.nodes.get(name)
 
     # ----------------------------------------------------------------------------------- main loop
@@ -361,7 +361,7 @@ class PodRunner:
                 f"spec.serviceAccountName {sa!r}: cannot get a token ({exc.status} {exc.reason})"
             ) from None
         admin = yaml.safe_load(self.kubeconfig.read_text())
-        cfg = podspec.service_account_kubeconfig(admin, token.status.token, meta["namespace"])
+        cfg = podspec.service_account_kubeconfig(admin, token.status.token, meta["namespace"])  # type: ignore[union-attr,arg-type]  # a created TokenRequest has its status
         path = pod_dir / "serviceaccount.kubeconfig"
         path.touch(mode=0o600)
         path.write_text(yaml.safe_dump(cfg))

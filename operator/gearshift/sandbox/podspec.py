@@ -156,9 +156,9 @@ def container_env(pod: dict[str, Any], container: dict[str, Any], lookup: Lookup
                 ("configMapKeyRef", "ConfigMap") if "configMapKeyRef" in vf else ("secretKeyRef", "Secret")
             )
             ref = vf[key]
-            data = _ref_data(lookup, kind, ns, ref, f"{where}.valueFrom.{key}")
-            if data is not None and ref.get("key") in data:
-                env[name] = data[ref["key"]]
+            values = _ref_data(lookup, kind, ns, ref, f"{where}.valueFrom.{key}")
+            if values is not None and ref.get("key") in values:
+                env[name] = values[ref["key"]]
             elif not ref.get("optional", False):
                 raise PodSpecError(
                     f"{where}.valueFrom.{key}: key {ref.get('key')!r} not in {kind} {ref.get('name')}"

@@ -66,7 +66,7 @@ def serve(api: Any, out: Path, stop: threading.Event) -> None:
             w = watch.Watch()
             for ev in w.stream(
                 core.list_pod_for_all_namespaces,
-                resource_version=listing.metadata.resource_version,
+                resource_version=listing.metadata.resource_version,  # type: ignore[union-attr]  # the API server always sets a list's metadata
                 timeout_seconds=WATCH_TIMEOUT_S,
             ):
                 if stop.is_set():
