@@ -34,6 +34,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 unit: venv
 	$(VENV)/bin/pytest -m "not e2e" tests
@@ -45,6 +46,7 @@ test: venv binaries vllm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -m "not vllm_slow" tests
 
 crds: venv
@@ -54,4 +56,4 @@ demo: venv binaries
 	$(VENV)/bin/gearshift demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -23,10 +23,10 @@ import sys
 def _patch_nixl() -> None:
     delay_us = int(os.environ.get("SANDBOX_NIXL_PROGRESS_DELAY_US", "1000"))
     try:
-        import nixl_cu13._api as api  # type: ignore[import-not-found]
+        import nixl_cu13._api as api
     except ImportError:
         try:
-            import nixl._api as api  # type: ignore[import-not-found,no-redef]
+            import nixl._api as api
         except ImportError:
             return  # no NIXL: nothing to slow down
     real = api.nixlBind
