@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,6 +49,10 @@ FINALIZER = f"{DOMAIN}/finalizer"
 EXIT_STALE_CRDS = 3
 #: Exit status when this replica led and could not renew its Lease (the kubelet restarts it as a standby).
 EXIT_LEADERSHIP_LOST = 4
+#: A Lease's name (Kubernetes object names: RFC 1123 subdomain, apimachinery's IsDNS1123Subdomain).
+DNS1123_SUBDOMAIN = re.compile(
+    r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
 #: Left out of kopf's diff base (``AnnotationsDiffBaseStorage(ignored_fields=...)``): see operator_startup.
 DIFFBASE_IGNORED = ("metadata.annotations", "metadata.labels")
 
@@ -156,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if logging.getLogger().level > logging.DEBUG:
         # kopf logs every event handler's success at INFO: one line per watched Node/GPUProfile change.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # One access line per kubelet probe of kopf's /healthz (every 10 s) says nothing.
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
     times = lease_times(args)
@@ -234,6 +241,11 @@ def lease_times(args: argparse.Namespace) -> LeaseTimes:
     """
     times = LeaseTimes(args.lease_duration, args.renew_deadline, args.retry_period)
     problems = times.problems() if args.leader_elect else []
+    if args.leader_elect and not DNS1123_SUBDOMAIN.fullmatch(args.leader_election_id or ""):
+        problems.append(
+            f"--leader-election-id {args.leader_election_id!r}: a Lease name is a DNS-1123 subdomain "
+            "(lower-case letters, digits, '-' and '.', at most 253 characters)"
+        )
     if args.leader_elect and not args.leader_election_namespace:
         problems.append(
             "--leader-election-namespace: required with --leader-elect (or set GEARSHIFT_NAMESPACE)"
@@ -250,7 +262,13 @@ def campaign(args: argparse.Namespace, times: LeaseTimes, api_client: Any) -> Le
     stops the old leader). Returns the elector, still renewing."""
     ns, name = args.leader_election_namespace, args.leader_election_id
     elector = LeaderElector(api_client, ns, name, times, on_lost=_exit_lost)
-    server = _standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
+    try:
+        server = _standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
+    except OSError as exc:
+        print(
+            f"gearshift operator: --probe-port {args.probe_port} on {args.probe_host}: {exc}", file=sys.stderr
+        )
+        raise SystemExit(2) from None
     LEADER.set(0)
     elector.start()
     log.info("campaigning for Lease %s/%s as %s", ns, name, elector.identity)

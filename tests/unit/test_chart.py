@@ -128,9 +128,16 @@ class TestDeployment:
         args = container(docs)["args"]
         assert "--leader-election-id=gs-leader" in args
         assert {"--lease-duration=30", "--renew-deadline=20", "--retry-period=4"} <= set(args)
-        docs = render(set_json=("leaderElection.renewDeadline=7.5", "leaderElection.retryPeriod=0.5"))
+        docs = render(set_json=("leaderElection.renewDeadline=7.5", "leaderElection.retryPeriod=1.5"))
         args = container(docs)["args"]
-        assert {"--renew-deadline=7.5", "--retry-period=0.5"} <= set(args)  # fractions pass as they are
+        assert {"--renew-deadline=7.5", "--retry-period=1.5"} <= set(args)  # fractions pass as they are
+
+    def test_times_under_a_second_are_refused_as_the_operator_would(self):
+        # The operator (LeaseTimes.problems) refuses them; the chart says so before any pod crash-loops.
+        proc = render_text(set_json=("leaderElection.retryPeriod=0.5",), check=False)
+        assert (
+            proc.returncode != 0 and "/leaderElection/retryPeriod" in proc.stderr and "want 1" in proc.stderr
+        )
 
     def test_alone_when_leader_election_is_off(self):
         docs = render("replicaCount=1", "leaderElection.enabled=false")

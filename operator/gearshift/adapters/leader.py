@@ -11,10 +11,15 @@ The election loop is the kubernetes client's own (``kubernetes.leaderelection``:
 holder has not renewed it for ``lease_duration_s`` (timed on the follower's own clock from when it last
 saw the record change); a leader that could not renew for ``renew_deadline_s`` stops leading. The
 defaults are controller-runtime's (``pkg/leaderelection``: LeaseDuration 15 s, RenewDeadline 10 s,
-RetryPeriod 2 s). Added here: a time limit on every Lease request (the client has none, and a hung
-renewal would keep a deposed leader acting), and a release on clean shutdown (client-go's
-``ReleaseOnCancel``: the holder is cleared, so a standby takes over within one retry period instead of
-one lease duration).
+RetryPeriod 2 s). Added here (:class:`_Leases`, :class:`LeaderElector`): one attempt per Lease request
+within a time limit (the client has none and retries three times, so a hung renewal kept a deposed leader
+acting beside its successor), every request failure retried and logged instead of ending the campaign, a
+watchdog that stops a leader whose last renewal was *sent* more than the renew deadline ago or whose Lease
+shows another holder, and a release on clean shutdown (client-go's ``ReleaseOnCancel``: the holder is
+cleared, so a standby takes over within one retry period instead of one lease duration).
+
+Needs kubernetes >= 37.0.2: older clients have no ``LeaseLock``, and their renew loop cannot be stopped
+(the ``leading_failed`` check that :meth:`LeaderElector.release` relies on).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,31 +100,92 @@ class _Quiet(logging.Filter):
         return record.levelno >= logging.WARNING or log.isEnabledFor(logging.DEBUG)
 
 
-class _TimedLeases:
-    """The three Lease calls ``LeaseLock`` makes, each with a request time limit."""
+class _Leases:
+    """The three Lease calls ``LeaseLock`` makes, made safe for an election.
 
-    def __init__(self, api: Any, timeout_s: float) -> None:
-        self._api, self._timeout = api, timeout_s
+    - one attempt each, within ``timeout_s`` (the client retries a timed-out request three times by
+      default, so a hung renewal took 4 × the limit and a deposed leader went on acting);
+    - every failure is an ``ApiException`` (a refused connection escaped the client's loop as urllib3's
+      ``MaxRetryError`` and ended the campaign), and is logged once until the next success, since the
+      client logs its failures at INFO only (a 403 from missing RBAC was otherwise silent);
+    - for the watchdog: when the last write naming this replica as holder was *sent* (the server stored it
+      no earlier), and the holder of the last read.
+    """
+
+    def __init__(self, api: Any, timeout_s: float, identity: str, label: str) -> None:
+        self._api, self._timeout, self.identity, self._label = api, timeout_s, identity, label
+        self.renewed_at: float | None = None
+        self.holder_seen: str | None = None
+        self._problem: str | None = None
+
+    def _call(
+        self, what: str, fn: Callable[..., Any], *args: Any, quiet: tuple[int, ...] = (), **kw: Any
+    ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            out = fn(*args, _request_timeout=self._timeout, **kw)
+        except ApiException as exc:
+            if exc.status not in quiet:
+                self._warn(what, f"{exc.status} {exc.reason}")
+            raise
+        except Exception as exc:
+            self._warn(what, f"{type(exc).__name__}: {exc}")
+            raise ApiException(status=0, reason=f"{type(exc).__name__}: {exc}") from None
+        self._problem = None
+        return out
+
+    def _warn(self, what: str, problem: str) -> None:
+        if problem != self._problem:
+            log.warning("Lease %s: %s failed: %s", self._label, what, problem)
+            self._problem = problem
+
+    def _wrote(self, sent: float, lease: Any) -> None:
+        holder = lease.spec.holder_identity if lease is not None and lease.spec is not None else None
+        if holder == self.identity:
+            self.renewed_at, self.holder_seen = sent, holder
 
     def read_namespaced_lease(self, name: str, namespace: str) -> Any:
-        return self._api.read_namespaced_lease(name, namespace, _request_timeout=self._timeout)
+        lease = self._call("get", self._api.read_namespaced_lease, name, namespace, quiet=(404,))
+        self.holder_seen = lease.spec.holder_identity if lease.spec is not None else None
+        return lease
 
     def create_namespaced_lease(self, namespace: str, body: Any) -> Any:
-        return self._api.create_namespaced_lease(namespace, body, _request_timeout=self._timeout)
+        sent = time.monotonic()
+        lease = self._call("create", self._api.create_namespaced_lease, namespace, body, quiet=(409,))
+        self._wrote(sent, lease)
+        return lease
 
     def replace_namespaced_lease(self, name: str, namespace: str, body: Any) -> Any:
-        return self._api.replace_namespaced_lease(
-            name=name, namespace=namespace, body=body, _request_timeout=self._timeout
+        sent = time.monotonic()
+        lease = self._call(
+            "update",
+            self._api.replace_namespaced_lease,
+            name=name,
+            namespace=namespace,
+            body=body,
+            quiet=(409,),
         )
+        self._wrote(sent, lease)
+        return lease
 
 
 class LeaderElector:
     """Campaign for the Lease ``namespace/name`` in a background thread.
 
-    ``on_lost`` runs (in that thread) when this replica led and could not renew for the renew deadline;
-    the operator exits there, as controller-runtime does ("leader election lost"), because kopf's
-    handlers cannot be stopped mid-flight from outside.
+    ``on_lost`` runs once (from a background thread) when this replica led and may lead no longer; the
+    operator exits there, as controller-runtime does ("leader election lost"), because kopf's handlers
+    cannot be stopped mid-flight from outside. A watchdog calls it, not only the client's renew loop,
+    whose deadline starts after a retry-period sleep and whose last try may overrun it:
+
+    - when no renewal naming this replica was sent within the renew deadline: a standby takes the Lease
+      no sooner than the lease duration after the server stored that renewal, so the leader stops at
+      least ``lease - renew`` s earlier;
+    - at once when a read shows another holder (a user deleted or edited the Lease, and a standby took it).
     """
+
+    #: How often the watchdog looks, s.
+    WATCH_S = 0.25
 
     def __init__(
         self,
@@ -129,6 +196,8 @@ class LeaderElector:
         on_lost: Callable[[], None],
         identity: str | None = None,
     ) -> None:
+        import copy
+
         from kubernetes import client
         from kubernetes.leaderelection import electionconfig, leaderelection
         from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
@@ -138,16 +207,25 @@ class LeaderElector:
         self._on_lost = on_lost
         self._leading = threading.Event()
         self._release = threading.Event()
+        self._lost = threading.Lock()
+        self._done = False
         self._released = False
+        # A client of its own without urllib3's retries (see _Leases).
+        config_copy = copy.deepcopy(api_client.configuration)
+        config_copy.retries = False
+        self._leases = _Leases(
+            client.CoordinationV1Api(client.ApiClient(config_copy)), times.request_timeout_s, self.identity,
+            f"{namespace}/{name}",
+        )  # fmt: skip
         self._lock = LeaseLock(name, namespace, self.identity)
-        self._lock.api_instance = _TimedLeases(client.CoordinationV1Api(api_client), times.request_timeout_s)  # type: ignore[assignment]  # LeaseLock calls only the three methods _TimedLeases has
+        self._lock.api_instance = self._leases  # type: ignore[assignment]  # LeaseLock calls only these three methods
         config = electionconfig.Config(
             self._lock,
             lease_duration=times.lease_duration_s,
             renew_deadline=times.renew_deadline_s,
             retry_period=times.retry_period_s,
             onstarted_leading=self._lead,
-            onstopped_leading=self._stopped,
+            onstopped_leading=lambda: self._lose(f"not renewed for {times.renew_deadline_s:g} s"),
         )
         self._election = leaderelection.LeaderElection(config)
         client_log = logging.getLogger("leaderelection")
@@ -163,24 +241,39 @@ class LeaderElector:
         try:
             self._election.run()
         except Exception:
-            # The client's loop only ends by returning; anything else is a bug, and a replica that may
-            # be leading without renewing must not go on.
+            # _Leases turns every request failure into a retry; anything else is a bug, and a replica
+            # that may be leading without renewing must not go on.
             log.exception("leader election for Lease %s/%s failed", self.namespace, self.name)
-            self._stopped()
+            self._lose("the campaign failed")
 
     def _lead(self) -> None:
+        threading.Thread(target=self._watch, name=f"leader watchdog {self.name}", daemon=True).start()
         self._leading.set()
         self._release.wait()
         raise _Released
 
-    def _stopped(self) -> None:
-        if self._release.is_set():
-            return
+    def _watch(self) -> None:
+        while not self._release.wait(self.WATCH_S):
+            renewed = self._leases.renewed_at
+            if renewed is None or time.monotonic() - renewed > self.times.renew_deadline_s:
+                self._lose(f"not renewed for {self.times.renew_deadline_s:g} s")
+                return
+            holder = self._leases.holder_seen
+            if holder and holder != self.identity:
+                self._lose(f"now held by {holder}")
+                return
+
+    def _lose(self, why: str) -> None:
+        with self._lost:
+            if self._done or self._release.is_set():
+                return
+            self._done = True
+        led = self._leading.is_set()
         self._leading.clear()
-        log.error(
-            "leader election lost: Lease %s/%s not renewed for %gs", self.namespace, self.name,
-            self.times.renew_deadline_s,
-        )  # fmt: skip
+        if led:
+            log.error("leader election lost: Lease %s/%s %s", self.namespace, self.name, why)
+        else:
+            log.error("leader election for Lease %s/%s stopped: %s", self.namespace, self.name, why)
         self._on_lost()
 
     @property
@@ -210,14 +303,18 @@ class LeaderElector:
         # The renew loop looks at its stop flag once per retry period, after at most one renewal.
         self._thread.join(self.times.retry_period_s + 2 * self.times.request_timeout_s + 1)
         self._leading.clear()
+        if self._thread.is_alive():
+            # Still retrying a failing renewal: a write now would race it. The standby waits it out.
+            log.warning("Lease %s/%s not released: a renewal is still in flight", self.namespace, self.name)
+            return
+        ok, _ = self._lock.get(self.name, self.namespace)
+        lease = self._lock.lease_reference
+        if not ok or lease is None or lease.spec is None or lease.spec.holder_identity != self.identity:
+            return  # failures were logged by _Leases
+        lease.spec.holder_identity = None
+        lease.spec.lease_duration_seconds = 1
         try:
-            ok, _ = self._lock.get(self.name, self.namespace)
-            lease = self._lock.lease_reference
-            if not ok or lease is None or lease.spec is None or lease.spec.holder_identity != self.identity:
-                return
-            lease.spec.holder_identity = None
-            lease.spec.lease_duration_seconds = 1
-            self._lock.api_instance.replace_namespaced_lease(self.name, self.namespace, lease)
-            log.info("released Lease %s/%s", self.namespace, self.name)
-        except Exception as exc:  # see the docstring
-            log.warning("could not release Lease %s/%s: %s", self.namespace, self.name, exc)
+            self._leases.replace_namespaced_lease(self.name, self.namespace, lease)
+        except Exception:  # logged by _Leases; see the docstring
+            return
+        log.info("released Lease %s/%s", self.namespace, self.name)
