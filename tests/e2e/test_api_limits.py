@@ -40,6 +40,7 @@ G = "gearshift.io/v1alpha1"
 MODEL = LLAMA_3_2_1B
 ANNOTATION = "example.com/notes"
 ANNOTATION_BYTES = 150 * 1024
+DIFFBASE = "gearshift.io/last-handled-configuration"
 
 
 class World:
@@ -115,11 +116,14 @@ def test_a_large_user_annotation_does_not_stop_reconciling(world: World) -> None
     world.apply(_service("big", {ANNOTATION: "x" * ANNOTATION_BYTES}))
     sts = wait_until(lambda: _statefulsets(world, "big") or None, 120, "the service's StatefulSets")
     assert {s["metadata"]["labels"]["gearshift.io/role"] for s in sts} == {"prefill", "decode"}
-    pds = world.get("pds", "big")
-    notes = pds["metadata"]["annotations"]
+    # kopf writes its diff base once the handler returns, which may come after the StatefulSets.
+    notes = wait_until(
+        lambda: (n := world.get("pds", "big")["metadata"]["annotations"]).get(DIFFBASE) and n,
+        60, "kopf's diff base written",
+    )  # fmt: skip
     assert len(notes[ANNOTATION]) == ANNOTATION_BYTES
-    diffbase = notes.get("gearshift.io/last-handled-configuration")
-    assert diffbase is not None and ANNOTATION not in diffbase, "kopf's diff base copied the annotation"
+    diffbase = notes[DIFFBASE]
+    assert ANNOTATION not in diffbase, "kopf's diff base copied the annotation"
     assert json.loads(diffbase)["spec"]["engine"] == "sim"
     # A spec edit after it is handled: the new SLO reaches the diff base.
     world.sandbox.kubectl(
@@ -134,9 +138,7 @@ def test_a_large_user_annotation_does_not_stop_reconciling(world: World) -> None
     )
 
     def edited() -> bool | None:
-        base = world.get("pds", "big")["metadata"]["annotations"].get(
-            "gearshift.io/last-handled-configuration"
-        )
+        base = world.get("pds", "big")["metadata"]["annotations"].get(DIFFBASE)
         return True if base and json.loads(base)["spec"].get("slo", {}).get("ttftMs") == 1234 else None
 
     wait_until(edited, 60, "the edit handled")

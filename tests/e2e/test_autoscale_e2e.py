@@ -54,7 +54,7 @@ import pytest
 
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.loadgen import TraceRequest, run_load
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, pod_ready, pods, teardown_run
+from gearshift.sandbox.harness import GpuNodes, OperatorProcess, holds, pod_ready, pods, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -477,10 +477,11 @@ def test_no_free_gpu_never_evicts_and_resumes_when_a_node_appears(sandbox: Any, 
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{_diagnose(sandbox, ns, env['op'].log)}") from None
         assert "nothing is evicted" in cond["message"], cond
-        time.sleep(3)  # a few more ticks while blocked (1 s each): still nothing evicted, no replica added
-        gs = _gs(sandbox, ns)
-        assert gs["spec"].get("replicas") == 1
-        assert _uids(sandbox, ns) == uids
+        # A few more ticks while blocked (1 s each): still nothing evicted, no replica added.
+        holds(
+            lambda: _gs(sandbox, ns)["spec"].get("replicas") == 1 and _uids(sandbox, ns) == uids,
+            3, "blocked: no replica added, nothing evicted",
+        )  # fmt: skip
         # A node with a free GPU appears in the decode pool: the scale-up proceeds onto it.
         t_node = time.monotonic()
         fresh = nodes.add("T4-16GB", "d")

@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.handlers.reconcile import plan_assumptions
 from gearshift.k8s import names
 from gearshift.planner_input import datasheet_gpuprofile, resource_profile
-from gearshift.sandbox.harness import teardown_run
+from gearshift.sandbox.harness import holds, settled, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -210,11 +209,10 @@ def test_example_pdservice_lifecycle(sandbox: Any, namespace: str, operator: Any
     assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
 
     # --- reconciling again changes nothing -------------------------------------------------------------
-    time.sleep(3)  # let status-refresh reconciles of the rollout settle
-    before = _owned(api, namespace)
+    # The rollout's status-refresh reconciles settle first: the owned objects stop moving for 3 s.
+    before = wait_for(lambda: settled(lambda: _owned(api, namespace), 3.0), 60, "owned objects settled")
     sandbox.kubectl("-n", namespace, "annotate", "pds", "llama3-8b", "e2e/poke=1")  # a metadata update
-    time.sleep(5)
-    assert _owned(api, namespace) == before
+    holds(lambda: _owned(api, namespace) == before, 5, "a metadata update moves no owned object")
 
     # --- a spec edit rolls only what changed ---------------------------------------------------------
     edited = yaml.safe_load(yaml.safe_dump(PREFILL))
@@ -225,8 +223,7 @@ def test_example_pdservice_lifecycle(sandbox: Any, namespace: str, operator: Any
         30,
         "prefill StatefulSets updated",
     )
-    time.sleep(3)
-    after = _owned(api, namespace)
+    after = wait_for(lambda: settled(lambda: _owned(api, namespace), 3.0), 60, "owned objects settled")
     moved = {k for k in after if before.get(k) != after[k]}
     assert moved == {("StatefulSet", "llama3-8b-prefill-two-s0"), ("StatefulSet", "llama3-8b-prefill-two-s1")}
 
@@ -248,8 +245,10 @@ def test_example_pdservice_lifecycle(sandbox: Any, namespace: str, operator: Any
         "Placed=False",
     )
     assert "gpu-missing-0" in _cond(body, "Placed")["message"]
-    time.sleep(2)
-    assert {p["metadata"]["uid"] for k in (0, 1) for p in stage_pods("prefill", "two", k)} == serving
+    holds(
+        lambda: {p["metadata"]["uid"] for k in (0, 1) for p in stage_pods("prefill", "two", k)} == serving,
+        2, "the serving prefill pods stay while the placement fails",
+    )  # fmt: skip
     assert {k: v for k, v in _owned(api, namespace).items() if "prefill-two-s" in k[1]} == {
         k: v for k, v in sts_before.items() if "prefill-two-s" in k[1]
     }

@@ -354,6 +354,36 @@ def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str, i
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+def holds(predicate: Callable[[], object], duration_s: float, what: str, interval_s: float = 0.5) -> None:
+    """Check ``predicate`` every ``interval_s`` s for ``duration_s`` s: it must stay truthy throughout.
+
+    For "nothing happens" (no object moved, no replica added): a fixed sleep followed by one look would
+    miss a change undone within the window, and would wait out the window even after a failure.
+
+    Raises:
+        AssertionError: ``predicate`` was falsy at some check (the message names ``what`` and when).
+    """
+    start = time.monotonic()
+    while True:
+        if not predicate():
+            raise AssertionError(f"{what}: no longer true after {time.monotonic() - start:.1f} s")
+        if time.monotonic() - start >= duration_s:
+            return
+        time.sleep(interval_s)
+
+
+def settled(read: Callable[[], T], quiet_s: float, interval_s: float = 0.5) -> T | None:
+    """``read()``'s value once it stayed the same for ``quiet_s`` s, else ``None`` (it moved): for
+    :func:`wait_until` or the e2e ``wait_for``, to wait until reconciles settle instead of sleeping."""
+    first = read()
+    end = time.monotonic() + quiet_s
+    while time.monotonic() < end:
+        time.sleep(interval_s)
+        if read() != first:
+            return None
+    return first
+
+
 class Periodic(Generic[T]):
     """Calls ``sample()`` every ``interval_s`` s on a daemon thread between :meth:`start` and :meth:`stop`.
 
