@@ -301,7 +301,7 @@ def test_forced_shift_without_failed_requests(sandbox: Any, env: dict[str, Any])
     load = SelectorLoad(sandbox, ns, seconds=60)
     poll = Poller(sandbox, ns)
     try:
-        time.sleep(3)  # load flowing before the shift
+        sandbox.wait_for(lambda: load.ok >= 2, 60, "load flowing before the shift", interval=0.2)
         _force(sandbox, ns, "two")
         phases: list[str] = []
 
@@ -343,7 +343,9 @@ def test_operator_killed_mid_shift_resumes(sandbox: Any, env: dict[str, Any], ki
         )
         op.kill()
         killed_in = _status(sandbox, ns).get("phase")
-        time.sleep(3)  # nobody drives the shift now; the selection must still be on a Ready gear
+        # An outage of 3 s, not a wait: nobody drives the shift meanwhile, and the poller checks that the
+        # selection stays on a Ready gear.
+        time.sleep(3)
         op.start()
         sandbox.wait_for(
             lambda: _status(sandbox, ns).get("phase") == "Stable", 150, "the shift to complete or roll back"
