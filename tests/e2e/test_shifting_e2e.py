@@ -13,18 +13,24 @@ The tests run in order on the same service (GPUs in the shared sandbox are few):
 2. the operator is SIGKILLed (by its pid) in Warming and in Draining; restarted, the shift completes or
    rolls back, and the role Service stays on a Ready gear;
 3. Prometheus unreachable (the PDService points at a closed loopback port; the sandbox's Prometheus is
-   shared and offers no stop) → ``SignalsAvailable=False`` and no shift; restored → the shift runs.
+   shared and offers no stop) → ``SignalsAvailable=False`` and no shift; restored → the shift runs;
+4. (#20 rows 2, 3) a stub Prometheus on loopback whose latency quantiles are NaN, +Inf, then absent:
+   the status keeps being written, without a latency, and says ``LatencyUnavailable``;
+5. (#20 row 6) a ``forceGear`` reverted while its target warms cancels the shift;
+6. (#20 row 6) a gear marked unhealthy is held while unchanged and tried again once edited;
+7. (#20 row 6) the GearSet deleted in mid-shift takes its shadows with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -32,6 +38,7 @@ from gearshift.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,
+    holds,
     install_crds,
     pod_ready,
     pods,
@@ -393,3 +400,221 @@ def test_no_shift_while_prometheus_is_unreachable(sandbox: Any, env: dict[str, A
     sandbox.wait_for(
         lambda: _stable_on(sandbox, ns, target), 120, f"the shift to {target} once signals return"
     )
+
+
+class StubPrometheus:
+    """A Prometheus HTTP API on loopback whose latency quantiles are ``quantile`` ("NaN", "+Inf"), or
+    absent (``None``: no histogram series, as for an engine that exports none); every other query gets
+    finite values shaped as the sim's series are (one per stage of the queried gear)."""
+
+    STAGES: ClassVar[dict[str, int]] = {"one": 1, "two": 2}
+
+    def __init__(self) -> None:
+        import json as _json
+        import re
+        import urllib.parse
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.quantile: str | None = "NaN"
+        self.queries = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, query: str) -> None:
+                stub.queries += 1
+                now = time.time()
+                result: list[dict[str, Any]]
+                if "histogram_quantile" in query:
+                    result = [] if stub.quantile is None else [{"metric": {}, "value": [now, stub.quantile]}]
+                elif "by (stage)" in query:
+                    gear = (re.search(r'gearshift_io_gear="([^"]+)"', query) or [None, "one"])[1]
+                    result = [{"metric": {"stage": str(k)}, "value": [now, "0.4"]}
+                              for k in range(stub.STAGES.get(str(gear), 1))]  # fmt: skip
+                else:  # queue, running, served rate: a gear serving a little
+                    result = [{"metric": {}, "value": [now, "0.5"]}]
+                body = _json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def do_GET(self) -> None:
+                qs = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+                self._answer(qs.get("query", [""])[0])
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                qs = urllib.parse.parse_qs(self.rfile.read(n).decode())
+                self._answer(qs.get("query", [""])[0])
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _sample_time(sandbox: Any, ns: str) -> str | None:
+    return (_status(sandbox, ns).get("signals") or {}).get("sampleTime")
+
+
+def _latency_cond(sandbox: Any, ns: str) -> dict[str, Any] | None:
+    for c in _status(sandbox, ns).get("conditions") or []:
+        if c["type"] == "SignalsAvailable" and c["status"] == "True" and c["reason"] == "LatencyUnavailable":
+            return dict(c)
+    return None
+
+
+def test_signals_that_are_not_numbers_or_missing_never_freeze_the_status(
+    sandbox: Any, env: dict[str, Any]
+) -> None:
+    """#20 rows 2 and 3: a quantile Prometheus gives as NaN or +Inf is no data and never reaches the status
+    patch (the API server refused the JSON and ``sampleTime`` froze); a latency histogram that is missing
+    while the gear serves is not zero: ``SignalsAvailable`` says ``LatencyUnavailable``, with an event."""
+    ns, op = env["ns"], env["op"]
+    _force(sandbox, ns, None)
+    stub = StubPrometheus()
+    log_before = len(op.log_tail(10_000_000))
+    sandbox.kubectl("patch", "pdservice", SERVICE, "-n", ns, "--type=merge", "-p",
+                    f'{{"spec":{{"prometheusUrl":"{stub.url}"}}}}')  # fmt: skip
+    try:
+        for quantile in ("NaN", "+Inf", None):
+            stub.quantile = quantile
+            first = sandbox.wait_for(
+                lambda: _latency_cond(sandbox, ns) and _sample_time(sandbox, ns),
+                60, f"LatencyUnavailable with quantiles {quantile}", interval=0.5,
+            )  # fmt: skip
+            # The status keeps moving: later samples are written, each without a latency.
+            sandbox.wait_for(
+                lambda f=first: _sample_time(sandbox, ns) not in (None, f), 30, "a later sample", interval=0.5
+            )
+            signals = _status(sandbox, ns)["signals"]
+            assert all(signals.get(k) is None for k in ("p99Ms", "p99TtftMs", "p50TtftMs")), signals
+            assert 0 < signals["qps"] <= 0.5  # the moving average of the stub's 0.5 req/s
+        assert stub.queries > 0
+        cond = _latency_cond(sandbox, ns)
+        assert cond is not None and "P99 has no data" in cond["message"] and stub.url in cond["message"]
+        events = sandbox.kubectl_json(
+            "get", "events", "-n", ns, "--field-selector", "reason=LatencyUnavailable"
+        )
+        assert events["items"] and all(e["type"] == "Warning" for e in events["items"])
+        log = op.log_tail(10_000_000)[log_before:]
+        assert "400" not in log and "NaN" not in log and "Infinity" not in log, log[-3000:]
+    finally:
+        sandbox.kubectl("patch", "pdservice", SERVICE, "-n", ns, "--type=merge", "-p",
+                        f'{{"spec":{{"prometheusUrl":"{sandbox.prometheus_url}"}}}}')  # fmt: skip
+        stub.close()
+    sandbox.wait_for(lambda: (_signals_ok(sandbox, ns) and not _latency_cond(sandbox, ns)) or None, 60,
+                     "signals from the sandbox's Prometheus again")  # fmt: skip
+
+
+def _policy(sandbox: Any, ns: str, **policy: float) -> None:
+    sandbox.kubectl("patch", "gearset", PREFILL_GS, "-n", ns, "--type=merge", "-p",
+                    json.dumps({"spec": {"policy": policy}}))  # fmt: skip
+
+
+def _gear_sts(sandbox: Any, ns: str, gear: str) -> list[str]:
+    out = sandbox.kubectl_json("get", "statefulsets", "-n", ns, "-l",
+                               f"gearshift.io/role=prefill,gearshift.io/gear={gear}")  # fmt: skip
+    return [s["metadata"]["name"] for s in out["items"]]
+
+
+def _stable(sandbox: Any, ns: str) -> str:
+    _force(sandbox, ns, None)
+    sandbox.wait_for(lambda: _status(sandbox, ns).get("phase") == "Stable", 120, "Stable")
+    return str(_status(sandbox, ns)["activeGear"])
+
+
+def test_force_reverted_while_warming_cancels_the_shift(sandbox: Any, env: dict[str, Any]) -> None:
+    """#20 row 6: a ``forceGear`` reverted while its target still warms cancels the shift (shadows deleted,
+    history ``Aborted``, event ``ShiftCancelled``), instead of completing it and shifting back."""
+    ns = env["ns"]
+    start = _stable(sandbox, ns)
+    target = "one" if start == "two" else "two"
+    n_history = len(_status(sandbox, ns).get("history") or [])
+    _policy(sandbox, ns, warmS=120)  # a long warm-up: the revert lands while the target warms
+    try:
+        _force(sandbox, ns, target)
+        sandbox.wait_for(lambda: _status(sandbox, ns).get("phase") == "Warming", 60, "Warming", interval=0.2)
+        assert _gear_sts(sandbox, ns, target)
+        _force(sandbox, ns, start)
+
+        def cancelled() -> dict[str, Any] | None:
+            st = _status(sandbox, ns)
+            hist = st.get("history") or []
+            done = (
+                st.get("phase") == "Stable" and len(hist) > n_history and hist[-1]["outcome"] != "InProgress"
+            )
+            return st if done else None
+
+        st = sandbox.wait_for(cancelled, 60, "the shift ended")
+        assert st["activeGear"] == start and st["history"][-1]["outcome"] == "Aborted", st["history"][-1]
+        sandbox.wait_for(lambda: not _gear_sts(sandbox, ns, target), 60, f"{target}'s shadows deleted")
+        events = sandbox.kubectl_json("get", "events", "-n", ns, "--field-selector", "reason=ShiftCancelled")
+        assert events["items"]
+        holds(
+            lambda: _stable_on(sandbox, ns, start) and not _gear_sts(sandbox, ns, target), 5, "no shift back"
+        )
+    finally:
+        _policy(sandbox, ns, warmS=POLICY["warmS"])
+        _force(sandbox, ns, None)
+
+
+def test_an_edited_gear_is_tried_again_after_it_was_marked_unhealthy(
+    sandbox: Any, env: dict[str, Any]
+) -> None:
+    """#20 row 6: a gear marked unhealthy (``NotReadyInTime``) stays held while it is unchanged, even when the
+    policy changes, and is tried again once the gear itself is edited (``gearHealth.gearHash``)."""
+    ns = env["ns"]
+    start = _stable(sandbox, ns)
+    target = "one" if start == "two" else "two"
+    original = _gs(sandbox, ns)["spec"]["gears"]
+
+    def marked() -> dict[str, Any] | None:
+        return next((h for h in _status(sandbox, ns).get("gearHealth") or []
+                     if h["gear"] == target and not h["healthy"]), None)  # fmt: skip
+
+    _policy(sandbox, ns, warmupTimeoutS=1)  # no sim gear is Ready and warm within 1 s
+    try:
+        _force(sandbox, ns, target)
+        mark = sandbox.wait_for(marked, 120, f"{target} marked unhealthy")
+        assert mark["reason"] == "NotReadyInTime" and mark.get("gearHash"), mark
+        sandbox.wait_for(lambda: _stable_on(sandbox, ns, start), 120, f"rolled back to {start}")
+        _policy(sandbox, ns, warmupTimeoutS=POLICY["warmupTimeoutS"])  # the policy, not the gear
+        holds(lambda: _stable_on(sandbox, ns, start) and marked(), 6, "an unchanged marked gear stays held")
+        edited = json.loads(json.dumps(original))
+        gear = next(g for g in edited if g["name"] == target)
+        gear["maxBatch"] = gear["maxBatch"] - 2
+        sandbox.kubectl("patch", "gearset", PREFILL_GS, "-n", ns, "--type=merge", "-p",
+                        json.dumps({"spec": {"gears": edited}}))  # fmt: skip
+        sandbox.wait_for(lambda: _stable_on(sandbox, ns, target), 180, f"the edited {target} shifted to")
+        st = _status(sandbox, ns)
+        assert st["history"][-1]["outcome"] == "Succeeded" and not marked(), st["history"][-1]
+    finally:
+        _policy(sandbox, ns, warmupTimeoutS=POLICY["warmupTimeoutS"])
+        _force(sandbox, ns, None)
+        sandbox.kubectl("patch", "gearset", PREFILL_GS, "-n", ns, "--type=merge", "-p",
+                        json.dumps({"spec": {"gears": original}}))  # fmt: skip
+
+
+def test_deleting_the_gearset_mid_shift_frees_its_shadows(sandbox: Any, env: dict[str, Any]) -> None:
+    """#20 row 6 (last: it deletes the prefill GearSet): deleted in mid-shift, its shadow StatefulSets go
+    (their GPUs are free again); before, they were left behind."""
+    ns = env["ns"]
+    start = _stable(sandbox, ns)
+    target = "one" if start == "two" else "two"
+    _policy(sandbox, ns, warmS=120)
+    _force(sandbox, ns, target)
+    sandbox.wait_for(lambda: _status(sandbox, ns).get("phase") == "Warming", 60, "Warming", interval=0.2)
+    assert _gear_sts(sandbox, ns, target)
+    sandbox.kubectl("delete", "gearset", PREFILL_GS, "-n", ns, "--wait=false")
+    sandbox.wait_for(lambda: not _gear_sts(sandbox, ns, target), 60, f"{target}'s shadows deleted")
+    sandbox.wait_for(
+        lambda: sandbox.kubectl("get", "gearset", PREFILL_GS, "-n", ns, check=False).returncode != 0,
+        60, "the GearSet gone (its finalizer released)",
+    )  # fmt: skip

@@ -534,6 +534,8 @@ class TestTicks:
         r = run(world, sig, T0 + 42)
         assert r.decision is not None and r.decision.reason != "ForceGearUnhealthy", r.decision
         assert r.phase is Phase.WARMING and "latency" in prefill_gears(world)
+        # ... and the status no longer shows the old mark.
+        assert [h["gear"] for h in status(world).get("gearHealth") or []] == []
 
     @pytest.mark.parametrize("revert", ["balanced", None])
     def test_force_reverted_while_warming_cancels_the_shift(self, world: FakeApi, revert: str | None) -> None:

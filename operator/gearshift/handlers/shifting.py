@@ -744,7 +744,10 @@ def tick(
         book.set(COND_SIGNALS_AVAILABLE, "False", reason, f"{why}; no gear shift starts", warning=True)
     raw = gs_body.get("status") or {}
     history = list(raw.get("history") or [])
-    health = list(raw.get("gearHealth") or [])
+    # Marks that no longer hold (the gear or the profiles changed) leave the status: `kubectl get` must
+    # not show a gear as unhealthy that is tried again, or serving.
+    held = {m.gear for m in marks}
+    health = [h for h in raw.get("gearHealth") or [] if h.get("gear") in held]
     for a in actions:
         if isinstance(a, RecordShift):
             history = _history(history, a)
