@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -77,7 +78,7 @@ def test_prometheus_source_skips_non_finite_values() -> None:
 
     pool = Pool(PolicyConfig())
     pool.set_members([BackendInfo("d-0", "http://127.0.0.1:1", "decode")])
-    PrometheusSource(pool, "http://127.0.0.1:9", prom=Prom()).poll()
+    PrometheusSource(pool, "http://127.0.0.1:9", query=_via(Prom())).poll()
     b = pool.backends["d-0"]
     assert b.kv_usage is None and b.running == 0.0
 
@@ -144,3 +145,8 @@ def test_autoscaler_kv_query_falls_back_to_the_old_name(tmp_path: Path) -> None:
         scaling.kv_usage_query(m),
         [{"labels": "{}", "value": 0.5}],
     )
+
+
+def _via(prom: Any) -> Any:
+    """A fake with prometheus-api-client's ``custom_query`` as PrometheusSource's ``query``."""
+    return lambda queries: {q: prom.custom_query(q) for q in queries}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -214,7 +215,7 @@ def test_prometheus_source_sizes_the_kv_pool() -> None:
             ],
         }
     )
-    src = PrometheusSource(pool, "http://127.0.0.1:9", kv_bytes_per_token=524288.0, prom=prom)
+    src = PrometheusSource(pool, "http://127.0.0.1:9", kv_bytes_per_token=524288.0, query=_via(prom))
     src.poll()
     b = pool.backends["d-0"]
     assert b.kv_usage == 0.9
@@ -223,5 +224,42 @@ def test_prometheus_source_sizes_the_kv_pool() -> None:
     # Without KV bytes per token (no --model) the pool stays unknown, as with the scraper.
     pool2 = Pool(PolicyConfig())
     pool2.set_members([BackendInfo("d-0", "http://127.0.0.1:1", "decode")])
-    PrometheusSource(pool2, "http://127.0.0.1:9", prom=prom).poll()
+    PrometheusSource(pool2, "http://127.0.0.1:9", query=_via(prom)).poll()
     assert pool2.backends["d-0"].kv_capacity_bytes is None
+
+
+def _via(prom: Any) -> Any:
+    """A fake with prometheus-api-client's ``custom_query`` as PrometheusSource's ``query``."""
+    return lambda queries: {q: prom.custom_query(q) for q in queries}
+
+
+async def test_prometheus_down_is_said_once_and_polling_goes_on(caplog: Any) -> None:
+    import asyncio
+    import contextlib
+    import logging
+
+    from gearshift.control.signals import SignalsUnavailable
+    from gearshift.router.pool import PolicyConfig, Pool
+    from gearshift.router.signals import PrometheusSource
+
+    calls = []
+
+    def down(queries: list[str]) -> Any:
+        calls.append(len(queries))
+        raise SignalsUnavailable("Prometheus at http://127.0.0.1:9 did not answer: refused")
+
+    pool = Pool(PolicyConfig())
+    pool.set_members([BackendInfo("d-0", "http://127.0.0.1:1", "decode")])
+    src = PrometheusSource(pool, "http://127.0.0.1:9", interval_s=0.01, query=down)
+    with caplog.at_level(logging.WARNING, logger="gearshift.router.signals"):
+        task = asyncio.create_task(src.run())
+        for _ in range(200):
+            if len(calls) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert len(calls) >= 3
+    warned = [r for r in caplog.records if "did not answer" in r.getMessage()]
+    assert len(warned) == 1

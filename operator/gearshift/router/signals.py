@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gearshift.router import outlier
 from gearshift.router.pool import Backend, Pool
+
+log = logging.getLogger(__name__)
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
@@ -221,7 +224,8 @@ class PrometheusSource:
     """Signals from a Prometheus server instead of scraping pods (``--prometheus URL``).
 
     Instant queries by the ``pod`` label (Prometheus' Kubernetes service discovery relabels it so); the
-    pool's pod names must be the pod names. Uses prometheus-api-client (synchronous) in a thread.
+    pool's pod names must be the pod names. Uses the operator's one Prometheus client
+    (:func:`gearshift.adapters.prometheus.instant_queries`, synchronous) in a thread.
     """
 
     QUERIES: ClassVar[dict[str, str]] = {
@@ -242,22 +246,38 @@ class PrometheusSource:
     )
 
     def __init__(
-        self, pool: Pool, url: str, interval_s: float = 2.0, kv_bytes_per_token: float = 0.0, prom: Any = None
+        self,
+        pool: Pool,
+        url: str,
+        interval_s: float = 2.0,
+        kv_bytes_per_token: float = 0.0,
+        query: Callable[[list[str]], Mapping[str, Sequence[Any]]] | None = None,
     ) -> None:
-        from prometheus_api_client import PrometheusConnect
+        from gearshift.adapters.prometheus import instant_queries
 
         self.pool = pool
-        self.prom = prom if prom is not None else PrometheusConnect(url=url, disable_ssl=True)
+        self.url = url
+        # The operator's one Prometheus client (no retries: the next poll is seconds away); tests pass
+        # their own ``query``.
+        self.query = query if query is not None else (lambda qs: instant_queries(url, qs))
         self.interval_s = interval_s
         self.kv_bytes_per_token = kv_bytes_per_token
+        self._problem: str | None = None
 
     def poll(self) -> None:
-        """One round of queries, applied to the pool (blocking; run it in a thread)."""
+        """One round of queries, applied to the pool (blocking; run it in a thread).
+
+        Raises:
+            gearshift.control.signals.SignalsUnavailable: Prometheus unreachable or an error answer.
+        """
         names = "|".join(sorted(self.pool.backends))
         if not names:
             return
-        for key, q in self.QUERIES.items():
-            for row in self.prom.custom_query(q.replace("%s", names)):
+        queries = {key: q.replace("%s", names) for key, q in self.QUERIES.items()}
+        cache = self.CACHE_QUERY.replace("%s", names) if self.kv_bytes_per_token > 0 else None
+        results = self.query([*queries.values(), *([cache] if cache else [])])
+        for key, q in queries.items():
+            for row in results.get(q, []):
                 b = self.pool.backends.get(row["metric"].get("pod", ""))
                 value = float(row["value"][1])
                 if b is None or not math.isfinite(value):
@@ -268,10 +288,10 @@ class PrometheusSource:
                     b.gpu_util = value
                 else:
                     setattr(b, key, value)
-        if self.kv_bytes_per_token > 0:
+        if cache is not None:
             # Without the pool size the decode headroom filter passes every pod and the router never asks
             # for a scale-up (issue 12's immediate signal).
-            for row in self.prom.custom_query(self.CACHE_QUERY.replace("%s", names)):
+            for row in results.get(cache, []):
                 b = self.pool.backends.get(row["metric"].get("pod", ""))
                 with contextlib.suppress(KeyError, ValueError):
                     tokens = float(row["metric"]["num_gpu_blocks"]) * float(row["metric"]["block_size"])
@@ -282,6 +302,11 @@ class PrometheusSource:
 
     async def run(self) -> None:
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.to_thread(self.poll)
+                self._problem = None
+            except Exception as exc:  # the next poll tries again; say so once, not every interval
+                if str(exc) != self._problem:
+                    log.warning("router signals from Prometheus at %s: %s", self.url, exc)
+                    self._problem = str(exc)
             await asyncio.sleep(self.interval_s)
