@@ -93,7 +93,7 @@ ROWS: dict[str, dict[str, Any]] = {
         "instead of kopf peering; a standby starts no kopf; a renew-deadline watchdog; release on SIGTERM",
         "tests": [
             "tests/e2e/test_leader_election.py",
-            "tests/unit/test_leader_election.py",
+            "tests/unit/test_leader_elector.py",
             "tests/e2e/test_helm.py::test_upgrade_rolls_the_operator_not_the_serving_pods",
         ],
     },

@@ -25,6 +25,14 @@ from typing import Any
 
 GIB = 1024**3
 
+#: vLLM's default ``--gpu-memory-utilization`` (``vllm/config/cache.py``, ``CacheConfig``): the share of a
+#: GPU's memory an engine takes for weights, activations and KV cache.
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+#: Seed 000: a decode pod needs free KV memory ≥ 1.2 × a request's KV cache (the PD router's decode filter);
+#: the planner sizes a stage's KV reservation with the same factor, so that filter has room at the planned
+#: batch.
+KV_HEADROOM = 1.2
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "fp8": 1, "int8": 1}
 
 

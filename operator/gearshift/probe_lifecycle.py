@@ -32,6 +32,7 @@ from gearshift.api.common import (
     COND_STALE,
     COND_WINDOWED,
     REASON_NODE_GONE,
+    REASON_OVERRIDDEN,
     REASON_PROBE_FAILED,
     REASON_PROBE_STARTED,
     REASON_PROBE_SUCCEEDED,
@@ -462,7 +463,7 @@ def probe_succeeded(
     )
     if pinned and pinned != list(old.overridden):
         step.events.append(
-            Event("Normal", "Overridden", f"spec.override pins {', '.join(pinned)} over the measurement")
+            Event("Normal", REASON_OVERRIDDEN, f"spec.override pins {', '.join(pinned)} over the measurement")
         )
     return step
 

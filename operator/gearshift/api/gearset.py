@@ -34,6 +34,7 @@ from gearshift.api.common import (
     SpecModel,
     StatusModel,
 )
+from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION
 
 Role = Literal["prefill", "decode"]
 GearIntent = Literal["latency", "balanced", "throughput"]
@@ -553,7 +554,7 @@ class PlanConstraints(SpecModel):
         "(seed 002: 70%).",
     )
     memory_utilization: float = Field(
-        default=0.9,
+        default=VLLM_GPU_MEMORY_UTILIZATION,
         gt=0,
         le=1,
         description="Share of each GPU's memory for weights and KV cache (vLLM --gpu-memory-utilization, "

@@ -73,7 +73,7 @@ class Outcome(StrEnum):
     """Cancelled before the switch: its ``spec.forceGear`` was reverted while the target warmed."""
 
 
-# --- event reasons (the same strings as gearshift.api.common's REASON_* constants) -----------------
+# --- the executor's event reasons (their one place; gearshift.api.common has the other reasons) ---
 EVENT_SHIFT_STARTED = "ShiftStarted"
 EVENT_SHADOW_READY = "ShadowReady"
 EVENT_DRAIN_STARTED = "DrainStarted"

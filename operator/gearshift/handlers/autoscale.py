@@ -70,7 +70,7 @@ DRAIN_GRACE_S = 6.0
 #: Condition reasons.
 REASON_ACTIVE = "ScalingActive"
 REASON_NO_FREE_GPU = "NoFreeGPU"
-REASON_DRAIN_STARTED = "ScaleDownDraining"
+REASON_SCALE_DOWN_DRAINING = "ScaleDownDraining"
 REASON_DRAIN_ABORTED = "DrainAborted"
 #: Shortest loop period, s.
 MIN_INTERVAL_S = 0.5
@@ -419,7 +419,7 @@ def tick(
             result.draining = leaving
             events.append(
                 (
-                    REASON_DRAIN_STARTED,
+                    REASON_SCALE_DOWN_DRAINING,
                     f"{current} -> {decision.target}: draining {', '.join(leaving)} "
                     f"({decision.reason}: {decision.message})",
                     False,

@@ -78,6 +78,7 @@ from gearshift.k8s.fleetsplit import split_pools
 from gearshift.k8s.placement import pinned_nodes
 from gearshift.k8s.services import build_role_service
 from gearshift.k8s.statefulset import stage_replicas
+from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION
 from gearshift.planner_input import (
     api_gear,
     engine_stage_limit,
@@ -460,7 +461,7 @@ def _plan_roles(
             continue
         plan_spec = rs.gs.spec.plan
         cons = plan_spec.constraints if plan_spec else None
-        memutil = cons.memory_utilization if cons else 0.9
+        memutil = cons.memory_utilization if cons else VLLM_GPU_MEMORY_UTILIZATION
         pool = sorted(split[role])
         rs.gears = list(rs.gs.status.planned_gears)
         if not pool:
@@ -810,7 +811,7 @@ def desired_state(
                 None if rs.in_flight else rs.active,
                 rs.gs.spec.replicas,
                 pol.drain_timeout_s,
-                cons.memory_utilization if cons else 0.9,
+                cons.memory_utilization if cons else VLLM_GPU_MEMORY_UTILIZATION,
                 rs.links,
             )
         )
@@ -1085,7 +1086,7 @@ def ensure_gear_sync(
                 f"GearSet {gs.metadata['name']!r} has no gear {gear!r}: {[x.name for x in gs.gears()]}"
             )
         cons = gs.spec.plan.constraints if gs.spec.plan else None
-        memutil = cons.memory_utilization if cons else 0.9
+        memutil = cons.memory_utilization if cons else VLLM_GPU_MEMORY_UTILIZATION
         desire = RoleDesire(
             role,
             [g],

@@ -20,6 +20,7 @@ from gearshift.k8s.engine import DEFAULT_SIM_IMAGE, DEFAULT_VLLM_IMAGE, EngineCo
 from gearshift.k8s.router import build_router_deployment, build_router_rbac
 from gearshift.k8s.services import build_client_service, build_gear_headless_service, build_role_service
 from gearshift.k8s.statefulset import build_stage_statefulset
+from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class RoleDesire:
     """Gear the role Service selects; None leaves the Service to the gear executor."""
     pipeline_replicas: int = 1
     drain_s: float = 120.0
-    memory_utilization: float = 0.9
+    memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
     links: Mapping[str, Sequence[dict[str, float]] | None] = field(default_factory=dict)
     """Per gear name, the simulated pipeline's links (None: engine defaults)."""
 

@@ -76,7 +76,7 @@ from gearshift.api.gearset import Gear
 from gearshift.gpus import UnknownGPUError, gpu_spec
 from gearshift.k8s import names
 from gearshift.k8s.placement import gpu_resources
-from gearshift.model import ModelArch
+from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION, ModelArch
 
 ENGINE_PORT = 8000
 #: torch.distributed rendezvous port of vLLM's multi-node mp backend on the head pod.
@@ -143,7 +143,7 @@ class EngineContext:
     """GearSet ``spec.replicas``: copies of the whole pipeline."""
     drain_s: float = 120.0
     """Longest drain of in-flight requests (GearSet ``policy.drainTimeoutS``), s."""
-    memory_utilization: float = 0.9
+    memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
     """vLLM ``--gpu-memory-utilization``."""
     links: Sequence[dict[str, float]] | None = field(default=None)
     """Per adjacent stage pair ``{"gbps", "latencyUs"}`` for the simulated pipeline, when known."""

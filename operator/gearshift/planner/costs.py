@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from gearshift import roofline
 from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL
-from gearshift.model import GIB, ModelArch, ModelConfigError, arch_from_hf_config
+from gearshift.model import GIB, KV_HEADROOM, ModelArch, ModelConfigError, arch_from_hf_config
 from gearshift.planner.errors import PlanInputError
 
 
@@ -106,12 +106,6 @@ class FileCostModel:
 
 #: Roles a gear can serve: both phases on one engine, or one side of prefill/decode disaggregation.
 ROLES = ("both", "prefill", "decode")
-
-#: Headroom on the KV cache reserved per sequence, × its tokens: the PD router's seed-000 decode filter
-#: admits a request only where free KV memory is >= 1.2 × its KV cache (gearshift.router.policies
-#: KV_HEADROOM), so a stage sized with the same factor leaves that filter room at the planned batch. It also
-#: covers requests longer than the workload's mean (the mean resident context is only ``p + o/2``).
-KV_HEADROOM = 1.2
 
 
 @dataclass(frozen=True)

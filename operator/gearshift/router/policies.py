@@ -61,6 +61,7 @@ from typing import Literal
 
 from gearshift.fleet import TP_EFFICIENCY
 from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL, compute_score, pd_gpu_prior
+from gearshift.model import KV_HEADROOM
 
 Role = Literal["prefill", "decode", "both"]
 POLICIES: tuple[str, ...] = (
@@ -89,8 +90,6 @@ DECODE_WEIGHTS: dict[str, float] = {
     "bandwidth": 0.15,
     "network": 0.05,
 }
-#: Seed 000: a decode pod needs free KV memory ≥ 1.2 × the request's KV cache.
-KV_HEADROOM = 1.2
 #: Seed 000: target ITL, ms.
 TARGET_ITL_MS = 50.0
 #: Seed 000: KV transfer times at or above this score 0 on the network term, ms.

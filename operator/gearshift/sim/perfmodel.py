@@ -49,7 +49,7 @@ from typing import Any
 from gearshift import roofline
 from gearshift.fleet import TP_EFFICIENCY
 from gearshift.gpus import UnknownGPUError, gpu_spec
-from gearshift.model import GIB, ModelArch
+from gearshift.model import GIB, VLLM_GPU_MEMORY_UTILIZATION, ModelArch
 
 
 class PipelineConfigError(ValueError):
@@ -62,7 +62,7 @@ class PerfParams:
 
     mfu: float = roofline.MFU
     mbu: float = roofline.MBU
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
     block_size: int = 16
     tp_efficiency: float = TP_EFFICIENCY
     step_overhead_s: float = 0.0
