@@ -52,9 +52,9 @@ from gearshift.control import scaling as sc
 from gearshift.control.signals import GearSelector, SignalsUnavailable
 from gearshift.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError
+from gearshift.handlers.kubeapi import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import GPUP, GS, NODE, POD, SHIFT_STEPS, STS, NotYet, service_lock
+from gearshift.handlers.reconcile import SHIFT_STEPS, NotYet, service_lock
 from gearshift.handlers.shifting import _gpu_requests, from_time, to_time
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT

@@ -13,6 +13,18 @@ import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from gearshift.api.common import API_VERSION
+
+# --- the (apiVersion, kind) of every object the handlers read or write: one place ------------------------
+PDS = (API_VERSION, "PDService")
+GS = (API_VERSION, "GearSet")
+GPUP = (API_VERSION, "GPUProfile")
+STS = ("apps/v1", "StatefulSet")
+SVC = ("v1", "Service")
+NODE = ("v1", "Node")
+POD = ("v1", "Pod")
+DEPLOY = ("apps/v1", "Deployment")
+
 #: Field manager of every server-side apply by the operator.
 FIELD_MANAGER = "gearshift"
 
@@ -27,9 +39,9 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("apps/v1", "Deployment"): ("deployments", True),
     ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
-    ("gearshift.io/v1alpha1", "PDService"): ("pdservices", True),
-    ("gearshift.io/v1alpha1", "GearSet"): ("gearsets", True),
-    ("gearshift.io/v1alpha1", "GPUProfile"): ("gpuprofiles", False),
+    PDS: ("pdservices", True),
+    GS: ("gearsets", True),
+    GPUP: ("gpuprofiles", False),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
 }
 

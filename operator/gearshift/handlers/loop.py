@@ -17,12 +17,10 @@ from pydantic import ValidationError
 
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
-from gearshift.handlers.kubeapi import KubeApi
+from gearshift.handlers.kubeapi import GS, PDS, KubeApi
 
 log = logging.getLogger("gearshift.loop")
 
-GS = ("gearshift.io/v1alpha1", "GearSet")
-PDS = ("gearshift.io/v1alpha1", "PDService")
 
 #: The sample interval when the GearSet's is missing or unreadable, s (the API's default, seed 002).
 DEFAULT_INTERVAL_S = 2.0

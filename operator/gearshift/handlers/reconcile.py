@@ -63,7 +63,7 @@ from gearshift.control.windows import (
 )
 from gearshift.handlers import common
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc, patch_status
-from gearshift.handlers.kubeapi import KubeApi
+from gearshift.handlers.kubeapi import DEPLOY, GPUP, GS, NODE, PDS, POD, STS, SVC, KubeApi
 from gearshift.k8s import names
 from gearshift.k8s.desired import (
     Images,
@@ -93,14 +93,6 @@ from gearshift.planner_input import (
 
 log = logging.getLogger(__name__)
 
-PDS = ("gearshift.io/v1alpha1", "PDService")
-GS = ("gearshift.io/v1alpha1", "GearSet")
-GPUP = ("gearshift.io/v1alpha1", "GPUProfile")
-STS = ("apps/v1", "StatefulSet")
-SVC = ("v1", "Service")
-NODE = ("v1", "Node")
-POD = ("v1", "Pod")
-DEPLOY = ("apps/v1", "Deployment")
 
 #: Executor steps during which the executor, not the reconciler, owns the role's gears and selector
 #: (Degraded is the executor's weights-first warming).

@@ -36,7 +36,7 @@ from typing import Any
 import kopf
 
 from gearshift.handlers.common import emit
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError
+from gearshift.handlers.kubeapi import PDS, POD, KubeApi, KubeApiError
 from gearshift.k8s import names
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,6 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 #: pipeline replica are created by separate StatefulSets, a second or so apart, when a gear first starts
 #: or rolls; a rank that had joined the previous head has run far longer (vLLM loads weights for minutes).
 RECREATE_SLACK_S = 30.0
-
-PDS = ("gearshift.io/v1alpha1", "PDService")
-POD = ("v1", "Pod")
 
 
 @dataclass(frozen=True)

@@ -107,15 +107,10 @@ from gearshift.control.triggers import TRIGGERS, Trigger
 from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError
+from gearshift.handlers.kubeapi import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import (
-    GS,
-    NODE,
-    POD,
     SHIFT_STEPS,
-    STS,
-    SVC,
     NotYet,
     Settings,
     delete_gear_sync,
