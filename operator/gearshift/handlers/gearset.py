@@ -3,7 +3,8 @@
 GearSets are user objects that a PDService refers to; the PDService reconcile plans ``auto`` GearSets and
 writes their status (planned gears, active gear, Planned condition). Status writes do not bump
 ``metadata.generation``, so comparing generations here keeps those writes from triggering reconciles.
-The gear-shifting timer (issue 9) is another module's.
+The gear-shifting loop (a kopf daemon per GearSet) is :mod:`gearshift.handlers.shifting`'s, and so is
+freeing the non-serving gears of a GearSet deleted in mid-shift.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ Thin: every handler ends in :func:`gearshift.handlers.reconcile.reconcile_servic
 - the fleet changes: a Node's readiness, schedulability, GPU count or labels, or a GPUProfile's numbers
   (debounced; only services that plan from profiles, are not placed/ready, or run on that node).
 
-The async :func:`ensure_gear`, :func:`select_gear` and :func:`delete_gear` are the gear executor's
-(issue 9) way to act on a role's objects; they share the reconciler's per-service lock.
+The gear executor (:mod:`gearshift.handlers.shifting`) acts on a role's objects through
+:mod:`gearshift.handlers.reconcile`'s ``ensure_gear_sync``, ``select_gear_sync`` and ``delete_gear_sync``,
+under the reconciler's per-service lock.
 """
 
 from __future__ import annotations
@@ -39,11 +40,8 @@ from gearshift.handlers.reconcile import (
     Outcome,
     Settings,
     SpecInvalid,
-    delete_gear_sync,
-    ensure_gear_sync,
     forget_fleet,
     reconcile_service,
-    select_gear_sync,
 )
 from gearshift.k8s import names
 
@@ -334,23 +332,3 @@ async def fleet_profile_changed(name: str, body: kopf.Body, type: str | None, **
     if _profile_prints.get(name) != fp:
         _profile_prints[name] = fp
         _fleet_changed(None)
-
-
-# --- the gear executor's API -------------------------------------------------------------------------
-async def ensure_gear(namespace: str, service: str, role: str, gear: str) -> list[str]:
-    """Create or update the StatefulSets and headless Service of ``gear`` of ``role`` (e.g. a shadow).
-
-    Returns the StatefulSet names. Raises NotYet (PDService/GearSet missing), KeyError (no such gear),
-    KubeApiError.
-    """
-    return await asyncio.to_thread(ensure_gear_sync, api(), namespace, service, role, gear, _settings)
-
-
-async def select_gear(namespace: str, service: str, role: str, gear: str) -> None:
-    """Point the role Service at ``gear``'s head pods (traffic moves as the EndpointSlices follow)."""
-    await asyncio.to_thread(select_gear_sync, api(), namespace, service, role, gear)
-
-
-async def delete_gear(namespace: str, service: str, role: str, gear: str) -> int:
-    """Delete ``gear``'s StatefulSets and headless Service; returns how many objects went."""
-    return await asyncio.to_thread(delete_gear_sync, api(), namespace, service, role, gear)

@@ -14,8 +14,8 @@ Exceptions (the kopf handlers turn them into kopf errors)::
 
 A shift in flight (GearSet ``status.executor.step`` in Warming/Draining/Switching/RollingBack) belongs to
 the gear executor (issue 9): the reconciler then keeps both gears' pods, leaves the role Service's
-selector alone and deletes no gear; the executor drives the objects through :func:`ensure_gear`,
-:func:`select_gear` and :func:`delete_gear`.
+selector alone and deletes no gear; the executor drives the objects through :func:`ensure_gear_sync`,
+:func:`select_gear_sync` and :func:`delete_gear_sync`.
 """
 
 from __future__ import annotations
