@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass
 
 import pytest
+from pydantic import ValidationError
 
+from gearshift.api.gearset import ExecutorState
 from gearshift.control.executor import (
     FAIL_NOT_READY,
     FAIL_P99,
@@ -30,6 +32,7 @@ from gearshift.control.executor import (
     simulate_steps,
     step,
 )
+from gearshift.control.executor_status import executor_from_status, executor_to_status, through_status
 from gearshift.control.policy import ShiftPolicy
 from gearshift.control.scripted import GearScript, ScriptedWorld
 
@@ -298,9 +301,9 @@ class TestSaturationShiftServedRate:
     def test_baseline_qps_round_trips(self):
         s = ShiftState("bal", Phase.SWITCHING, "bal", "thr", "saturation", 1.0, 2.0, 62.0,
                        baseline_p99_ms=3365.0, baseline_qps=11.5)  # fmt: skip
-        d = s.to_dict()
+        d = executor_to_status(s)
         assert d["baselineQps"] == 11.5
-        assert ShiftState.from_dict(json.loads(json.dumps(d))) == s
+        assert through_status(s) == s
 
 
 class TestRestart:
@@ -324,8 +327,9 @@ class TestRestart:
             w.apply(actions, now)
             seen.append((now, state.phase, actions))
             now += 2.0
-        stored = json.loads(json.dumps(state.to_dict()))  # through the API server and back
-        rest = simulate_steps(ShiftState.from_dict(stored), w, POLICY, request=None, start=now)
+        stored = json.loads(json.dumps(executor_to_status(state)))  # through the API server and back
+        restored = executor_from_status(state.active, ExecutorState.model_validate(stored))
+        rest = simulate_steps(restored, w, POLICY, request=None, start=now)
         assert seen + [(r.now, r.phase, r.actions) for r in rest] == whole
 
     def test_actions_lost_before_they_were_applied_are_emitted_again(self):
@@ -451,9 +455,12 @@ class TestDegraded:
 class TestState:
     def test_round_trip_and_errors(self):
         s = ShiftState("bal", Phase.DRAINING, "bal", "thr", "imbalance", 0.0, 50.0, 170.0, True, 200.0)
-        assert ShiftState.from_dict(json.loads(json.dumps(s.to_dict()))) == s
-        assert s.to_dict()["fromGear"] == "bal" and s.to_dict()["phase"] == "Draining"
-        with pytest.raises(ValueError, match=r"status\.executor\.active"):
-            ShiftState.from_dict({"phase": "Stable"})
-        with pytest.raises(ValueError):
-            ShiftState.from_dict({"active": "bal", "phase": "Flying"})
+        assert through_status(s) == s
+        raw = executor_to_status(s)
+        assert (
+            raw["fromGear"] == "bal"
+            and raw["step"] == "Draining"
+            and raw["startedAt"] == "1970-01-01T00:00:00Z"
+        )
+        with pytest.raises(ValidationError):
+            ExecutorState.model_validate({**raw, "step": "Flying"})

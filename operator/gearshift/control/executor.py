@@ -43,9 +43,9 @@ handler applies in order. :func:`simulate_steps` runs it over a scripted world u
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from gearshift.control.policy import ShiftPolicy
 from gearshift.control.triggers import Trigger
@@ -220,7 +220,8 @@ class ShiftRequest:
 # --- persisted state ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ShiftState:
-    """The executor's state in ``GearSet.status.executor``; times in s. Plain data: see :meth:`to_dict`."""
+    """The executor's state in ``GearSet.status.executor``; times in s. Plain data: its codec is
+    :mod:`gearshift.control.executor_status`."""
 
     active: str
     """The gear that serves (or, mid-shift, the one traffic returns to on a rollback)."""
@@ -249,29 +250,6 @@ class ShiftState:
     def busy(self) -> bool:
         """A shift is in progress."""
         return self.phase is not Phase.STABLE
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (camelCase keys, like ``status.executor``); :meth:`from_dict` restores it."""
-        return {_camel(k): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ShiftState:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer operator may have written them).
-
-        Raises:
-            ValueError: ``active`` missing or ``phase`` not a known phase.
-        """
-        known = {_camel(f.name): f.name for f in fields(cls)}
-        kwargs = {known[k]: v for k, v in data.items() if k in known}
-        if not kwargs.get("active"):
-            raise ValueError("status.executor.active is missing; it names the gear that serves")
-        kwargs["phase"] = Phase(kwargs.get("phase", Phase.STABLE))
-        return cls(**kwargs)
-
-
-def _camel(snake: str) -> str:
-    head, *rest = snake.split("_")
-    return head + "".join(w.capitalize() for w in rest)
 
 
 # --- the step ----------------------------------------------------------------------------------------
@@ -652,19 +630,22 @@ def simulate_steps(
 ) -> list[StepRecord]:
     """Run :func:`step` every ``tick_s`` over ``world`` until the executor is Stable and idle.
 
-    ``request`` is offered at the first step. With ``persist`` every state goes through
-    ``to_dict``/``from_dict`` between steps, as it does through ``GearSet.status``.
+    ``request`` is offered at the first step. With ``persist`` every state goes through the status codec
+    between steps (:func:`gearshift.control.executor_status.through_status`), as it does through
+    ``GearSet.status`` in production.
 
     Raises:
         RuntimeError: not Stable and idle after ``max_steps`` steps (a livelock in the step function).
     """
+    from gearshift.control.executor_status import through_status  # it imports this module
+
     records: list[StepRecord] = []
     now = start
     for i in range(max_steps):
         seen = world.observe(now)
         state, actions = step(state, seen, policy, request=request if i == 0 else None)
         if persist:
-            state = ShiftState.from_dict(state.to_dict())
+            state = through_status(state)
         world.apply(actions, now)
         records.append(StepRecord(now, seen, state.phase, actions, state))
         if i > 0 and state.phase is Phase.STABLE and not actions:

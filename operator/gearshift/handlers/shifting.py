@@ -62,7 +62,7 @@ from gearshift.api.common import (
     VERSION,
     inputs_hash,
 )
-from gearshift.api.gearset import ControlState, ExecutorState, Gear, GearHealth, GearSet, GearSignals
+from gearshift.api.gearset import ControlState, Gear, GearHealth, GearSet, GearSignals
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
 from gearshift.control.decide import (
     MANUAL,
@@ -90,6 +90,7 @@ from gearshift.control.executor import (
     draining_gear,
     step,
 )
+from gearshift.control.executor_status import executor_from_status, executor_to_status, from_time, to_time
 from gearshift.control.policy import GearTable, LatencyMetric, PolicyError, ShiftPolicy
 from gearshift.control.signals import (
     E2E,
@@ -146,73 +147,6 @@ REASON_NO_PROMETHEUS = "NoPrometheus"
 MIN_INTERVAL_S = 0.2
 #: Container waiting/terminated reasons that mark a gear as failed (seed 002: OOM, crash loops).
 FAILURE_REASONS = ("OOMKilled", "CrashLoopBackOff")
-
-
-# --- time ----------------------------------------------------------------------------------------------
-def to_time(ts: float | None) -> str | None:
-    """Epoch seconds → RFC 3339 UTC with microseconds (as status stores times), ``None`` passes."""
-    if ts is None:
-        return None
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
-
-
-def from_time(dt: datetime | str | None) -> float | None:
-    """RFC 3339 time (or an aware datetime) → epoch seconds; ``None`` passes."""
-    if dt is None:
-        return None
-    if isinstance(dt, str):
-        dt = datetime.fromisoformat(dt.replace("Z", "+00:00"))
-    return dt.timestamp()
-
-
-# --- executor state <-> status ---------------------------------------------------------------------------
-def executor_from_status(active: str, ex: ExecutorState | None) -> ShiftState:
-    """The executor's :class:`ShiftState` from ``status.activeGear`` and ``status.executor``.
-
-    ``Pending`` (never written by the executor) reads as ``Stable``.
-    """
-    if ex is None:
-        return ShiftState(active=active)
-    step_name = ex.step if ex.step != "Pending" else "Stable"
-    return ShiftState(
-        active=active,
-        phase=Phase(step_name),
-        from_gear=ex.from_gear,
-        to_gear=ex.to_gear,
-        trigger=ex.trigger,
-        started_at=from_time(ex.started_at),
-        step_started_at=from_time(ex.step_started_at),
-        deadline=from_time(ex.deadline),
-        degraded=ex.degraded,
-        predicted_p99_ms=ex.predicted_p99_ms,
-        baseline_p99_ms=ex.baseline_p99_ms,
-        baseline_qps=ex.baseline_qps,
-        failure=ex.failure,
-        failure_message=ex.failure_message,
-        paused_at=from_time(ex.paused_at),
-    )
-
-
-def executor_to_status(state: ShiftState, in_flight: int | None = None) -> dict[str, Any]:
-    """``status.executor`` (camelCase JSON) of ``state``; ``state.active`` goes to ``status.activeGear``."""
-    return {
-        "step": state.phase.value,
-        "fromGear": state.from_gear,
-        "toGear": state.to_gear,
-        "trigger": state.trigger,
-        "startedAt": to_time(state.started_at),
-        "stepStartedAt": to_time(state.step_started_at),
-        "deadline": to_time(state.deadline),
-        "rollbackUntil": to_time(state.deadline) if state.phase is Phase.SWITCHING else None,
-        "degraded": state.degraded,
-        "inFlight": in_flight,
-        "predictedP99Ms": state.predicted_p99_ms,
-        "baselineP99Ms": state.baseline_p99_ms,
-        "baselineQps": state.baseline_qps,
-        "failure": state.failure,
-        "failureMessage": state.failure_message,
-        "pausedAt": to_time(state.paused_at),
-    }
 
 
 _SAMPLE_KEYS = {
