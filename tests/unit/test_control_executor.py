@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 from pydantic import ValidationError
+from scripted_world import GearScript, ScriptedWorld
 
 from gearshift.api.gearset import ExecutorState
 from gearshift.control.executor import (
@@ -34,7 +35,6 @@ from gearshift.control.executor import (
 )
 from gearshift.control.executor_status import executor_from_status, executor_to_status, through_status
 from gearshift.control.policy import ShiftPolicy
-from gearshift.control.scripted import GearScript, ScriptedWorld
 
 # warm 30 s after Ready, drain ≤ 120 s, rollback window 60 s, warm-up timeout 600 s, P99 ratio 2.
 POLICY = ShiftPolicy(warm_s=30, drain_timeout_s=120, rollback_window_s=60, warmup_timeout_s=600)

@@ -1,7 +1,8 @@
-"""A scripted world for the shift executor: gears that become Ready, fail, drain and report P99 on cue.
+"""Test double (not shipped in the package): a scripted world for the shift executor, with gears that
+become Ready, fail, drain and report P99 on cue.
 
 It applies the executor's actions the way the handler and Kubernetes would (create, delete, select),
-with timings given per gear, so tests and benches can run :func:`gearshift.control.executor.simulate_steps`
+with timings given per gear, so tests can run :func:`gearshift.control.executor.simulate_steps`
 and check invariants at every step. Pure: time is passed in.
 """
 
