@@ -159,7 +159,8 @@ def test_a_message_naming_many_missing_nodes_is_cut_to_the_schema(world: World) 
     def long_condition() -> dict[str, Any] | None:
         for kind, name in (("pds", "lost"), ("gs", "lost-prefill")):
             for c in (world.get(kind, name).get("status") or {}).get("conditions") or []:
-                if "no Node named" in c.get("message", ""):
+                # Later reconciles word it "node(s) ... missing or not Ready" with the scheduler's view.
+                if "no Node named" in c.get("message", "") or "missing or not Ready" in c.get("message", ""):
                     return dict(c)
         return None
 

@@ -11,8 +11,8 @@ moment, with short but valid times (lease 6 s, renew deadline 4 s, retry 1 s):
    duration, and handles new work;
 3. SIGKILL to a leader (no release): its standby waits out the lease duration before it takes over.
 
-The work is a PDService whose GearSets name Nodes that do not exist, so each reconcile writes a condition
-and starts no pod.
+The work is a PDService whose GearSets name Nodes that do not exist, so each reconcile writes
+``Placed=False`` and no pod runs.
 """
 
 from __future__ import annotations
@@ -88,11 +88,13 @@ class World:
         self.sandbox.kubectl("apply", "-f", "-", input=json.dumps(pds))
 
     def handled(self, name: str) -> bool | None:
-        for kind, obj in (("pds", name), ("gs", f"{name}-prefill")):
-            status = get_json(self.sandbox, kind, obj, "-n", self.ns).get("status") or {}
-            if any("no Node named" in c.get("message", "") for c in status.get("conditions") or []):
-                return True
-        return None
+        """The PDService was reconciled: its status is of its generation and says it cannot be placed
+        (the message changes as later reconciles add the scheduler's view, so only the condition counts)."""
+        pds = get_json(self.sandbox, "pds", name, "-n", self.ns)
+        status = pds.get("status") or {}
+        placed = [c for c in status.get("conditions") or [] if c.get("type") == "Placed"]
+        current = status.get("observedGeneration") == pds["metadata"].get("generation")
+        return True if current and placed and placed[0]["status"] == "False" else None
 
     def holder(self) -> str | None:
         lease = get_json(self.sandbox, "lease", LEASE, "-n", self.ns)
