@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gearshift.adapters.leader import LeaderElector, LeaseTimes
+from gearshift.api.pdservice import DNS_SUBDOMAIN_PATTERN
 from gearshift.handlers.metrics import LEADER
 from gearshift.k8s.names import DOMAIN
 
@@ -49,10 +50,6 @@ FINALIZER = f"{DOMAIN}/finalizer"
 EXIT_STALE_CRDS = 3
 #: Exit status when this replica led and could not renew its Lease (the kubelet restarts it as a standby).
 EXIT_LEADERSHIP_LOST = 4
-#: A Lease's name (Kubernetes object names: RFC 1123 subdomain, apimachinery's IsDNS1123Subdomain).
-DNS1123_SUBDOMAIN = re.compile(
-    r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-)
 #: Left out of kopf's diff base (``AnnotationsDiffBaseStorage(ignored_fields=...)``): see operator_startup.
 DIFFBASE_IGNORED = ("metadata.annotations", "metadata.labels")
 
@@ -241,7 +238,8 @@ def lease_times(args: argparse.Namespace) -> LeaseTimes:
     """
     times = LeaseTimes(args.lease_duration, args.renew_deadline, args.retry_period)
     problems = times.problems() if args.leader_elect else []
-    if args.leader_elect and not DNS1123_SUBDOMAIN.fullmatch(args.leader_election_id or ""):
+    lease = args.leader_election_id or ""
+    if args.leader_elect and not (len(lease) <= 253 and re.fullmatch(DNS_SUBDOMAIN_PATTERN, lease)):
         problems.append(
             f"--leader-election-id {args.leader_election_id!r}: a Lease name is a DNS-1123 subdomain "
             "(lower-case letters, digits, '-' and '.', at most 253 characters)"

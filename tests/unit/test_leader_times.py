@@ -97,3 +97,14 @@ def test_client_chatter_and_our_release_are_filtered():
     assert not quiet.filter(record(logging.ERROR, leader._Released()))
     assert quiet.filter(record(logging.ERROR, RuntimeError("boom")))
     assert quiet.filter(record(logging.WARNING))
+
+
+@pytest.mark.parametrize("name", ["Bad_Name", "a" * 254, ""])
+def test_a_lease_name_that_is_no_dns_subdomain_names_the_flag(name: str, capsys: pytest.CaptureFixture[str]):
+    args = parse("--leader-elect", "--leader-election-namespace", "x", "--leader-election-id", name)
+    with pytest.raises(SystemExit) as exc:
+        lease_times(args)
+    assert exc.value.code == 2 and "--leader-election-id" in capsys.readouterr().err
+    assert lease_times(
+        parse("--leader-elect", "--leader-election-namespace", "x", "--leader-election-id", "a.b-c")
+    )

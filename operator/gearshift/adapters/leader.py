@@ -209,7 +209,6 @@ class LeaderElector:
         self._release = threading.Event()
         self._lost = threading.Lock()
         self._done = False
-        self._released = False
         # A client of its own without urllib3's retries (see _Leases).
         config_copy = copy.deepcopy(api_client.configuration)
         config_copy.retries = False
@@ -294,9 +293,8 @@ class LeaderElector:
         """Stop renewing and, when this replica holds the Lease, clear its holder (client-go's
         ``ReleaseOnCancel``), so a standby takes over at its next try. Idempotent; never raises (a
         failed release only means the standby waits out the lease duration)."""
-        if self._released:
+        if self._release.is_set():
             return
-        self._released = True
         self._release.set()
         if not self._leading.is_set():
             return  # a standby: its campaign thread dies with the process

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from gearshift.api.common import Condition, ConditionStatus, set_condition
+from gearshift.api import crdcheck
+from gearshift.api.common import REASON_FIELDS_PRUNED, Condition, ConditionStatus, set_condition
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 
 log = logging.getLogger(__name__)
@@ -149,9 +150,6 @@ def patch_status(
             handler stops here instead of going on from state that was not kept.
         KubeApiError: the patch itself failed.
     """
-    from gearshift.api import crdcheck
-    from gearshift.api.common import REASON_FIELDS_PRUNED
-
     stored = api.patch_status(api_version, kind, namespace, name, status)
     lost = crdcheck.pruned_paths(status, (stored or {}).get("status"))
     if not lost:
