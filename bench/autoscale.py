@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
 from gearshift.control import scaling as sc  # noqa: E402
-from gearshift.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
-from gearshift.loadgen import load_trace  # noqa: E402
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
+from gearshift.dev.loadgen import load_trace  # noqa: E402
 
 DT = 0.1  # s, model step
 SAMPLE_S = 2.0  # s, autoscaler sample interval (seed 002)

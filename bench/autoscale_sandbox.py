@@ -26,7 +26,7 @@ keeping every k-th request (systematic thinning: the trace's own arrival pattern
     burst [low1_s, low1_s + burst_s)       every ``--burst-every``-th (/ 7 ≈ 0.8 req/s)
     low   [.., + low2_s)                   every ``--low-every``-th
 
-replayed with ``gearshift.loadgen.run_load`` through the router pod's loopback IP, streaming, bounded by
+replayed with ``gearshift.dev.loadgen.run_load`` through the router pod's loopback IP, streaming, bounded by
 the request count and ``low1_s + burst_s + low2_s`` seconds of issuing plus ``DRAIN_S`` to finish.
 
 Sampled every ``SAMPLE_S`` s (kubernetes client, loopback API server): the decode GearSet's
@@ -69,13 +69,10 @@ from typing import Any
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
 
-from gearshift.k8s import names
-from gearshift.k8s.services import ROUTER_PORT
-from gearshift.loadgen import DEFAULT_TRACE as TRACE
-from gearshift.loadgen import LoadResult, TraceRequest, load_trace, run_load
-from gearshift.model import ModelArch
-from gearshift.sandbox import cluster as sbcluster
-from gearshift.sandbox.harness import (
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
+from gearshift.dev.loadgen import LoadResult, TraceRequest, load_trace, run_load
+from gearshift.dev.sandbox import cluster as sbcluster
+from gearshift.dev.sandbox.harness import (
     GpuNodes,
     LayoutKubectl,
     OperatorProcess,
@@ -86,7 +83,10 @@ from gearshift.sandbox.harness import (
     teardown_run,
     wait_until,
 )
-from gearshift.sandbox.layout import Layout
+from gearshift.dev.sandbox.layout import Layout
+from gearshift.facts.model import ModelArch
+from gearshift.k8s import names
+from gearshift.k8s.services import ROUTER_PORT
 from gearshift.sim.perfmodel import PerfModel, single_stage_pipeline
 
 REPO = Path(__file__).resolve().parents[1]

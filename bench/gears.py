@@ -4,8 +4,8 @@ What is real and what is modelled:
 
 - **Real code**: the planner (:func:`gearshift.planner.plan` on the fleet's resource profile, as the
   operator's reconciler calls it, ``sim_requests=500`` as its ``Settings``), the API gears
-  (:func:`gearshift.planner_input.api_gear`), the simulated engine's pipeline document
-  (:func:`gearshift.k8s.engine.sim_pipeline` with :func:`gearshift.planner_input.gear_links`), the simulated
+  (:func:`gearshift.planner.inputs.api_gear`), the simulated engine's pipeline document
+  (:func:`gearshift.k8s.engine.sim_pipeline` with :func:`gearshift.planner.inputs.gear_links`), the simulated
   engine itself (:class:`gearshift.sim.engine.Engine`: its scheduler, paged KV pool, preemption and
   :class:`~gearshift.sim.perfmodel.PerfModel` roofline timing, driven by its ``begin_step``/``end_step``
   hook), and the operator's pure control code: :func:`gearshift.control.decide.decide`,
@@ -13,7 +13,7 @@ What is real and what is modelled:
   GearSet API's default :class:`~gearshift.api.gearset.ShiftPolicy`.
 - **Simulated here**: time (virtual: one trace hour = 3600 virtual seconds, no wall-clock sleeps); the
   router (shortest queue, ``running + waiting``, over the selected gear's head pods, each queue divided by
-  the head's GPU prior -- the PD router's seed-000 prior, :func:`gearshift.gpus.pd_gpu_prior`, of its
+  the head's GPU prior -- the PD router's seed-000 prior, :func:`gearshift.facts.gpus.pd_gpu_prior`, of its
   slowest card -- so that a whole-model replica on an A100 beside the H100s takes a smaller share, as the
   real router's GPU term does; identical heads reduce to plain shortest queue); Prometheus (the same numbers
   its queries would give: stage utilisation from the engines' gauge, summed queue/running, completions over
@@ -82,12 +82,12 @@ from gearshift.control.executor import (  # noqa: E402
 )
 from gearshift.control.policy import GearTable, ShiftPolicy  # noqa: E402
 from gearshift.control.smoothing import Sample  # noqa: E402
-from gearshift.demo.series import histogram_quantile  # noqa: E402
-from gearshift.gpus import pd_gpu_prior  # noqa: E402
+from gearshift.dev.demo.series import histogram_quantile  # noqa: E402
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
+from gearshift.facts.gpus import pd_gpu_prior  # noqa: E402
+from gearshift.facts.model import ModelArch, load_hf_config  # noqa: E402
 from gearshift.k8s.engine import sim_pipeline  # noqa: E402
-from gearshift.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
-from gearshift.model import ModelArch, load_hf_config  # noqa: E402
-from gearshift.planner_input import api_gear, gear_links, initial_gear  # noqa: E402
+from gearshift.planner.inputs import api_gear, gear_links, initial_gear  # noqa: E402
 from gearshift.sim.engine import Engine, PlannedStep, RequestRejected, SimRequest  # noqa: E402
 from gearshift.sim.perfmodel import PerfModel, PerfParams, parse_pipeline  # noqa: E402
 
@@ -181,7 +181,7 @@ def plan_gears(
     ``spec.plan.workload``); engines run the combined role, so the planner prices both phases."""
     fl = fleet_mod.load_fleet(FLEET)
     doc = fleet_mod.resource_profile(fl)
-    for n in doc["nodes"]:  # as gearshift.planner_input.resource_profile: usable memory only
+    for n in doc["nodes"]:  # as gearshift.planner.inputs.resource_profile: usable memory only
         n["memory_gb"] = round(n["memory_gb"] * MEMORY_UTILIZATION, 6)
     profile = planner.parse_profile(doc)
     shape = planner.RooflineAssumptions(prompt_tokens=workload[0], output_tokens=workload[1], role="both")
@@ -287,7 +287,7 @@ class Head:
     engine: Engine
     stepping: bool = False
     weight: float = 1.0
-    """Routing weight: the PD router's GPU prior of the head's slowest card (gearshift.gpus)."""
+    """Routing weight: the PD router's GPU prior of the head's slowest card (gearshift.facts.gpus)."""
 
 
 @dataclass
@@ -801,7 +801,7 @@ def _report(
             "time": "virtual (discrete events); 1 trace second = 1 virtual second unless speed != 1",
             "real": [
                 "planner.plan on the fleet's resource profile (sim_requests=500, as the reconciler)",
-                "planner_input.api_gear / gear_links, k8s.engine.sim_pipeline (heads' GEARSHIFT_PIPELINE)",
+                "planner.inputs.api_gear / gear_links, k8s.engine.sim_pipeline (heads' GEARSHIFT_PIPELINE)",
                 "gearshift.sim.engine.Engine (scheduler, paged KV, preemption) timed by sim.perfmodel, "
                 "driven through Engine.begin_step/end_step",
                 "control.decide.decide, control.executor.step, control.adapt (policy_from_api with the "

@@ -119,8 +119,8 @@ def main() -> int:
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{ns}-operator.log"
     log = log_path.open("w")  # the operator's log, for a failed run; not a result
     op = subprocess.Popen(
-        # operator_main directly: the CLI imports every sub-command module, any of which may be mid-edit.
-        [sys.executable, "-c", "import argparse, sys; from gearshift import operator_main as m; "
+        # handlers.main directly: the CLI imports every sub-command module, any of which may be mid-edit.
+        [sys.executable, "-c", "import argparse, sys; from gearshift.handlers import main as m; "
          "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))",
          "--kubeconfig", str(kubeconfig),
          "--namespace", ns, "--disable", "gearshift.handlers.nodes",

@@ -132,8 +132,8 @@ def summary(run: dict[str, Any], cards: int) -> dict[str, Any]:
 
 def fleet_cards() -> int:
     """Physical GPU cards of the demo's fleet (``examples/fleets/mixed.yaml``)."""
-    from gearshift.demo import DEFAULT_FLEET
-    from gearshift.fleet import load_fleet
+    from gearshift.dev.demo import DEFAULT_FLEET
+    from gearshift.facts.fleet import load_fleet
 
     return sum(n.gpus for n in load_fleet(DEFAULT_FLEET).nodes)
 

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gearshift.loadgen import DEFAULT_TRACE as TRACE
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -209,7 +209,7 @@ POLICY_RUNS: list[tuple[str, list[str]]] = [
 
 def pool_capacity(mean_prompt: int) -> tuple[float, dict[str, float], dict[str, int]]:
     """Prefill capacity (req/s) of the pool from the sim's perf model; per-GPU prefill ms; decode KV bytes."""
-    from gearshift.model import load_hf_config
+    from gearshift.facts.model import load_hf_config
     from gearshift.sim.perfmodel import PerfModel, single_stage_pipeline
 
     arch = load_hf_config(MODEL)
@@ -273,7 +273,7 @@ def policies(seconds: float, loads: list[float], names: list[str], max_out: int,
             rows = rows_all[:n]
             with TRACE.open() as fh2:
                 stamps = [r["TIMESTAMP"] for _, r in zip(range(n), csv.DictReader(fh2), strict=False)]
-            from gearshift.loadgen import _parse_ts
+            from gearshift.dev.loadgen import _parse_ts
 
             t = [_parse_ts(s, i).timestamp() for i, s in enumerate(stamps)]
             native = (len(t) - 1) / max(t[-1] - t[0], 1e-9)

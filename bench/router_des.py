@@ -48,9 +48,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "operator"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from gearshift.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
-from gearshift.loadgen import load_trace  # noqa: E402
-from gearshift.model import load_hf_config  # noqa: E402
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
+from gearshift.dev.loadgen import load_trace  # noqa: E402
+from gearshift.facts.model import load_hf_config  # noqa: E402
 from gearshift.router import policies as P  # noqa: E402
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool  # noqa: E402
 from gearshift.router.server import kv_bytes_per_token, prefill_ms_per_token  # noqa: E402

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gearshift.loadgen import TraceRequest, run_load
+from gearshift.dev.loadgen import TraceRequest, run_load
 from gearshift.sim.config import config_from_env
 from gearshift.sim.server import build_app
 

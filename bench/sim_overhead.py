@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gearshift.loadgen import DEFAULT_TRACE as TRACE
-from gearshift.loadgen import load_trace, run_load
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
+from gearshift.dev.loadgen import load_trace, run_load
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "sim.json"

@@ -3,7 +3,7 @@ extra pipeline replica, against a run that ignores the node; the move off it bef
 
 What is real: the window arithmetic (``gearshift.control.windows.WindowTiming``: leaveBy = deadline −
 windowMarginS − max(dwellS, warmS + drainTimeoutS + rollbackWindowS)) with the GearSet's default policy,
-and the bundled trace (``gearshift.loadgen.DEFAULT_TRACE``, replayed ``SPEED`` x faster so one
+and the bundled trace (``gearshift.dev.loadgen.DEFAULT_TRACE``, replayed ``SPEED`` x faster so one
 pipeline replica is overloaded and two are not). What is modelled (stated, not measured on GPUs): the
 decode replicas are bench/autoscale.py's fluid model (continuous batching of at most 64 sequences, step
 ``18 + 0.35 × batch`` ms, a 20 GB KV pool with seed 000's 1.2× headroom rule; SLO: TTFT ≤ 200 ms and mean
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import autoscale as fm  # noqa: E402  (the fluid decode model: Req, Replica, goodput, constants)
 from gearshift.api.gearset import PlanConstraints, ShiftPolicy  # noqa: E402
 from gearshift.control.windows import WindowTiming  # noqa: E402
-from gearshift.loadgen import load_trace  # noqa: E402
+from gearshift.dev.loadgen import load_trace  # noqa: E402
 
 #: Trace replay speed-ups swept: from about one replica's capacity (1.0) to past it (1.3).
 SPEEDS = (1.0, 1.1, 1.2, 1.3)

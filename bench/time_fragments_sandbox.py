@@ -21,7 +21,7 @@ req/s of 158 output tokens on average, ~2,200 tokens/s) is a little more than on
 full batch, so requests queue for a decode slot on the durable card alone, and not with the windowed
 replica beside it (at 1.4x, ~1,540 tokens/s, one replica kept up and both runs measured the same).
 
-The replay (``gearshift.loadgen.run_load`` through the router pod's loopback IP) starts ``--lead-in-s``
+The replay (``gearshift.dev.loadgen.run_load`` through the router pod's loopback IP) starts ``--lead-in-s``
 seconds before the windowed nodes' deadline in both runs, so the same trace request is sent at the same
 offset from the deadline in both; it keeps issuing ``--after-s`` seconds past the deadline. A sampler reads
 the namespace's pods and the decode GearSet every ``SAMPLE_S`` s (kubernetes client, loopback API server).
@@ -54,13 +54,11 @@ from typing import Any
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
 
-from gearshift.demo import trace as tracewin
-from gearshift.k8s import names
-from gearshift.k8s.services import ROUTER_PORT
-from gearshift.loadgen import DEFAULT_TRACE as TRACE
-from gearshift.loadgen import LoadResult, RequestRecord, load_trace, run_load
-from gearshift.sandbox import cluster as sbcluster
-from gearshift.sandbox.harness import (
+from gearshift.dev.demo import trace as tracewin
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
+from gearshift.dev.loadgen import LoadResult, RequestRecord, load_trace, run_load
+from gearshift.dev.sandbox import cluster as sbcluster
+from gearshift.dev.sandbox.harness import (
     GpuNodes,
     LayoutKubectl,
     OperatorProcess,
@@ -72,7 +70,9 @@ from gearshift.sandbox.harness import (
     teardown_run,
     wait_until,
 )
-from gearshift.sandbox.layout import Layout
+from gearshift.dev.sandbox.layout import Layout
+from gearshift.k8s import names
+from gearshift.k8s.services import ROUTER_PORT
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "time_fragments.json"

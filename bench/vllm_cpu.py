@@ -2,7 +2,7 @@
 
 Needs the sandbox up (``gearshift sandbox up``) and vLLM installed (``bash e2e/sandbox/install-vllm.sh``).
 Runs ``gearshift operator`` on a fresh namespace with private GPU nodes and measures, on the sandbox's
-tiny Llama (``gearshift.sandbox.vllm_service``), with at most three vLLM processes at once:
+tiny Llama (``gearshift.dev.sandbox.vllm_service``), with at most three vLLM processes at once:
 
 1. start-up per gear shape: a one-stage gear (prefill and decode pods) and a two-stage gear (layers 3 + 1
    on two nodes): pod created -> Ready, s, from the pods' own conditions (the pod runner's clock);
@@ -38,11 +38,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
-from gearshift.model import ModelArch  # noqa: E402
-from gearshift.router.proxy import REQUEST_ID_HEADER, decode_leg_body, prefill_leg_body  # noqa: E402
-from gearshift.sandbox import cluster as sbcluster  # noqa: E402
-from gearshift.sandbox import vllm_service as vs  # noqa: E402
-from gearshift.sandbox.harness import (  # noqa: E402
+from gearshift.dev.sandbox import cluster as sbcluster  # noqa: E402
+from gearshift.dev.sandbox import vllm_service as vs  # noqa: E402
+from gearshift.dev.sandbox.harness import (  # noqa: E402
     GpuNodes,
     OperatorProcess,
     get_json,
@@ -52,7 +50,9 @@ from gearshift.sandbox.harness import (  # noqa: E402
     teardown_run,
     wait_until,
 )
-from gearshift.sandbox.layout import Layout  # noqa: E402
+from gearshift.dev.sandbox.layout import Layout  # noqa: E402
+from gearshift.facts.model import ModelArch  # noqa: E402
+from gearshift.router.proxy import REQUEST_ID_HEADER, decode_leg_body, prefill_leg_body  # noqa: E402
 
 #: vLLM's default KV block size, tokens (vllm/config/cache.py; the CPU backend keeps 16 for this model).
 BLOCK_SIZE = 16

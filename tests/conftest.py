@@ -37,7 +37,7 @@ def _no_e2e_reason() -> str | None:
     """Why e2e tests cannot run on this machine, or None when they can (a user cluster or the sandbox)."""
     if os.environ.get("KUBECONFIG"):
         return None
-    from gearshift.sandbox.layout import Layout
+    from gearshift.dev.sandbox.layout import Layout
 
     missing = Layout.from_env().missing_binaries()
     if missing:

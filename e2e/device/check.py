@@ -12,7 +12,7 @@ Steps, each under its own timeout and one overall budget (``--budget-s``):
    on the CPU, while the probe holds the GPU.
 4. render: ``gearshift render --all-gears -o json`` of a GPU variant of ``examples/vllm/tiny-llama.yaml``
    (the edits are listed in :data:`VARIANT` and recorded) on a two-node H200 fleet; each engine container's
-   command, args and env are then expanded as a kubelet would (``gearshift.sandbox.podspec``), with each
+   command, args and env are then expanded as a kubelet would (``gearshift.dev.sandbox.podspec``), with each
    "pod" on its own loopback IP.
 5. reference + (d) gear shift: prefill gear ``pp1`` (one stage) starts; its greedy output is the reference;
    a client loop runs against it while a second ``pp1`` engine starts beside it; once that one is Ready
@@ -78,7 +78,7 @@ if str(OPERATOR) not in sys.path:
 
 EXAMPLE = ROOT / "examples" / "vllm" / "tiny-llama.yaml"
 BUILD_MODEL = ROOT / "e2e" / "sandbox" / "build_tiny_model.py"
-#: The card the variant's stages name (gearshift.gpus) and the fleet pool that holds it.
+#: The card the variant's stages name (gearshift.facts.gpus) and the fleet pool that holds it.
 GPU_MODEL = "H200-141GB"
 POOL = "h200"
 #: What the GPU variant changes in examples/vllm/tiny-llama.yaml, and why (recorded in device.json).
@@ -504,10 +504,10 @@ def pod_command(
     suffix: str = "",
 ) -> PodCmd:
     """The local command line of ordinal 0 of a rendered StatefulSet, as the kubelet would expand it
-    (``gearshift.sandbox.podspec``: env in order with ``$(VAR)``, downward-API fields), plus the harness's
+    (``gearshift.dev.sandbox.podspec``: env in order with ``$(VAR)``, downward-API fields), plus the harness's
     changes (module docstring)."""
+    from gearshift.dev.sandbox.podspec import container_env, expand
     from gearshift.k8s.engine import HF_CACHE_DIR, POD_INDEX_LABEL
-    from gearshift.sandbox.podspec import container_env, expand
 
     c = rendered["container"]
     name = f"{rendered['statefulSet']}-0{suffix}"

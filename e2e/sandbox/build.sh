@@ -141,7 +141,7 @@ build_go_install() { # name dir version ldflags pkg...
 }
 
 # kwok's default Stage documents: `gearshift sandbox up` hands them to kwokctl with its own changes
-# (operator/gearshift/sandbox/stages.py), so they must match the kwok that was built.
+# (operator/gearshift/dev/sandbox/stages.py), so they must match the kwok that was built.
 copy_kwok_stages() {
   local dest=$kwok_dir/stages
   [[ -f $dest/pod-ready.yaml ]] && { say "kwok $KWOK_VERSION stages: cached"; return; }

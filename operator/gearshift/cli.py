@@ -22,12 +22,12 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gearshift.planner.cli",
     "gearshift.commands.render",
     "gearshift.sim.cli",
-    "gearshift.loadgen",
+    "gearshift.dev.loadgen",
     "gearshift.probe.cli",
     "gearshift.router.cli",
-    "gearshift.operator_main",
-    "gearshift.demo",
-    "gearshift.sandbox.cli",
+    "gearshift.handlers.main",
+    "gearshift.dev.demo",
+    "gearshift.dev.sandbox.cli",
 )
 
 

@@ -163,8 +163,8 @@ class Cluster:
 
 
 def _start_sandbox() -> Cluster:
-    from gearshift.sandbox import cluster
-    from gearshift.sandbox.layout import Layout, SandboxConfigError
+    from gearshift.dev.sandbox import cluster
+    from gearshift.dev.sandbox.layout import Layout, SandboxConfigError
 
     layout = Layout.from_env()
     user_kubeconfig = os.environ.get("KUBECONFIG")

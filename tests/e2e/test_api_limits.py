@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from gearshift.api.common import MAX_MESSAGE
-from gearshift.sandbox.harness import (
+from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,

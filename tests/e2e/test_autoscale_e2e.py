@@ -2,10 +2,10 @@
 drain, and a scale-up blocked by a full fleet that proceeds when a node appears.
 
 The operator runs as a subprocess watching only this module's namespace (the cluster-wide GPUProfile and
-node handlers disabled: ``gearshift.sandbox.harness.OperatorProcess``); the test makes its own GPU nodes in
-two unique node pools (``harness.GpuNodes``, podCIDR indices 100-149, away from the fleet's and the other
-tests') with datasheet GPUProfiles, and deletes them afterwards. One PDService, engine ``sim``, router
-policy ``pd-score``:
+node handlers disabled: ``gearshift.dev.sandbox.harness.OperatorProcess``); the test makes its own GPU
+nodes in two unique node pools (``harness.GpuNodes``, podCIDR indices 100-149, away from the fleet's and
+the other tests') with datasheet GPUProfiles, and deletes them afterwards. One PDService, engine ``sim``,
+router policy ``pd-score``:
 
 - prefill: one A10 node, one pipeline replica;
 - decode: a T4 pool, ``scaling: {minReplicas: 1, maxReplicas: 2}``. The model is Llama-2-7B-shaped
@@ -27,7 +27,7 @@ Tests, in order on the same service:
    ``NoDecodeHeadroom``) and the second decode pipeline replica Ready on the second T4 node; time to scale
    up measured (from the first miss);
 2. scale-down: the heavy load stops, a light load runs through the router with the load generator
-   (``gearshift.loadgen.run_load``); the autoscaler labels the ordinal-1 head ``gearshift.io/draining``,
+   (``gearshift.dev.loadgen.run_load``); the autoscaler labels the ordinal-1 head ``gearshift.io/draining``,
    waits for it to drain, and replicas fall to 1 with zero failed requests;
 3. no free GPU: the spare T4 node is deleted (the only decode node holds replica 0), heavy load again →
    ``ScalingActive=False`` reason ``NoFreeGPU``, ``spec.replicas`` stays 1 and no pod of the service is
@@ -52,9 +52,9 @@ from typing import Any
 
 import pytest
 
+from gearshift.dev.loadgen import TraceRequest, run_load
+from gearshift.dev.sandbox.harness import GpuNodes, OperatorProcess, holds, pod_ready, pods, teardown_run
 from gearshift.k8s.services import ROUTER_PORT
-from gearshift.loadgen import TraceRequest, run_load
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, holds, pod_ready, pods, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gearshift.loadgen import DEFAULT_TRACE as TRACE
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
 
 pytestmark = pytest.mark.e2e
 

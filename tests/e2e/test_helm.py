@@ -26,7 +26,7 @@ import yaml
 
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
-from gearshift.planner_input import datasheet_gpuprofile
+from gearshift.planner.inputs import datasheet_gpuprofile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -83,7 +83,7 @@ def _ready(pod: dict[str, Any]) -> bool:
 
 def _pod_kubeconfig(pod: dict[str, Any]) -> Path:
     """The kubeconfig the sandbox runner gave the pod (its ServiceAccount's token)."""
-    from gearshift.sandbox.layout import Layout
+    from gearshift.dev.sandbox.layout import Layout
 
     meta = pod["metadata"]
     return (

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from gearshift.sandbox.cluster import free_port
-from gearshift.sandbox.harness import LLAMA_3_2_1B, OperatorProcess, get_json, install_crds, wait_until
+from gearshift.dev.sandbox.cluster import free_port
+from gearshift.dev.sandbox.harness import LLAMA_3_2_1B, OperatorProcess, get_json, install_crds, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -2,7 +2,7 @@
 
 Runs ``gearshift operator`` (sandbox mode: ``GEARSHIFT_SANDBOX=1``, so probe pods are run by the sandbox's
 pod runner with the simulated device) against the sandbox. Expected values come from the nodes' GFD
-product labels through ``gearshift.gpus``, never from the operator's own output.
+product labels through ``gearshift.facts.gpus``, never from the operator's own output.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from gearshift.fleet import TP_EFFICIENCY, FleetNode
-from gearshift.gpus import GPU_SPECS, compute_score, gpu_spec
-from gearshift.sandbox.nodes import gpu_node_manifest
+from gearshift.dev.sandbox.nodes import gpu_node_manifest
+from gearshift.facts.fleet import TP_EFFICIENCY, FleetNode
+from gearshift.facts.gpus import GPU_SPECS, compute_score, gpu_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -52,12 +52,12 @@ def operator(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "GEARSHIFT_PROBE_BACKOFF_MAX_S": "4",
         "GEARSHIFT_PROBE_TTL_S": "300",
     }
-    # operator_main.run directly rather than through the `gearshift` CLI, so that a sub-command module
+    # handlers.main.run directly rather than through the `gearshift` CLI, so that a sub-command module
     # of another feature cannot keep the operator from starting.
     cmd = [
         sys.executable,
         "-c",
-        "import argparse, sys; from gearshift import operator_main as m; p = argparse.ArgumentParser(); "
+        "import argparse, sys; from gearshift.handlers import main as m; p = argparse.ArgumentParser(); "
         "m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))",
         "--kubeconfig",
         str(sandbox.kubeconfig),

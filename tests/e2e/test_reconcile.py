@@ -29,11 +29,11 @@ import yaml
 from gearshift import planner
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
+from gearshift.dev.sandbox.harness import holds, settled, teardown_run
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.handlers.reconcile import plan_assumptions
 from gearshift.k8s import names
-from gearshift.planner_input import datasheet_gpuprofile, resource_profile
-from gearshift.sandbox.harness import holds, settled, teardown_run
+from gearshift.planner.inputs import datasheet_gpuprofile, resource_profile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

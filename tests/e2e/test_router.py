@@ -1,7 +1,7 @@
 """The PD router as the PDService's router pod on the sandbox twin, serving a slice of the shared trace.
 
 The operator runs as a subprocess watching only this module's namespace (the cluster-wide GPUProfile and
-node handlers disabled; ``gearshift.sandbox.harness.OperatorProcess``). The test makes its own GPU nodes
+node handlers disabled; ``gearshift.dev.sandbox.harness.OperatorProcess``). The test makes its own GPU nodes
 with datasheet GPUProfiles (``harness.GpuNodes``: unique node pools, podCIDR indices 200-249, so the
 shared sandbox's other users keep theirs): two A10 nodes for a prefill gear with two stage-0 replicas
 and one T4 node for the decode gear — fast and slow cards on the two sides of the PD split. The PDService
@@ -14,9 +14,10 @@ the loopback range"), so the role Services' EndpointSlices hold no endpoint and 
 the Services' selectors and the Ready pods they select (router/membership.py, commit 138e328). The test
 asserts that the slices are empty and that the router still knows every head pod by its loopback IP.
 
-Checked: the router pod gets Ready; a bounded slice of the bundled trace (``gearshift.loadgen.DEFAULT_TRACE``)
-(40 requests, outputs clipped to 16 tokens, prompts to 512) replayed through the router pod's IP with
-``gearshift.loadgen.run_load`` (streamed) all succeed; the router's ``/metrics`` counts picks on both
+Checked: the router pod gets Ready; a bounded slice of the bundled trace
+(``gearshift.dev.loadgen.DEFAULT_TRACE``) (40 requests, outputs clipped to 16 tokens, prompts to 512)
+replayed through the router pod's IP with
+``gearshift.dev.loadgen.run_load`` (streamed) all succeed; the router's ``/metrics`` counts picks on both
 prefill pods and on the decode pod; a streamed request yields several SSE ``data:`` chunks and
 ``[DONE]`` through the router.
 """
@@ -33,10 +34,17 @@ from typing import Any
 
 import pytest
 
+from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
+from gearshift.dev.loadgen import TraceRequest, load_trace, run_load
+from gearshift.dev.sandbox.harness import (
+    LLAMA_3_2_1B,
+    GpuNodes,
+    OperatorProcess,
+    pod_ready,
+    pods,
+    teardown_run,
+)
 from gearshift.k8s.services import ROUTER_PORT
-from gearshift.loadgen import DEFAULT_TRACE as TRACE
-from gearshift.loadgen import TraceRequest, load_trace, run_load
-from gearshift.sandbox.harness import LLAMA_3_2_1B, GpuNodes, OperatorProcess, pod_ready, pods, teardown_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

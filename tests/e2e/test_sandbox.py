@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gearshift.fleet import FleetNode
-from gearshift.gpus import gpu_spec
-from gearshift.sandbox.nodes import gpu_node_manifest
+from gearshift.dev.sandbox.nodes import gpu_node_manifest
+from gearshift.facts.fleet import FleetNode
+from gearshift.facts.gpus import gpu_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
 # What NVIDIA's feature discovery writes for these cards, and their memory (nvidia.com/gpu.memory, MiB),
-# written out here rather than taken from gearshift.gpus so the test checks the code against the facts.
+# written out here rather than taken from gearshift.facts.gpus so the test checks the code against the facts.
 PRODUCT = {
     "H100-80GB": ("NVIDIA-H100-80GB-HBM3", 80 * 1024, "hopper"),
     "A100-40GB": ("NVIDIA-A100-SXM4-40GB", 40 * 1024, "ampere"),

@@ -2,7 +2,7 @@
 router as local processes, and the operator as a subprocess watching only this module's namespace.
 
 One PDService (a small Llama-shaped model, sim engine) with two explicit prefill gears on two A10 nodes
-and one decode gear on a T4 node, all private to this module (``gearshift.sandbox.harness.GpuNodes``: own
+and one decode gear on a T4 node, all private to this module (``gearshift.dev.sandbox.harness.GpuNodes``: own
 node pools, datasheet GPUProfiles, 2 time-sliced ``nvidia.com/gpu`` per card so a shadow gear fits beside
 the active one), so other users of the shared sandbox neither take these cards nor lose theirs. Steady
 load follows the role Services' selectors to the Ready pods' loopback IPs (:class:`SelectorLoad`).
@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from gearshift.sandbox.harness import (
+from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,

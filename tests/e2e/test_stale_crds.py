@@ -17,7 +17,7 @@ import pytest
 
 from gearshift import GROUP, VERSION
 from gearshift.api import crdgen
-from gearshift.sandbox.harness import OperatorProcess, holds, install_crds, wait_until
+from gearshift.dev.sandbox.harness import OperatorProcess, holds, install_crds, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -5,11 +5,11 @@ Real here: the kube-apiserver, scheduler, StatefulSet and garbage controllers of
 (a subprocess watching only this module's namespace, with the GPUProfile and node handlers disabled as
 in test_router.py), the router pod and the simulated engines (``gearshift-sim`` processes on loopback pod
 IPs, run by the sandbox pod runner), and the HTTP load through the router pod's IP
-(``gearshift.loadgen.run_load``). Simulated: the GPUs (fake kwok nodes with datasheet figures, engines
+(``gearshift.dev.loadgen.run_load``). Simulated: the GPUs (fake kwok nodes with datasheet figures, engines
 that model time instead of computing), and the window itself: the node carries the annotation
 ``gearshift.io/available-until``, and since the GPUProfile handler is disabled here (it would probe the
 shared sandbox's nodes), the test writes ``status.availableUntil`` with the operator's own
-``probe_lifecycle.window_step`` — the code the handler runs. Nothing reclaims the node at the deadline;
+``profiling.lifecycle.window_step`` — the code the handler runs. Nothing reclaims the node at the deadline;
 the test checks that no pod of the service is on it by then.
 
 The nodes are the test's own (a unique node pool, podCIDR indices 150-199, 2 time-sliced
@@ -33,9 +33,8 @@ from typing import Any
 
 import pytest
 
-from gearshift.k8s.services import ROUTER_PORT
-from gearshift.loadgen import LoadResult, TraceRequest, run_load
-from gearshift.sandbox.harness import (
+from gearshift.dev.loadgen import LoadResult, TraceRequest, run_load
+from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,
@@ -44,6 +43,7 @@ from gearshift.sandbox.harness import (
     pods,
     teardown_run,
 )
+from gearshift.k8s.services import ROUTER_PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -5,7 +5,7 @@ The sandbox's pod runner runs each engine pod's container as ``vllm serve`` from
 command, args and env the operator wrote, plus only the CPU-platform env (docs/ARCHITECTURE.md, "Real
 vLLM in the sandbox"). The model is ``gearshift/tiny-llama`` (4 layers, float32), loaded by its id from
 the Hugging Face cache the PDService mounts as ``spec.modelCache`` (hostPath), offline
-(``gearshift.sandbox.vllm_service``).
+(``gearshift.dev.sandbox.vllm_service``).
 
 At most three vLLM processes run at once (about 4 GB each on 2 cores), so the module runs two services
 one after the other, each on private GPU nodes (``harness.GpuNodes``, 2 time-sliced GPUs per card so a
@@ -49,9 +49,9 @@ from typing import Any
 
 import pytest
 
-from gearshift.sandbox import vllm_service as vs
-from gearshift.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, teardown_run
-from gearshift.sandbox.layout import Layout
+from gearshift.dev.sandbox import vllm_service as vs
+from gearshift.dev.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, teardown_run
+from gearshift.dev.sandbox.layout import Layout
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
 

@@ -15,7 +15,7 @@ from gearshift.api.common import MAX_GEAR_NAME, SpecError, format_validation_err
 from gearshift.api.gearset import Gear, GearSet, GearSetSpec, GearSetStatus, ShiftPolicy, ShiftRecord
 from gearshift.api.gpuprofile import GPUProfile, GPUProfileStatus
 from gearshift.api.pdservice import ModelSpec, PDService, PDServiceSpec, RouterSpec, SLOSpec
-from gearshift.model import load_hf_config
+from gearshift.facts.model import load_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

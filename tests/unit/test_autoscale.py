@@ -16,7 +16,7 @@ from gearshift.control import scaling as sc
 from gearshift.control.signals import GearSelector
 from gearshift.handlers import autoscale as au
 from gearshift.k8s import names
-from gearshift.planner_input import datasheet_gpuprofile
+from gearshift.planner.inputs import datasheet_gpuprofile
 
 GS_NAME = "llama3-8b-decode"
 T0 = 1_800_000_000.0

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gearshift.sandbox.layout import Layout
+from gearshift.dev.sandbox.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts/gearshift"

@@ -13,11 +13,11 @@ import numpy
 import pytest
 
 from gearshift.cli import build_parser
-from gearshift.demo import gears, live, plots, report, series
-from gearshift.demo import trace as tw
-from gearshift.demo.kube import DemoError, http_get, is_loopback_url
-from gearshift.demo.run import load_example
-from gearshift.loadgen import TraceRequest
+from gearshift.dev.demo import gears, live, plots, report, series
+from gearshift.dev.demo import trace as tw
+from gearshift.dev.demo.kube import DemoError, http_get, is_loopback_url
+from gearshift.dev.demo.run import load_example
+from gearshift.dev.loadgen import TraceRequest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,8 +58,8 @@ class TestWindow:
         assert centres == [1.0, 3.0] and rates == [1.5, 0.5]
 
     def test_the_real_trace_fits_the_default_duration(self) -> None:
-        from gearshift.demo import DEFAULT_DURATION_S, DEFAULT_TRACE
-        from gearshift.loadgen import load_trace
+        from gearshift.dev.demo import DEFAULT_DURATION_S, DEFAULT_TRACE
+        from gearshift.dev.loadgen import load_trace
 
         if not DEFAULT_TRACE.exists():
             pytest.skip("the shared trace is not on this machine")
@@ -555,8 +555,8 @@ class TestSummary:
     """summary.json / bench/results/demo.json: the demo's own measurements, rearranged, never recomputed."""
 
     def test_default_time_scale_leaves_headroom_and_still_bursts(self) -> None:
-        from gearshift.demo import DEFAULT_DURATION_S, DEFAULT_TIME_SCALE, DEFAULT_TRACE
-        from gearshift.loadgen import load_trace
+        from gearshift.dev.demo import DEFAULT_DURATION_S, DEFAULT_TIME_SCALE, DEFAULT_TRACE
+        from gearshift.dev.loadgen import load_trace
 
         if not DEFAULT_TRACE.exists():
             pytest.skip("the shared trace is not on this machine")
@@ -567,7 +567,7 @@ class TestSummary:
         assert w.run_s <= DEFAULT_DURATION_S
 
     def test_build_copies_the_measurements_and_counts_outcomes(self) -> None:
-        from gearshift.demo import summary
+        from gearshift.dev.demo import summary
 
         hist = {
             "prefill": [

@@ -1,4 +1,4 @@
-"""Fleet files → nodes and the planner's resource profile (gearshift.fleet)."""
+"""Fleet files → nodes and the planner's resource profile (gearshift.facts.fleet)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.fleet import FleetError, load_fleet, max_micro_batch, parse_fleet, resource_profile
+from gearshift.facts.fleet import FleetError, load_fleet, max_micro_batch, parse_fleet, resource_profile
 
 REPO = Path(__file__).resolve().parents[2]
 MIXED = REPO / "examples" / "fleets/mixed.yaml"
@@ -105,7 +105,7 @@ class TestResourceProfile:
 def test_a_misspelled_field_is_an_error_not_a_silent_default():
     import pytest
 
-    from gearshift.fleet import FleetError, parse_fleet
+    from gearshift.facts.fleet import FleetError, parse_fleet
 
     doc = {"name": "t", "nodePools": [{"name": "a", "gpu": "A10-24GB", "nodes": 1, "gpusPerNod": 4}]}
     with pytest.raises(FleetError, match=r"nodePools\[0\]: unknown field\(s\) gpusPerNod"):

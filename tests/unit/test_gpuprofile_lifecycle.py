@@ -12,13 +12,14 @@ import pytest
 
 from gearshift.api.common import find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
-from gearshift.fleet import load_fleet
-from gearshift.gpus import GPU_SPECS, compute_score
+from gearshift.dev.sandbox.nodes import gpu_node_manifest
+from gearshift.facts.fleet import load_fleet
+from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
 from gearshift.probe.report import compact
 from gearshift.probe.run import TINY
 from gearshift.probe.simulated import simulated_probe
-from gearshift.probe_lifecycle import (
+from gearshift.profiling.lifecycle import (
     JobOutcome,
     ProbeSettings,
     SettingsError,
@@ -31,7 +32,7 @@ from gearshift.probe_lifecycle import (
     probe_succeeded,
     start_probe,
 )
-from gearshift.profiles import (
+from gearshift.profiling.profiles import (
     NodeView,
     SelectorError,
     apply_override,
@@ -43,7 +44,6 @@ from gearshift.profiles import (
     node_view,
     parse_selector,
 )
-from gearshift.sandbox.nodes import gpu_node_manifest
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 T0 = datetime(2025, 1, 31, 18, 0, 0, tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""Unit tests of the GPUProfile's window (issue 13): gearshift.probe_lifecycle.window_step."""
+"""Unit tests of the GPUProfile's window (issue 13): gearshift.profiling.lifecycle.window_step."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from gearshift.api.common import COND_WINDOWED, find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProfileOverride
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
-from gearshift.probe_lifecycle import parse_rfc3339, window_step
-from gearshift.profiles import NodeView
+from gearshift.profiling.lifecycle import parse_rfc3339, window_step
+from gearshift.profiling.profiles import NodeView
 
 NOW = datetime(2025, 1, 31, 12, 0, tzinfo=UTC)
 

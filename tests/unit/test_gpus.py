@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gearshift.gpus import GPU_SPECS, UnknownGPUError, compute_score, gpu_spec, pd_gpu_prior
+from gearshift.facts.gpus import GPU_SPECS, UnknownGPUError, compute_score, gpu_spec, pd_gpu_prior
 
 
 def test_reference_card_scores_one_and_order_follows_tflops():

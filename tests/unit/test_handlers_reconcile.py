@@ -14,16 +14,16 @@ import pytest
 import yaml
 
 from gearshift import planner
-from gearshift.fleet import load_fleet
+from gearshift.dev.sandbox.nodes import sandbox_nodes
+from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
 from gearshift.k8s import names
-from gearshift.planner_input import (
+from gearshift.planner.inputs import (
     datasheet_gpuprofile,
     initial_gear,
     resource_profile,
     role_candidates,
 )
-from gearshift.sandbox.nodes import sandbox_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "ns1"

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import _OWNED_RE, PDService
-from gearshift.gpus import GPU_SPECS, gpu_spec
+from gearshift.facts.gpus import GPU_SPECS, gpu_spec
 from gearshift.k8s import names
 from gearshift.k8s.desired import Images, RoleDesire, desired_objects, owner_reference
 from gearshift.k8s.engine import (

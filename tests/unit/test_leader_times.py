@@ -9,7 +9,7 @@ import pytest
 
 from gearshift.adapters import leader
 from gearshift.adapters.leader import JITTER_FACTOR, LeaseTimes, default_identity
-from gearshift.operator_main import add_arguments, lease_times
+from gearshift.handlers.main import add_arguments, lease_times
 
 
 def parse(*argv: str) -> argparse.Namespace:

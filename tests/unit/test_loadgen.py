@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 import gearshift
-from gearshift.loadgen import (
+from gearshift.dev.loadgen import (
     DEFAULT_TRACE,
     LoadgenError,
     RequestRecord,
@@ -23,7 +23,7 @@ from gearshift.loadgen import (
     run_load,
     summarize,
 )
-from gearshift.model import load_hf_config
+from gearshift.facts.model import load_hf_config
 from gearshift.sim.config import config_from_env
 from gearshift.sim.perfmodel import PerfModel, parse_pipeline
 from gearshift.sim.server import build_app
@@ -70,7 +70,7 @@ class TestTrace:
         assert sum(t.prompt_tokens for t in tr) / rows == pytest.approx(1154.7, abs=0.1)
 
     def test_every_default_trace_is_the_one_constant(self) -> None:
-        import gearshift.demo as demo
+        import gearshift.dev.demo as demo
         from gearshift.cli import build_parser
 
         assert demo.DEFAULT_TRACE is DEFAULT_TRACE

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.model import ModelConfigError, arch_from_hf_config, load_hf_config
+from gearshift.facts.model import ModelConfigError, arch_from_hf_config, load_hf_config
 
 MODELS = Path(__file__).resolve().parents[2] / "examples" / "models"
 

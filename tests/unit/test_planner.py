@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gearshift.cli import main
-from gearshift.model import GIB, load_hf_config
+from gearshift.facts.model import GIB, load_hf_config
 from gearshift.planner import (
     EmptyFleetError,
     LayerCosts,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.fleet import load_fleet, resource_profile
-from gearshift.model import GIB, load_hf_config
+from gearshift.facts.fleet import load_fleet, resource_profile
+from gearshift.facts.model import GIB, load_hf_config
 from gearshift.planner.costs import KV_HEADROOM, RooflineAssumptions, RooflineCostModel
 from gearshift.planner.errors import InfeasibleError
 from gearshift.planner.gears import plan
@@ -38,7 +38,7 @@ def _one_node(memory_gb: float) -> dict:
 
 class TestTokensPerSequence:
     def test_headroom_is_the_routers_seed_000_factor(self) -> None:
-        # One constant (gearshift.model), the seed's 1.2, read by the planner and the router alike.
+        # One constant (gearshift.facts.model), the seed's 1.2, read by the planner and the router alike.
         assert KV_HEADROOM == 1.2 and policies.KV_HEADROOM is KV_HEADROOM
 
     @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ class TestA100HoldsTheWholeModel:
 
     def test_mixed_fleet_a100s_join_the_throughput_gear_not_the_latency_gear(self) -> None:
         doc = resource_profile(load_fleet(EXAMPLES / "fleets/mixed.yaml"))
-        for n in doc["nodes"]:  # usable memory, as gearshift.planner_input.resource_profile
+        for n in doc["nodes"]:  # usable memory, as gearshift.planner.inputs.resource_profile
             n["memory_gb"] *= 0.9
         profile = parse_profile(doc)
         a100s, h100s = {"gpu-a100-0", "gpu-a100-1"}, {"gpu-h100-0", "gpu-h100-1"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gearshift.fleet import load_fleet, resource_profile
+from gearshift.facts.fleet import load_fleet, resource_profile
 from gearshift.planner.costs import RooflineAssumptions, load_model
 from gearshift.planner.gears import kv_resident_sequences, plan
 from gearshift.planner.profile import load_cluster, parse_profile

@@ -23,10 +23,10 @@ from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
 
 from gearshift import planner
 from gearshift.api.gearset import Gear
+from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import reconcile as rec
-from gearshift.model import GIB, load_hf_config
 from gearshift.planner import PlanError, RooflineAssumptions, RooflineCostModel, StageLimitError, plan
-from gearshift.planner_input import (
+from gearshift.planner.inputs import (
     VLLM_DECODE_STAGE_LIMIT,
     datasheet_gpuprofile,
     engine_stage_limit,

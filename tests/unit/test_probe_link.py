@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gearshift.fleet import load_fleet
+from gearshift.facts.fleet import load_fleet
 from gearshift.probe import link
 from gearshift.probe.report import validate_link_output
 

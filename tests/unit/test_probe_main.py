@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from gearshift.cli import main as gearshift_main
+from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.probe import link
 from gearshift.probe.__main__ import main
 from gearshift.probe.report import ProbeOutputError, validate_link_output, validate_probe_output
-from gearshift.sandbox.nodes import gpu_node_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 #: A CPU probe that takes about a second.
@@ -57,7 +57,7 @@ class TestDevice:
         assert (tmp_path / "flag").exists() and not (tmp_path / "env").exists()
 
     def test_simulated_from_node_annotations(self, tmp_path, capsys, monkeypatch):
-        from gearshift.fleet import load_fleet
+        from gearshift.facts.fleet import load_fleet
 
         node = load_fleet(REPO / "examples" / "fleets/mixed.yaml").nodes[-1]
         ann = gpu_node_manifest(node, 3, 7)["metadata"]["annotations"]

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gearshift.model import ModelArch
+from gearshift.facts.model import ModelArch
 from gearshift.probe import ops
 from gearshift.probe.backends import NumpyBackend, torch_available
 from gearshift.probe.timing import Deadline, ProbeTimeoutError, summarize, time_op

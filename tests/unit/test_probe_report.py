@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from gearshift.api.gpuprofile import GPUProfileStatus
-from gearshift.fleet import TP_EFFICIENCY, load_fleet
-from gearshift.gpus import GPU_SPECS, compute_score
-from gearshift.model import ModelArch
+from gearshift.dev.sandbox.nodes import gpu_node_manifest
+from gearshift.facts.fleet import TP_EFFICIENCY, load_fleet
+from gearshift.facts.gpus import GPU_SPECS, compute_score
+from gearshift.facts.model import ModelArch
 from gearshift.probe import ops, run, simulated
 from gearshift.probe.backends import NumpyBackend
 from gearshift.probe.report import (
@@ -27,7 +28,6 @@ from gearshift.probe.report import (
     validate_probe_output,
 )
 from gearshift.probe.timing import ProbeTimeoutError
-from gearshift.sandbox.nodes import gpu_node_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 

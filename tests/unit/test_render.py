@@ -15,9 +15,7 @@ import pytest
 import yaml
 
 from gearshift.cli import main
-from gearshift.fleet import load_fleet
-from gearshift.handlers import reconcile as rec
-from gearshift.render import (
+from gearshift.commands.rendering import (
     PLACEHOLDER_UID,
     RenderError,
     documents,
@@ -26,6 +24,8 @@ from gearshift.render import (
     render,
     to_yaml,
 )
+from gearshift.facts.fleet import load_fleet
+from gearshift.handlers import reconcile as rec
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEET = ROOT / "examples" / "fleets" / "mixed.yaml"

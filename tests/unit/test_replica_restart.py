@@ -10,8 +10,8 @@ import pytest
 from test_handlers_reconcile import NS, FakeApi, _example
 
 from gearshift.handlers import replicas as rp
+from gearshift.handlers.main import HANDLER_MODULES
 from gearshift.k8s import names
-from gearshift.operator_main import HANDLER_MODULES
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -9,9 +9,15 @@ from typing import ClassVar
 import pytest
 import yaml
 
-from gearshift.sandbox.layout import Layout, SandboxConfigError, read_versions, sandbox_name, sandbox_octet
-from gearshift.sandbox.prometheus import pod_targets, prometheus_argv, prometheus_config
-from gearshift.sandbox.stages import RUN_LABEL_QUERY, kwok_configuration, sandbox_stages
+from gearshift.dev.sandbox.layout import (
+    Layout,
+    SandboxConfigError,
+    read_versions,
+    sandbox_name,
+    sandbox_octet,
+)
+from gearshift.dev.sandbox.prometheus import pod_targets, prometheus_argv, prometheus_config
+from gearshift.dev.sandbox.stages import RUN_LABEL_QUERY, kwok_configuration, sandbox_stages
 
 
 class TestLayout:
@@ -203,8 +209,8 @@ class TestCli:
 def test_api_server_reaches_kubelets_by_loopback_internal_ip_not_by_dns():
     from pathlib import Path
 
-    from gearshift.sandbox.nodes import node_ip
-    from gearshift.sandbox.stages import kwokctl_configuration
+    from gearshift.dev.sandbox.nodes import node_ip
+    from gearshift.dev.sandbox.stages import kwokctl_configuration
 
     bins = {n: Path(f"/x/{n}") for n in ("kube-apiserver", "kube-controller-manager", "kube-scheduler")}
     bins |= {n: Path(f"/x/{n}") for n in ("kubectl", "etcd", "kwok")}
@@ -219,7 +225,7 @@ def test_controllers_run_without_leader_election() -> None:
     """One controller manager and one scheduler: a slow lease renewal must not make them exit."""
     from pathlib import Path
 
-    from gearshift.sandbox.stages import kwokctl_configuration
+    from gearshift.dev.sandbox.stages import kwokctl_configuration
 
     names = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "etcd", "kwok")
     cfg = kwokctl_configuration({n: Path(f"/x/{n}") for n in names}, "v1.34.4")

@@ -1,4 +1,4 @@
-"""The pod runner's ServiceAccount credentials (gearshift.sandbox.podspec): who gets which kubeconfig."""
+"""The pod runner's ServiceAccount credentials (gearshift.dev.sandbox.podspec): who gets which kubeconfig."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from gearshift.sandbox.podspec import (
+from gearshift.dev.sandbox.podspec import (
     CREDENTIALS_ANNOTATION,
     PodSpecError,
     service_account_for,

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from gearshift.sandbox.harness import Periodic, wait_until
+from gearshift.dev.sandbox.harness import Periodic, wait_until
 
 
 def test_wait_until_returns_the_first_truthy_value():

@@ -1,4 +1,4 @@
-"""Fleet → sandbox Node manifests (gearshift.sandbox.nodes): pure, no cluster."""
+"""Fleet → sandbox Node manifests (gearshift.dev.sandbox.nodes): pure, no cluster."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.fleet import load_fleet, parse_fleet
-from gearshift.sandbox.nodes import NodeLayoutError, node_pod_cidr, sandbox_nodes
+from gearshift.dev.sandbox.nodes import NodeLayoutError, node_pod_cidr, sandbox_nodes
+from gearshift.facts.fleet import load_fleet, parse_fleet
 
 REPO = Path(__file__).resolve().parents[2]
 MIXED = load_fleet(REPO / "examples" / "fleets/mixed.yaml")

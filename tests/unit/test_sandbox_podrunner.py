@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gearshift.sandbox.podrunner import PodRunner
+from gearshift.dev.sandbox.podrunner import PodRunner
 
 VENV_BIN = Path(sys.executable).parent
 NODE = {"metadata": {"name": "gpu-t4-0", "annotations": {"gearshift.io/gpu-model": "T4-16GB"}}}

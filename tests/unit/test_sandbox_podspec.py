@@ -1,4 +1,5 @@
-"""The pod runner's pure helpers (gearshift.sandbox.podspec): env, command, probes, messages, conditions."""
+"""The pod runner's pure helpers (gearshift.dev.sandbox.podspec): env, command, probes, messages and
+conditions."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.sandbox.podspec import (
+from gearshift.dev.sandbox.podspec import (
     PodSpecError,
     check_pod_ip,
     container_argv,

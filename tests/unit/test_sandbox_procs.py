@@ -1,4 +1,4 @@
-"""gearshift.sandbox.procs: pid files record the intended command line, so a process caught mid-exec
+"""gearshift.dev.sandbox.procs: pid files record the intended command line, so a process caught mid-exec
 at start is not later taken for a stale one (the demo's pid-file race)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.sandbox import procs
+from gearshift.dev.sandbox import procs
 
 ARGV = ["gearshift-sim", "--listen", "127.1.0.5:8000"]
 
@@ -23,7 +23,11 @@ ARGV = ["gearshift-sim", "--listen", "127.1.0.5:8000"]
         (["/bin/sh", "-e", "/x/run.sh", "a"], ["/x/run.sh", "a"], True),  # interpreter with an argument
         (["/venv/bin/python3.11", "/venv/bin/gearshift-router", *ARGV[1:]], ARGV, False),  # another script
         (["/venv/bin/python3.11", "/venv/bin/gearshift-sim", "--listen", "127.1.0.6:8000"], ARGV, False),
-        (["/venv/bin/python3.11", "-m", "gearshift.sandbox.podrunner"], ARGV, False),  # the parent, pre-exec
+        (
+            ["/venv/bin/python3.11", "-m", "gearshift.dev.sandbox.podrunner"],
+            ARGV,
+            False,
+        ),  # the parent, pre-exec
         (ARGV[1:], ARGV, False),  # shorter
         (None, ARGV, False),  # gone or a zombie
         ([], ARGV, False),
@@ -38,7 +42,7 @@ def test_pidfile_records_the_intended_argv_not_a_mid_exec_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The race: right after Popen returns, /proc may show nothing or the parent's command line."""
-    parent = b"/venv/bin/python3.11\0-m\0gearshift.sandbox.podrunner\0"
+    parent = b"/venv/bin/python3.11\0-m\0gearshift.dev.sandbox.podrunner\0"
     monkeypatch.setattr(procs, "_read_cmdline", lambda pid: parent)
     pidfile = tmp_path / "c.pid"
     procs.write_pidfile(pidfile, 4242, ARGV)

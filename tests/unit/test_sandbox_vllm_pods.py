@@ -1,4 +1,4 @@
-"""The pod runner's pure helpers for real-vLLM pods (gearshift.sandbox.podspec): the ``vllm`` program,
+"""The pod runner's pure helpers for real-vLLM pods (gearshift.dev.sandbox.podspec): the ``vllm`` program,
 volume mounts as a kubelet makes them, cluster DNS for headless Services, the CPU-platform env."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.sandbox import podspec
-from gearshift.sandbox.layout import Layout
-from gearshift.sandbox.podspec import (
+from gearshift.dev.sandbox import podspec
+from gearshift.dev.sandbox.layout import Layout
+from gearshift.dev.sandbox.podspec import (
     VLLM_SITE_DIR,
     PodSpecError,
     cluster_dns_names,

@@ -29,7 +29,7 @@ from gearshift.control.triggers import Trigger
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh
 from gearshift.k8s import names
-from gearshift.planner_input import datasheet_gpuprofile
+from gearshift.planner.inputs import datasheet_gpuprofile
 
 GS_NAME = "llama3-8b-prefill"
 T0 = 1_800_000_000.0

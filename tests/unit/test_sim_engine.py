@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from vllm_ref import vllm_protocol
 
-from gearshift.model import GIB, ModelArch, load_hf_config
+from gearshift.facts.model import GIB, ModelArch, load_hf_config
 from gearshift.sim.config import SimConfigError, config_from_env, on_own_card
 from gearshift.sim.engine import Engine, RequestRejected
 from gearshift.sim.perfmodel import Link, PerfModel, PerfParams, Work, parse_pipeline

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gearshift.model import GIB, ModelArch
+from gearshift.facts.model import GIB, ModelArch
 from gearshift.sim.perfmodel import (
     Link,
     PerfModel,

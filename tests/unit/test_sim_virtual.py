@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gearshift.model import load_hf_config
+from gearshift.facts.model import load_hf_config
 from gearshift.sim.engine import Engine
 from gearshift.sim.perfmodel import PerfModel, single_stage_pipeline
 

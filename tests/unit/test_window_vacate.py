@@ -27,13 +27,13 @@ from gearshift.api.common import MAX_GEAR_NAME
 from gearshift.api.gearset import Gear
 from gearshift.control.executor import Phase
 from gearshift.control.windows import closing_nodes, uses, vacate_name, vacate_target, windowed_nodes
-from gearshift.fleet import FleetNode
-from gearshift.gpus import gpu_spec
+from gearshift.dev.sandbox.nodes import gpu_node_manifest
+from gearshift.facts.fleet import FleetNode
+from gearshift.facts.gpus import gpu_spec
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh
 from gearshift.k8s import names
-from gearshift.planner_input import datasheet_gpuprofile
-from gearshift.sandbox.nodes import gpu_node_manifest
+from gearshift.planner.inputs import datasheet_gpuprofile
 
 GSV = "gearshift.io/v1alpha1"
 DECODE = "llama3-8b-decode"

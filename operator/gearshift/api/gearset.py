@@ -34,7 +34,7 @@ from gearshift.api.common import (
     SpecModel,
     StatusModel,
 )
-from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION
+from gearshift.facts.model import VLLM_GPU_MEMORY_UTILIZATION
 
 Role = Literal["prefill", "decode"]
 GearIntent = Literal["latency", "balanced", "throughput"]
@@ -57,7 +57,7 @@ GearName = Annotated[str, Field(min_length=1, max_length=MAX_GEAR_NAME, pattern=
 LayerIndex = Annotated[int, Field(ge=0, le=100000)]
 #: Requests per second.
 Qps = Annotated[float, Field(ge=0, le=1e7)]
-#: A gearshift.gpus model name (e.g. H100-80GB).
+#: A gearshift.facts.gpus model name (e.g. H100-80GB).
 GpuModelName = Annotated[str, Field(min_length=1, max_length=64)]
 
 #: A rule on an object is reported as ``<field>: Invalid value: "object": <message>``, which shows no
@@ -221,7 +221,7 @@ class Stage(SpecModel):
     gpu_model: str | None = Field(
         default=None,
         max_length=64,
-        description="GPU model the stage was planned for (a gearshift.gpus name, e.g. A100-40GB); the "
+        description="GPU model the stage was planned for (a gearshift.facts.gpus name, e.g. A100-40GB); the "
         "simulated engine times the stage on it.",
     )
     predicted_time_ms: float | None = Field(
@@ -368,7 +368,8 @@ class Gear(SpecModel):
 
     def check_stage_limit(self, max_stages: int, why: str) -> None:
         """Check that the gear has at most ``max_stages`` pipeline stages (an engine's limit for a role,
-        e.g. one stage for decode under vLLM's NixlConnector: ``gearshift.planner_input.engine_stage_limit``).
+        e.g. one stage for decode under vLLM's NixlConnector:
+        ``gearshift.planner.inputs.engine_stage_limit``).
 
         Raises:
             ValueError: ``gear 'x' has N stages; <why>`` (``why``: the limit's reason and the fix).
@@ -544,7 +545,7 @@ class PlanConstraints(SpecModel):
     gpu_models: list[GpuModelName] = Field(
         default_factory=list,
         max_length=64,
-        description="Allowed GPU models (gearshift.gpus names); empty: any.",
+        description="Allowed GPU models (gearshift.facts.gpus names); empty: any.",
     )
     link_utilization_cap: float = Field(
         default=0.7,

@@ -78,7 +78,7 @@ class ProfileOverride(SpecModel):
     """Values an admin pins; each field set here wins over the probe's measurement."""
 
     gpu_model: str | None = Field(
-        default=None, min_length=1, max_length=64, description="GPU model (a gearshift.gpus name)."
+        default=None, min_length=1, max_length=64, description="GPU model (a gearshift.facts.gpus name)."
     )
     gpu_count: int | None = Field(default=None, ge=0, le=64, description="GPUs on the node.")
     memory_gib: float | None = Field(
@@ -174,7 +174,9 @@ class GPUProfileStatus(StatusModel):
         default=None, description="metadata.generation this status was computed from."
     )
     phase: ProfilePhase | None = Field(default=None, description="Pending, Probing, Ready, Failed, Stale.")
-    gpu_model: str | None = Field(default=None, max_length=64, description="GPU model (gearshift.gpus name).")
+    gpu_model: str | None = Field(
+        default=None, max_length=64, description="GPU model (gearshift.facts.gpus name)."
+    )
     gpu_product: str | None = Field(
         default=None, max_length=128, description="Product string the node reports (nvidia.com/gpu.product)."
     )

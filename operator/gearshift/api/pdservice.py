@@ -2,7 +2,7 @@
 plus the router in front of them (seed 000's PD disaggregation).
 
 The model is given either by its architecture numbers or by an inline Hugging Face ``config.json``
-(``hfConfig``); :meth:`ModelSpec.to_model_arch` turns both into :class:`gearshift.model.ModelArch`.
+(``hfConfig``); :meth:`ModelSpec.to_model_arch` turns both into :class:`gearshift.facts.model.ModelArch`.
 Router weights default to seed 000's: prefill score = 0.30 compute + 0.25 load + 0.20 queue + 0.15
 network + 0.10 cache; decode score = 0.35 ITL + 0.25 memory + 0.20 batch + 0.15 bandwidth + 0.05 network.
 """
@@ -25,7 +25,7 @@ from gearshift.api.common import (
     SpecModel,
     StatusModel,
 )
-from gearshift.model import DTYPE_BYTES, ModelArch, ModelConfigError, arch_from_hf_config
+from gearshift.facts.model import DTYPE_BYTES, ModelArch, ModelConfigError, arch_from_hf_config
 
 Engine = Literal["vllm", "sim"]
 RouterPolicy = Literal[
@@ -347,10 +347,10 @@ class ModelSpec(SpecModel):
         return self
 
     def to_model_arch(self) -> ModelArch:
-        """The architecture as :class:`gearshift.model.ModelArch` (named ``name``).
+        """The architecture as :class:`gearshift.facts.model.ModelArch` (named ``name``).
 
-        ``hfConfig`` goes through :func:`gearshift.model.arch_from_hf_config`; the numbers map one to one,
-        with ``numKvHeads`` defaulting to ``numHeads`` and ``headDim`` to ``hiddenSize // numHeads``.
+        ``hfConfig`` goes through :func:`gearshift.facts.model.arch_from_hf_config`; the numbers map one to
+        one, with ``numKvHeads`` defaulting to ``numHeads`` and ``headDim`` to ``hiddenSize // numHeads``.
 
         Raises:
             ModelConfigError: the config lacks a field :func:`arch_from_hf_config` needs.

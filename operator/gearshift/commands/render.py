@@ -1,5 +1,6 @@
 """``gearshift render``: print every object the operator would create for PDServices and GearSets in files,
-on a fleet file instead of a cluster (like ``helm template``); the work is :mod:`gearshift.render`'s."""
+on a fleet file instead of a cluster (like ``helm template``); the work is
+:mod:`gearshift.commands.rendering`'s."""
 
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Render and print; errors go to stderr with exit code 1."""
-    from gearshift.fleet import FleetError, load_fleet
+    from gearshift.commands.rendering import RenderError, documents, load_documents, render, to_json, to_yaml
+    from gearshift.facts.fleet import FleetError, load_fleet
     from gearshift.handlers.reconcile import Settings
     from gearshift.k8s.desired import Images
-    from gearshift.render import RenderError, documents, load_documents, render, to_json, to_yaml
 
     try:
         fleet = load_fleet(args.fleet)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from gearshift.control.policy import GearView, ShiftPolicy
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
-from gearshift.model import ModelArch
+from gearshift.facts.model import ModelArch
 
 GB = 1e9
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gearshift.model import ModelArch
+from gearshift.facts.model import ModelArch
 
 
 class PolicyError(ValueError):

@@ -3,7 +3,7 @@
 Series and labels: the engines export vLLM's metric names (DESIGN.md "Engine metrics") and the simulated
 engine's head pod adds ``gearshift:stage_utilization{stage="k"}`` for every stage (docs/ARCHITECTURE.md).
 Prometheus' pod discovery maps pod labels to series labels with ``labelmap`` (``gearshift.io/gear`` →
-``gearshift_io_gear``; :mod:`gearshift.sandbox.prometheus`), so a gear's series are selected by
+``gearshift_io_gear``; :mod:`gearshift.dev.sandbox.prometheus`), so a gear's series are selected by
 namespace, service, role and gear. Quantiles use ``histogram_quantile`` over the rate of the ``_bucket``
 series summed by ``le`` (the Prometheus documentation's recipe for aggregated histograms).
 

@@ -51,7 +51,7 @@ from gearshift.api.gearset import Gear, ScalingStatus
 from gearshift.control import scaling as sc
 from gearshift.control.executor_status import from_time, to_time
 from gearshift.control.signals import GearSelector, SignalsUnavailable
-from gearshift.gpus import UnknownGPUError, compute_score
+from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
@@ -60,7 +60,7 @@ from gearshift.handlers.shifting import _gpu_requests
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.services import ROUTER_PORT
-from gearshift.planner_input import node_gpus, usable_profile
+from gearshift.planner.inputs import node_gpus, usable_profile
 
 log = logging.getLogger(__name__)
 

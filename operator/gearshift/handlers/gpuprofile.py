@@ -2,9 +2,9 @@
 
 One timer per GPUProfile (every :data:`TICK_S`; every :data:`READY_TICK_S` while the profile is Ready)
 takes one level-triggered step of the life cycle in
-:mod:`gearshift.probe_lifecycle`: mark the profile Stale when its node is gone, create a probe Job when
+:mod:`gearshift.profiling.lifecycle`: mark the profile Stale when its node is gone, create a probe Job when
 one is due, read a finished Job's termination message, back off after failures; then it sets the
-compute class from the fleet (:func:`gearshift.profiles.classify` over the ``profile_scores`` index)
+compute class from the fleet (:func:`gearshift.profiling.profiles.classify` over the ``profile_scores`` index)
 and makes the node's ``gearshift.io/*`` labels match the profile (removed unless Ready).
 
 Status is written with the status subresource by this module (not through kopf's ``patch``), and the
@@ -27,7 +27,7 @@ from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus
 from gearshift.handlers import nodes
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
 from gearshift.probe.report import ProbeOutputError
-from gearshift.probe_lifecycle import (
+from gearshift.profiling.lifecycle import (
     REASON_GPU_CHANGED,
     REASON_JOB_CREATE_FAILED,
     REASON_NODE_GONE,
@@ -44,7 +44,7 @@ from gearshift.probe_lifecycle import (
     window_step,
     with_class,
 )
-from gearshift.profiles import (
+from gearshift.profiling.profiles import (
     NodeView,
     card_score,
     classify,
@@ -326,7 +326,7 @@ def _step(
             else:
                 step = start_probe(base, node, why=why, job_name=job_name, now=now, generation=generation)
         elif status.phase == "Ready":
-            from gearshift.profiles import apply_override
+            from gearshift.profiling.profiles import apply_override
 
             eff, _pinned = apply_override(status, override)
             if eff != status:

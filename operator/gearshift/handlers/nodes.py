@@ -1,7 +1,7 @@
 """kopf handlers on Nodes: index the GPU nodes and give each one a GPUProfile named after it.
 
 GPU nodes are those with ``nvidia.com/gpu`` capacity that match ``GEARSHIFT_GPU_NODE_SELECTOR``
-(:class:`gearshift.probe_lifecycle.ProbeSettings`). Probing itself, staleness and labels are the
+(:class:`gearshift.profiling.lifecycle.ProbeSettings`). Probing itself, staleness and labels are the
 GPUProfile timer's (:mod:`gearshift.handlers.gpuprofile`), which reads the ``gpu_nodes`` index kept here;
 these handlers only watch, so nothing is written onto a node except the profile labels.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import kopf
 
 from gearshift.api.common import API_VERSION, GROUP, VERSION
-from gearshift.probe_lifecycle import ProbeSettings, SettingsError
-from gearshift.profiles import NodeView, node_view, parse_selector
+from gearshift.profiling.lifecycle import ProbeSettings, SettingsError
+from gearshift.profiling.profiles import NodeView, node_view, parse_selector
 
 PLURAL = "gpuprofiles"
 

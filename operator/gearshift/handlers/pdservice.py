@@ -280,7 +280,7 @@ _profile_prints: dict[str, str] = {}
 
 def node_fingerprint(node: Mapping[str, Any]) -> tuple[Any, ...]:
     """What about a node matters to placement: readiness, schedulability, GPU count, gearshift labels."""
-    from gearshift.planner_input import node_gpus, node_ready
+    from gearshift.planner.inputs import node_gpus, node_ready
 
     labels = (node.get("metadata") or {}).get("labels") or {}
     mine = tuple(sorted((k, v) for k, v in labels.items() if k.startswith(names.DOMAIN)))
@@ -323,7 +323,7 @@ async def fleet_node_changed(name: str, body: kopf.Body, type: str | None, **_: 
 async def fleet_profile_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
     """A GPUProfile's numbers changed (a probe finished, an override): services planning on it re-plan."""
     from gearshift.api.common import inputs_hash
-    from gearshift.planner_input import usable_profile
+    from gearshift.planner.inputs import usable_profile
 
     # Only the numbers a plan reads: probe bookkeeping (times, attempts) must not trigger reconciles.
     eff = None if type == "DELETED" else usable_profile(body)

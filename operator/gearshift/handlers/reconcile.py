@@ -61,6 +61,7 @@ from gearshift.control.windows import (
     vacate_name,
     windowed_nodes,
 )
+from gearshift.facts.model import VLLM_GPU_MEMORY_UTILIZATION
 from gearshift.handlers import common
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc, patch_status
 from gearshift.handlers.kubeapi import DEPLOY, GPUP, GS, NODE, PDS, POD, STS, SVC, KubeApi
@@ -78,8 +79,7 @@ from gearshift.k8s.fleetsplit import split_pools
 from gearshift.k8s.placement import pinned_nodes
 from gearshift.k8s.services import build_role_service
 from gearshift.k8s.statefulset import stage_replicas
-from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION
-from gearshift.planner_input import (
+from gearshift.planner.inputs import (
     api_gear,
     engine_stage_limit,
     gear_links,
@@ -364,7 +364,7 @@ def explicit_engine_problems(
     pds: PDService, roles: Mapping[str, RoleState], profiles: Mapping[str, Mapping[str, Any]] | None = None
 ) -> None:
     """Check that every explicit gear has no more stages than the engine runs for its role (vLLM's
-    decode: one, :func:`gearshift.planner_input.engine_stage_limit`), before anything is applied. Pure.
+    decode: one, :func:`gearshift.planner.inputs.engine_stage_limit`), before anything is applied. Pure.
 
     Raises:
         SpecInvalid: naming the role, the GearSet, the gear, its stage count, why and what to write

@@ -121,7 +121,7 @@ from gearshift.handlers.reconcile import (
 )
 from gearshift.k8s import names
 from gearshift.k8s.placement import GPU_RESOURCE
-from gearshift.planner_input import node_gpus
+from gearshift.planner.inputs import node_gpus
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from typing import Any
 from gearshift.api.common import inputs_hash
 from gearshift.api.gearset import Gear
 from gearshift.api.pdservice import PDServiceSpec
+from gearshift.facts.model import VLLM_GPU_MEMORY_UTILIZATION
 from gearshift.k8s.engine import DEFAULT_SIM_IMAGE, DEFAULT_VLLM_IMAGE, EngineContext
 from gearshift.k8s.router import build_router_deployment, build_router_rbac
 from gearshift.k8s.services import build_client_service, build_gear_headless_service, build_role_service
 from gearshift.k8s.statefulset import build_stage_statefulset
-from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION
 
 
 @dataclass(frozen=True)

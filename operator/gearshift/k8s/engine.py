@@ -73,10 +73,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.api.gearset import Gear
-from gearshift.gpus import UnknownGPUError, gpu_spec
+from gearshift.facts.gpus import UnknownGPUError, gpu_spec
+from gearshift.facts.model import VLLM_GPU_MEMORY_UTILIZATION, ModelArch
 from gearshift.k8s import names
 from gearshift.k8s.placement import gpu_resources
-from gearshift.model import VLLM_GPU_MEMORY_UTILIZATION, ModelArch
 
 ENGINE_PORT = 8000
 #: torch.distributed rendezvous port of vLLM's multi-node mp backend on the head pod.
@@ -266,7 +266,7 @@ def pipeline_dtype(dtype: str, gear: Gear) -> str:
     float32; ``vllm/config/model.py``).
 
     ``bfloat16`` stays bfloat16 when every card of the gear has it (compute capability >= 8.0,
-    :attr:`gearshift.gpus.GPUSpec.supports_bf16`), else float16 for the whole pipeline (T4, V100: vLLM
+    :attr:`gearshift.facts.gpus.GPUSpec.supports_bf16`), else float16 for the whole pipeline (T4, V100: vLLM
     refuses bf16 there, ``vllm/platforms/cuda.py`` ``check_if_supports_dtype``; one dtype on every rank,
     as the activations cross stages). ``float16`` and ``float32`` stay. Quantized weights (``fp8``,
     ``float8_e4m3fn``, ``int8``) compute in bfloat16, or float16 where a card lacks it.

@@ -2,7 +2,7 @@
 
 Pure code: no network, no kopf, no clock. The operator calls :func:`plan` with a :class:`Profile`
 (built from GPUProfiles in seed 002's format, or read by :func:`load_cluster`) and a cost model
-(:func:`load_model`, :class:`RooflineCostModel` from a :class:`gearshift.model.ModelArch`).
+(:func:`load_model`, :class:`RooflineCostModel` from a :class:`gearshift.facts.model.ModelArch`).
 """
 
 from gearshift.planner.costs import (

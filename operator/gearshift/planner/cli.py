@@ -67,7 +67,7 @@ def load_model_file(path: str | Path, assumptions: RooflineAssumptions) -> CostM
     """
     import yaml
 
-    from gearshift.model import ModelConfigError, arch_from_hf_config
+    from gearshift.facts.model import ModelConfigError, arch_from_hf_config
     from gearshift.planner import load_model
     from gearshift.planner.costs import RooflineCostModel, parse_layer_costs
     from gearshift.planner.errors import PlanInputError

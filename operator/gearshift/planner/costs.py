@@ -6,7 +6,7 @@ Two sources give the same :class:`LayerCosts`:
   whose ``compute_ms`` is a layer's time per micro-batch on a node of compute_score 1.0, measured (or
   estimated) at ``micro_batch`` requests (default 1); other micro-batch sizes scale compute and
   activation linearly -- a conservative choice that credits batching with no efficiency gain;
-- a **model architecture** (:class:`gearshift.model.ModelArch`, from an HF ``config.json``) through the
+- a **model architecture** (:class:`gearshift.facts.model.ModelArch`, from an HF ``config.json``) through the
   roofline cost model of :class:`RooflineCostModel`.
 
 Units: ms, GiB (``weight_gb``, ``kv_gb``, as the profile's ``memory_gb``), MB = 10^6 bytes
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gearshift import roofline
-from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL
-from gearshift.model import GIB, KV_HEADROOM, ModelArch, ModelConfigError, arch_from_hf_config
+from gearshift.facts import roofline
+from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL
+from gearshift.facts.model import GIB, KV_HEADROOM, ModelArch, ModelConfigError, arch_from_hf_config
 from gearshift.planner.errors import PlanInputError
 
 
@@ -125,7 +125,7 @@ class RooflineAssumptions:
     sized it, every plan reserved 4096 tokens: 64 × 4096 = 32 GiB per Llama-3-8B stage, more than an
     A100-40GB's 36 GiB usable leaves beside 15 GiB of weights).
     ``mfu``/``mbu``: achieved share of peak FLOPS / HBM bandwidth, the simulated engine's
-    (:mod:`gearshift.roofline`: 0.5, PaLM Table 3; 0.7, Databricks 2023).
+    (:mod:`gearshift.facts.roofline`: 0.5, PaLM Table 3; 0.7, Databricks 2023).
     """
 
     prompt_tokens: int = 512
@@ -163,8 +163,8 @@ class RooflineAssumptions:
 @dataclass(frozen=True)
 class RooflineCostModel:
     """Layer costs of serving requests, from a model architecture by the simulated engine's roofline
-    (:func:`gearshift.roofline.stage_time_s`) on the reference card (H100 SXM: 989 TFLOPS, 3350 GB/s,
-    gearshift.gpus) at ``mfu``/``mbu``.
+    (:func:`gearshift.facts.roofline.stage_time_s`) on the reference card (H100 SXM: 989 TFLOPS, 3350 GB/s,
+    gearshift.facts.gpus) at ``mfu``/``mbu``.
 
     A request of ``p`` prompt and ``o`` output tokens is its prefill plus ``o − 1`` decode steps (the
     first token comes out of the prefill), as :class:`gearshift.sim.engine.Engine` runs it. Per layer and

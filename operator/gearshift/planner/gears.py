@@ -35,7 +35,7 @@ whole-model pipelines of one stage each -- a node's cards run tensor parallel in
 profile's ``memory_gb`` of a node is all its cards) -- and capacity comes from more pipeline replicas and
 hot-stage extras (here: more copies of the one stage). The operator passes ``max_stages=1`` for the decode
 role of a vLLM PDService (vLLM's NixlConnector serves decode from one pipeline stage only:
-:func:`gearshift.planner_input.engine_stage_limit`); the simulated engine has no limit, and without the
+:func:`gearshift.planner.inputs.engine_stage_limit`); the simulated engine has no limit, and without the
 parameter planning is unchanged. A model that fits no node within the limit raises
 :class:`~gearshift.planner.errors.StageLimitError` naming the memory needed and the largest node's.
 """

@@ -117,7 +117,7 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     cli.set_defaults(probe_func=_link_client)
 
     pairs = sub.add_parser("pairs", help="the node pairs a fleet's link probes measure, in rounds")
-    pairs.add_argument("fleet", help="fleet YAML file (gearshift.fleet format)")
+    pairs.add_argument("fleet", help="fleet YAML file (gearshift.facts.fleet format)")
     pairs.add_argument("--nearest", type=int, default=1)
     pairs.set_defaults(probe_func=_pairs)
 
@@ -177,7 +177,7 @@ def _config(args: argparse.Namespace, base: Any) -> Any:
 
 
 def _arch(spec: str) -> Any:
-    from gearshift.model import load_hf_config
+    from gearshift.facts.model import load_hf_config
     from gearshift.probe.run import LLAMA3_8B, TINY
 
     presets = {a.name: a for a in (LLAMA3_8B, TINY)}
@@ -245,7 +245,7 @@ def _link_client(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _pairs(args: argparse.Namespace) -> dict[str, Any]:
-    from gearshift.fleet import load_fleet
+    from gearshift.facts.fleet import load_fleet
     from gearshift.probe import link
 
     fleet = load_fleet(args.fleet)

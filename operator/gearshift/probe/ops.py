@@ -1,11 +1,11 @@
 """The probe's measured operators, written once against :class:`~gearshift.probe.backends.Backend`.
 
-One decoder layer of a model shape (:class:`gearshift.model.ModelArch`), as serving engines run it in
+One decoder layer of a model shape (:class:`gearshift.facts.model.ModelArch`), as serving engines run it in
 prefill, on ``b`` sequences of ``s`` tokens:
 
   - attention block: q/k/v projections, grouped-query K/V head sharing, ``softmax(q·kᵀ/√d)·v`` over the
     full ``s × s`` score matrix, output projection. FLOPs
-    ``2·b·s·P_attn + 4·b·n_q·d·s²`` (``P_attn`` the four projections' weights, ``gearshift.model``; the
+    ``2·b·s·P_attn + 4·b·n_q·d·s²`` (``P_attn`` the four projections' weights, ``gearshift.facts.model``; the
     two score matmuls cost ``2·b·n_q·s²·d`` each; kipply 2022, "Transformer Inference Arithmetic");
   - FFN block: SwiGLU ``down(silu(x·W_gate) ⊙ (x·W_up))``, FLOPs ``6·b·s·h·i`` per expert; an MoE layer
     runs ``experts_per_token`` expert FFNs over all tokens (the compute a routed token costs; routing
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gearshift.model import ModelArch
+from gearshift.facts.model import ModelArch
 from gearshift.probe.backends import Backend, wall_clock_ms
 from gearshift.probe.timing import Deadline, Timing, summarize, time_op
 

@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from gearshift.api.common import LABEL_VALUE_PATTERN, format_validation_error
-from gearshift.fleet import TP_EFFICIENCY
-from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL
+from gearshift.facts.fleet import TP_EFFICIENCY
+from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL
 
 #: The schema version this module writes and reads.
 SCHEMA_VERSION = 1
@@ -195,10 +195,10 @@ def compute_score_from_tflops(
 ) -> float:
     """A node's compute score: ``tflops × count × (0.85 if count > 1) / reference``.
 
-    The reference is the datasheet bf16 dense figure of ``gearshift.gpus.REFERENCE_MODEL`` (H100 SXM,
+    The reference is the datasheet bf16 dense figure of ``gearshift.facts.gpus.REFERENCE_MODEL`` (H100 SXM,
     989 TFLOPS) unless given; a measured matmul reaches a fraction of its datasheet peak, so measured
-    scores sit below the datasheet prior (``gearshift.gpus.compute_score``) but order the fleet the same
-    way. The 0.85 tensor-parallel factor is seed 000's, as in ``gearshift.fleet``.
+    scores sit below the datasheet prior (``gearshift.facts.gpus.compute_score``) but order the fleet the same
+    way. The 0.85 tensor-parallel factor is seed 000's, as in ``gearshift.facts.fleet``.
     """
     ref = reference_tflops if reference_tflops is not None else GPU_SPECS[REFERENCE_MODEL].bf16_tflops
     eff = TP_EFFICIENCY if gpu_count > 1 else 1.0

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from gearshift.gpus import gpu_spec
-from gearshift.model import ModelArch
+from gearshift.facts.gpus import gpu_spec
+from gearshift.facts.model import ModelArch
 from gearshift.probe import ops
 from gearshift.probe.backends import Backend
 from gearshift.probe.report import SCHEMA_VERSION

@@ -1,11 +1,11 @@
 """The sandbox's probe: reports the simulated GPU of its node from datasheet figures, and says so.
 
 Sandbox nodes are fake (kwok): no GPU exists, so nothing can be timed. The node carries its GPU's
-datasheet figures as ``gearshift.io/*`` annotations (:mod:`gearshift.sandbox.nodes`); the probe Job
+datasheet figures as ``gearshift.io/*`` annotations (:mod:`gearshift.dev.sandbox.nodes`); the probe Job
 passes them in the environment as ``GEARSHIFT_NODE_ANNOTATIONS`` (a JSON object of the node's
 annotations; the downward API cannot expose node annotations, so the operator copies them), with
 ``GEARSHIFT_GPU_COUNT`` (the GPUs the Job requested) and ``GEARSHIFT_NODE_NAME``. Annotations win over
-``gearshift.gpus`` when both exist (a fleet file may describe a card differently).
+``gearshift.facts.gpus`` when both exist (a fleet file may describe a card differently).
 
 The layer times are a roofline estimate (Williams, Waterman, Patterson, "Roofline", CACM 2009): a block
 takes ``max(FLOPs / peak TFLOPS, bytes / HBM GB/s)`` with the FLOP counts of :mod:`gearshift.probe.ops`
@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from gearshift.gpus import gpu_spec
+from gearshift.facts.gpus import gpu_spec
+from gearshift.facts.model import ModelArch
 from gearshift.k8s.names import ANNOTATION_PREFIX
-from gearshift.model import ModelArch
 from gearshift.probe import ops
 from gearshift.probe.report import SCHEMA_VERSION
 
@@ -152,7 +152,7 @@ def simulated_probe(
             "intraNodeGBps": intra if gpu_count > 1 else None,
         },
         "simulated": {
-            "source": "node annotations and gearshift.gpus datasheets; layer times by roofline",
+            "source": "node annotations and gearshift.facts.gpus datasheets; layer times by roofline",
             "memoryBudgetGiB": budget / ops.GIB,
         },
     }

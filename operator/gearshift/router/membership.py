@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 from gearshift import GROUP, VERSION
-from gearshift.gpus import GPU_SPECS, compute_score
+from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import LABEL_DRAINING, NODE_GPU_MODEL, role_service_name
 from gearshift.router.policies import pipeline_speed
 from gearshift.router.pool import BackendInfo

@@ -59,9 +59,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gearshift.fleet import TP_EFFICIENCY
-from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL, compute_score, pd_gpu_prior
-from gearshift.model import KV_HEADROOM
+from gearshift.facts.fleet import TP_EFFICIENCY
+from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL, compute_score, pd_gpu_prior
+from gearshift.facts.model import KV_HEADROOM
 
 Role = Literal["prefill", "decode", "both"]
 POLICIES: tuple[str, ...] = (
@@ -255,8 +255,8 @@ def check_policy(name: str) -> str:
 def transfer_ms(kv_bytes: float, a: PodView, b: PodView) -> float:
     """Seed 000's KV transfer time between two pods, ms: ``bytes / bandwidth + latency``.
 
-    The link is bounded by the slower NIC and the larger latency (as ``gearshift.fleet.Fleet.link``); on the
-    same node it is free of the network (0 ms).
+    The link is bounded by the slower NIC and the larger latency (as ``gearshift.facts.fleet.Fleet.link``);
+    on the same node it is free of the network (0 ms).
     """
     if a.node is not None and a.node == b.node:
         return 0.0

@@ -37,7 +37,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gearshift.control import pd_balance
-from gearshift.model import load_hf_config
+from gearshift.facts.model import load_hf_config
 from gearshift.router import outlier
 from gearshift.router import policies as P
 from gearshift.router.membership import EndpointSliceMembership, parse_backend
@@ -387,13 +387,13 @@ def prefill_ms_per_token(model: str | None) -> float:
 
     ``num_layers × layer_flops_per_token(0) / (989 TFLOPS × 0.5 MFU)``: the planner's roofline assumptions
     (gearshift.planner.costs.RooflineAssumptions: MFU 0.5, PaLM Table 3) at the datasheet peak
-    (gearshift.gpus). Llama-3-8B: ≈ 0.028 ms/token (a 1,155-token prompt ≈ 33 ms; the simulated engine's
+    (gearshift.facts.gpus). Llama-3-8B: ≈ 0.028 ms/token (a 1,155-token prompt ≈ 33 ms; the simulated engine's
     perf model gives 33.3 ms).
 
     Raises:
         SettingsError: unreadable or invalid model description.
     """
-    from gearshift.gpus import GPU_SPECS, REFERENCE_MODEL
+    from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL
     from gearshift.planner.costs import RooflineAssumptions
 
     arch = load_model_arch(model)
@@ -405,14 +405,14 @@ def prefill_ms_per_token(model: str | None) -> float:
 
 
 def load_model_arch(model: str | None) -> Any:
-    """The :class:`gearshift.model.ModelArch` of ``--model``; None when not given.
+    """The :class:`gearshift.facts.model.ModelArch` of ``--model``; None when not given.
 
     Raises:
         SettingsError: unreadable or invalid model description.
     """
     if not model:
         return None
-    from gearshift.model import ModelArch, ModelConfigError, arch_from_hf_config
+    from gearshift.facts.model import ModelArch, ModelConfigError, arch_from_hf_config
 
     try:
         if model.lstrip().startswith("{"):

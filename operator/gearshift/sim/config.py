@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gearshift.gpus import GPU_SPECS
-from gearshift.model import ModelArch, ModelConfigError, arch_from_hf_config, load_hf_config
+from gearshift.facts.gpus import GPU_SPECS
+from gearshift.facts.model import ModelArch, ModelConfigError, arch_from_hf_config, load_hf_config
 from gearshift.sim.engine import ROLES
 from gearshift.sim.perfmodel import (
     DEFAULT_LINK,
@@ -113,7 +113,7 @@ def on_own_card(pipe_doc: dict[str, Any], stage: int, card: str) -> dict[str, An
     runs as fast, and holds as much KV cache, as the card under it, so the sandbox's pod runner tells
     the pod its node's card (``GEARSHIFT_SANDBOX_GPU_MODEL``, the node's ``gearshift.io/gpu-model``) and
     that card wins for the pod's own stage. The other stages keep the planned card: a pod cannot see
-    which nodes its peers landed on. ``card`` empty or not a :mod:`gearshift.gpus` name: unchanged.
+    which nodes its peers landed on. ``card`` empty or not a :mod:`gearshift.facts.gpus` name: unchanged.
     """
     stages = pipe_doc.get("stages")
     if not card or card not in GPU_SPECS or not isinstance(stages, list) or not 0 <= stage < len(stages):

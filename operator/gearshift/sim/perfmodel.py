@@ -7,7 +7,7 @@ token; a prefill chunk computes many). Each stage's time per micro-batch is a ro
 
   - compute: FLOPs / (TFLOPS × cards × TP efficiency × MFU). FLOPs = the stage's layers ×
     (``new_tokens`` × dense FLOPs per token + attention ``4 · n_q · d · Σ context``), formulas from
-    :meth:`gearshift.model.ModelArch.layer_flops_per_token`; the last stage adds the LM head
+    :meth:`gearshift.facts.model.ModelArch.layer_flops_per_token`; the last stage adds the LM head
     ``2 · vocab · h`` per sequence (only the last position is sampled, as vLLM does);
   - memory: bytes / (HBM GB/s × cards × MBU). Bytes = the stage's weights (read once per micro-batch)
     + the KV cache read for attention (``Σ context`` × KV bytes per token per layer × layers) + the KV
@@ -34,7 +34,7 @@ Efficiency constants (configurable in :class:`PerfParams`):
   - ``gpu_memory_utilization = 0.9`` and ``block_size = 16``: vLLM's defaults (``--gpu-memory-utilization``,
     ``--block-size``); the KV pool is what is left of 90 % of the cards after the stage's weights.
   - ``tp_efficiency``: seed 000's ×0.85 when a stage spans several cards
-    (:data:`gearshift.fleet.TP_EFFICIENCY`).
+    (:data:`gearshift.facts.fleet.TP_EFFICIENCY`).
 
 Units: seconds, bytes, GB/s (1e9 B/s), TFLOPS (1e12 FLOP/s), link bandwidth in Gb/s (1e9 bit/s).
 """
@@ -46,10 +46,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift import roofline
-from gearshift.fleet import TP_EFFICIENCY
-from gearshift.gpus import UnknownGPUError, gpu_spec
-from gearshift.model import GIB, VLLM_GPU_MEMORY_UTILIZATION, ModelArch
+from gearshift.facts import roofline
+from gearshift.facts.fleet import TP_EFFICIENCY
+from gearshift.facts.gpus import UnknownGPUError, gpu_spec
+from gearshift.facts.model import GIB, VLLM_GPU_MEMORY_UTILIZATION, ModelArch
 
 
 class PipelineConfigError(ValueError):
@@ -139,7 +139,7 @@ def parse_pipeline(
     "microBatch": 4, "maxBatch": 32, "maxBatchedTokens": 8192, "links": [{"gbps": 200, "latencyUs": 10}]}``.
     ``profile``: optional per-stage overrides ``[{"tflops": .., "hbmGBps": .., "memoryGiB": ..}]``
     (``GEARSHIFT_GPU_PROFILE``, from a measured GPUProfile); otherwise datasheet figures of
-    :mod:`gearshift.gpus`.
+    :mod:`gearshift.facts.gpus`.
 
     Raises:
         PipelineConfigError: naming the field, e.g. layers not contiguous from 0 to the model's
@@ -299,7 +299,7 @@ class PerfModel:
     def stage_time_s(
         self, k: int, new_tokens: float, attn_context: float, kv_read: float, seqs: float
     ) -> float:
-        """Roofline time of one micro-batch in stage ``k`` (:func:`gearshift.roofline.stage_time_s`), s.
+        """Roofline time of one micro-batch in stage ``k`` (:func:`gearshift.facts.roofline.stage_time_s`), s.
 
         ``new_tokens``: tokens computed; ``attn_context``: Σ over those tokens of the positions each
         attends to; ``kv_read``: cached tokens whose KV is read; ``seqs``: sequences (LM head rows).

@@ -1,0 +1,165 @@
+"""The demo report, ``report.md``, assembled from plain data (pure; the plots are separate PNGs).
+
+Every number in it names its source: the load generator's wire measurements, the router's own
+``/metrics``, or Prometheus (which scraped the engines). None comes from the simulator's internal state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gearshift.dev.demo.series import GearSpan, ShiftMark
+
+
+@dataclass
+class ReportData:
+    """Everything ``report.md`` shows."""
+
+    title: str
+    started: str
+    """When the replay started (ISO 8601, UTC)."""
+    command: str
+    cluster: str
+    """How the cluster and operator were run (sandbox name, helm or local operator)."""
+    namespace: str
+    service: str
+    model: str
+    trace: str
+    window_start_s: float
+    window_span_s: float
+    time_scale: float
+    requests: int
+    run_s: float
+    fleet_table: str
+    """``kubectl get gpup`` output."""
+    gear_tables: Mapping[str, str]
+    """Role → :func:`gearshift.dev.demo.gears.gearset_table` text (as planned at the start)."""
+    load: Mapping[str, Any]
+    """``gearshift.dev.loadgen.LoadResult.to_dict()``."""
+    router_totals: Mapping[str, float]
+    """Router counters over the run: ``requests``, ``ok``, ``ttft_p99_ms``, ``itl_p99_ms``."""
+    marks: Sequence[ShiftMark]
+    spans: Sequence[GearSpan]
+    utilization: Mapping[str, Mapping[str, float]]
+    """Role → ``gear/stage`` → mean busy fraction over the run (Prometheus)."""
+    engine: Mapping[str, float]
+    """Engine-side figures from Prometheus (e.g. ``ttft_p99_ms``, ``itl_p99_ms``) over the run."""
+    plots: Mapping[str, str]
+    """Caption → file name."""
+    explore: Sequence[str]
+    notes: Sequence[str] = field(default_factory=list)
+
+
+def _ms(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{float(v):.1f}"
+
+
+def _pct_row(name: str, p: Mapping[str, float] | None) -> str:
+    if not p:
+        return f"| {name} | – | – | – | – |"
+    return (
+        f"| {name} | {_ms(p.get('mean'))} | {_ms(p.get('p50'))} | {_ms(p.get('p90'))} | {_ms(p.get('p99'))} |"
+    )
+
+
+def render(d: ReportData) -> str:
+    """``report.md`` text."""
+    load = d.load
+    out = [
+        f"# {d.title}",
+        "",
+        f"- started: {d.started} · command: `{d.command}`",
+        f"- cluster: {d.cluster}; namespace `{d.namespace}`, PDService `{d.service}` ({d.model}, engine sim)",
+        f"- trace: `{d.trace}`, window {d.window_start_s:.0f}–{d.window_start_s + d.window_span_s:.0f} s "
+        f"of the trace, replayed {d.time_scale:g}× faster: {d.requests} requests in {d.run_s:.0f} s",
+        "",
+        "## Results",
+        "",
+        "From the load generator (client side, on the wire):",
+        "",
+        f"- issued {load.get('issued')}, completed {load.get('completed')}, failed {load.get('failed')}, "
+        f"incomplete {load.get('incomplete')}; offered {float(load.get('request_rate') or 0):.2f} req/s, "
+        f"throughput {float(load.get('throughput_rps') or 0):.2f} req/s, "
+        f"{float(load.get('output_tokens_per_s') or 0):.0f} output tokens/s",
+    ]
+    if load.get("goodput_rps") is not None:
+        out.append(
+            f"- SLO (TTFT ≤ {load.get('slo_ttft_ms'):g} ms, TPOT ≤ {load.get('slo_itl_ms'):g} ms): "
+            f"{load.get('slo_met')}/{load.get('completed')} requests met it; goodput "
+            f"{float(load['goodput_rps']):.2f} req/s"
+        )
+    for err, n in (load.get("errors") or {}).items():
+        out.append(f"- error ×{n}: `{err}`")
+    out += [
+        "",
+        "| metric (ms) | mean | P50 | P90 | P99 |",
+        "| --- | --- | --- | --- | --- |",
+        _pct_row("TTFT", load.get("ttft_ms")),
+        _pct_row("ITL", load.get("itl_ms")),
+        _pct_row("TPOT", load.get("tpot_ms")),
+        _pct_row("E2E", load.get("e2e_ms")),
+        "",
+        "From the router's own `/metrics` (counter and histogram deltas over the run): "
+        f"{d.router_totals.get('requests', 0):.0f} requests, {d.router_totals.get('ok', 0):.0f} OK; "
+        f"P99 upstream TTFT {_ms(d.router_totals.get('ttft_p99_ms'))} ms, "
+        f"P99 upstream ITL {_ms(d.router_totals.get('itl_p99_ms'))} ms (bucket-interpolated).",
+    ]
+    if d.engine:
+        parts = ", ".join(f"{k.replace('_', ' ')} {_ms(v)}" for k, v in d.engine.items())
+        out += ["", f"From Prometheus (the engines' vLLM histograms, over the run): {parts}."]
+    out += ["", "## Gear shifts", ""]
+    if d.marks:
+        out += [
+            "From the GearSets' `status.history` (seconds since the replay started; a shift runs from its "
+            "start, through the shadow pods' warm-up and the drain, to the switch):",
+            "",
+            "| role | from | to | trigger | started (s) | finished (s) | outcome |",
+            "| --- " * 7 + "|",
+        ]
+        for m in d.marks:
+            fin = "–" if m.finished_s is None else f"{m.finished_s:.0f}"
+            out.append(
+                f"| {m.role} | {m.from_gear or '–'} | {m.to_gear} | {m.trigger} | {m.started_s:.0f} | {fin} "
+                f"| {m.outcome} |"
+            )
+    else:
+        out.append("No gear shift happened during the replay (GearSet `status.history`).")
+    out += ["", "Gears that served traffic (from the shifts above):", ""]
+    for s in d.spans:
+        out.append(f"- {s.role}: `{s.gear}` from {s.start_s:.0f} s to {s.end_s:.0f} s")
+    if d.utilization:
+        out += ["", "Mean stage utilisation over the run (`gearshift:stage_utilization`, Prometheus):", ""]
+        for role, per in d.utilization.items():
+            cells = ", ".join(f"{k} {v:.0%}" for k, v in per.items())
+            out.append(f"- {role}: {cells or '–'}")
+    out += ["", "## Plots", ""]
+    for caption, fname in d.plots.items():
+        out += [f"### {caption}", "", f"![{caption}]({fname})", ""]
+    out += [
+        "## The fleet",
+        "",
+        "`kubectl get gpup` when the replay started:",
+        "",
+        "```",
+        d.fleet_table.rstrip(),
+    ]
+    out += [
+        "```",
+        "",
+        "## The gears the operator planned",
+        "",
+        "The planner's predictions (GearSet `status.plannedGears`), not measurements; cards from the "
+        "GPUProfiles.",
+        "",
+    ]
+    for _role, text in d.gear_tables.items():
+        out += ["```", text.rstrip(), "```", ""]
+    out += ["## Explore", "", "```bash", *d.explore, "```", ""]
+    if d.notes:
+        out += ["## Notes", "", *[f"- {n}" for n in d.notes], ""]
+    return "\n".join(out)

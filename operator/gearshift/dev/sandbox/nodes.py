@@ -1,0 +1,191 @@
+"""Fleet file → the sandbox's Node manifests (pure: no I/O, no client).
+
+Every sandbox node gets, by its index ``i`` in the node list (GPU nodes first, then the CPU nodes):
+  - ``spec.podCIDR`` ``127.<octet>.<i+1>.0/24``: kwok hands each pod an address from its node's podCIDR,
+    so every pod IP is a loopback address on this machine;
+  - an InternalIP ``127.<octet>.0.<i+1>`` (the pods' ``status.hostIP``), outside every podCIDR.
+``octet`` is the sandbox's own second octet (see ``layout``), never 0, so two sandboxes on one machine
+get disjoint pod IPs and neither touches 127.0.0.0/24 (127.0.0.1, the resolver's 127.0.0.53).
+
+GPU nodes carry what NVIDIA's GPU feature discovery (GFD) and device plugin put on a real GPU node:
+labels ``nvidia.com/gpu.product|memory|count|family|replicas|sharing-strategy|present`` (memory in MiB per
+card), capacity ``nvidia.com/gpu``, and the taint ``nvidia.com/gpu=present:NoSchedule`` that GPU pools
+commonly carry (GKE and AKS taint GPU pools this way); the datasheet figures from ``gearshift.facts.gpus`` go
+into ``gearshift.io/*`` annotations. The profile-derived labels (``gearshift.io/gpu-model`` …) are not
+set here: the operator writes them after probing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gearshift.facts.fleet import Fleet, FleetNode
+from gearshift.k8s import names
+
+#: Label a pod sets to have the sandbox's local pod runner run its container (see ``podrunner``).
+SANDBOX_RUN_LABEL = "gearshift.io/sandbox-run"
+#: Label naming the node's pool (the fleet pool, or ``cpu`` for the plain nodes).
+POOL_LABEL = "gearshift.io/node-pool"
+#: Extended resource of NVIDIA's device plugin.
+GPU_RESOURCE = "nvidia.com/gpu"
+#: Taint of a GPU node; pods that need a GPU tolerate it.
+GPU_TAINT: dict[str, str] = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
+#: Plain nodes for the operator, router and Prometheus pods.
+CPU_POOL = "cpu"
+DEFAULT_CPU_NODES = 2
+#: Largest node count a sandbox takes: one /24 per node in 127.<octet>.1-254.0.
+MAX_NODES = 254
+
+# Host resources are not in the fleet format; these are typical of cloud GPU VMs (16 vCPU and 128 GiB
+# per card, e.g. AWS p4d/p5: 96 vCPU and 1152-2048 GiB for 8 cards) and of a small CPU worker.
+GPU_NODE_CPU_PER_GPU = 16
+GPU_NODE_MEMORY_GIB_PER_GPU = 128
+CPU_NODE_CPU = 16
+CPU_NODE_MEMORY_GIB = 64
+MAX_PODS = 110
+
+#: GFD's ``nvidia.com/gpu.family`` value per architecture (GFD writes the architecture's lower-case name).
+GFD_FAMILY = {"ada": "ada-lovelace"}
+
+#: Prefix of the datasheet annotations on each GPU node (values from ``gearshift.facts.gpus`` and the
+#: fleet file).
+ANNOTATION_PREFIX = names.ANNOTATION_PREFIX
+
+
+class NodeLayoutError(ValueError):
+    """The fleet does not fit the sandbox's address plan; the message names the limit and the fix."""
+
+
+def node_pod_cidr(octet: int, index: int) -> str:
+    """The podCIDR of the sandbox's node number ``index`` (0-based): ``127.<octet>.<index+1>.0/24``.
+
+    Raises:
+        NodeLayoutError: ``octet`` outside 1..255 or ``index`` outside 0..253.
+    """
+    _check(octet, index)
+    return f"127.{octet}.{index + 1}.0/24"
+
+
+def node_ip(octet: int, index: int) -> str:
+    """The InternalIP of node ``index``: ``127.<octet>.0.<index+1>`` (outside every podCIDR)."""
+    _check(octet, index)
+    return f"127.{octet}.0.{index + 1}"
+
+
+def _check(octet: int, index: int) -> None:
+    if not 1 <= octet <= 255:
+        raise NodeLayoutError(f"sandbox octet must be in 1..255 (127.0.x.x is the host's), got {octet}")
+    if not 0 <= index < MAX_NODES:
+        raise NodeLayoutError(
+            f"node index {index} outside 0..{MAX_NODES - 1}: a sandbox holds at most {MAX_NODES} nodes; "
+            "use a smaller fleet file"
+        )
+
+
+def _base_node(name: str, pool: str, index: int, octet: int) -> dict[str, Any]:
+    cidr = node_pod_cidr(octet, index)
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                POOL_LABEL: pool,
+            },
+            # kwokctl's binary runtime manages every node; the annotation is kwok's own marker of a fake
+            # node, so tools that filter on it see these as fake too.
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
+        "status": {
+            "addresses": [
+                {"type": "InternalIP", "address": node_ip(octet, index)},
+                {"type": "Hostname", "address": name},
+            ],
+        },
+    }
+
+
+def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, str]:
+    res = {"cpu": str(cpu), "memory": f"{memory_gib}Gi", "pods": str(MAX_PODS), "ephemeral-storage": "500Gi"}
+    if gpus:
+        res[GPU_RESOURCE] = str(gpus)
+    return res
+
+
+def gpu_node_manifest(node: FleetNode, index: int, octet: int, gpu_replicas: int = 1) -> dict[str, Any]:
+    """The Node manifest (with ``status`` capacity/allocatable/addresses) of one fleet node.
+
+    Args:
+        node: the fleet node (``gearshift.facts.fleet``); its datasheet comes from ``gearshift.facts.gpus``.
+        index: the node's position in the sandbox's node list (sets its podCIDR and IP).
+        octet: the sandbox's second octet.
+        gpu_replicas: ``nvidia.com/gpu`` advertised per card (time-slicing, as NVIDIA's device plugin
+            does with ``replicas``; labels ``nvidia.com/gpu.replicas`` and ``.sharing-strategy`` say so).
+    """
+    spec = node.gpu
+    manifest = _base_node(node.name, node.pool, index, octet)
+    meta = manifest["metadata"]
+    meta["labels"].update(
+        {
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": spec.product,
+            "nvidia.com/gpu.memory": str(round(spec.memory_gib * 1024)),
+            "nvidia.com/gpu.count": str(node.gpus),
+            "nvidia.com/gpu.family": GFD_FAMILY.get(spec.generation, spec.generation),
+            "nvidia.com/gpu.replicas": str(gpu_replicas),
+            "nvidia.com/gpu.sharing-strategy": "time-slicing" if gpu_replicas > 1 else "none",
+        }
+    )
+    meta["annotations"].update(
+        {
+            ANNOTATION_PREFIX + "gpu-model": spec.model,
+            ANNOTATION_PREFIX + "generation": spec.generation,
+            ANNOTATION_PREFIX + "bf16-tflops": _num(spec.bf16_tflops),
+            ANNOTATION_PREFIX + "hbm-gbps": _num(spec.hbm_gbps),
+            ANNOTATION_PREFIX + "memory-gib": _num(spec.memory_gib),
+            ANNOTATION_PREFIX + "intra-node-gbps": _num(spec.intra_node_gbps),
+            ANNOTATION_PREFIX + "nic-gbps": _num(node.nic_gbps),
+            ANNOTATION_PREFIX + "latency-us": _num(node.latency_us),
+        }
+    )
+    manifest["spec"]["taints"] = [dict(GPU_TAINT)]
+    res = _resources(
+        GPU_NODE_CPU_PER_GPU * node.gpus, GPU_NODE_MEMORY_GIB_PER_GPU * node.gpus, node.gpus * gpu_replicas
+    )
+    manifest["status"].update({"capacity": res, "allocatable": dict(res)})
+    return manifest
+
+
+def cpu_node_manifest(i: int, index: int, octet: int) -> dict[str, Any]:
+    """The Node manifest of plain CPU node ``cpu-<i>`` (no GPU, no taint)."""
+    manifest = _base_node(f"cpu-{i}", CPU_POOL, index, octet)
+    res = _resources(CPU_NODE_CPU, CPU_NODE_MEMORY_GIB)
+    manifest["status"].update({"capacity": res, "allocatable": dict(res)})
+    return manifest
+
+
+def sandbox_nodes(fleet: Fleet, octet: int, cpu_nodes: int = DEFAULT_CPU_NODES) -> list[dict[str, Any]]:
+    """All Node manifests of a sandbox: the fleet's GPU nodes (``gpu-<pool>-<i>``), then ``cpu-0..``.
+
+    Raises:
+        NodeLayoutError: more than ``MAX_NODES`` nodes, or a bad octet.
+    """
+    total = len(fleet.nodes) + cpu_nodes
+    if total > MAX_NODES:
+        raise NodeLayoutError(
+            f"the fleet has {len(fleet.nodes)} GPU nodes + {cpu_nodes} CPU nodes = {total}; "
+            f"a sandbox holds at most {MAX_NODES}: use a smaller fleet file"
+        )
+    out = [gpu_node_manifest(n, i, octet, fleet.gpu_replicas) for i, n in enumerate(fleet.nodes)]
+    out += [cpu_node_manifest(k, len(fleet.nodes) + k, octet) for k in range(cpu_nodes)]
+    return out
+
+
+def _num(x: float) -> str:
+    """A number as an annotation value: integral floats without the ``.0``."""
+    return str(int(x)) if float(x).is_integer() else str(x)

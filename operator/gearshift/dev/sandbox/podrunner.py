@@ -1,0 +1,742 @@
+"""The sandbox's local pod runner: runs opted-in pods' containers as local processes on their pod IPs.
+
+A pod opts in with the label ``gearshift.io/sandbox-run: "true"``. kwok gives such a pod its loopback IP
+and leaves it Pending (see ``stages``); the runner then, for each container:
+
+  - builds the command line (only gearshift's console scripts, resolved in the sandbox's virtualenv) and
+    the environment (``podspec``), plus ``GEARSHIFT_HOST`` (the pod IP, unless the pod sets it),
+    ``GEARSHIFT_POD_IP``, ``GEARSHIFT_TERMINATION_LOG`` (the file that stands for
+    ``terminationMessagePath``), ``HOSTNAME``, ``KUBECONFIG`` (the sandbox's admin one: there is no
+    in-cluster service account; a pod annotated ``gearshift.io/sandbox-credentials: serviceaccount``
+    instead gets a kubeconfig with a TokenRequest token of its ServiceAccount, bound to the pod, so RBAC
+    applies to it as in a cluster), ``GEARSHIFT_SANDBOX_GPU_MODEL`` (the node's ``gearshift.io/gpu-model``
+    annotation) and ``GEARSHIFT_SANDBOX_GPUS`` (the container's ``nvidia.com/gpu`` limit): the simulated
+    device;
+  - starts it in its own process group, output to ``<pods-dir>/<ns>_<pod>_<uid8>/<container>.log``;
+  - reports to the pod status: Running once started, Ready once its readinessProbe (httpGet/tcpSocket on
+    the pod IP) passes ``successThreshold`` times (no probe: once started); before the first success the
+    probe runs every ``min(periodSeconds, 1 s)`` so pods become Ready quickly, then every periodSeconds;
+  - on exit: ``restartPolicy`` Always restarts with back-off (1 s doubling to 30 s, reset after 60 s of
+    running) and counts restarts, ``lastState.terminated`` and ``CrashLoopBackOff`` as the kubelet shows
+    them; Never/OnFailure (Job pods) end in phase Succeeded/Failed with ``state.terminated`` {exitCode,
+    reason, message}, the message read from the termination-log file (``podspec.termination_message``);
+  - on deletion: SIGTERM to the process group, SIGKILL after ``terminationGracePeriodSeconds`` (at most
+    10 s), then the pod is deleted for good (grace 0, UID precondition). A replacement pod (same name, new
+    UID) is a new run.
+
+Pods that cannot run (a program not allowed, an unsupported env source) get a clear message in their
+status: Job pods fail, others stay Pending with ``CreateContainerConfigError`` as the kubelet does.
+Run as ``python -m gearshift.dev.sandbox.podrunner`` (``gearshift sandbox up`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gearshift.dev.sandbox import podspec
+from gearshift.dev.sandbox.nodes import GPU_RESOURCE, SANDBOX_RUN_LABEL
+from gearshift.dev.sandbox.procs import write_pidfile
+
+LABEL_SELECTOR = f"{SANDBOX_RUN_LABEL}=true"
+TICK_S = 0.1
+BACKOFF_BASE_S = 1.0
+BACKOFF_CAP_S = 30.0
+#: A container that ran this long has its back-off reset (the kubelet uses 10 min).
+BACKOFF_RESET_S = 60.0
+MAX_GRACE_S = 10.0
+#: Probe period before the first success (see the module docstring), s.
+FAST_PROBE_S = 1.0
+WATCH_TIMEOUT_S = 60
+#: Lifetime of a pod's ServiceAccount token, s. The token is bound to the pod (revoked when it is
+#: deleted) and not rotated, so it outlives any sandbox session.
+TOKEN_TTL_S = 7 * 24 * 3600
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _log(msg: str) -> None:
+    print(f"{_now()} {msg}", flush=True)
+
+
+@dataclass
+class ContainerRun:
+    """One container of a pod run as a local process."""
+
+    name: str
+    image: str
+    argv: list[str]
+    env: dict[str, str]
+    probe: dict[str, Any] | None
+    log: Path
+    message_file: Path
+    pidfile: Path
+    message_policy: str
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: str | None = None
+    started_mono: float = 0.0
+    restarts: int = 0
+    backoff_steps: int = 0
+    ready: bool = False
+    successes: int = 0
+    failures: int = 0
+    next_probe: float = 0.0
+    probing: concurrent.futures.Future[bool] | None = None
+    next_start: float | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+    last_state: dict[str, Any] = field(default_factory=dict)
+    done: bool = False
+    exit_code: int | None = None
+
+    def status(self) -> dict[str, Any]:
+        """This container's entry of ``status.containerStatuses``."""
+        return {
+            "name": self.name,
+            "image": self.image,
+            "imageID": "",
+            "containerID": f"gearshift-sandbox://{self.proc.pid}" if self.proc else "",
+            "ready": self.ready,
+            "started": self.proc is not None and self.proc.poll() is None,
+            "restartCount": self.restarts,
+            "state": self.state,
+            "lastState": self.last_state,
+        }
+
+
+@dataclass
+class PodRun:
+    """A pod the runner is responsible for."""
+
+    uid: str
+    namespace: str
+    name: str
+    pod: dict[str, Any]
+    containers: list[ContainerRun]
+    restart_policy: str
+    error: str | None = None
+    deleting: bool = False
+    last_sent: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class PodRunner:
+    """Watches opted-in pods and runs them (see the module docstring)."""
+
+    def __init__(
+        self,
+        api_client: Any,
+        kubeconfig: Path,
+        pods_dir: Path,
+        venv_bin: Path,
+        vllm_bin: Path | None = None,
+        hostpath_root: Path | None = None,
+    ) -> None:
+        from kubernetes import client
+
+        self.api = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.kubeconfig = kubeconfig
+        self.pods_dir = pods_dir
+        self.venv_bin = venv_bin
+        self.vllm_bin = vllm_bin
+        self.hostpath_root = hostpath_root or pods_dir / "hostpath"
+        #: Cluster DNS of pods under headless Services (``uid -> (ip, names)``), served to containers in
+        #: a mount namespace as their ``/etc/hosts`` (see ``mountns``); rewritten in place on change so
+        #: that every bind mount of it sees the new records.
+        self.dns: dict[str, tuple[str, list[str]]] = {}
+        self.hosts_path = pods_dir / "hosts"
+        self.hosts_base = Path("/etc/hosts").read_text() if Path("/etc/hosts").is_file() else ""
+        self.next_core = 0
+        self.runs: dict[str, PodRun] = {}
+        self.finished: set[str] = set()
+        self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.stop = threading.Event()
+        self.probes = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.waiting: dict[str, dict[str, Any]] = {}
+        self.nodes_listed = 0.0
+
+    # ------------------------------------------------------------------------------------ watching
+
+    def _watch(self) -> None:
+        from kubernetes import watch
+
+        while not self.stop.is_set():
+            try:
+                listing = self.core.list_pod_for_all_namespaces(label_selector=LABEL_SELECTOR)
+                uids = set()
+                for pod in listing.items:
+                    d = self.api.sanitize_for_serialization(pod)
+                    uids.add(d["metadata"]["uid"])
+                    self.events.put(("SYNC", d))
+                self.events.put(("RESYNC", {"uids": sorted(uids)}))
+                w = watch.Watch()
+                for ev in w.stream(
+                    self.core.list_pod_for_all_namespaces,
+                    label_selector=LABEL_SELECTOR,
+                    resource_version=listing.metadata.resource_version,  # type: ignore[union-attr]  # the API server always sets a list's metadata
+                    timeout_seconds=WATCH_TIMEOUT_S,
+                ):
+                    if self.stop.is_set():
+                        w.stop()
+                        break
+                    if ev["type"] == "ERROR":
+                        break  # expired resourceVersion: list again
+                    self.events.put((ev["type"], self.api.sanitize_for_serialization(ev["object"])))
+            except Exception as exc:  # the API server restarting must not end the runner
+                if self.stop.is_set():
+                    break
+                _log(f"watch failed ({type(exc).__name__}: {exc}); retrying in 1 s")
+                self.stop.wait(1.0)
+
+    def _node(self, name: str) -> dict[str, Any] | None:
+        if name not in self.nodes and time.monotonic() - self.nodes_listed > 1.0:
+            self.nodes_listed = time.monotonic()
+            # Every node of the sandbox is kwok's; the pod IP check (loopback only) guards the rest.
+            nodes = self.core.list_node()
+            self.nodes = {n.metadata.name: self.api.sanitize_for_serialization(n) for n in nodes.items}  # type: ignore[union-attr,misc]  # a stored object always has metadata.name
+        return self.nodes.get(name)
+
+    # ----------------------------------------------------------------------------------- main loop
+
+    def run(self) -> None:
+        """Run until ``self.stop`` is set; then stop every process it started."""
+        watcher = threading.Thread(target=self._watch, name="watch", daemon=True)
+        watcher.start()
+        _log(f"pod runner watching pods with {LABEL_SELECTOR}")
+        try:
+            while not self.stop.is_set():
+                try:
+                    kind, obj = self.events.get(timeout=TICK_S)
+                    self._handle(kind, obj)
+                    while True:
+                        kind, obj = self.events.get_nowait()
+                        self._handle(kind, obj)
+                except queue.Empty:
+                    pass
+                for pod in list(self.waiting.values()):
+                    self._handle("RETRY", pod)
+                for run in list(self.runs.values()):
+                    try:
+                        self._supervise(run)
+                    except Exception as exc:
+                        _log(f"{run.key}: supervise failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._shutdown()
+
+    def _update_dns(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind == "RESYNC":
+            gone = set(self.dns) - set(pod["uids"])
+            changed = bool(gone)
+            for uid in gone:
+                del self.dns[uid]
+        else:
+            uid = pod["metadata"]["uid"]
+            ip = (pod.get("status") or {}).get("podIP")
+            names = podspec.cluster_dns_names(pod)
+            record = (ip, names) if ip and names and kind != "DELETED" else None
+            changed = self.dns.get(uid) != record
+            if record is None:
+                self.dns.pop(uid, None)
+            else:
+                self.dns[uid] = record
+        if changed or not self.hosts_path.exists():
+            self.hosts_path.parent.mkdir(parents=True, exist_ok=True)
+            text = podspec.hosts_file(self.hosts_base, self.dns)
+            # In place (same inode): bind mounts of the file see the rewrite.
+            with self.hosts_path.open("a+") as f:
+                f.seek(0)
+                f.truncate()
+                f.write(text)
+
+    def _handle(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind in ("SYNC", "ADDED", "MODIFIED", "DELETED", "RESYNC"):
+            self._update_dns(kind, pod)
+        if kind == "RESYNC":
+            # Pods gone while the watch was down.
+            for uid in set(self.runs) - set(pod["uids"]):
+                self._forget(self.runs[uid], "pod no longer exists")
+            return
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        run = self.runs.get(uid)
+        if kind == "DELETED":
+            self.waiting.pop(uid, None)
+            if run:
+                self._forget(run, "pod deleted")
+            self.finished.discard(uid)
+            return
+        if meta.get("deletionTimestamp"):
+            if run and not run.deleting:
+                run.deleting = True
+                threading.Thread(target=self._delete, args=(run,), daemon=True).start()
+            elif not run:
+                # Nothing runs for it (finished, or never started): let it go now.
+                self._force_delete(meta["namespace"], meta["name"], uid)
+            return
+        if run:
+            run.pod = pod
+            return
+        if uid in self.finished or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            return
+        node = pod.get("spec", {}).get("nodeName")
+        if not node or not pod.get("status", {}).get("podIP"):
+            return  # not scheduled or no IP from kwok yet; a later event brings it
+        node_obj = self._node(node)
+        if node_obj is None:
+            # A node created a moment ago may be missing from the cache: retry on the next ticks.
+            self.waiting[uid] = pod
+            return
+        self.waiting.pop(uid, None)
+        self._start_pod(pod, node_obj)
+
+    # ------------------------------------------------------------------------------------ starting
+
+    def _lookup(self, kind: str, ns: str, name: str) -> dict[str, str] | None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            if kind == "ConfigMap":
+                return dict(self.core.read_namespaced_config_map(name, ns).data or {})
+            secret = self.core.read_namespaced_secret(name, ns)
+            data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+            return {**data, **(secret.string_data or {})}
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def _credentials(self, pod: dict[str, Any], pod_dir: Path) -> Path | None:
+        """The kubeconfig the pod's containers get: the admin one, or its ServiceAccount's (see
+        ``podspec.service_account_for``); None when the pod must have no credentials.
+
+        Raises:
+            PodSpecError: the ServiceAccount does not exist, or the API refused the token.
+        """
+        import yaml
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        sa = podspec.service_account_for(pod)
+        if sa is None:
+            return self.kubeconfig
+        if not sa:
+            return None
+        meta = pod["metadata"]
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[],
+                expiration_seconds=TOKEN_TTL_S,
+                bound_object_ref=client.V1BoundObjectReference(
+                    api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]
+                ),
+            )
+        )
+        try:
+            token = self.core.create_namespaced_service_account_token(sa, meta["namespace"], request)
+        except ApiException as exc:
+            raise podspec.PodSpecError(
+                f"spec.serviceAccountName {sa!r}: cannot get a token ({exc.status} {exc.reason})"
+            ) from None
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        cfg = podspec.service_account_kubeconfig(admin, token.status.token, meta["namespace"])  # type: ignore[union-attr,arg-type]  # a created TokenRequest has its status
+        path = pod_dir / "serviceaccount.kubeconfig"
+        path.touch(mode=0o600)
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    def _start_pod(self, pod: dict[str, Any], node: dict[str, Any]) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        uid, ns, name = meta["uid"], meta["namespace"], meta["name"]
+        pod_dir = self.pods_dir / podspec.pod_dir_name(pod)
+        pod_dir.mkdir(parents=True, exist_ok=True)
+        restart_policy = spec.get("restartPolicy", "Always")
+        prev = {c["name"]: c for c in pod.get("status", {}).get("containerStatuses") or []}
+        run = PodRun(uid, ns, name, pod, [], restart_policy)
+        self.runs[uid] = run
+        try:
+            ip = podspec.check_pod_ip(pod.get("status", {}).get("podIP"))
+            if spec.get("initContainers"):
+                raise podspec.PodSpecError("spec.initContainers are not supported by the sandbox runner")
+            gpu_model = (node.get("metadata", {}).get("annotations") or {}).get("gearshift.io/gpu-model", "")
+            kubeconfig = self._credentials(pod, pod_dir)
+            for c in spec.get("containers", []):
+                env = podspec.container_env(pod, c, self._lookup)
+                msg_file = pod_dir / f"{c['name']}.termination-log"
+                limits = (c.get("resources") or {}).get("limits") or {}
+                extra = {
+                    "GEARSHIFT_POD_IP": ip,
+                    "GEARSHIFT_TERMINATION_LOG": str(msg_file),
+                    "GEARSHIFT_SANDBOX_GPU_MODEL": gpu_model,
+                    "GEARSHIFT_SANDBOX_GPUS": str(limits.get(GPU_RESOURCE, "0")),
+                }
+                full = {
+                    "PATH": f"{self.venv_bin}:/usr/local/bin:/usr/bin:/bin",
+                    "HOME": os.environ.get("HOME", "/tmp"),
+                    "LANG": "C.UTF-8",
+                    "PYTHONUNBUFFERED": "1",
+                    "HOSTNAME": name,
+                    **({"KUBECONFIG": str(kubeconfig)} if kubeconfig else {}),
+                    "GEARSHIFT_HOST": ip,
+                    **env,
+                    **extra,
+                }
+                argv = podspec.container_argv(c, full, self.venv_bin, self.vllm_bin)
+                is_vllm = Path(argv[0]).name == podspec.VLLM_COMMAND
+                if is_vllm:
+                    core = self.next_core % (os.cpu_count() or 1)
+                    full.update(podspec.vllm_cpu_env(core, full.get("PYTHONPATH", "")))
+                    full["PATH"] = f"{self.vllm_bin}:{full['PATH']}"
+                    self.next_core += 1
+                # Volumes and cluster DNS for vLLM pods (model cache, /dev/shm, --master-addr); gearshift's
+                # own programs keep running on the host's filesystem as they always have.
+                mounts = podspec.mount_plan(pod, c, pod_dir, self.hostpath_root) if is_vllm else []
+                if is_vllm:
+                    plan_file = pod_dir / f"{c['name']}.mounts.json"
+                    plan_file.write_text(json.dumps({"mounts": mounts, "hosts": str(self.hosts_path)}))
+                    argv = [
+                        "unshare",
+                        "--mount",
+                        "--propagation",
+                        "private",
+                        "--",
+                        sys.executable,
+                        "-m",
+                        "gearshift.dev.sandbox.mountns",
+                        str(plan_file),
+                        "--",
+                        *argv,
+                    ]
+                cr = ContainerRun(
+                    name=c["name"],
+                    image=c.get("image", ""),
+                    argv=argv,
+                    env=full,
+                    probe=podspec.readiness_target(c, ip),
+                    log=pod_dir / f"{c['name']}.log",
+                    message_file=msg_file,
+                    pidfile=pod_dir / f"{c['name']}.pid",
+                    message_policy=c.get("terminationMessagePolicy", "File"),
+                    restarts=int(prev.get(c["name"], {}).get("restartCount", 0)),
+                )
+                cr.next_start = time.monotonic()
+                run.containers.append(cr)
+        except podspec.PodSpecError as exc:
+            run.error = str(exc)
+            run.containers = []
+            _log(f"{run.key}: cannot run: {exc}")
+        _log(f"{run.key}: accepted on {spec.get('nodeName')} ({pod['status'].get('podIP')})")
+        self._report(run)
+
+    def _spawn(self, run: PodRun, c: ContainerRun) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            c.message_file.unlink()
+        c.message_file.touch()
+        with c.log.open("ab") as out:
+            out.write(f"--- {_now()} starting {' '.join(c.argv)}\n".encode())
+            out.flush()
+            try:
+                c.proc = subprocess.Popen(
+                    c.argv,
+                    env=c.env,
+                    cwd=c.log.parent,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                run.error = f"containers[{c.name}]: cannot start {c.argv[0]}: {exc}"
+                _log(f"{run.key}: {run.error}")
+                return
+        write_pidfile(c.pidfile, c.proc.pid, c.argv)
+        c.started_at, c.started_mono = _now(), time.monotonic()
+        c.state = {"running": {"startedAt": c.started_at}}
+        c.ready, c.successes, c.failures = c.probe is None, 0, 0
+        c.next_probe = c.started_mono + (c.probe["initial_delay_s"] if c.probe else 0)
+        c.next_start = None
+        _log(f"{run.key}/{c.name}: started pid {c.proc.pid}: {' '.join(c.argv)}")
+
+    # --------------------------------------------------------------------------------- supervising
+
+    def _supervise(self, run: PodRun) -> None:
+        if run.deleting:
+            return
+        now = time.monotonic()
+        for c in run.containers:
+            if c.done:
+                continue
+            if c.proc is None:
+                if c.next_start is not None and now >= c.next_start and run.error is None:
+                    self._spawn(run, c)
+                continue
+            code = c.proc.poll()
+            if code is not None:
+                self._exited(run, c, code)
+                continue
+            if c.probe:
+                self._probe(c, now)
+        self._report(run)
+        if run.containers and all(c.done for c in run.containers):
+            self.finished.add(run.uid)
+            del self.runs[run.uid]
+            _log(f"{run.key}: finished ({self._phase(run)})")
+
+    def _exited(self, run: PodRun, c: ContainerRun, code: int) -> None:
+        log_tail = ""
+        if code != 0 and c.message_policy == "FallbackToLogsOnError":
+            with contextlib.suppress(OSError):
+                log_tail = c.log.read_bytes()[-16384:].decode(errors="replace")
+        try:
+            msg_text = c.message_file.read_text(errors="replace")
+        except OSError:
+            msg_text = ""
+        message = podspec.termination_message(msg_text, log_tail, code, c.message_policy)
+        terminated = {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": c.started_at,
+            "finishedAt": _now(),
+            "containerID": f"gearshift-sandbox://{c.proc.pid if c.proc else 0}",
+        }
+        if message:
+            terminated["message"] = message
+        ran_s = time.monotonic() - c.started_mono
+        with contextlib.suppress(FileNotFoundError):
+            c.pidfile.unlink()
+        c.proc, c.ready, c.exit_code = None, False, code
+        restart = run.restart_policy == "Always" or (run.restart_policy == "OnFailure" and code != 0)
+        _log(f"{run.key}/{c.name}: exited {code}{' (will restart)' if restart else ''}")
+        if not restart:
+            c.state, c.done = {"terminated": terminated}, True
+            return
+        if ran_s >= BACKOFF_RESET_S:
+            c.backoff_steps = 0
+        delay = podspec.restart_delay(c.backoff_steps, BACKOFF_BASE_S, BACKOFF_CAP_S)
+        c.backoff_steps += 1
+        c.restarts += 1
+        c.last_state = {"terminated": terminated}
+        c.state = {
+            "waiting": {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:.0f}s restarting failed container={c.name} pod={run.name}",
+            }
+        }
+        c.next_start = time.monotonic() + delay
+
+    def _probe(self, c: ContainerRun, now: float) -> None:
+        probe = c.probe
+        assert probe is not None
+        if c.probing is not None:
+            if not c.probing.done():
+                return
+            ok = c.probing.result()
+            c.probing = None
+            if ok:
+                c.successes, c.failures = c.successes + 1, 0
+                if c.successes >= probe["success_threshold"]:
+                    c.ready = True
+            else:
+                c.successes, c.failures = 0, c.failures + 1
+                if c.failures >= probe["failure_threshold"]:
+                    c.ready = False
+            period = probe["period_s"] if c.ready else min(probe["period_s"], FAST_PROBE_S)
+            c.next_probe = now + period
+            return
+        if now >= c.next_probe:
+            c.probing = self.probes.submit(_probe_once, probe)
+
+    # ------------------------------------------------------------------------------------ reporting
+
+    def _phase(self, run: PodRun) -> str:
+        cs = run.containers
+        if run.error and run.restart_policy != "Always":
+            return "Failed"
+        if cs and all(c.done for c in cs):
+            return "Succeeded" if all(c.exit_code == 0 for c in cs) else "Failed"
+        if any(c.started_at for c in cs):
+            return "Running"
+        return "Pending"
+
+    def _report(self, run: PodRun) -> None:
+        phase = self._phase(run)
+        statuses = []
+        for c in run.containers:
+            statuses.append(c.status())
+        if run.error:
+            reason = "CreateContainerConfigError"
+            spec_containers = run.pod.get("spec", {}).get("containers", [])
+            statuses = [
+                {
+                    "name": sc["name"],
+                    "image": sc.get("image", ""),
+                    "imageID": "",
+                    "ready": False,
+                    "started": False,
+                    "restartCount": 0,
+                    "state": {"waiting": {"reason": reason, "message": run.error}}
+                    if phase != "Failed"
+                    else {"terminated": {"exitCode": 128, "reason": reason, "message": run.error}},
+                }
+                for sc in spec_containers
+            ]
+        ready = phase == "Running" and bool(run.containers) and all(c.ready for c in run.containers)
+        not_ready = [c.name for c in run.containers if not c.ready]
+        why = "" if ready else (run.error or f"containers with unready status: [{' '.join(not_ready)}]")
+        reason = (
+            "" if ready else ("PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady")
+        )
+        flag = "True" if ready else "False"
+        updates = {
+            "Initialized": ("True", "", ""),
+            "Ready": (flag, reason, why),
+            "ContainersReady": (flag, reason, why),
+        }
+        body = {"phase": phase, "containerStatuses": statuses}
+        if run.error:
+            body["message"] = run.error
+            body["reason"] = "CreateContainerConfigError"
+        # Compare without timestamps so only real changes are written.
+        fingerprint = json.dumps([body, {k: v[0] for k, v in updates.items()}], sort_keys=True)
+        if fingerprint == run.last_sent:
+            return
+        current = run.pod.get("status", {}).get("conditions") or []
+        body["conditions"] = podspec.merge_conditions(current, updates, _now())
+        try:
+            pod = self.core.patch_namespaced_pod_status(run.name, run.namespace, {"status": body})
+            run.pod = self.api.sanitize_for_serialization(pod)
+            run.last_sent = fingerprint
+        except Exception as exc:
+            _log(f"{run.key}: status update failed: {type(exc).__name__}: {str(exc)[:300]}")
+
+    # ------------------------------------------------------------------------------------- stopping
+
+    def _kill(self, c: ContainerRun, grace_s: float) -> None:
+        proc = c.proc
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+        with contextlib.suppress(FileNotFoundError):
+            c.pidfile.unlink()
+
+    def _delete(self, run: PodRun) -> None:
+        grace = float(run.pod.get("spec", {}).get("terminationGracePeriodSeconds", 30))
+        for c in run.containers:
+            self._kill(c, min(grace, MAX_GRACE_S))
+        _log(f"{run.key}: stopped for deletion")
+        self._force_delete(run.namespace, run.name, run.uid)
+
+    def _force_delete(self, ns: str, name: str, uid: str) -> None:
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.core.delete_namespaced_pod(
+                name,
+                ns,
+                body=client.V1DeleteOptions(
+                    grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
+                ),
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                _log(f"{ns}/{name}: delete failed: {exc.status} {exc.reason}")
+
+    def _forget(self, run: PodRun, why: str) -> None:
+        for c in run.containers:
+            self._kill(c, 2.0)
+        self.runs.pop(run.uid, None)
+        _log(f"{run.key}: {why}; processes stopped")
+
+    def _shutdown(self) -> None:
+        # Signal every process first, then wait once: stopping is not serialised over the pods.
+        containers = [c for run in self.runs.values() for c in run.containers if c.proc is not None]
+        for c in containers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5.0
+        for c in containers:
+            self._kill(c, max(0.1, deadline - time.monotonic()))
+        self.probes.shutdown(wait=False, cancel_futures=True)
+        _log("pod runner stopped")
+
+
+def _probe_once(probe: dict[str, Any]) -> bool:
+    """One readiness probe attempt against the pod IP: HTTP 200-399, or a TCP connect."""
+    timeout = probe["timeout_s"]
+    if probe["kind"] == "http":
+        try:
+            with urllib.request.urlopen(probe["url"], timeout=timeout) as resp:
+                return 200 <= int(resp.status) < 400
+        except urllib.error.HTTPError as exc:
+            return 200 <= exc.code < 400
+        except (OSError, ValueError):
+            return False
+    try:
+        with socket.create_connection((probe["host"], probe["port"]), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m gearshift.dev.sandbox.podrunner --kubeconfig K --pods-dir D --venv-bin B``."""
+    parser = argparse.ArgumentParser(prog="gearshift-sandbox-podrunner", description=__doc__.split("\n")[0])
+    parser.add_argument("--kubeconfig", type=Path, required=True, help="the sandbox's kubeconfig")
+    parser.add_argument("--pods-dir", type=Path, required=True, help="per-pod logs and files")
+    parser.add_argument(
+        "--venv-bin", type=Path, default=Path(sys.executable).parent, help="console scripts dir"
+    )
+    parser.add_argument("--vllm-bin", type=Path, default=None, help="the vLLM CPU venv's bin dir")
+    parser.add_argument(
+        "--hostpath-root", type=Path, default=None, help="where hostPath volumes live (default: pods dir)"
+    )
+    args = parser.parse_args(argv)
+    from kubernetes import config as kconfig
+
+    api = kconfig.new_client_from_config(config_file=str(args.kubeconfig))
+    runner = PodRunner(
+        api,
+        args.kubeconfig.resolve(),
+        args.pods_dir.resolve(),
+        args.venv_bin,
+        vllm_bin=args.vllm_bin,
+        hostpath_root=args.hostpath_root,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
+    runner.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
