@@ -232,12 +232,9 @@ class TickResult:
 
 
 def _label_draining(api: KubeApi, namespace: str, pods: Sequence[str], on: bool) -> None:
-    patch = getattr(api, "patch", None)
-    if patch is None:
-        raise KubeApiError("this API client cannot merge-patch objects")
     for p in pods:
         try:
-            patch(
+            api.patch(
                 "v1",
                 "Pod",
                 namespace,
@@ -250,10 +247,7 @@ def _label_draining(api: KubeApi, namespace: str, pods: Sequence[str], on: bool)
 
 
 def _set_replicas(api: KubeApi, namespace: str, name: str, replicas: int) -> None:
-    patch = getattr(api, "patch", None)
-    if patch is None:
-        raise KubeApiError("this API client cannot merge-patch objects")
-    patch(*GS, namespace, name, {"spec": {"replicas": replicas}})
+    api.patch(*GS, namespace, name, {"spec": {"replicas": replicas}})
 
 
 def tick(

@@ -1,4 +1,5 @@
-"""The operator's narrow view of the Kubernetes API: get, list, server-side apply, delete, status, events.
+"""The operator's narrow view of the Kubernetes API: get, list, server-side apply, delete, patch, status,
+events.
 
 :class:`KubeApi` is the protocol the reconciler codes against; :class:`RestKubeApi` implements it with the
 ``kubernetes`` client's REST layer (no discovery round trips: the few kinds gearshift touches have fixed
@@ -109,6 +110,12 @@ class KubeApi(Protocol):
         self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
     ) -> dict[str, Any]:
         """JSON merge patch of the status subresource."""
+        ...
+
+    def patch(
+        self, api_version: str, kind: str, namespace: str | None, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of the object (not its status), e.g. ``{"spec": {"replicas": 3}}``."""
         ...
 
     def create_event(self, event: Mapping[str, Any]) -> None:

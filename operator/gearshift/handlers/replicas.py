@@ -281,10 +281,7 @@ def act(api: KubeApi, pod: Mapping[str, Any]) -> Decision:
     for name in decision.delete:
         api.delete(*POD, ns, name)
     if decision.record is not None:
-        patch = getattr(api, "patch", None)
-        if patch is None:
-            raise KubeApiError("this API client cannot merge-patch objects")
-        patch(
+        api.patch(
             *POD, ns, head.name, {"metadata": {"annotations": {ANNOTATION_RESTARTS_ACTED: decision.record}}}
         )
     if decision.delete:
