@@ -180,7 +180,7 @@ def plan_gears(
     ``workload``: (mean prompt, mean output) tokens the planner prices requests with (a GearSet's
     ``spec.plan.workload``); engines run the combined role, so the planner prices both phases."""
     fl = fleet_mod.load_fleet(FLEET)
-    doc = fleet_mod.resource_profile(fl)
+    doc = fleet_mod.datasheet_profile(fl)
     for n in doc["nodes"]:  # as gearshift.planner.inputs.resource_profile: usable memory only
         n["memory_gb"] = round(n["memory_gb"] * MEMORY_UTILIZATION, 6)
     profile = planner.parse_profile(doc)

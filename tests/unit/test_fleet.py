@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.facts.fleet import FleetError, load_fleet, max_micro_batch, parse_fleet, resource_profile
+from gearshift.facts.fleet import FleetError, datasheet_profile, load_fleet, max_micro_batch, parse_fleet
 
 REPO = Path(__file__).resolve().parents[2]
 MIXED = REPO / "examples" / "fleets/mixed.yaml"
@@ -72,7 +72,7 @@ class TestParseFleet:
 class TestResourceProfile:
     def test_every_pair_linked_by_slower_nic(self):
         fleet = load_fleet(MIXED)
-        prof = {n["node_id"]: n for n in resource_profile(fleet)["nodes"]}
+        prof = {n["node_id"]: n for n in datasheet_profile(fleet)["nodes"]}
         assert len(prof) == 10
         nic = {n.name: n.nic_gbps for n in fleet.nodes}
         for a, b in itertools.permutations(nic, 2):
@@ -90,7 +90,7 @@ class TestResourceProfile:
                 ],
             }
         )
-        prof = {n["node_id"]: n for n in resource_profile(fleet)["nodes"]}
+        prof = {n["node_id"]: n for n in datasheet_profile(fleet)["nodes"]}
         assert prof["gpu-h-0"]["compute_score"] == 1.0
         # Datasheets: A100 312 and H100 989 dense bf16 TFLOPS; seed 000's 0.85 TP efficiency for 2 cards.
         assert math.isclose(prof["gpu-a-0"]["compute_score"], 2 * 312 / 989 * 0.85, rel_tol=1e-5)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.facts.fleet import load_fleet, resource_profile
+from gearshift.facts.fleet import datasheet_profile, load_fleet
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.planner.costs import KV_HEADROOM, RooflineAssumptions, RooflineCostModel
 from gearshift.planner.errors import InfeasibleError
@@ -89,8 +89,8 @@ class TestA100HoldsTheWholeModel:
         assert model.stage_kv_tokens(0) < 64 * 4096
 
     def test_mixed_fleet_a100s_join_the_throughput_gear_not_the_latency_gear(self) -> None:
-        doc = resource_profile(load_fleet(EXAMPLES / "fleets/mixed.yaml"))
-        for n in doc["nodes"]:  # usable memory, as gearshift.planner.inputs.resource_profile
+        doc = datasheet_profile(load_fleet(EXAMPLES / "fleets/mixed.yaml"))
+        for n in doc["nodes"]:  # usable memory, as gearshift.planner.inputs.datasheet_profile
             n["memory_gb"] *= 0.9
         profile = parse_profile(doc)
         a100s, h100s = {"gpu-a100-0", "gpu-a100-1"}, {"gpu-h100-0", "gpu-h100-1"}

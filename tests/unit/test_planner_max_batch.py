@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gearshift.facts.fleet import load_fleet, resource_profile
+from gearshift.facts.fleet import datasheet_profile, load_fleet
 from gearshift.planner.costs import RooflineAssumptions, load_model
 from gearshift.planner.gears import kv_resident_sequences, plan
 from gearshift.planner.profile import load_cluster, parse_profile
@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _profile():
-    return parse_profile(resource_profile(load_fleet(EXAMPLES / "fleets/mixed.yaml")))
+    return parse_profile(datasheet_profile(load_fleet(EXAMPLES / "fleets/mixed.yaml")))
 
 
 def test_roofline_gears_batch_as_many_sequences_as_their_kv_reservation():

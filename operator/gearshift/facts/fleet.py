@@ -164,7 +164,7 @@ def max_micro_batch(memory_gib: float) -> int:
     return 4
 
 
-def resource_profile(fleet: Fleet) -> dict[str, Any]:
+def datasheet_profile(fleet: Fleet) -> dict[str, Any]:
     """The fleet as the planner's resource profile (seed 002's format), from datasheet figures.
 
     Returns ``{"nodes": [{node_id, generation, memory_gb, compute_score, max_batch_microbatch,

@@ -2,8 +2,8 @@
 
 A profile document is ``{"nodes": [{node_id, generation, memory_gb, compute_score,
 max_batch_microbatch, interconnect: {peer_id: {bandwidth_gbps, latency_us}}}]}`` -- what the probe
-measures and what :func:`gearshift.facts.fleet.resource_profile` derives from datasheets. ``memory_gb`` is the
-node's GPU memory in GiB, ``compute_score`` its speed relative to an H100 SXM card (1.0), bandwidth in
+measures and what :func:`gearshift.facts.fleet.datasheet_profile` derives from datasheets. ``memory_gb`` is
+the node's GPU memory in GiB, ``compute_score`` its speed relative to an H100 SXM card (1.0), bandwidth in
 Gb/s, latency in µs. Seed 002 writes peer keys as ``to_gpu_002`` for node ``gpu-002``; both spellings
 are accepted.
 
@@ -176,7 +176,7 @@ def parse_profile(doc: Any) -> Profile:
 def load_cluster(path: str | Path) -> Profile:
     """Read a cluster file: a resource profile (``nodes:``) or a fleet file (``nodePools:``), YAML or JSON.
 
-    A fleet file is turned into a profile from datasheets by :func:`gearshift.facts.fleet.resource_profile`.
+    A fleet file is turned into a profile from datasheets by :func:`gearshift.facts.fleet.datasheet_profile`.
 
     Raises:
         PlanInputError: unreadable file, neither format, or bad fields (FleetError's message kept).
@@ -192,10 +192,10 @@ def load_cluster(path: str | Path) -> Profile:
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise PlanInputError(f"cluster file {str(p)!r} is not valid YAML/JSON: {exc}") from None
     if isinstance(doc, Mapping) and "nodePools" in doc:
-        from gearshift.facts.fleet import FleetError, parse_fleet, resource_profile
+        from gearshift.facts.fleet import FleetError, datasheet_profile, parse_fleet
 
         try:
-            return parse_profile(resource_profile(parse_fleet(dict(doc))))
+            return parse_profile(datasheet_profile(parse_fleet(dict(doc))))
         except FleetError as exc:
             raise PlanInputError(f"fleet file {str(p)!r}: {exc}") from None
     if isinstance(doc, Mapping) and "nodes" in doc:
