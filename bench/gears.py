@@ -80,7 +80,7 @@ from gearshift.control.executor import (  # noqa: E402
     World,
     step,
 )
-from gearshift.control.policy import GearTable, ShiftPolicy  # noqa: E402
+from gearshift.control.policy import GearTable, ShiftRules  # noqa: E402
 from gearshift.control.smoothing import Sample  # noqa: E402
 from gearshift.dev.demo.series import histogram_quantile  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
@@ -172,7 +172,7 @@ class GearSpec:
 
 
 def plan_gears(
-    arch: ModelArch, policy: ShiftPolicy, workload: tuple[int, int] = (512, 128)
+    arch: ModelArch, policy: ShiftRules, workload: tuple[int, int] = (512, 128)
 ) -> tuple[list[GearSpec], GearSpec, dict[str, Any]]:
     """The planner's three gears on the whole fleet, and the even layer split over the throughput gear's
     nodes (the deepest gear: every node of the fleet), with the same pipeline replicas and micro-batch.
@@ -239,7 +239,7 @@ def with_max_batch(spec: GearSpec, max_batch: int) -> GearSpec:
     return replace(spec, api=api, pipeline_doc={**spec.pipeline_doc, "maxBatch": max_batch})
 
 
-def _spec(api: ApiGear, profile: planner.Profile, arch: ModelArch, policy: ShiftPolicy) -> GearSpec:
+def _spec(api: ApiGear, profile: planner.Profile, arch: ModelArch, policy: ShiftRules) -> GearSpec:
     doc = sim_pipeline(api, gear_links(api, profile))
     load = max(arch.stage_weight_bytes(s.start, s.end) for s in api.stages) / (policy.transfer_gbps * 1e9)
     nodes = frozenset(n for s in api.stages for n in s.nodes)
@@ -353,7 +353,7 @@ def _cumulative(engines: Sequence[Engine]) -> tuple[dict[str, list[tuple[float, 
 class Sim:
     """Engines of the live gears, the router, and the event queue, in virtual time."""
 
-    def __init__(self, arch: ModelArch, trace: Trace, policy: ShiftPolicy, itl_sink: array) -> None:
+    def __init__(self, arch: ModelArch, trace: Trace, policy: ShiftRules, itl_sink: array) -> None:
         self.arch = arch
         self.trace = trace
         self.policy = policy
@@ -500,7 +500,7 @@ def run_variant(
     name: str,
     arch: ModelArch,
     trace: Trace,
-    policy: ShiftPolicy,
+    policy: ShiftRules,
     gears: Sequence[GearSpec],
     start_gear: str,
     *,
@@ -775,7 +775,7 @@ def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
 def _report(
     args: argparse.Namespace,
     arch: ModelArch,
-    policy: ShiftPolicy,
+    policy: ShiftRules,
     gears: Sequence[GearSpec],
     even: GearSpec,
     plan_info: dict[str, Any],

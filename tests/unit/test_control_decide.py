@@ -29,7 +29,7 @@ from gearshift.control.decide import (
     Overrides,
     decide,
 )
-from gearshift.control.policy import GearTable, GearView, Intent, PolicyError, ShiftPolicy, StageView
+from gearshift.control.policy import GearTable, GearView, Intent, PolicyError, ShiftRules, StageView
 from gearshift.control.smoothing import Sample, ema, smooth
 from gearshift.control.triggers import Trigger, conditions, imbalanced, saturated, thresholds
 from gearshift.facts.model import load_hf_config
@@ -91,7 +91,7 @@ OVERLOAD = {"p99": 400.0, "queue": 5.0}  # P99 2 × target and 5 requests waitin
 def run(
     script: list[dict | None],
     *,
-    policy: ShiftPolicy | None = None,
+    policy: ShiftRules | None = None,
     active: str = "bal",
     state: DecisionState | None = None,
     t0: float = 0.0,
@@ -100,7 +100,7 @@ def run(
     **health: str,
 ) -> tuple[str, list[Decision], DecisionState, str]:
     """Feed one sample per 2 s; ``follow`` makes a SHIFT take effect at once (as a finished executor)."""
-    policy = policy or ShiftPolicy(target_p99_ms=TARGET)
+    policy = policy or ShiftRules(target_p99_ms=TARGET)
     state = state or DecisionState()
     codes, decisions = [], []
     for i, kw in enumerate(script):
@@ -151,13 +151,11 @@ class TestTriggers:
         assert imbalanced(util, 0.9, 0.6) is fires
 
     def test_levels_move_each_threshold_one_step(self):
-        th = thresholds(
-            ShiftPolicy(), {Trigger.IMBALANCE: 1, Trigger.LATENCY_HIGH: 2, Trigger.LATENCY_LOW: 3}
-        )
+        th = thresholds(ShiftRules(), {Trigger.IMBALANCE: 1, Trigger.LATENCY_HIGH: 2, Trigger.LATENCY_LOW: 3})
         assert (th.imbalance_high, th.imbalance_low) == pytest.approx((0.95, 0.55))
         assert th.p99_high_ratio == pytest.approx(1.3)
         assert th.p99_low_ratio == pytest.approx(0.55)
-        assert thresholds(ShiftPolicy(), {Trigger.IMBALANCE: 3}).imbalance_high == 1.0
+        assert thresholds(ShiftRules(), {Trigger.IMBALANCE: 3}).imbalance_high == 1.0
 
     @pytest.mark.parametrize(
         ("p99", "high", "low"),
@@ -170,7 +168,7 @@ class TestTriggers:
         ],
     )
     def test_latency_against_target(self, p99, high, low):
-        met = conditions(smp(0, p99), ShiftPolicy(target_p99_ms=TARGET), {})
+        met = conditions(smp(0, p99), ShiftRules(target_p99_ms=TARGET), {})
         assert (met[Trigger.LATENCY_HIGH], met[Trigger.LATENCY_LOW]) == (high, low)
 
 
@@ -211,7 +209,7 @@ class TestHysteresis:
     def test_exit_samples_unlatch(self):
         # Latched by three hot samples while paused (no shift), then kept through two calm ones, dropped
         # by the third: the first unpaused hot sample after that does not shift.
-        policy = ShiftPolicy(target_p99_ms=TARGET)
+        policy = ShiftRules(target_p99_ms=TARGET)
         state = DecisionState()
         for i in range(3):
             state, _ = decide(
@@ -243,7 +241,7 @@ class TestNoPingPong:
 
     def test_without_smoothing_and_hysteresis_the_same_noise_would_shift(self):
         script = [{"p99": 220.0 if i % 2 == 0 else 260.0} for i in range(10)]
-        raw = ShiftPolicy(target_p99_ms=TARGET, ema_alpha=1.0, enter_samples=1)
+        raw = ShiftRules(target_p99_ms=TARGET, ema_alpha=1.0, enter_samples=1)
         assert run(script)[0] == "H" * 10
         assert run(script, policy=raw)[0][:2] == "HS"
 
@@ -264,7 +262,7 @@ class TestNoPingPong:
 
 class TestDwell:
     # No smoothing here (alpha 1), so each raw sample is what the triggers see; the EMA has its own tests.
-    POLICY = ShiftPolicy(target_p99_ms=TARGET, ema_alpha=1.0)
+    POLICY = ShiftRules(target_p99_ms=TARGET, ema_alpha=1.0)
 
     def test_retrigger_in_dwell_raises_that_threshold_and_a_quiet_dwell_resets_it(self):
         # t=0..4 slow → shift to the latency gear at t=4 (dwell until 604). t=6..10 fast → p99-low fires
@@ -341,7 +339,7 @@ class TestCostBenefit:
     def test_small_gain_is_vetoed(self):
         # thr predicts 1 % more throughput than bal: gain 0.01 × 600 s = 6 s; cost ≈ 16.1 GB / 2 GB/s ≈ 8 s.
         g = (gears()[1], replace(gears()[2], predicted_throughput_rps=16.16))
-        policy = ShiftPolicy(target_p99_ms=TARGET)
+        policy = ShiftRules(target_p99_ms=TARGET)
         state = DecisionState()
         codes = ""
         for i in range(3):
@@ -353,7 +351,7 @@ class TestCostBenefit:
         assert d.reason == "Imbalance"
 
     def test_large_gain_passes_and_latency_gain_uses_the_measured_p99(self):
-        policy = ShiftPolicy(target_p99_ms=TARGET)
+        policy = ShiftRules(target_p99_ms=TARGET)
         cb = cost_benefit(Trigger.LATENCY_HIGH, gears()[1], gears()[0], smp(0, 400.0), policy, ARCH)
         assert cb.improvement == pytest.approx((400 - 120) / 400)
         assert cb.gain_s == pytest.approx(0.7 * 600)
@@ -361,7 +359,7 @@ class TestCostBenefit:
 
     def test_no_prediction_cannot_veto(self):
         unknown = replace(gears()[2], predicted_throughput_rps=None)
-        cb = cost_benefit(Trigger.IMBALANCE, gears()[1], unknown, smp(0), ShiftPolicy(), ARCH)
+        cb = cost_benefit(Trigger.IMBALANCE, gears()[1], unknown, smp(0), ShiftRules(), ARCH)
         assert cb.gain_s is None and not cb.veto
 
 
@@ -397,7 +395,7 @@ class TestHealthAndOverrides:
     def test_paused_and_busy_hold(self):
         codes, decisions, _state, _ = run([SLOW] * 5, overrides=Overrides(paused=True))
         assert codes == "HHHHH" and decisions[-1].reason == REASON_PAUSED
-        _s, d = decide(DecisionState(), smp(0, 400.0), ShiftPolicy(), table(), 0, busy=True)
+        _s, d = decide(DecisionState(), smp(0, 400.0), ShiftRules(), table(), 0, busy=True)
         assert d.reason == REASON_SHIFT_IN_PROGRESS
 
 
@@ -429,7 +427,7 @@ class TestPolicy:
     )
     def test_bad_values_name_the_field(self, kwargs, field):
         with pytest.raises(PolicyError, match=field):
-            ShiftPolicy(**kwargs)
+            ShiftRules(**kwargs)
 
 
 class TestSaturation:
@@ -478,15 +476,15 @@ class TestSaturation:
 
     @pytest.mark.parametrize(("queue", "replicas", "met"), [(3.0, 2, True), (2.0, 2, False), (1.5, 1, True)])
     def test_queue_is_per_pipeline_replica(self, queue, replicas, met):
-        assert saturated(smp(0, queue=queue), ShiftPolicy(), replicas) is met
-        got = conditions(smp(0, 400.0, queue=queue), ShiftPolicy(target_p99_ms=TARGET), {}, replicas)
+        assert saturated(smp(0, queue=queue), ShiftRules(), replicas) is met
+        got = conditions(smp(0, 400.0, queue=queue), ShiftRules(target_p99_ms=TARGET), {}, replicas)
         assert got[Trigger.SATURATION] is met
 
     def test_replicas_of_the_active_gear_count(self):
         two = tuple(
             replace(g, stages=stages(0, 16, 32, replicas=2)) if g.name == "lat" else g for g in gears()
         )
-        policy = ShiftPolicy(target_p99_ms=TARGET)
+        policy = ShiftRules(target_p99_ms=TARGET)
         state, codes = DecisionState(), ""
         for i in range(3):  # 2 waiting over 2 replicas = 1.0 per replica: not above 1
             state, d = decide(state, smp(2 * i, 400.0, queue=2.0), policy, GearTable(two, "lat", ARCH), 2 * i)
@@ -494,7 +492,7 @@ class TestSaturation:
         assert codes == "HHH"
 
     def test_threshold_level_moves_its_p99_ratio(self):
-        th = thresholds(ShiftPolicy(), {Trigger.SATURATION: 2})
+        th = thresholds(ShiftRules(), {Trigger.SATURATION: 2})
         assert th.saturation_p99_ratio == pytest.approx(1.3) and th.p99_high_ratio == pytest.approx(1.2)
 
     def test_decision_carries_the_measured_p99_for_the_rollback_baseline(self):
@@ -505,7 +503,7 @@ class TestSaturation:
         # lat → thr at t=4 (dwell to 604); thr overloaded (4 waiting, P99 400) and no bigger gear: hold.
         # Back on lat by force is not needed: run with follow off, lat stays active, saturation re-fires
         # at t=10 inside the dwell of the t=4 shift → level 1 (P99 ratio 1.25).
-        policy = ShiftPolicy(target_p99_ms=TARGET, ema_alpha=1.0)
+        policy = ShiftRules(target_p99_ms=TARGET, ema_alpha=1.0)
         codes, decisions, state, _ = run([OVERLOAD] * 6, active="lat", policy=policy, follow=False)
         assert codes == "HHSHHR"
         assert decisions[-1].trigger == "saturation" and state.tracks[Trigger.SATURATION].level == 1

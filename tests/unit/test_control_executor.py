@@ -34,10 +34,10 @@ from gearshift.control.executor import (
     step,
 )
 from gearshift.control.executor_status import executor_from_status, executor_to_status, through_status
-from gearshift.control.policy import ShiftPolicy
+from gearshift.control.policy import ShiftRules
 
 # warm 30 s after Ready, drain ≤ 120 s, rollback window 60 s, warm-up timeout 600 s, P99 ratio 2.
-POLICY = ShiftPolicy(warm_s=30, drain_timeout_s=120, rollback_window_s=60, warmup_timeout_s=600)
+POLICY = ShiftRules(warm_s=30, drain_timeout_s=120, rollback_window_s=60, warmup_timeout_s=600)
 REQUEST = ShiftRequest("thr", "imbalance", predicted_p99_ms=200.0)
 
 
@@ -72,7 +72,7 @@ def of(records: list[StepRecord], kind: type) -> list[tuple[float, Action]]:
     return [(r.now, a) for r in records for a in r.actions if isinstance(a, kind)]
 
 
-def run(w: ScriptedWorld, policy: ShiftPolicy = POLICY, request: ShiftRequest = REQUEST) -> list[StepRecord]:
+def run(w: ScriptedWorld, policy: ShiftRules = POLICY, request: ShiftRequest = REQUEST) -> list[StepRecord]:
     return simulate_steps(ShiftState(active="bal"), w, policy, request=request)
 
 
@@ -446,7 +446,7 @@ class TestDegraded:
 
     def test_refused_when_degraded_mode_is_off(self):
         w = world(full_shadow_fits=False)
-        policy = ShiftPolicy(allow_degraded=False)
+        policy = ShiftRules(allow_degraded=False)
         state, actions = step(ShiftState(active="bal"), w.observe(0), policy, request=REQUEST)
         assert state == ShiftState(active="bal")
         assert [a.outcome for a in actions if isinstance(a, RecordShift)] == [Outcome.FAILED]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from gearshift.control.decide import DecisionKind, DecisionState, decide
-from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftPolicy, StageView
+from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger, conditions
 from gearshift.facts.model import ModelArch
 
-POLICY = ShiftPolicy(target_p99_ms=200.0, latency_metric=LatencyMetric.TTFT, dwell_s=0.0)
+POLICY = ShiftRules(target_p99_ms=200.0, latency_metric=LatencyMetric.TTFT, dwell_s=0.0)
 
 
 @pytest.mark.parametrize(

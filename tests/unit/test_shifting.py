@@ -14,7 +14,7 @@ from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
 from gearshift.api.gearset import ControlState, ExecutorState, Gear
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Phase, ShiftState
-from gearshift.control.policy import ShiftPolicy
+from gearshift.control.policy import ShiftRules
 from gearshift.control.signals import (
     GearSelector,
     PipelineShape,
@@ -201,7 +201,7 @@ class TestStateRoundTrip:
             last_shift_at=T0 - 30,
             last_retrigger_at=T0 - 10,
         )
-        raw = sh.control_to_status(d, ShiftPolicy(dwell_s=600))
+        raw = sh.control_to_status(d, ShiftRules(dwell_s=600))
         assert raw["dwellUntil"] == sh.to_time(T0 + 570)
         back = sh.control_from_status(ControlState.model_validate(raw))
         assert back == d
@@ -385,7 +385,7 @@ class TestTicks:
         assert _signals_condition(world)["reason"] == "SignalsOk"
 
     def test_signals_to_status_shows_latency_only_with_completions(self) -> None:
-        policy = ShiftPolicy()
+        policy = ShiftRules()
         smoothed = Sample(at=T0, qps=1.5, ttft_p99_ms=690.514, itl_p99_ms=21.0)
         busy = Sample(at=T0, qps=0.5, ttft_p99_ms=500.0, itl_p99_ms=None)
         out = sh.signals_to_status(smoothed, policy, 1, busy)
@@ -781,6 +781,6 @@ def test_json_safe() -> None:
 
 
 def test_signals_to_status_always_sends_the_source_keys() -> None:
-    out = sh.signals_to_status(Sample(at=T0, qps=1.0), ShiftPolicy(), 1)
+    out = sh.signals_to_status(Sample(at=T0, qps=1.0), ShiftRules(), 1)
     assert "stageUtilizationSource" in out and out["stageUtilizationSource"] is None
     assert "pipelineUtilization" in out and out["pipelineUtilization"] is None

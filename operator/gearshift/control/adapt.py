@@ -9,7 +9,7 @@ from gearshift.api.gearset import Gear, GearHealth
 from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.executor import ShiftRequest
-from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftPolicy, StageView
+from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
 
 #: The P99 each role's latency triggers read (DESIGN.md: prefill is judged by TTFT, decode by ITL).
 ROLE_METRIC = {"prefill": LatencyMetric.TTFT, "decode": LatencyMetric.ITL}
@@ -17,11 +17,11 @@ ROLE_METRIC = {"prefill": LatencyMetric.TTFT, "decode": LatencyMetric.ITL}
 
 def policy_from_api(
     policy: ApiShiftPolicy, *, role: str, ttft_slo_ms: float, itl_slo_ms: float
-) -> ShiftPolicy:
+) -> ShiftRules:
     """The control policy from ``GearSet.spec.policy``.
 
-    Every field the API model and :class:`ShiftPolicy` share (same snake-case name) is copied; the others
-    keep :class:`ShiftPolicy`'s defaults. ``targetP99Ms`` unset means the role's SLO from the PDService
+    Every field the API model and :class:`ShiftRules` share (same snake-case name) is copied; the others
+    keep :class:`ShiftRules`'s defaults. ``targetP99Ms`` unset means the role's SLO from the PDService
     (``ttft_slo_ms`` for prefill, ``itl_slo_ms`` for decode, ms).
 
     Raises:
@@ -30,11 +30,11 @@ def policy_from_api(
     """
     if role not in ROLE_METRIC:
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    shared = {f.name: getattr(policy, f.name) for f in fields(ShiftPolicy) if hasattr(policy, f.name)}
+    shared = {f.name: getattr(policy, f.name) for f in fields(ShiftRules) if hasattr(policy, f.name)}
     shared = {k: v for k, v in shared.items() if v is not None}
     shared.setdefault("target_p99_ms", ttft_slo_ms if role == "prefill" else itl_slo_ms)
     shared["latency_metric"] = ROLE_METRIC[role]
-    return ShiftPolicy(**shared)
+    return ShiftRules(**shared)
 
 
 def gear_view(gear: Gear, health: GearHealth | None = None) -> GearView:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gearshift.control.policy import GearView, ShiftPolicy
+from gearshift.control.policy import GearView, ShiftRules
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
 from gearshift.facts.model import ModelArch
@@ -56,7 +56,7 @@ def shift_cost_bytes(
 
 
 def improvement(
-    trigger: Trigger, old: GearView, new: GearView, smoothed: Sample, policy: ShiftPolicy
+    trigger: Trigger, old: GearView, new: GearView, smoothed: Sample, policy: ShiftRules
 ) -> float | None:
     """Relative improvement of ``new`` over ``old`` for what ``trigger`` asks; ``None`` if unknown."""
     if trigger is Trigger.LATENCY_HIGH:
@@ -70,7 +70,7 @@ def improvement(
 
 
 def cost_benefit(
-    trigger: Trigger, old: GearView, new: GearView, smoothed: Sample, policy: ShiftPolicy, arch: ModelArch
+    trigger: Trigger, old: GearView, new: GearView, smoothed: Sample, policy: ShiftRules, arch: ModelArch
 ) -> CostBenefit:
     """Weigh a shift from ``old`` to ``new``; ``veto`` is set when the gain does not pay for the cost.
 

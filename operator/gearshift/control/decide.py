@@ -31,7 +31,7 @@ from enum import StrEnum
 from typing import Any
 
 from gearshift.control.cost import CostBenefit, cost_benefit
-from gearshift.control.policy import GearTable, GearView, Intent, ShiftPolicy
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules
 from gearshift.control.smoothing import Sample, smooth
 from gearshift.control.triggers import (
     TRIGGER_INTENT,
@@ -121,7 +121,7 @@ class DecisionState:
     def levels(self) -> dict[Trigger, int]:
         return {t: self.tracks[t].level for t in TRIGGERS}
 
-    def thresholds(self, policy: ShiftPolicy) -> Thresholds:
+    def thresholds(self, policy: ShiftRules) -> Thresholds:
         """The effective thresholds now (for status)."""
         return thresholds(policy, self.levels())
 
@@ -157,7 +157,7 @@ class Overrides:
     paused: bool = False
 
 
-def _hysteresis(track: TriggerTrack, met: bool, policy: ShiftPolicy) -> TriggerTrack:
+def _hysteresis(track: TriggerTrack, met: bool, policy: ShiftRules) -> TriggerTrack:
     if met:
         on = track.on + 1
         return replace(track, on=on, off=0, latched=track.latched or on >= policy.enter_samples)
@@ -230,7 +230,7 @@ def _target(
 def decide(
     state: DecisionState,
     sample: Sample | None,
-    policy: ShiftPolicy,
+    policy: ShiftRules,
     table: GearTable,
     now: float,
     *,
@@ -345,7 +345,7 @@ def _shifted(state: DecisionState, now: float) -> DecisionState:
 
 
 def _forced(
-    state: DecisionState, table: GearTable, name: str, now: float, policy: ShiftPolicy
+    state: DecisionState, table: GearTable, name: str, now: float, policy: ShiftRules
 ) -> tuple[DecisionState, Decision]:
     gear = table.get(name)
     if gear is None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
-from gearshift.control.policy import ShiftPolicy
+from gearshift.control.policy import ShiftRules
 from gearshift.control.triggers import Trigger
 
 
@@ -256,7 +256,7 @@ class ShiftState:
 def step(
     state: ShiftState,
     world: World,
-    policy: ShiftPolicy,
+    policy: ShiftRules,
     *,
     request: ShiftRequest | None = None,
     paused: bool = False,
@@ -313,7 +313,7 @@ def draining_gear(state: ShiftState) -> str | None:
     return None
 
 
-def rollback_p99_limit(state: ShiftState, policy: ShiftPolicy) -> float:
+def rollback_p99_limit(state: ShiftState, policy: ShiftRules) -> float:
     """The P99 above which the new gear rolls back, ms: ``rollbackP99Ratio`` × max(the old gear's measured
     P99 at the shift's start, ``targetP99Ms``)."""
     return policy.rollback_p99_ratio * max(state.baseline_p99_ms or 0.0, policy.target_p99_ms)
@@ -348,7 +348,7 @@ def shift_started_message(trigger: str, active: str, target: str, degraded: bool
 
 
 def _stable(
-    state: ShiftState, world: World, policy: ShiftPolicy, request: ShiftRequest | None
+    state: ShiftState, world: World, policy: ShiftRules, request: ShiftRequest | None
 ) -> tuple[ShiftState, list[Action]]:
     now, active = world.now, state.active
     actions: list[Action] = []
@@ -416,7 +416,7 @@ def _cancel(state: ShiftState, world: World, why: str) -> tuple[ShiftState, list
     ]
 
 
-def _warming(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+def _warming(state: ShiftState, world: World, policy: ShiftRules) -> tuple[ShiftState, list[Action]]:
     now, target = world.now, state.to_gear
     assert target is not None and state.from_gear is not None
     obs = world.gear(target)
@@ -451,7 +451,7 @@ def _warming(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Shif
     return state, actions
 
 
-def _draining(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+def _draining(state: ShiftState, world: World, policy: ShiftRules) -> tuple[ShiftState, list[Action]]:
     now, target, old = world.now, state.to_gear, state.from_gear
     assert target is not None and old is not None
     if not world.ready(target):
@@ -480,7 +480,7 @@ def _draining(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Shi
     ), actions
 
 
-def _switching(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+def _switching(state: ShiftState, world: World, policy: ShiftRules) -> tuple[ShiftState, list[Action]]:
     now, target, old = world.now, state.to_gear, state.from_gear
     assert target is not None and old is not None
     obs = world.gear(target)
@@ -522,7 +522,7 @@ def _switching(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[Sh
 
 
 def _begin_rollback(
-    state: ShiftState, world: World, policy: ShiftPolicy, reason: str, message: str
+    state: ShiftState, world: World, policy: ShiftRules, reason: str, message: str
 ) -> tuple[ShiftState, list[Action]]:
     assert state.to_gear is not None
     new = replace(
@@ -541,7 +541,7 @@ def _begin_rollback(
     return following, marks + actions
 
 
-def _rolling_back(state: ShiftState, world: World, policy: ShiftPolicy) -> tuple[ShiftState, list[Action]]:
+def _rolling_back(state: ShiftState, world: World, policy: ShiftRules) -> tuple[ShiftState, list[Action]]:
     """Old gear Ready → select it (the drain deadline starts), then wait until the failed gear holds no
     requests (or the deadline) with the Service on the old gear, then delete the failed gear.
 
@@ -620,7 +620,7 @@ class StepRecord:
 def simulate_steps(
     state: ShiftState,
     world: WorldModel,
-    policy: ShiftPolicy,
+    policy: ShiftRules,
     *,
     request: ShiftRequest | None,
     start: float = 0.0,

@@ -2,7 +2,7 @@
 
 Every default is seed 002's ("Gear shifting" and "Executor" in DESIGN.md) unless its comment says
 otherwise; the GearSet's ``spec.policy`` overrides each one (:func:`gearshift.control.adapt` builds a
-:class:`ShiftPolicy` from the API model).
+:class:`ShiftRules` from the API model).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class LatencyMetric(StrEnum):
 
 
 @dataclass(frozen=True)
-class ShiftPolicy:
+class ShiftRules:
     """All numbers of the shifting policy; times in s, latencies in ms, ratios as fractions.
 
     Field names follow ``GearSet.spec.policy`` (:class:`gearshift.api.gearset.ShiftPolicy`) in snake case;

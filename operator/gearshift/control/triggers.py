@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gearshift.control.policy import Intent, ShiftPolicy
+from gearshift.control.policy import Intent, ShiftRules
 from gearshift.control.smoothing import Sample
 
 
@@ -78,7 +78,7 @@ class Thresholds:
     p99_low_ratio: float
 
 
-def thresholds(policy: ShiftPolicy, levels: Mapping[Trigger, int]) -> Thresholds:
+def thresholds(policy: ShiftRules, levels: Mapping[Trigger, int]) -> Thresholds:
     """The thresholds after raising each trigger ``levels[trigger]`` steps of ``retriggerStep`` (0 = the
     policy's own). The utilisation thresholds stay in [0, 1]: at 1.0 the imbalance trigger cannot fire.
     """
@@ -106,13 +106,13 @@ def imbalanced(utilization: tuple[float, ...], high: float, low: float) -> bool:
     return utilization[hot] > high and all(u < low for u in others)
 
 
-def saturated(smoothed: Sample, policy: ShiftPolicy, pipelines: int) -> bool:
+def saturated(smoothed: Sample, policy: ShiftRules, pipelines: int) -> bool:
     """True when more than ``saturationQueue`` requests wait per pipeline replica (smoothed)."""
     return smoothed.queue / max(1, pipelines) > policy.saturation_queue
 
 
 def conditions(
-    smoothed: Sample, policy: ShiftPolicy, levels: Mapping[Trigger, int], pipelines: int = 1
+    smoothed: Sample, policy: ShiftRules, levels: Mapping[Trigger, int], pipelines: int = 1
 ) -> dict[Trigger, bool]:
     """Which triggers' conditions the (smoothed) sample meets, at the given threshold levels.
 

@@ -91,7 +91,7 @@ from gearshift.control.executor import (
     step,
 )
 from gearshift.control.executor_status import executor_from_status, executor_to_status, from_time, to_time
-from gearshift.control.policy import GearTable, LatencyMetric, PolicyError, ShiftPolicy
+from gearshift.control.policy import GearTable, LatencyMetric, PolicyError, ShiftRules
 from gearshift.control.signals import (
     E2E,
     ITL,
@@ -221,7 +221,7 @@ def control_from_status(c: ControlState | None) -> DecisionState:
     )
 
 
-def control_to_status(d: DecisionState, policy: ShiftPolicy) -> dict[str, Any]:
+def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
     """``status.control`` (camelCase JSON) of ``d``; ``dwellUntil`` is informational (last shift + dwell)."""
     tracks: Mapping[Trigger, TriggerTrack] = d.tracks
     return {
@@ -245,7 +245,7 @@ OPTIONAL_SIGNAL_KEYS = (*LATENCY_SIGNAL_KEYS, "stageUtilizationSource", "pipelin
 
 def signals_to_status(
     s: Sample,
-    policy: ShiftPolicy,
+    policy: ShiftRules,
     replicas: int,
     raw: Sample | None = None,
     reading: Reading | None = None,
