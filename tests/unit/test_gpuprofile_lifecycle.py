@@ -33,7 +33,7 @@ from gearshift.profiling.lifecycle import (
     start_probe,
 )
 from gearshift.profiling.profiles import (
-    NodeView,
+    GpuNodeView,
     SelectorError,
     apply_override,
     card_score,
@@ -55,14 +55,14 @@ def fleet_nodes() -> list[dict[str, Any]]:
     return [gpu_node_manifest(n, i, 7) for i, n in enumerate(fleet.nodes)]
 
 
-def view(name: str = "gpu-h100-0") -> NodeView:
+def view(name: str = "gpu-h100-0") -> GpuNodeView:
     body = next(n for n in fleet_nodes() if n["metadata"]["name"] == name)
     v = node_view(body)
     assert v is not None
     return v
 
 
-def sim_doc(node: NodeView) -> dict[str, Any]:
+def sim_doc(node: GpuNodeView) -> dict[str, Any]:
     """The compact document the real simulated probe writes to its termination log for ``node``."""
     doc = simulated_probe(
         node.annotations,
@@ -103,7 +103,7 @@ def outcome(pods: list[dict[str, Any]], job: dict[str, Any] | None = JOB, **kw: 
     return job_outcome(job, pods, **{**args, **kw})
 
 
-class TestNodeView:
+class TestGpuNodeView:
     def test_gpu_node_from_sandbox_manifest(self) -> None:
         v = view("gpu-a100-1")
         assert (v.gpu_count, v.product) == (1, GPU_SPECS["A100-40GB"].product)
@@ -308,7 +308,7 @@ class TestJobOutcome:
 
 
 class TestTransitions:
-    def succeed(self, status: GPUProfileStatus, node: NodeView, **kw: Any) -> GPUProfileStatus:
+    def succeed(self, status: GPUProfileStatus, node: GpuNodeView, **kw: Any) -> GPUProfileStatus:
         args: dict[str, Any] = {
             "override": None,
             "interconnect": [],
@@ -393,7 +393,7 @@ class TestTransitions:
             start_probe(GPUProfileStatus(), node, why="Initial", job_name="j", now=T0, generation=1).status,
             node,
         )
-        asked = NodeView(
+        asked = GpuNodeView(
             node.name,
             node.gpu_count,
             node.product,
@@ -404,7 +404,7 @@ class TestTransitions:
         st2 = start_probe(st, asked, why="Requested", job_name="j2", now=T0, generation=1).status
         st2 = self.succeed(st2, asked)
         assert probe_due(st2, asked, None, T0) is None  # one annotation value, one probe
-        changed = NodeView(node.name, 2, node.product, node.labels, node.annotations)
+        changed = GpuNodeView(node.name, 2, node.product, node.labels, node.annotations)
         assert probe_due(st, changed, None, T0) == "GpuChanged"
 
     def test_stale_node_gone(self) -> None:

@@ -10,14 +10,14 @@ from gearshift.api.common import COND_WINDOWED, find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProfileOverride
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.profiling.lifecycle import parse_rfc3339, window_step
-from gearshift.profiling.profiles import NodeView
+from gearshift.profiling.profiles import GpuNodeView
 
 NOW = datetime(2025, 1, 31, 12, 0, tzinfo=UTC)
 
 
-def node(value: str | None) -> NodeView:
+def node(value: str | None) -> GpuNodeView:
     ann = {ANNOTATION_AVAILABLE_UNTIL: value} if value is not None else {}
-    return NodeView("gpu-a", 1, "NVIDIA-H100-80GB-HBM3", annotations=ann)
+    return GpuNodeView("gpu-a", 1, "NVIDIA-H100-80GB-HBM3", annotations=ann)
 
 
 class TestWindowStep:

@@ -45,7 +45,7 @@ from gearshift.profiling.lifecycle import (
     with_class,
 )
 from gearshift.profiling.profiles import (
-    NodeView,
+    GpuNodeView,
     card_score,
     classify,
     datasheet_interconnect,
@@ -169,7 +169,7 @@ def _label_node(node: str, status: GPUProfileStatus | None, current: dict[str, s
     return True
 
 
-def _create_job(body: kopf.Body, node: NodeView, why: str, now: datetime) -> str:
+def _create_job(body: kopf.Body, node: GpuNodeView, why: str, now: datetime) -> str:
     s = nodes.settings()
     name = probe_job_name(node.name, now)
     owner = {"apiVersion": API_VERSION, "kind": "GPUProfile", "name": body["metadata"]["name"]}
@@ -201,7 +201,7 @@ def gpuprofile_reconcile(
     body: kopf.Body,
     spec: kopf.Spec,
     meta: kopf.Meta,
-    gpu_nodes: kopf.Index[str, NodeView],
+    gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
     **_: Any,
@@ -216,7 +216,7 @@ def gpuprofile_ready_reconcile(
     body: kopf.Body,
     spec: kopf.Spec,
     meta: kopf.Meta,
-    gpu_nodes: kopf.Index[str, NodeView],
+    gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
     **_: Any,
@@ -230,7 +230,7 @@ def _step(
     body: kopf.Body,
     spec: kopf.Spec,
     meta: kopf.Meta,
-    gpu_nodes: kopf.Index[str, NodeView],
+    gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
 ) -> None:
@@ -357,7 +357,7 @@ def _step(
         _label_node(node.name, current, dict(node.labels), logger)
 
 
-def _all_nodes(index: kopf.Index[str, NodeView]) -> list[NodeView]:
+def _all_nodes(index: kopf.Index[str, GpuNodeView]) -> list[GpuNodeView]:
     return [v for store in index.values() for v in store]
 
 

@@ -17,7 +17,7 @@ import kopf
 
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.profiling.lifecycle import ProbeSettings, SettingsError
-from gearshift.profiling.profiles import NodeView, node_view, parse_selector
+from gearshift.profiling.profiles import GpuNodeView, node_view, parse_selector
 
 PLURAL = "gpuprofiles"
 
@@ -78,8 +78,8 @@ def nodes_startup(logger: Any, **_: Any) -> None:
 
 
 @kopf.index("", "v1", "nodes")
-def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView] | None:
-    """Index ``node name → NodeView`` of every GPU node (others are not indexed)."""
+def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, GpuNodeView] | None:
+    """Index ``node name → GpuNodeView`` of every GPU node (others are not indexed)."""
     view = node_view(body, _selector(settings().node_selector))
     return {name: view} if view is not None else None
 

@@ -44,7 +44,7 @@ from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverrid
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.k8s.probejob import ProbeJobConfig, ProbeJobError, tolerations_from_json
 from gearshift.probe.report import ProbeOutputError, profile_status_from_probe, validate_probe_output
-from gearshift.profiling.profiles import NodeView, apply_override, parse_selector
+from gearshift.profiling.profiles import GpuNodeView, apply_override, parse_selector
 
 # --- reasons (conditions and events) -----------------------------------------------------------------
 #: The node's GPU product or count changed since the probe.
@@ -201,7 +201,7 @@ def backoff_s(attempts: int, base_s: float, max_s: float) -> float:
 
 
 def probe_due(
-    status: GPUProfileStatus, node: NodeView, override: ProfileOverride | None, now: datetime
+    status: GPUProfileStatus, node: GpuNodeView, override: ProfileOverride | None, now: datetime
 ) -> str | None:
     """Why a probe should start now (see the module docstring), or None. ``status.phase`` must not be
     Probing (a Job is then in flight)."""
@@ -376,7 +376,7 @@ def _probe_info(status: GPUProfileStatus) -> ProbeInfo:
 
 def start_probe(
     status: GPUProfileStatus,
-    node: NodeView,
+    node: GpuNodeView,
     *,
     why: str,
     job_name: str,
@@ -409,7 +409,7 @@ def start_probe(
 
 def probe_succeeded(
     status: GPUProfileStatus,
-    node: NodeView,
+    node: GpuNodeView,
     doc: Mapping[str, Any],
     *,
     override: ProfileOverride | None,
@@ -521,7 +521,7 @@ def _window_cond(step: Step, source: str, until: datetime, now: datetime, genera
 
 def window_step(
     status: GPUProfileStatus,
-    node: NodeView,
+    node: GpuNodeView,
     override: ProfileOverride | None,
     *,
     now: datetime,

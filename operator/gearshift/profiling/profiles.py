@@ -107,7 +107,7 @@ def parse_selector(text: str) -> tuple[Requirement, ...]:
 
 
 @dataclass(frozen=True)
-class NodeView:
+class GpuNodeView:
     """What profiling needs of a Node: its GPUs, labels, and gearshift annotations."""
 
     name: str
@@ -139,8 +139,8 @@ def _quantity_int(value: Any) -> int:
         return 0
 
 
-def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> NodeView | None:
-    """The :class:`NodeView` of a Node body, or None when it is not a GPU node.
+def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> GpuNodeView | None:
+    """The :class:`GpuNodeView` of a Node body, or None when it is not a GPU node.
 
     A GPU node has ``nvidia.com/gpu`` capacity > 0 and matches every ``selector`` term.
     """
@@ -157,7 +157,7 @@ def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> 
     annotations = {
         k: str(v) for k, v in (meta.get("annotations") or {}).items() if k.startswith(f"{DOMAIN}/")
     }
-    return NodeView(
+    return GpuNodeView(
         name=str(meta.get("name", "")),
         gpu_count=count,
         product=labels.get(GFD_PRODUCT_LABEL, ""),
@@ -321,7 +321,9 @@ def apply_override(
     return eff, eff.overridden
 
 
-def datasheet_interconnect(node: NodeView, peers: Iterable[NodeView], limit: int) -> list[dict[str, Any]]:
+def datasheet_interconnect(
+    node: GpuNodeView, peers: Iterable[GpuNodeView], limit: int
+) -> list[dict[str, Any]]:
     """``status.interconnect`` from the nodes' ``gearshift.io/nic-gbps`` and ``latency-us`` annotations.
 
     The slower NIC bounds a link and the larger latency counts, as :meth:`gearshift.facts.fleet.Fleet.link`
@@ -329,7 +331,7 @@ def datasheet_interconnect(node: NodeView, peers: Iterable[NodeView], limit: int
     datasheet fallback used until pairwise link probes run (the profile's ``source`` says ``datasheet``).
     """
 
-    def nic(v: NodeView) -> tuple[float, float] | None:
+    def nic(v: GpuNodeView) -> tuple[float, float] | None:
         try:
             return float(v.annotations[f"{DOMAIN}/nic-gbps"]), float(
                 v.annotations.get(f"{DOMAIN}/latency-us", 0)
