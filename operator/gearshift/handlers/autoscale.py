@@ -50,12 +50,13 @@ from gearshift.api.common import (
 from gearshift.api.gearset import Gear, ScalingStatus
 from gearshift.control import scaling as sc
 from gearshift.control.executor_status import from_time, to_time
+from gearshift.control.reconcile import SHIFT_STEPS
 from gearshift.control.signals import GearSelector, SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import SHIFT_STEPS, NotYet, service_lock
+from gearshift.handlers.reconcile import NotYet, service_lock
 from gearshift.handlers.shifting import _gpu_requests
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT

@@ -54,6 +54,7 @@ from gearshift.api.common import (
 )
 from gearshift.api.gearset import Gear, GearSet, Workload
 from gearshift.api.pdservice import PDService
+from gearshift.control.reconcile import SHIFT_STEPS
 from gearshift.control.windows import (
     WindowTiming,
     next_leave_by,
@@ -94,9 +95,6 @@ from gearshift.planner.inputs import (
 log = logging.getLogger(__name__)
 
 
-#: Executor steps during which the executor, not the reconciler, owns the role's gears and selector
-#: (Degraded is the executor's weights-first warming).
-SHIFT_STEPS = ("Warming", "Draining", "Switching", "RollingBack", "Degraded")
 #: Retry delay when a referenced object is missing, s.
 NOT_YET_DELAY_S = 15.0
 #: Plans kept in memory, keyed by their inputs hash (many PDServices of one model share a fleet).

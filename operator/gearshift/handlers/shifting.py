@@ -92,6 +92,7 @@ from gearshift.control.executor import (
 )
 from gearshift.control.executor_status import executor_from_status, executor_to_status, from_time, to_time
 from gearshift.control.policy import GearTable, LatencyMetric, PolicyError, ShiftRules
+from gearshift.control.reconcile import SHIFT_STEPS
 from gearshift.control.signals import (
     E2E,
     ITL,
@@ -111,7 +112,6 @@ from gearshift.handlers.common import ConditionBook, conditions_from, emit, patc
 from gearshift.handlers.kubeapi import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import (
-    SHIFT_STEPS,
     NotYet,
     Settings,
     delete_gear_sync,
