@@ -1,5 +1,5 @@
-"""The operator's narrow view of the Kubernetes API: get, list, server-side apply, delete, patch, status,
-events.
+"""The operator's narrow view of the Kubernetes API: get, list, create, server-side apply, delete, patch,
+status, events.
 
 :class:`KubeApi` is the protocol the reconciler codes against; :class:`RestKubeApi` implements it with the
 ``kubernetes`` client's REST layer (no discovery round trips: the few kinds gearshift touches have fixed
@@ -25,6 +25,7 @@ SVC = ("v1", "Service")
 NODE = ("v1", "Node")
 POD = ("v1", "Pod")
 DEPLOY = ("apps/v1", "Deployment")
+JOB = ("batch/v1", "Job")
 
 #: Field manager of every server-side apply by the operator.
 FIELD_MANAGER = "gearshift"
@@ -38,6 +39,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Event"): ("events", True),
     ("apps/v1", "StatefulSet"): ("statefulsets", True),
     ("apps/v1", "Deployment"): ("deployments", True),
+    JOB: ("jobs", True),
     ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
     PDS: ("pdservices", True),
@@ -96,6 +98,16 @@ class KubeApi(Protocol):
         labels: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """Objects of a kind (in ``namespace``, or all), filtered by equality ``labels``."""
+        ...
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Create ``manifest`` (POST); returns the object as stored.
+
+        Raises:
+            KubeApiError: the server refused it; status 409 when an object of that name exists (it is left
+                as it is).
+            ValueError: a namespaced kind without ``metadata.namespace``.
+        """
         ...
 
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -180,6 +192,16 @@ class RestKubeApi:
         query = [("labelSelector", label_selector(labels))] if labels else []
         out = self._call("GET", resource_path(api_version, kind, namespace), query=query)
         return list(out.get("items") or [])
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        # A plain POST, not an apply: it leaves an existing object alone (409), and RBAC's create verb is
+        # all it needs (the probe Jobs' Role grants no patch).
+        api_version, kind = manifest["apiVersion"], manifest["kind"]
+        namespace = manifest["metadata"].get("namespace")
+        if RESOURCES.get((api_version, kind), ("", False))[1] and not namespace:
+            raise ValueError(f"{kind} {manifest['metadata'].get('name')!r} is namespaced: give its namespace")
+        path = resource_path(api_version, kind, namespace)
+        return self._call("POST", path, body=dict(manifest), content_type="application/json")
 
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         meta = manifest["metadata"]
