@@ -22,14 +22,24 @@ from gearshift.probe.simulated import simulated_probe
 from gearshift.profiling.lifecycle import (
     JobOutcome,
     ProbeSettings,
+    ProbeStart,
     SettingsError,
+    Step,
     backoff_s,
+    complete_step,
     dump_status,
+    job_create_failed,
     job_outcome,
     mark_stale,
+    node_gone_message,
+    node_gone_step,
     probe_due,
     probe_failed,
+    probe_finished,
+    probe_start,
     probe_succeeded,
+    ready_override_step,
+    running_job,
     start_probe,
 )
 from gearshift.profiling.profiles import (
@@ -452,3 +462,146 @@ class TestSettings:
 
     def test_backoff(self) -> None:
         assert [backoff_s(n, 30, 1800) for n in (1, 2, 3, 7, 20)] == [30, 60, 120, 1800, 1800]
+
+
+class TestTimerStep:
+    """The decisions of one timer step (:mod:`gearshift.handlers.gpuprofile` does the calls between)."""
+
+    S = ProbeSettings(backoff_base_s=8, backoff_max_s=64, reprobe_interval_s=600, expected_kinds=KINDS)
+
+    def probing(self, node: GpuNodeView, job: str = "j1") -> GPUProfileStatus:
+        return start_probe(GPUProfileStatus(), node, why="Initial", job_name=job, now=T0, generation=1).status
+
+    def ready(self, node: GpuNodeView) -> GPUProfileStatus:
+        st = self.probing(node)
+        return probe_succeeded(
+            st,
+            node,
+            sim_doc(node),
+            override=None,
+            interconnect=[],
+            now=T0,
+            generation=1,
+            reprobe_interval_s=0,
+        ).status
+
+    def finished(
+        self, status: GPUProfileStatus, node: GpuNodeView, out: JobOutcome, **kw: Any
+    ) -> Step | None:
+        args: dict[str, Any] = {"override": None, "peers": [node], "now": T0, "generation": 2}
+        return probe_finished(status, node, out, settings=self.S, **{**args, **kw})
+
+    def test_running_job_only_while_probing(self) -> None:
+        node = view()
+        assert running_job(self.probing(node, "gsprobe-x")) == "gsprobe-x"
+        assert running_job(GPUProfileStatus(phase="Probing")) is None
+        ready = self.ready(node)
+        assert ready.probe is not None and ready.probe.job == "j1"  # the last Job stays recorded
+        assert running_job(ready) is None
+
+    def test_node_gone_is_marked_once(self) -> None:
+        step = node_gone_step(self.ready(view()), "gpu-h100-0", now=T0, generation=3)
+        assert step is not None and step.status.phase == "Stale"
+        cond = find_condition(step.status.conditions, "Stale")
+        assert cond is not None and (cond.status, cond.reason) == ("True", "NodeGone")
+        assert step.status.message == node_gone_message("gpu-h100-0")
+        assert [(e.type, e.reason) for e in step.events] == [("Warning", "NodeGone")]
+        assert node_gone_step(step.status, "gpu-h100-0", now=T0, generation=3) is None
+        # Stale for another reason: the node going is still recorded.
+        changed = mark_stale(self.ready(view()), "GpuChanged", "x", now=T0, generation=1).status
+        again = node_gone_step(changed, "gpu-h100-0", now=T0, generation=3)
+        assert again is not None
+        assert find_condition(again.status.conditions, "Stale").reason == "NodeGone"  # type: ignore[union-attr]
+
+    def test_probe_finished_running_success_and_failure(self) -> None:
+        node, peer = view("gpu-h100-0"), view("gpu-a10-0")
+        st = self.probing(node)
+        assert self.finished(st, node, JobOutcome("running")) is None
+        ok = self.finished(st, node, JobOutcome("succeeded", doc=sim_doc(node)), peers=[node, peer])
+        assert ok is not None and ok.status.phase == "Ready"
+        assert ok.status.probe is not None and ok.status.probe.next_time == T0 + timedelta(seconds=600)
+        # The datasheet link: the A10's 25 Gb/s NIC bounds it (the fleet file's numbers).
+        assert [(i.peer, i.bandwidth_gbps) for i in ok.status.interconnect] == [("gpu-a10-0", 25)]
+        bad = self.finished(st, node, JobOutcome("failed", "OOMKilled", "oom"))
+        assert bad is not None and bad.status.phase == "Failed"
+        assert bad.status.probe is not None and bad.status.probe.next_time == T0 + timedelta(seconds=8)
+        assert [e.reason for e in bad.events] == ["ProbeFailed"]
+
+    def test_a_refused_document_is_garbage_output(self) -> None:
+        node = view()
+        step = self.finished(self.probing(node), node, JobOutcome("succeeded", doc={"schemaVersion": 99}))
+        assert step is not None and step.status.phase == "Failed"
+        assert step.status.probe is not None and step.status.probe.failure_reason == "GarbageOutput"
+        assert "schemaVersion" in (step.status.message or "")
+
+    def test_probe_start_initial_not_due_and_gpu_changed(self) -> None:
+        node = view()
+        fresh = GPUProfileStatus()
+        assert probe_start(fresh, node, None, now=T0, generation=1) == ProbeStart("Initial", fresh)
+        ready = self.ready(node)
+        assert probe_start(ready, node, None, now=T0, generation=1) is None
+        two = GpuNodeView(node.name, 2, node.product, node.labels, node.annotations)
+        start = probe_start(ready, two, None, now=T0, generation=4)
+        assert start is not None and start.why == "GpuChanged" and start.stale is not None
+        assert start.base == start.stale.status and start.base.phase == "Stale"
+        assert start.base.message == f"the node's GPU changed from {node.gpu_key} to {two.gpu_key}"
+        assert [(e.type, e.reason) for e in start.stale.events] == [("Warning", "GpuChanged")]
+        # Already Stale: probed again without a second Stale step.
+        again = probe_start(start.base, two, None, now=T0, generation=4)
+        assert again == ProbeStart("GpuChanged", start.base)
+
+    def test_job_create_failed_is_a_failed_attempt(self) -> None:
+        step = job_create_failed(
+            GPUProfileStatus(), "403 Forbidden" + "x" * 700, now=T0, generation=1, settings=self.S
+        )
+        info = step.status.probe
+        assert step.status.phase == "Failed" and info is not None
+        assert (info.failure_reason, info.attempts, info.next_time) == (
+            "JobCreateFailed",
+            1,
+            T0 + timedelta(seconds=8),
+        )
+        cond = find_condition(step.status.conditions, "Probed")
+        assert cond is not None and cond.message.startswith("cannot create the probe Job: 403 Forbidden")
+        # The outcome's message is cut at 600 characters before the attempt note is added.
+        assert (
+            cond.message
+            == "cannot create the probe Job: 403 Forbidden" + "x" * 558 + " (attempt 1; retry in 8 s)"
+        )
+
+    def test_ready_override_step(self) -> None:
+        ready = self.ready(view())
+        ov = ProfileOverride.model_validate({"memoryGiB": 12.0})
+        step = ready_override_step(ready, ov)
+        assert step is not None and (step.status.memory_gib, step.status.overridden) == (12.0, ["memoryGiB"])
+        assert step.events == []
+        assert ready_override_step(step.status, ov) is None
+        assert ready_override_step(ready, None) is None
+        assert ready_override_step(GPUProfileStatus(phase="Failed"), ov) is None
+
+    def test_complete_step_adds_window_and_class(self) -> None:
+        node = view()
+        ready = self.ready(node)
+        assert ready.compute_class is None
+        assert complete_step(None, ready, node, None, None, now=T0, generation=1) is None
+        classed = complete_step(None, ready, node, None, "mid", now=T0, generation=1)
+        assert classed is not None and classed.status.compute_class == "mid" and classed.events == []
+        assert ready.compute_class is None  # a copy
+        pinned = ProfileOverride.model_validate({"computeClass": "low"})
+        step = complete_step(None, ready, node, pinned, "high", now=T0, generation=1)
+        assert step is not None and step.status.compute_class == "low"
+        # A window on the node: its event comes after the step's own.
+        windowed = GpuNodeView(
+            node.name, 1, node.product, node.labels, {"gearshift.io/available-until": "2025-02-01T00:00:00Z"}
+        )
+        first = Step(ready.model_copy(deep=True), [])
+        first.events.append(probe_failed(ready, JobOutcome("failed", "X", "y"), now=T0, generation=1,
+                                         backoff_base_s=1, backoff_max_s=1).events[0])  # fmt: skip
+        out = complete_step(first, ready, windowed, None, None, now=T0, generation=1)
+        assert out is not None and [e.reason for e in out.events] == ["ProbeFailed", "AvailableUntil"]
+        assert out.status.available_until == datetime(2025, 2, 1, tzinfo=UTC)
+        assert len(first.events) == 1  # the step passed in is left as it was
+        # No node (gone): no window, and a Stale profile gets no class.
+        gone = node_gone_step(ready, node.name, now=T0, generation=1)
+        assert gone is not None
+        assert complete_step(gone, ready, None, None, "high", now=T0, generation=1) == gone

@@ -21,7 +21,7 @@ Nothing here reads the clock or the API: ``now`` and the objects are passed in.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -31,6 +31,7 @@ from gearshift.api.common import (
     COND_READY,
     COND_STALE,
     COND_WINDOWED,
+    MAX_PEERS,
     REASON_NODE_GONE,
     REASON_OVERRIDDEN,
     REASON_PROBE_FAILED,
@@ -44,7 +45,7 @@ from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverrid
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.k8s.probejob import ProbeJobConfig, ProbeJobError, tolerations_from_json
 from gearshift.probe.report import ProbeOutputError, profile_status_from_probe, validate_probe_output
-from gearshift.profiling.profiles import GpuNodeView, apply_override, parse_selector
+from gearshift.profiling.profiles import GpuNodeView, apply_override, datasheet_interconnect, parse_selector
 
 # --- reasons (conditions and events) -----------------------------------------------------------------
 #: The node's GPU product or count changed since the probe.
@@ -646,22 +647,183 @@ def dump_status(status: GPUProfileStatus) -> dict[str, Any]:
     return json.loads(json.dumps(body))
 
 
+# --- one timer step, between the handler's reads and writes ---------------------------------------------
+
+
+def running_job(status: GPUProfileStatus) -> str | None:
+    """The name of the probe Job in flight (``status.probe.job`` while Probing), else None."""
+    if status.phase == "Probing" and status.probe is not None and status.probe.job:
+        return status.probe.job
+    return None
+
+
+def node_gone_step(
+    status: GPUProfileStatus, node_name: str, *, now: datetime, generation: int | None
+) -> Step | None:
+    """Stale with reason ``NodeGone`` for a profile whose node left (or lost its GPUs); None when it
+    already is (the step was taken: the Job deleted, the labels removed)."""
+    gone = status.phase == "Stale" and any(
+        c.type == COND_STALE and c.reason == REASON_NODE_GONE for c in status.conditions or []
+    )
+    if gone:
+        return None
+    return mark_stale(status, REASON_NODE_GONE, node_gone_message(node_name), now=now, generation=generation)
+
+
+def probe_finished(
+    status: GPUProfileStatus,
+    node: GpuNodeView,
+    outcome: JobOutcome,
+    *,
+    override: ProfileOverride | None,
+    peers: Iterable[GpuNodeView],
+    now: datetime,
+    generation: int | None,
+    settings: ProbeSettings,
+) -> Step | None:
+    """The status after the probe Job came to ``outcome``; None while it runs.
+
+    A succeeded document that :func:`probe_succeeded` refuses counts as ``GarbageOutput``. ``peers`` (every
+    GPU node) give the datasheet interconnect; the back-off and the re-probe interval are ``settings``'.
+    """
+    if outcome.state == "succeeded" and outcome.doc is not None:
+        try:
+            return probe_succeeded(
+                status,
+                node,
+                outcome.doc,
+                override=override,
+                interconnect=datasheet_interconnect(node, peers, MAX_PEERS),
+                now=now,
+                generation=generation,
+                reprobe_interval_s=settings.reprobe_interval_s,
+            )
+        except ProbeOutputError as exc:
+            outcome = JobOutcome("failed", REASON_GARBAGE, str(exc)[:600])
+    if outcome.state != "failed":
+        return None
+    return probe_failed(
+        status,
+        outcome,
+        now=now,
+        generation=generation,
+        backoff_base_s=settings.backoff_base_s,
+        backoff_max_s=settings.backoff_max_s,
+    )
+
+
+@dataclass(frozen=True)
+class ProbeStart:
+    """A probe to start: why (a :func:`probe_due` reason), the status it starts from, and the Stale step
+    recorded first when the node's GPU changed (its events are emitted before the Job is created)."""
+
+    why: str
+    base: GPUProfileStatus
+    stale: Step | None = None
+
+
+def probe_start(
+    status: GPUProfileStatus,
+    node: GpuNodeView,
+    override: ProfileOverride | None,
+    *,
+    now: datetime,
+    generation: int | None,
+) -> ProbeStart | None:
+    """The probe to start now, or None when none is due. ``status.phase`` must not be Probing.
+
+    A GPU that changed under a profile not yet Stale marks it Stale (``GpuChanged``) first: the probe then
+    starts from that status.
+    """
+    why = probe_due(status, node, override, now)
+    if why is None:
+        return None
+    if why == REASON_GPU_CHANGED and status.phase != "Stale":
+        was = status.probe.gpu_key if status.probe else "?"
+        msg = f"the node's GPU changed from {was} to {node.gpu_key}"
+        stale = mark_stale(status, REASON_GPU_CHANGED, msg, now=now, generation=generation)
+        return ProbeStart(why, stale.status, stale)
+    return ProbeStart(why, status)
+
+
+def job_create_failed(
+    base: GPUProfileStatus, error: str, *, now: datetime, generation: int | None, settings: ProbeSettings
+) -> Step:
+    """The status after the API refused the probe Job (``error``: its message): a failed attempt
+    (``JobCreateFailed``), retried after the back-off."""
+    outcome = JobOutcome("failed", REASON_JOB_CREATE_FAILED, f"cannot create the probe Job: {error}"[:600])
+    return probe_failed(
+        base,
+        outcome,
+        now=now,
+        generation=generation,
+        backoff_base_s=settings.backoff_base_s,
+        backoff_max_s=settings.backoff_max_s,
+    )
+
+
+def ready_override_step(status: GPUProfileStatus, override: ProfileOverride | None) -> Step | None:
+    """A Ready profile with no probe due: ``spec.override`` applied again (it may have been edited);
+    None when that changes nothing or the profile is not Ready."""
+    if status.phase != "Ready":
+        return None
+    eff, _pinned = apply_override(status, override)
+    return Step(eff) if eff != status else None
+
+
+def complete_step(
+    step: Step | None,
+    status: GPUProfileStatus,
+    node: GpuNodeView | None,
+    override: ProfileOverride | None,
+    fleet_class: str | None,
+    *,
+    now: datetime,
+    generation: int | None,
+) -> Step | None:
+    """``step`` (or, when None, the unchanged ``status``) with the node's window (:func:`window_step`,
+    whatever the probe is doing) and, for a Ready or Probing profile with data, the compute class
+    (:func:`with_class` of ``fleet_class``). Returns a new step, or None when nothing is to be written."""
+    out = Step(step.status, list(step.events)) if step is not None else None
+    current = out.status if out is not None else status
+    if node is not None:
+        win = window_step(current, node, override, now=now, generation=generation)
+        if win is not None:
+            out = win if out is None else Step(win.status, out.events + win.events)
+            current = out.status
+    if current.phase in ("Ready", "Probing") and current.probe_time is not None:
+        cls = with_class(current, fleet_class, override)
+        if cls != current.compute_class:
+            if out is None:
+                out = Step(current.model_copy(deep=True))
+            out.status.compute_class = cls  # type: ignore[assignment]
+    return out
+
+
 __all__ = [
     "DEADLINE_GRACE_S",
     "REASON_NODE_GONE",
     "Event",
     "JobOutcome",
     "ProbeSettings",
+    "ProbeStart",
     "SettingsError",
     "Step",
     "backoff_s",
+    "complete_step",
     "dump_status",
+    "job_create_failed",
     "job_outcome",
     "mark_stale",
     "node_gone_message",
+    "node_gone_step",
     "probe_due",
     "probe_failed",
+    "probe_finished",
+    "probe_start",
     "probe_succeeded",
+    "ready_override_step",
+    "running_job",
     "start_probe",
     "window_step",
     "with_class",
