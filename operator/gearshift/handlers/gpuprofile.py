@@ -7,6 +7,8 @@ one is due, read a finished Job's termination message, back off after failures; 
 compute class from the fleet (:func:`gearshift.profiling.profiles.classify` over the ``profile_scores`` index)
 and makes the node's ``gearshift.io/*`` labels match the profile (removed unless Ready).
 
+The decisions are the life cycle's pure functions; this module makes the calls between them, through the
+operator's :class:`~gearshift.handlers.kubeapi.KubeApi` (:func:`gearshift.handlers.nodes.kube_api`).
 Status is written with the status subresource by this module (not through kopf's ``patch``), and the
 object returned is remembered: a tick that runs before the watch delivers that write uses the
 remembered status, so a probe is never started twice. Importing this module also registers
@@ -18,40 +20,30 @@ from __future__ import annotations
 import functools
 import threading
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
-from gearshift.api.common import API_VERSION, GROUP, MAX_PEERS, VERSION
-from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus
+from gearshift.api.common import API_VERSION, GROUP, VERSION
+from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus, ProfileOverride
 from gearshift.handlers import nodes
+from gearshift.handlers.kubeapi import GPUP, JOB, NODE, POD, KubeApi, KubeApiError
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
-from gearshift.probe.report import ProbeOutputError
 from gearshift.profiling.lifecycle import (
-    REASON_GPU_CHANGED,
-    REASON_JOB_CREATE_FAILED,
-    REASON_NODE_GONE,
-    JobOutcome,
+    ProbeSettings,
     Step,
+    complete_step,
     dump_status,
+    job_create_failed,
     job_outcome,
-    mark_stale,
-    node_gone_message,
-    probe_due,
-    probe_failed,
-    probe_succeeded,
+    node_gone_step,
+    probe_finished,
+    probe_start,
+    ready_override_step,
+    running_job,
     start_probe,
-    window_step,
-    with_class,
 )
-from gearshift.profiling.profiles import (
-    GpuNodeView,
-    card_score,
-    classify,
-    datasheet_interconnect,
-    labels_patch,
-    node_labels,
-)
+from gearshift.profiling.profiles import GpuNodeView, card_score, classify, labels_patch, node_labels
 
 PLURAL = nodes.PLURAL
 #: Seconds between two steps of one profile; bounds how late a finished probe or a new node is seen.
@@ -101,76 +93,51 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _batch() -> Any:
-    from kubernetes import client
-
-    return client.BatchV1Api(nodes.api_client())
-
-
-def _core() -> Any:
-    from kubernetes import client
-
-    return client.CoreV1Api(nodes.api_client())
+def _read_job(api: KubeApi, namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The probe Job and its pods (API dicts), or ``(None, [])`` when the Job is gone."""
+    job = api.get(*JOB, namespace, name)
+    if job is None:
+        return None, []
+    return job, api.list(*POD, namespace, labels={"batch.kubernetes.io/job-name": name})
 
 
-def _read_job(namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    from kubernetes.client.rest import ApiException
-
-    api = nodes.api_client()
-    try:
-        job = api.sanitize_for_serialization(_batch().read_namespaced_job(name, namespace))
-    except ApiException as exc:
-        if exc.status == 404:
-            return None, []
-        raise
-    pods = _core().list_namespaced_pod(namespace, label_selector=f"batch.kubernetes.io/job-name={name}")
-    return job, [api.sanitize_for_serialization(p) for p in pods.items]
+def _delete_job(api: KubeApi, namespace: str, name: str) -> None:
+    api.delete(*JOB, namespace, name)  # background propagation: its pods go too; gone already is fine
 
 
-def _delete_job(namespace: str, name: str) -> None:
-    from kubernetes import client
-    from kubernetes.client.rest import ApiException
-
-    try:
-        _batch().delete_namespaced_job(
-            name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
-        )
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-
-
-def _write_status(name: str, status: GPUProfileStatus) -> None:
-    from kubernetes import client
-
-    api = client.CustomObjectsApi(nodes.api_client())
-    # The client types a custom object as `object`; it is the patched object's JSON.
-    obj = cast(
-        "dict[str, Any]",
-        api.patch_cluster_custom_object_status(GROUP, VERSION, PLURAL, name, {"status": dump_status(status)}),
-    )
+def _write_status(api: KubeApi, name: str, status: GPUProfileStatus) -> None:
+    obj = api.patch_status(*GPUP, None, name, dump_status(status))
     with _lock:
         _written[name] = (_rv(obj), dict(obj.get("status") or {}))
 
 
-def _label_node(node: str, status: GPUProfileStatus | None, current: dict[str, str], logger: Any) -> bool:
-    from kubernetes.client.rest import ApiException
+def _known_status(name: str, body: kopf.Body) -> GPUProfileStatus:
+    """The profile's status: the one this process last wrote when the watch has not delivered it yet."""
+    raw = dict(body.get("status") or {})
+    with _lock:
+        cached = _written.get(name)
+    if cached is not None and cached[0] > _rv(body):
+        raw = cached[1]
+    return GPUProfileStatus.model_validate(raw)
 
+
+def _label_node(
+    api: KubeApi, node: str, status: GPUProfileStatus | None, current: dict[str, str], logger: Any
+) -> bool:
     patch = labels_patch(current, node_labels(status))
     if not patch:
         return False
     try:
-        _core().patch_node(node, {"metadata": {"labels": patch}})
-    except ApiException as exc:
+        api.patch(*NODE, None, node, {"metadata": {"labels": patch}})
+    except KubeApiError as exc:
         if exc.status == 404:
             return False
-        raise kopf.TemporaryError(f"cannot label node {node}: {exc.status} {exc.reason}", delay=5) from None
+        raise kopf.TemporaryError(f"cannot label node {node}: {exc}", delay=5) from None
     logger.info("node %s labels: %s", node, patch)
     return True
 
 
-def _create_job(body: kopf.Body, node: GpuNodeView, why: str, now: datetime) -> str:
-    s = nodes.settings()
+def _create_job(api: KubeApi, s: ProbeSettings, body: kopf.Body, node: GpuNodeView, now: datetime) -> str:
     name = probe_job_name(node.name, now)
     owner = {"apiVersion": API_VERSION, "kind": "GPUProfile", "name": body["metadata"]["name"]}
     owner["uid"] = body["metadata"]["uid"]
@@ -182,7 +149,7 @@ def _create_job(body: kopf.Body, node: GpuNodeView, why: str, now: datetime) -> 
         config=s.job,
         node_annotations=node.annotations,
     )
-    _batch().create_namespaced_job(s.job.namespace, job)
+    api.create(job)
     return name
 
 
@@ -234,144 +201,127 @@ def _step(
     profile_scores: kopf.Index[str, float],
     logger: Any,
 ) -> None:
-    s = nodes.settings()
-    now = _now()
-    generation = meta.get("generation")
+    """Read the profile and its node, take the life cycle's step (with its Job calls), write the status,
+    record the events, label the node.
+
+    Raises:
+        kopf.PermanentError: an invalid spec.
+        kopf.TemporaryError: the node's labels could not be written.
+        KubeApiError: another API call refused (kopf retries the timer).
+    """
+    api, s, now, generation = nodes.kube_api(), nodes.settings(), _now(), meta.get("generation")
     try:
         pspec = GPUProfileSpec.model_validate(dict(spec))
     except ValueError as exc:
         raise kopf.PermanentError(f"invalid spec: {exc}") from None
-    override = pspec.override
-    raw_status = dict(body.get("status") or {})
-    with _lock:
-        cached = _written.get(name)
-    if cached is not None and cached[0] > _rv(body):
-        raw_status = cached[1]
-    status = GPUProfileStatus.model_validate(raw_status)
+    status = _known_status(name, body)
     node_store = gpu_nodes.get(pspec.node_name)
     node = next(iter(node_store)) if node_store else None
-
-    step: Step | None = None
+    job = running_job(status)
+    step: Step | None
     if node is None:
-        gone = (
-            status.phase == "Stale"
-            and status.conditions
-            and any(c.type == "Stale" and c.reason == REASON_NODE_GONE for c in status.conditions)
-        )
-        if not gone:
-            if status.phase == "Probing" and status.probe and status.probe.job:
-                _delete_job(s.job.namespace, status.probe.job)
-            step = mark_stale(
-                status, REASON_NODE_GONE, node_gone_message(pspec.node_name), now=now, generation=generation
-            )
-            _label_node_if_exists(pspec.node_name, None, logger)
-    elif status.phase == "Probing" and status.probe and status.probe.job:
-        job, pods = _read_job(s.job.namespace, status.probe.job)
-        outcome = job_outcome(
-            job,
-            pods,
-            started=status.probe.started_time,
-            now=now,
-            deadline_s=s.job.active_deadline_s,
-            expected_kinds=s.expected_kinds,
-        )
-        if outcome.state == "succeeded" and outcome.doc is not None:
-            try:
-                step = probe_succeeded(
-                    status,
-                    node,
-                    outcome.doc,
-                    override=override,
-                    interconnect=datasheet_interconnect(node, _all_nodes(gpu_nodes), MAX_PEERS),
-                    now=now,
-                    generation=generation,
-                    reprobe_interval_s=s.reprobe_interval_s,
-                )
-            except ProbeOutputError as exc:
-                outcome = JobOutcome("failed", "GarbageOutput", str(exc)[:600])
-        if outcome.state == "failed":
-            if outcome.delete_job:
-                _delete_job(s.job.namespace, status.probe.job)
-            step = probe_failed(
-                status,
-                outcome,
-                now=now,
-                generation=generation,
-                backoff_base_s=s.backoff_base_s,
-                backoff_max_s=s.backoff_max_s,
-            )
+        step = _node_gone(api, s, status, pspec.node_name, now, generation, logger)
+    elif job is not None:
+        peers = _all_nodes(gpu_nodes)
+        step = _probe_outcome(api, s, status, job, node, pspec.override, peers, now, generation)
     else:
-        why = probe_due(status, node, override, now)
-        base = status
-        if why == REASON_GPU_CHANGED and status.phase != "Stale":
-            was = status.probe.gpu_key if status.probe else "?"
-            msg = f"the node's GPU changed from {was} to {node.gpu_key}"
-            stale = mark_stale(status, REASON_GPU_CHANGED, msg, now=now, generation=generation)
-            _emit(body, stale)
-            base = stale.status
-        if why is not None:
-            try:
-                job_name = _create_job(body, node, why, now)
-            except Exception as exc:  # the API refusing a Job is a failed attempt, reported and retried
-                step = probe_failed(
-                    base,
-                    JobOutcome(
-                        "failed", REASON_JOB_CREATE_FAILED, f"cannot create the probe Job: {exc}"[:600]
-                    ),
-                    now=now,
-                    generation=generation,
-                    backoff_base_s=s.backoff_base_s,
-                    backoff_max_s=s.backoff_max_s,
-                )
-            else:
-                step = start_probe(base, node, why=why, job_name=job_name, now=now, generation=generation)
-        elif status.phase == "Ready":
-            from gearshift.profiling.profiles import apply_override
-
-            eff, _pinned = apply_override(status, override)
-            if eff != status:
-                step = Step(eff)
-
-    current = step.status if step is not None else status
-    if node is not None:
-        # The node's window (gearshift.io/available-until), whatever the probe is doing (issue 13).
-        win = window_step(current, node, override, now=now, generation=generation)
-        if win is not None:
-            if step is None:
-                step = win
-            else:
-                step.status = win.status
-                step.events += win.events
-            current = step.status
-    if current.phase in ("Ready", "Probing") and current.probe_time is not None:
-        cls = with_class(current, fleet_classes(profile_scores).get(name), override)
-        if cls != current.compute_class:
-            if step is None:
-                step = Step(current.model_copy(deep=True))
-            step.status.compute_class = cls  # type: ignore[assignment]
+        step = _start_if_due(api, s, body, status, node, pspec.override, now, generation)
+    fleet_class = fleet_classes(profile_scores).get(name)
+    step = complete_step(step, status, node, pspec.override, fleet_class, now=now, generation=generation)
+    current = status
     if step is not None:
-        _write_status(name, step.status)
+        _write_status(api, name, step.status)
         _emit(body, step)
         current = step.status
     if node is not None:
-        _label_node(node.name, current, dict(node.labels), logger)
+        _label_node(api, node.name, current, dict(node.labels), logger)
+
+
+def _node_gone(
+    api: KubeApi,
+    s: ProbeSettings,
+    status: GPUProfileStatus,
+    node_name: str,
+    now: datetime,
+    generation: int | None,
+    logger: Any,
+) -> Step | None:
+    """Stale once its node is gone: the probe Job in flight deleted, the labels of a node that stays (it
+    lost its GPUs) removed."""
+    step = node_gone_step(status, node_name, now=now, generation=generation)
+    if step is None:
+        return None
+    job = running_job(status)
+    if job is not None:
+        _delete_job(api, s.job.namespace, job)
+    _label_node_if_exists(api, node_name, None, logger)
+    return step
+
+
+def _probe_outcome(
+    api: KubeApi,
+    s: ProbeSettings,
+    status: GPUProfileStatus,
+    job_name: str,
+    node: GpuNodeView,
+    override: ProfileOverride | None,
+    peers: list[GpuNodeView],
+    now: datetime,
+    generation: int | None,
+) -> Step | None:
+    """Read the probe Job ``job_name`` in flight; the status once it finished (a Job that would not finish
+    by itself is deleted)."""
+    started = status.probe.started_time if status.probe else None
+    job, pods = _read_job(api, s.job.namespace, job_name)
+    outcome = job_outcome(
+        job,
+        pods,
+        started=started,
+        now=now,
+        deadline_s=s.job.active_deadline_s,
+        expected_kinds=s.expected_kinds,
+    )
+    if outcome.delete_job:
+        _delete_job(api, s.job.namespace, job_name)
+    return probe_finished(
+        status, node, outcome, override=override, peers=peers, now=now, generation=generation, settings=s
+    )
+
+
+def _start_if_due(
+    api: KubeApi,
+    s: ProbeSettings,
+    body: kopf.Body,
+    status: GPUProfileStatus,
+    node: GpuNodeView,
+    override: ProfileOverride | None,
+    now: datetime,
+    generation: int | None,
+) -> Step | None:
+    """Create the probe Job when one is due (a GPU change recorded as Stale first); else re-apply the
+    override of a Ready profile."""
+    start = probe_start(status, node, override, now=now, generation=generation)
+    if start is None:
+        return ready_override_step(status, override)
+    if start.stale is not None:
+        _emit(body, start.stale)
+    try:
+        job_name = _create_job(api, s, body, node, now)
+    except Exception as exc:  # the API refusing a Job is a failed attempt, reported and retried
+        return job_create_failed(start.base, str(exc), now=now, generation=generation, settings=s)
+    return start_probe(start.base, node, why=start.why, job_name=job_name, now=now, generation=generation)
 
 
 def _all_nodes(index: kopf.Index[str, GpuNodeView]) -> list[GpuNodeView]:
     return [v for store in index.values() for v in store]
 
 
-def _label_node_if_exists(node: str, status: GPUProfileStatus | None, logger: Any) -> None:
+def _label_node_if_exists(api: KubeApi, node: str, status: GPUProfileStatus | None, logger: Any) -> None:
     """Remove the profile labels of a node that still exists but is no longer a GPU node."""
-    from kubernetes.client.rest import ApiException
-
-    try:
-        current = dict(_core().read_node(node).metadata.labels or {})
-    except ApiException as exc:
-        if exc.status == 404:
-            return
-        raise
-    _label_node(node, status, current, logger)
+    obj = api.get(*NODE, None, node)
+    if obj is None:
+        return
+    _label_node(api, node, status, dict((obj.get("metadata") or {}).get("labels") or {}), logger)
 
 
 def _emit(body: kopf.Body, step: Step) -> None:
@@ -384,4 +334,4 @@ def gpuprofile_delete(name: str, spec: kopf.Spec, logger: Any, **_: Any) -> None
     """Remove the profile labels from the node (they came from this profile) and forget its cache."""
     with _lock:
         _written.pop(name, None)
-    _label_node_if_exists(str(spec.get("nodeName", name)), None, logger)
+    _label_node_if_exists(nodes.kube_api(), str(spec.get("nodeName", name)), None, logger)

@@ -16,6 +16,7 @@ from typing import Any
 import kopf
 
 from gearshift.api.common import API_VERSION, GROUP, VERSION
+from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 from gearshift.profiling.lifecycle import ProbeSettings, SettingsError
 from gearshift.profiling.profiles import GpuNodeView, node_view, parse_selector
 
@@ -48,16 +49,14 @@ def _selector(text: str) -> tuple[Any, ...]:
     return parse_selector(text)
 
 
-@functools.cache
-def api_client() -> Any:
-    """A ``kubernetes.client.ApiClient``: in-cluster credentials, else ``$KUBECONFIG`` (or ~/.kube/config)."""
-    from kubernetes import client, config
+def kube_api() -> KubeApi:
+    """The operator's API (:func:`gearshift.handlers.pdservice.api`: in-cluster credentials, else
+    ``$KUBECONFIG``), shared with the other handlers."""
+    # Imported here, as the other handler modules do: importing pdservice registers its handlers, which
+    # `--disable gearshift.handlers.pdservice` must keep off.
+    from gearshift.handlers import pdservice
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+    return pdservice.api()
 
 
 @kopf.on.startup()
@@ -92,10 +91,6 @@ def node_event(type: str | None, name: str, body: kopf.Body, logger: Any, **_: A
         return
     if node_view(body, _selector(settings().node_selector)) is None or name in _ensured:
         return
-    from kubernetes import client
-    from kubernetes.client.rest import ApiException
-
-    api = client.CustomObjectsApi(api_client())
     manifest = {
         "apiVersion": API_VERSION,
         "kind": "GPUProfile",
@@ -103,13 +98,11 @@ def node_event(type: str | None, name: str, body: kopf.Body, logger: Any, **_: A
         "spec": {"nodeName": name},
     }
     try:
-        api.create_cluster_custom_object(GROUP, VERSION, PLURAL, manifest)
+        kube_api().create(manifest)
         logger.info("created GPUProfile %s for GPU node %s", name, name)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise kopf.TemporaryError(
-                f"cannot create GPUProfile {name}: {exc.status} {exc.reason}", delay=5
-            ) from None
+    except KubeApiError as exc:
+        if exc.status != 409:  # 409: it exists (made by an earlier run, or by hand): left as it is
+            raise kopf.TemporaryError(f"cannot create GPUProfile {name}: {exc}", delay=5) from None
     _ensured.add(name)
 
 
