@@ -11,6 +11,8 @@ stdout. Operations:
   ``stream`` and the ``kv_transfer_params`` that reach the engine (``SamplingParams.extra_args``);
 - ``{"op": "response", "kind": .., "body": {..}}``: validate with ``CompletionResponse`` /
   ``ChatCompletionResponse``; answers its ``kv_transfer_params`` and ``id``;
+- ``{"op": "error", "body": {..}}``: validate with vLLM's ``ErrorResponse`` (vllm/entrypoints/serve/engine/
+  protocol.py in 0.32, openai/protocol.py before), fields it does not define refused; answers the error;
 - ``{"op": "nixl"}``: read NixlConnector's source (not imported: it needs NIXL) and answer the keys of
   the ``kv_transfer_params`` its scheduler's ``request_finished`` returns (``prefill_returns``) and the
   keys ``update_state_after_alloc`` requires to pull KV (``decode_requires``).
@@ -47,6 +49,16 @@ def _models() -> dict[str, Any]:
         "completion": (CompletionRequest, CompletionResponse),
         "chat": (ChatCompletionRequest, ChatCompletionResponse),
     }
+
+
+def _error(body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    except ImportError:  # before 0.32's serve/ split
+        from vllm.entrypoints.openai.protocol import ErrorResponse  # type: ignore[no-redef]
+    err = ErrorResponse.model_validate(body)
+    extra = sorted((err.model_extra or {}).keys()) + sorted((err.error.model_extra or {}).keys())
+    return {"ok": True, "extra": extra, "error": err.error.model_dump()}
 
 
 def _request(models: dict[str, Any], kind: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -124,6 +136,8 @@ def main() -> int:
                 out = _request(models, msg["kind"], msg["body"])
             elif op == "response":
                 out = _response(models, msg["kind"], msg["body"])
+            elif op == "error":
+                out = _error(msg["body"])
             elif op == "nixl":
                 out = _nixl()
             else:

@@ -281,7 +281,10 @@ class TestServer_:
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
         assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-        assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+        assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        # as vLLM: the role only in the first chunk, then content deltas only
+        deltas = [json.loads(e)["choices"][0]["delta"] for e in events[1:-2]]
+        assert deltas and all(set(d) == {"content"} and d["content"] for d in deltas)
 
     async def test_pd_prefill_then_decode_skips_prefill_and_charges_transfer(self, client_for: Any) -> None:
         prefill = await client_for(a10_env(GEARSHIFT_ROLE="prefill"))
@@ -417,9 +420,17 @@ class TestServer_:
     async def test_errors_are_openai_shaped(self, client_for: Any) -> None:
         client = await client_for(a10_env(GEARSHIFT_MAX_MODEL_LEN="100"))
         r = await client.post("/v1/completions", json={"prompt": [1] * 90, "max_tokens": 20})
-        assert r.status == 400 and (await r.json())["param"] == "max_tokens"
+        err = (await r.json())["error"]
+        assert r.status == 400 and (err["param"], err["code"], err["type"]) == (
+            "max_tokens",
+            400,
+            "BadRequestError",
+        )
         r = await client.post("/v1/completions", json={"prompt": "x", "model": "other"})
-        assert r.status == 404
+        err = (await r.json())["error"]
+        assert r.status == 404 and (err["param"], err["code"], err["type"]) == ("model", 404, "NotFoundError")
+        # vLLM's own ErrorResponse reads it, with no field it does not define
+        assert vllm_protocol().call("error", body=await r.json())["extra"] == []
 
     async def test_worker_pod_serves_health_and_metrics_only(self, client_for: Any) -> None:
         doc = {"stages": [{"layers": [0, 16], "gpu": "A10-24GB"}, {"layers": [16, 32], "gpu": "T4-16GB"}]}

@@ -42,7 +42,7 @@ def make_metrics() -> RouterMetrics:
         requests=Counter(
             "gearshift_router_requests",
             "Client requests by policy, chosen prefill and decode pod, and outcome "
-            "(ok, client_error, upstream_error, timeout, rejected, no_pod).",
+            "(ok, client_error, upstream_error, timeout, rejected, no_pod, client_disconnected, cancelled).",
             ["policy", "prefill_pod", "decode_pod", "outcome"],
             registry=reg,
         ),

@@ -32,6 +32,7 @@ for it), as vLLM's ``--enable-request-id-headers`` does. Errors are OpenAI-shape
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -181,11 +182,66 @@ class ProxyConfig:
     """How text prompts are counted: ``chars`` (÷4, real tokenizers) or ``words`` (gearshift-sim)."""
 
 
-def error_response(status: int, message: str, err_type: str, code: str | None = None) -> web.Response:
-    """OpenAI-style JSON error."""
-    return web.json_response(
-        {"error": {"message": message, "type": err_type, "code": code or status}}, status=status
-    )
+def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+    """An error as vLLM answers one: ``{"error": {"message", "type", "param", "code"}}`` with the HTTP
+    status as ``code`` (``ErrorResponse``/``ErrorInfo``, vllm/entrypoints/serve/engine/protocol.py, 0.32)."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
+    """:func:`error_body` as a JSON response of that status."""
+    return web.json_response(error_body(status, message, err_type, param), status=status)
+
+
+def _has_content(event: Mapping[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, Mapping):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, Mapping) and (
+            delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+        ):
+            return True
+    return False
+
+
+def sse_content_events(buffer: bytes) -> tuple[int, bytes]:
+    """Count the complete server-sent events in ``buffer`` that carry generated tokens; return the count
+    and the unfinished tail (bytes after the last blank line) to prepend to the next chunk.
+
+    A token event is a ``data:`` JSON chunk with a non-empty ``choices[].text`` (completions) or
+    ``choices[].delta.content`` / ``reasoning_content`` / ``tool_calls`` (chat). Not tokens: chat's first
+    chunk, which carries only the role (vLLM sends it before the first token is computed, so a TTFT timed
+    from it is too low), a usage-only chunk (``choices: []``), ``[DONE]`` and anything that is not JSON.
+    """
+    *events, rest = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+    n = 0
+    for ev in events:
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            try:
+                doc = json.loads(payload)
+            except ValueError:
+                continue
+            if isinstance(doc, Mapping) and _has_content(doc):
+                n += 1
+    return n, rest
+
+
+class StreamEnded(Exception):
+    """A stream the router had started ended early: the client went away (``client_disconnected``) or the
+    engine broke off (``upstream_error``, told to the client as a last SSE ``error`` event, as vLLM does).
+    Nothing more can be sent: the status line went out with the first byte."""
+
+    def __init__(self, outcome: str, response: web.StreamResponse) -> None:
+        super().__init__(outcome)
+        self.outcome, self.response = outcome, response
 
 
 class RequestError(Exception):
@@ -588,15 +644,30 @@ class Proxy:
         self.inflight += 1
         self.metrics.inflight.inc()
         outcome = "ok"
+        # The response once a stream to the client has begun: an error after that point cannot be a new
+        # response, only a last event on this one.
+        streams: dict[str, web.StreamResponse] = {}
         try:
             # asyncio.timeout, unlike wait_for, runs the request in this task (no task per request).
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                return await self._forward(request, body, rid, labels, t_in)
+                return await self._forward(request, body, rid, labels, t_in, streams)
         except RequestError as err:
             outcome = err.outcome
             return _with_id(error_response(err.status, err.message, err.err_type), rid)
+        except StreamEnded as ended:
+            outcome = ended.outcome
+            return ended.response
+        except asyncio.CancelledError:
+            # aiohttp cancels a handler whose client closed the connection (handler_cancellation), as it
+            # does every handler at shutdown: only the first is the client's doing.
+            gone = request.transport is None or request.transport.is_closing()
+            outcome = "client_disconnected" if gone else "cancelled"
+            raise
         except TimeoutError:
             outcome = "timeout"
+            if (started := streams.get(rid)) is not None:
+                await self._end_stream(started, f"no complete answer within {self.cfg.request_timeout_s:g} s")
+                return started
             return _with_id(
                 error_response(504, f"no complete answer within {self.cfg.request_timeout_s:g} s", "timeout"),
                 rid,
@@ -612,7 +683,13 @@ class Proxy:
             self.metrics.e2e.labels(policy).observe(self.clock() - t_in)
 
     async def _forward(
-        self, request: web.Request, body: dict[str, Any], rid: str, labels: dict[str, str], t_in: float
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        rid: str,
+        labels: dict[str, str],
+        t_in: float,
+        streams: dict[str, web.StreamResponse],
     ) -> web.StreamResponse:
         policy = self.pool.config.policy
         max_tokens = (
@@ -692,13 +769,19 @@ class Proxy:
         if not pd:
             labels["prefill"] = db.info.name
         try:
-            return await self._relay(request, dresp, t_in, policy, rid)
+            return await self._relay(request, dresp, t_in, policy, rid, streams)
         finally:
             dresp.release()
             db.inflight -= 1
 
     async def _relay(
-        self, request: web.Request, resp: aiohttp.ClientResponse, t_in: float, policy: str, rid: str
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        t_in: float,
+        policy: str,
+        rid: str,
+        streams: dict[str, web.StreamResponse],
     ) -> web.StreamResponse:
         """Copy the upstream response to the client, streaming SSE as it arrives; observe TTFT and ITL."""
         ctype = resp.headers.get("Content-Type", "application/json")
@@ -716,11 +799,22 @@ class Proxy:
             headers={"Content-Type": ctype, "Cache-Control": "no-cache", REQUEST_ID_HEADER: rid},
         )
         await out.prepare(request)
+        streams[rid] = out
         last: float | None = None
         ttft_h, itl_h = self.metrics.ttft.labels(policy), self.metrics.itl.labels(policy)
-        async for chunk in resp.content.iter_any():
+        tail = b""
+        chunks = resp.content.iter_any()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, ConnectionResetError) as exc:
+                await self._end_stream(out, f"the engine broke off the stream: {exc}")
+                raise StreamEnded("upstream_error", out) from exc
             now = self.clock()
-            events = chunk.count(b"data:")
+            # TTFT and ITL count token events only: the clock of a chat stream starts at its first content.
+            events, tail = sse_content_events(tail + chunk)
             if events:
                 if last is None:
                     ttft_h.observe(now - t_in)
@@ -730,6 +824,20 @@ class Proxy:
                     for _ in range(events):
                         itl_h.observe(gap)
                 last = now
-            await out.write(chunk)
-        await out.write_eof()
+            try:
+                await out.write(chunk)
+            except ConnectionResetError as exc:
+                raise StreamEnded("client_disconnected", out) from exc
+        try:
+            await out.write_eof()
+        except ConnectionResetError as exc:
+            raise StreamEnded("client_disconnected", out) from exc
         return out
+
+    @staticmethod
+    async def _end_stream(out: web.StreamResponse, message: str) -> None:
+        """Tell a client whose stream broke why, as vLLM's server does: a last ``data: {"error": ...}``."""
+        event = b"data: " + json.dumps(error_body(502, message, "upstream_error")).encode() + b"\n\n"
+        with contextlib.suppress(ConnectionResetError):
+            await out.write(event)
+            await out.write_eof()

@@ -187,6 +187,19 @@ class Router:
         assert self.proxy is not None
         return await self.proxy.handle(request)
 
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}`` (OpenAI's retrieve-model; the openai SDK's ``models.retrieve``): the card
+        of ``/v1/models`` with that id, else a 404 in vLLM's error shape naming it."""
+        listing = await self.models(request)
+        if listing.status != 200 or listing.body is None:
+            return listing
+        model_id = request.match_info["model_id"]
+        assert isinstance(listing.body, bytes | bytearray)
+        for card in json.loads(listing.body).get("data") or ():
+            if card.get("id") == model_id:
+                return web.json_response(card)
+        return error_response(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model")
+
     async def models(self, _request: web.Request) -> web.Response:
         assert self.session is not None
         for b in self.pool.candidates("decode", self.clock()) + self.pool.candidates("prefill", self.clock()):
@@ -262,10 +275,11 @@ class Router:
         return web.json_response(body)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[json_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prom)
         app.router.add_get("/debug/pods", self.debug_pods)
@@ -273,6 +287,23 @@ class Router:
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 (a route or method the router does not serve) as JSON errors in vLLM's
+    shape, so an OpenAI client reads them as it reads every other error of the router."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return error_response(
+            404, f"{request.method} {request.path} is not served here", "NotFoundError", "path"
+        )
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return error_response(
+            405, f"{request.method} is not allowed on {request.path} (allowed: {allowed})", "MethodNotAllowed"
+        )
 
 
 # --- command line ------------------------------------------------------------------------------------

@@ -234,7 +234,9 @@ def remote_prefill_tokens(ktp: Mapping[str, Any], prompt_tokens: int) -> int:
 def _error(
     status: int, message: str, param: str | None = None, kind: str = "BadRequestError"
 ) -> web.Response:
-    body = {"object": "error", "message": message, "type": kind, "param": param, "code": status}
+    # vLLM's ErrorResponse (vllm/entrypoints/serve/engine/protocol.py, 0.32): {"error": {message, type,
+    # param, code}} with the HTTP status as code.
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
 
 
@@ -250,9 +252,11 @@ def _usage(req: SimRequest) -> dict[str, int]:
 def _choice(chat: bool, n: int, finish: str | None, delta: bool) -> dict[str, Any]:
     text = TOKEN_TEXT * n
     if chat:
-        key = "delta" if delta else "message"
+        # vLLM sends the role once, in the first (empty) delta of a stream; a whole message carries it.
+        if delta:
+            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
         msg = {"role": "assistant", "content": text}
-        return {"index": 0, key: msg, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
 

@@ -1,0 +1,184 @@
+"""The router's OpenAI surface as vLLM serves it, and its request metrics on what a client sees.
+
+- errors in vLLM's one shape (``ErrorResponse``, read by vLLM's own model), JSON for unknown routes,
+  ``GET /v1/models/{id}``;
+- TTFT from the first token event (not chat's role-only first chunk), ITL between token events only;
+- a client that goes away mid-stream is ``client_disconnected``, not ``upstream_error``; an engine that
+  breaks off a started stream ends it with an SSE error event instead of a second response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+from test_router_proxy import Factory, FakeEngine, make_router  # noqa: F401  (the fixture)
+from vllm_ref import vllm_protocol
+
+from gearshift.router.proxy import error_body, sse_content_events
+
+ROLE_DELAY_S = 0.25
+"""How long the chat engine below waits between its role-only chunk and its first token, s."""
+
+
+def _metric(text: str, name: str, outcome: str | None = None) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (outcome is None or f'outcome="{outcome}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _metrics(client: object) -> str:
+    return await (await client.get("/metrics")).text()  # type: ignore[attr-defined]
+
+
+def test_token_events_are_counted_across_chunk_boundaries() -> None:
+    role = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+    tok = b'data: {"choices": [{"index": 0, "delta": {"content": " a"}}]}\n\n'
+    usage = b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\n'
+    done = b"data: [DONE]\n\n"
+    whole = role + tok + tok + usage + done
+    assert sse_content_events(whole) == (2, b"")
+    # cut anywhere: the counts of the pieces add up to the whole's, the tail carried over
+    for cut in range(1, len(whole)):
+        n1, rest = sse_content_events(whole[:cut])
+        n2, rest2 = sse_content_events(rest + whole[cut:])
+        assert (n1 + n2, rest2) == (2, b""), cut
+    completion = b'data: {"choices": [{"text": " x"}]}\r\n\r\ndata: {"choices": [{"text": ""}]}\n\n'
+    assert sse_content_events(completion) == (1, b"")
+    assert sse_content_events(b"data: not json\n\n: comment\n\n") == (0, b"")
+
+
+@dataclass
+class ChatEngine(FakeEngine):
+    """A decode engine that streams chat as vLLM does: the role-only chunk at once, tokens later."""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        if request.path != "/v1/chat/completions":
+            return await super().completions(request)
+        body = await request.json()
+        self.requests.append(body)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+
+        def ev(doc: object) -> bytes:
+            return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+        await out.write(ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+        await asyncio.sleep(ROLE_DELAY_S)
+        for i in range(self.tokens):
+            await out.write(ev({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]}))
+            await asyncio.sleep(0.01)
+        await out.write(ev({"choices": [], "usage": {"completion_tokens": self.tokens}}))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+async def test_chat_ttft_starts_at_the_first_token_not_the_role_chunk(make_router: Factory) -> None:  # noqa: F811
+    client, _router, _ = await make_router({"b0": ("both", ChatEngine("b0", tokens=4))})
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    t0 = time.perf_counter()
+    resp = await client.post("/v1/chat/completions", json=body)
+    first_token_at = None
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if first_token_at is None and b'"content": " t0"' in buf:
+            first_token_at = time.perf_counter() - t0
+    assert first_token_at is not None
+    m = await _metrics(client)
+    ttft = _metric(m, "gearshift_router_upstream_ttft_seconds_sum")
+    assert _metric(m, "gearshift_router_upstream_ttft_seconds_count") == 1
+    # the router's TTFT is the client's time to the first token (within 10%), not to the role chunk
+    assert ROLE_DELAY_S <= ttft <= first_token_at * 1.1
+    # 4 tokens: 3 gaps; the usage chunk and [DONE] are no gaps
+    assert _metric(m, "gearshift_router_upstream_itl_seconds_count") == 3
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["run_app", "handler_cancellation"])
+async def test_a_client_that_leaves_mid_stream_is_not_an_upstream_error(
+    make_router: Factory,  # noqa: F811
+    cancelled: bool,
+) -> None:
+    # web.run_app (the router's): the next write fails; with handler_cancellation the handler is cancelled
+    engines = {"b0": ("both", FakeEngine("b0", tokens=200))}
+    client, _router, _ = await make_router(engines, handler_cancellation=cancelled)
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True})
+    assert resp.status == 200
+    await resp.content.readline()
+    resp.close()  # the client goes away after the first line
+    deadline = time.monotonic() + 10
+    m = ""
+    while time.monotonic() < deadline:
+        m = await _metrics(client)
+        if _metric(m, "gearshift_router_requests_total", "client_disconnected"):
+            break
+        await asyncio.sleep(0.05)
+    assert _metric(m, "gearshift_router_requests_total", "client_disconnected") == 1, [
+        ln for ln in m.splitlines() if ln.startswith("gearshift_router_requests_total")
+    ]
+    assert _metric(m, "gearshift_router_requests_total", "upstream_error") == 0
+
+
+@dataclass
+class BreakingEngine(FakeEngine):
+    """Streams two tokens, then drops the connection without ending the stream."""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await request.json()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(2):
+            await out.write(f"data: {json.dumps({'choices': [{'text': f' t{i}'}]})}\n\n".encode())
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return out
+
+
+async def test_an_engine_that_breaks_off_ends_the_stream_with_an_error_event(make_router: Factory) -> None:  # noqa: F811
+    client, _router, _ = await make_router({"b0": ("both", BreakingEngine("b0"))})
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream": True})
+    assert resp.status == 200  # the status line went out with the first token
+    events = [e.removeprefix("data: ") for e in (await resp.text()).split("\n\n") if e]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == [" t0", " t1"]
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == 502 and "broke off" in last["error"]["message"]
+    assert vllm_protocol().call("error", body=last)["extra"] == []
+    m = await _metrics(client)
+    assert _metric(m, "gearshift_router_requests_total", "upstream_error") == 1
+
+
+async def test_errors_and_unknown_routes_are_vllm_errors(make_router: Factory) -> None:  # noqa: F811
+    vllm = vllm_protocol()
+    client, _router, _ = await make_router({"b0": ("both", FakeEngine("b0"))})
+    for method, path, status in [
+        ("GET", "/v1/embeddings", 404),
+        ("POST", "/v1/responses", 404),
+        ("GET", "/v1/completions", 405),
+    ]:
+        resp = await client.request(method, path)
+        assert resp.status == status and resp.headers["Content-Type"].startswith("application/json")
+        doc = await resp.json()
+        assert doc["error"]["code"] == status and path in doc["error"]["message"]
+        assert vllm.call("error", body=doc)["extra"] == []
+    bad = await client.post("/v1/completions", data=b"{not json")
+    doc = await bad.json()
+    assert bad.status == 400 and vllm.call("error", body=doc)["error"]["code"] == 400
+    assert error_body(400, "m", "BadRequestError", "max_tokens")["error"]["param"] == "max_tokens"
+
+
+async def test_get_one_model(make_router: Factory) -> None:  # noqa: F811
+    client, _router, _ = await make_router({"b0": ("both", FakeEngine("b0"))})
+    assert (await (await client.get("/v1/models/m")).json())["id"] == "m"
+    resp = await client.get("/v1/models/other")
+    doc = await resp.json()
+    assert resp.status == 404 and doc["error"]["param"] == "model"
+    assert re.search("`other` does not exist", doc["error"]["message"])
