@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from gearshift import planner
+from gearshift.control.reconcile import SpecInvalid, plan_message
 from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
@@ -162,7 +163,7 @@ def api() -> FakeApi:
     return a
 
 
-def reconcile(api: FakeApi) -> rec.Outcome:
+def reconcile(api: FakeApi) -> rec.ReconcileOutcome:
     # The operator drops its fleet cache on every Node/GPUProfile event; tests change nodes directly.
     rec.forget_fleet()
     return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
@@ -332,7 +333,7 @@ class TestReconcile:
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
         gs["spec"]["serviceName"] = "other"
         api.put(gs, NS)
-        with pytest.raises(rec.SpecInvalid, match=r"spec\.serviceName: llama3-8b"):
+        with pytest.raises(SpecInvalid, match=r"spec\.serviceName: llama3-8b"):
             reconcile(api)
 
     def test_lost_node_keeps_serving_objects_and_reports(self, api: FakeApi) -> None:
@@ -478,7 +479,7 @@ class TestExplicitGearLayers:
         last = gear["stages"][-1]
         last["layers"] = [last["layers"][0], 40]  # Llama-3-8B has 32 layers
         api.put(gs, NS)
-        with pytest.raises(rec.SpecInvalid, match=r"stages cover layers \[0, 40\) but the model has 32"):
+        with pytest.raises(SpecInvalid, match=r"stages cover layers \[0, 40\) but the model has 32"):
             reconcile(api)
         # Nothing that was serving changed.
         assert {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()} == before
@@ -501,7 +502,7 @@ class TestExplicitGearLayers:
         last = gs["spec"]["gears"][0]["stages"][-1]
         last["layers"] = [last["layers"][0], 40]
         api.put(gs, NS)
-        with pytest.raises(rec.SpecInvalid):
+        with pytest.raises(SpecInvalid):
             reconcile(api)
         assert {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()} == before
         st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
@@ -601,7 +602,7 @@ def test_plan_message_counts_distinct_nodes() -> None:
             ("throughput", [{"layers": [0, 16], "nodes": ["b", "c"]}, {"layers": [16, 32], "nodes": ["d"]}]),
         )
     ]
-    assert rec.plan_message(gears, 5) == (
+    assert plan_message(gears, 5) == (
         "planned 3 gear(s) on 4 node(s) of 5 usable: latency: [0, 32]@a; balanced: [0, 16]@a | [16, 32]@b; "
         "throughput: [0, 16]@b,c | [16, 32]@d"
     )

@@ -23,6 +23,7 @@ from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
 
 from gearshift import planner
 from gearshift.api.gearset import Gear
+from gearshift.control.reconcile import SpecInvalid
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import reconcile as rec
 from gearshift.planner import PlanError, RooflineAssumptions, RooflineCostModel, StageLimitError, plan
@@ -173,7 +174,7 @@ def _vllm(api: FakeApi) -> None:
     api.put(pds, NS)
 
 
-def _reconcile(api: FakeApi) -> rec.Outcome:
+def _reconcile(api: FakeApi) -> rec.ReconcileOutcome:
     rec.forget_fleet()
     return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
 
@@ -213,7 +214,7 @@ class TestReconcileVllmDecode:
             ),
             NS,
         )
-        with pytest.raises(rec.SpecInvalid) as err:
+        with pytest.raises(SpecInvalid) as err:
             _reconcile(api)
         want = f"decode: GearSet 'llama3-8b-decode': gear 'deep' has 3 stages; {REFUSAL_TAIL}"
         # an A10 (21.6 GiB usable) holds the 14.96 GiB of weights: no note about one node's memory

@@ -26,6 +26,7 @@ from test_shifting import FakeSignals, kubelet
 from gearshift.api.common import MAX_GEAR_NAME
 from gearshift.api.gearset import Gear
 from gearshift.control.executor import Phase
+from gearshift.control.reconcile import drop_superseded, merge_plan
 from gearshift.control.windows import closing_nodes, uses, vacate_name, vacate_target, windowed_nodes
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import FleetNode
@@ -103,24 +104,24 @@ class TestPure:
     def test_merge_plan_keeps_the_running_gear_and_renames_its_replacement(self) -> None:
         old = [_g("latency", "latency", ["d0", "w"]), _g("balanced", "balanced", ["d0"], ["d1"])]
         new = [_g("latency", "latency", ["d0"]), _g("balanced", "balanced", ["d0"], ["d1"])]
-        out = rec.merge_plan(old, new, ["latency"], {"w"}, READY)
+        out = merge_plan(old, new, ["latency"], {"w"}, READY)
         assert [g.name for g in out][1:] == ["balanced", "latency"]
         assert out[0].name.startswith("latency-w") and out[0].stages == new[0].stages
         assert out[2] == old[0]  # the serving gear as it was: no StatefulSet rolls in place
         # Once the executor has shifted off it, the superseded gear goes.
-        assert [g.name for g in rec.drop_superseded(out, [out[0].name])] == [out[0].name, "balanced"]
-        assert rec.drop_superseded(out, ["latency"]) == out
+        assert [g.name for g in drop_superseded(out, [out[0].name])] == [out[0].name, "balanced"]
+        assert drop_superseded(out, ["latency"]) == out
 
     def test_merge_plan_node_already_gone_is_a_node_loss(self) -> None:
         old = [_g("latency", "latency", ["d0", "w"])]
         new = [_g("latency", "latency", ["d0"])]
         gone = {k: v for k, v in READY.items() if k != "w"}
-        assert rec.merge_plan(old, new, ["latency"], {"w"}, gone) == new  # in place, as before
+        assert merge_plan(old, new, ["latency"], {"w"}, gone) == new  # in place, as before
 
     def test_merge_plan_active_keeps_a_vacate_name(self) -> None:
         old = [_g("latency-wabc", "latency", ["d0"]), _g("balanced", "balanced", ["d0"], ["d1"])]
         new = [_g("latency", "latency", ["d0", "d1"]), _g("balanced", "balanced", ["d0"], ["d1"])]
-        out = rec.merge_plan(old, new, ["latency-wabc"], set(), READY)
+        out = merge_plan(old, new, ["latency-wabc"], set(), READY)
         assert [g.name for g in out] == ["latency-wabc", "balanced"]
         assert out[0].stages == new[0].stages
 
@@ -140,7 +141,7 @@ def _set_window(api: FakeApi, node: str, until: datetime) -> None:
     api.put(prof)
 
 
-def _reconcile(api: FakeApi) -> rec.Outcome:
+def _reconcile(api: FakeApi) -> rec.ReconcileOutcome:
     rec.forget_fleet()
     return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
 

@@ -1,14 +1,14 @@
 """``gearshift render``'s library: the objects the operator would create for PDServices and GearSets read
 from files, on a fleet file instead of a cluster (as ``helm template`` renders a chart without one).
 
-The same pure code as the reconciler (:mod:`gearshift.handlers.reconcile`) does the work, in the same
-order: :func:`~gearshift.handlers.reconcile.role_state` checks each GearSet against its role,
-:func:`~gearshift.handlers.reconcile.explicit_layer_problems` and
-:func:`~gearshift.handlers.reconcile.explicit_engine_problems` the explicit gears against the model and
+The same pure code as the reconciler (:mod:`gearshift.control.reconcile`) does the work, in the same
+order: :func:`~gearshift.control.reconcile.role_state` checks each GearSet against its role,
+:func:`~gearshift.control.reconcile.explicit_layer_problems` and
+:func:`~gearshift.control.reconcile.explicit_engine_problems` the explicit gears against the model and
 the engine (vLLM's decode: one stage),
-:func:`~gearshift.handlers.reconcile.desired_state` plans the ``auto`` roles on their share of the fleet,
+:func:`~gearshift.control.reconcile.desired_state` plans the ``auto`` roles on their share of the fleet,
 picks the active gears and checks placement, :func:`~gearshift.k8s.desired.desired_objects` builds the
-manifests and :func:`~gearshift.handlers.reconcile.gearset_status_patch` the GearSet status the operator
+manifests and :func:`~gearshift.control.reconcile.gearset_status_patch` the GearSet status the operator
 writes. The fleet file stands in for the cluster (:func:`fleet_cluster`): its nodes as the sandbox makes
 them (:mod:`gearshift.dev.sandbox.nodes`), Ready and labelled as profiling labels them, and a datasheet
 GPUProfile per node (:func:`gearshift.planner.inputs.datasheet_gpuprofile`). A cluster's probes measure
@@ -35,11 +35,8 @@ from gearshift import GROUP, VERSION
 from gearshift.api.common import format_validation_error
 from gearshift.api.gpuprofile import GPUProfileStatus
 from gearshift.api.pdservice import PDService
-from gearshift.dev.sandbox.nodes import sandbox_nodes
-from gearshift.facts.fleet import Fleet
-from gearshift.handlers.reconcile import (
+from gearshift.control.reconcile import (
     RoleState,
-    Settings,
     SpecInvalid,
     desired_state,
     explicit_engine_problems,
@@ -48,6 +45,9 @@ from gearshift.handlers.reconcile import (
     placement_problems,
     role_state,
 )
+from gearshift.dev.sandbox.nodes import sandbox_nodes
+from gearshift.facts.fleet import Fleet
+from gearshift.handlers.reconcile import Settings
 from gearshift.k8s import names
 from gearshift.k8s.desired import desired_objects, owner_reference
 from gearshift.k8s.engine import EngineSpecError

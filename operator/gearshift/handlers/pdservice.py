@@ -32,14 +32,14 @@ from typing import Any
 import kopf
 
 from gearshift.api.common import GROUP, VERSION
+from gearshift.control.reconcile import SpecInvalid
 from gearshift.control.windows import leave_by_due
 from gearshift.handlers import metrics
 from gearshift.handlers.kubeapi import KubeApi, KubeApiError, RestKubeApi
 from gearshift.handlers.reconcile import (
     NotYet,
-    Outcome,
+    ReconcileOutcome,
     Settings,
-    SpecInvalid,
     forget_fleet,
     reconcile_service,
 )
@@ -66,7 +66,7 @@ _api: KubeApi | None = None
 class Known:
     """What the last reconcile of a PDService found (decides which fleet events concern it)."""
 
-    outcome: Outcome
+    outcome: ReconcileOutcome
 
 
 _known: dict[tuple[str, str], Known] = {}
@@ -105,13 +105,13 @@ def api() -> KubeApi:
         return _api
 
 
-def known_services() -> dict[tuple[str, str], Outcome]:
+def known_services() -> dict[tuple[str, str], ReconcileOutcome]:
     """The last outcome per ``(namespace, name)`` (a copy)."""
     with _state_lock:
         return {k: v.outcome for k, v in _known.items()}
 
 
-def _record(namespace: str, name: str, outcome: Outcome | None) -> None:
+def _record(namespace: str, name: str, outcome: ReconcileOutcome | None) -> None:
     with _state_lock:
         if outcome is None or outcome.phase in ("Deleted", "Deleting"):
             _known.pop((namespace, name), None)
@@ -124,18 +124,18 @@ def _record(namespace: str, name: str, outcome: Outcome | None) -> None:
         metrics.SERVICES.labels(phase).set(phases.get(phase, 0))
 
 
-def run_reconcile(namespace: str, name: str, body: Mapping[str, Any] | None = None) -> Outcome:
+def run_reconcile(namespace: str, name: str, body: Mapping[str, Any] | None = None) -> ReconcileOutcome:
     """Reconcile one PDService with metrics; kopf-independent errors propagate (see :mod:`reconcile`)."""
     start = time.perf_counter()
     try:
         out = reconcile_service(api(), namespace, name, _settings, body)
     except SpecInvalid:
         metrics.RECONCILES.labels("PDService", "invalid").inc()
-        _record(namespace, name, Outcome(phase="Failed"))
+        _record(namespace, name, ReconcileOutcome(phase="Failed"))
         raise
     except NotYet:
         metrics.RECONCILES.labels("PDService", "waiting").inc()
-        _record(namespace, name, Outcome(phase="Pending", placed=False))
+        _record(namespace, name, ReconcileOutcome(phase="Pending", placed=False))
         raise
     except Exception as exc:
         metrics.RECONCILES.labels("PDService", "error").inc()
@@ -149,7 +149,7 @@ def run_reconcile(namespace: str, name: str, body: Mapping[str, Any] | None = No
     return out
 
 
-def _kopf_errors(namespace: str, name: str, body: Mapping[str, Any] | None) -> Outcome:
+def _kopf_errors(namespace: str, name: str, body: Mapping[str, Any] | None) -> ReconcileOutcome:
     """Run a reconcile, turning the reconciler's errors into kopf's (permanent vs retry)."""
     try:
         return run_reconcile(namespace, name, body)
@@ -287,7 +287,7 @@ def node_fingerprint(node: Mapping[str, Any]) -> tuple[Any, ...]:
     return (node_ready(node), node_gpus(node), mine)
 
 
-def fleet_concerns(outcome: Outcome, node: str | None) -> bool:
+def fleet_concerns(outcome: ReconcileOutcome, node: str | None) -> bool:
     """Whether a change of ``node`` (None: of some GPUProfile) may change this service's reconcile."""
     return (
         outcome.auto
