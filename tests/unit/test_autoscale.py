@@ -12,6 +12,7 @@ import pytest
 from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
 
 from gearshift.api.common import COND_SCALING_ACTIVE
+from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
 from gearshift.control.signals import GearSelector
 from gearshift.handlers import autoscale as au
@@ -133,7 +134,7 @@ def gs(api: PatchApi) -> dict[str, Any]:
     return api.get("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
 
 
-def run(api: PatchApi, sig: FakeSignals, now: float) -> au.TickResult:
+def run(api: PatchApi, sig: FakeSignals, now: float) -> au.ScaleTick:
     return au.tick(api, NS, GS_NAME, now=now, prometheus_url=None, signals=sig)
 
 
@@ -215,9 +216,9 @@ class TestTick:
         assert gs(world)["spec"]["replicas"] == 2  # not yet: the drain runs first
         # inside the grace period, and then while requests are in flight: hold
         assert run(world, sig, T0 + 1).replicas is None
-        assert run(world, sig, T0 + au.DRAIN_GRACE_S + 1).replicas is None
+        assert run(world, sig, T0 + rules.DRAIN_GRACE_S + 1).replicas is None
         sig.counters["vllm:num_requests_running"] = 0.0
-        res = run(world, sig, T0 + au.DRAIN_GRACE_S + 3)
+        res = run(world, sig, T0 + rules.DRAIN_GRACE_S + 3)
         assert res.replicas == 1
         assert gs(world)["spec"]["replicas"] == 1
         assert gs(world)["status"]["scaling"]["draining"] == []
@@ -235,7 +236,7 @@ class TestTick:
         pod = world.get("v1", "Pod", NS, "llama3-8b-decode-g-s0-1")
         assert names.LABEL_DRAINING not in pod["metadata"]["labels"]
         assert gs(world)["spec"]["replicas"] == 2
-        assert any(e["reason"] == au.REASON_DRAIN_ABORTED for e in world.events)
+        assert any(e["reason"] == rules.REASON_DRAIN_ABORTED for e in world.events)
 
 
 class TestRouterSkipsDraining:

@@ -25,7 +25,9 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
    ``status.replicas`` (ready pipelines, the scale subresource's), the ``ScalingActive`` condition;
    events for changes.
 
-Status writes re-read the GearSet under the reconciler's per-service lock and change only the
+The rules of a tick (the scope and its knobs, what it reads off pods and StatefulSets, the drain, what a
+decision writes) are :mod:`gearshift.control.autoscale`'s; this module reads, calls them, writes and
+records. Status writes re-read the GearSet under the reconciler's per-service lock and change only the
 ``ScalingActive`` condition, so the shifting loop's and the reconciler's conditions survive.
 """
 
@@ -33,24 +35,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import kopf
+import requests
 
-from gearshift.api.common import (
-    COND_SCALING_ACTIVE,
-    GROUP,
-    REASON_SCALED_DOWN,
-    REASON_SCALED_UP,
-    VERSION,
-    ConditionStatus,
-)
-from gearshift.api.gearset import Gear, ScalingStatus
+from gearshift.adapters import prometheus
+from gearshift.api.common import COND_SCALING_ACTIVE, GROUP, VERSION
+from gearshift.api.gearset import ScalingStatus
+from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
-from gearshift.control.executor_status import from_time, to_time
-from gearshift.control.reconcile import SHIFT_STEPS
 from gearshift.control.signals import GearSelector, SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
@@ -66,14 +63,6 @@ from gearshift.planner.inputs import node_gpus, usable_profile
 log = logging.getLogger(__name__)
 
 PLURAL = "gearsets"
-#: Seconds the router gets to drop a labelled pod before its in-flight count is trusted: its pod poll
-#: (router.membership.POD_POLL_S, 2 s) plus a scrape and a margin.
-DRAIN_GRACE_S = 6.0
-#: Condition reasons.
-REASON_ACTIVE = "ScalingActive"
-REASON_NO_FREE_GPU = "NoFreeGPU"
-REASON_SCALE_DOWN_DRAINING = "ScaleDownDraining"
-REASON_DRAIN_ABORTED = "DrainAborted"
 #: Shortest loop period, s.
 MIN_INTERVAL_S = 0.5
 
@@ -103,31 +92,11 @@ class LiveSignals:
         self.timeout_s = timeout_s
 
     def sample(self, url: str, sel: GearSelector, metric: str, slo_ms: float, at: float) -> sc.ScaleSample:
-        from gearshift.adapters import prometheus
-        from gearshift.control.signals import quantile_query, queue_query, running_query, scalar
-
-        queries = {
-            "kv": sc.kv_usage_query(sel.matchers()),
-            "waiting": queue_query(sel),
-            "running": running_query(sel),
-            "p99": quantile_query(metric, 0.99, sel),
-        }
+        queries = rules.sample_queries(sel, metric)
         results = prometheus.instant_queries(url, queries.values(), self.timeout_s)
-        out = {
-            key: scalar(results[q], q, required=key in ("waiting", "running")) for key, q in queries.items()
-        }
-        p99 = out["p99"]
-        return sc.ScaleSample(
-            at=at,
-            kv_cache_usage=out["kv"],
-            waiting=out["waiting"] or 0.0,
-            running=out["running"] or 0.0,
-            p99_ratio=None if p99 is None else p99 * 1000.0 / slo_ms,
-        )
+        return rules.sample_from(queries, results, slo_ms, at)
 
     def counter(self, pods: Sequence[Mapping[str, Any]], port: int, name: str) -> float | None:
-        import requests
-
         total, seen = 0.0, False
         for p in pods:
             url = _pod_url(p, port)
@@ -143,34 +112,7 @@ class LiveSignals:
         return total if seen else None
 
 
-# --- pure helpers over API objects -------------------------------------------------------------------
-def state_from_status(s: ScalingStatus | None) -> sc.ScaleState:
-    """The decision memory from ``status.scaling``."""
-    if s is None:
-        return sc.ScaleState()
-    return sc.ScaleState(
-        up_since=from_time(s.up_since),
-        up_floor=s.up_floor,
-        down_since=from_time(s.down_since),
-        down_ceiling=s.down_ceiling,
-        idle_since=from_time(s.idle_since),
-        last_scale_at=from_time(s.last_scale_time),
-        last_reason=s.last_reason or "",
-    )
-
-
-def ready_pipelines(
-    gear: Gear, statefulsets: Mapping[str, Mapping[str, Any]], service: str, role: str
-) -> int:
-    """Ready pipeline replicas of ``gear``: the least over stages of ready pods / pods per replica."""
-    ready = None
-    for k, st in enumerate(gear.stages):
-        obj = statefulsets.get(names.stage_statefulset_name(service, role, gear.name, k)) or {}
-        r = int((obj.get("status") or {}).get("readyReplicas") or 0) // max(st.replicas, 1)
-        ready = r if ready is None else min(ready, r)
-    return ready or 0
-
-
+# --- reads ---------------------------------------------------------------------------------------------
 def node_views(
     nodes: Sequence[Mapping[str, Any]],
     pods: Sequence[Mapping[str, Any]],
@@ -204,24 +146,54 @@ def node_views(
     return out
 
 
-def stage_needs(gear: Gear, pods: Sequence[Mapping[str, Any]]) -> list[sc.StageNeed]:
-    """What each stage of ``gear`` needs per new pipeline replica; ``pods``: the gear's pods now."""
-    out = []
-    for k, st in enumerate(gear.stages):
-        occupied = frozenset(
-            str((p.get("spec") or {}).get("nodeName"))
-            for p in pods
-            if ((p.get("metadata") or {}).get("labels") or {}).get(names.LABEL_STAGE) == str(k)
-            and (p.get("spec") or {}).get("nodeName")
+def _sample(
+    api: KubeApi,
+    namespace: str,
+    scope: rules.ScaleScope,
+    old: ScalingStatus,
+    scaling: Mapping[str, Any],
+    now: float,
+    signals: ScaleSignalSource,
+) -> tuple[sc.ScaleSample | None, dict[str, Any]]:
+    """This tick's sample (Prometheus, and the router's rejection counter for decode) and
+    ``status.scaling`` with what the reads leave there."""
+    sample: sc.ScaleSample | None = None
+    unavailable = rejections = None
+    if scope.prometheus_url:
+        try:
+            sample = signals.sample(
+                scope.prometheus_url,
+                scope.selector(namespace),
+                scope.latency.metric,
+                scope.latency.slo_ms,
+                now,
+            )
+        except SignalsUnavailable as exc:
+            unavailable = str(exc)
+    if scope.role == "decode":
+        router_pods = api.list(
+            *POD,
+            namespace,
+            {names.LABEL_SERVICE: scope.service, names.LABEL_COMPONENT: names.COMPONENT_ROUTER},
         )
-        out.append(sc.StageNeed(st.gpus, st.replicas, tuple(st.nodes), dict(st.node_selector), occupied))
-    return out
+        rejections = signals.counter(router_pods, ROUTER_PORT, sc.NO_HEADROOM_TOTAL)
+        sample = rules.with_rejections(sample, old.router_rejections, rejections, now)
+    return sample, rules.observed(scaling, unavailable=unavailable, rejections=rejections)
+
+
+def _place(
+    api: KubeApi, scope: rules.ScaleScope, gear_pods: Sequence[Mapping[str, Any]], add: int
+) -> sc.Placement:
+    """Where ``add`` new pipeline replicas of the scope's gear fit on the free GPUs now."""
+    profiles = {p["metadata"]["name"]: p for p in api.list(*GPUP)}
+    nodes = node_views(api.list(*NODE), api.list(*POD), profiles)
+    return sc.place_replicas(rules.stage_needs(scope.gear, gear_pods), add, nodes, scope.compute_classes)
 
 
 # --- one tick ----------------------------------------------------------------------------------------
 @dataclass
-class TickResult:
-    """What one tick did (logs and tests)."""
+class ScaleTick:
+    """What one autoscaler tick did (logs and tests)."""
 
     skipped: str = ""
     idle: bool = False
@@ -247,8 +219,65 @@ def _label_draining(api: KubeApi, namespace: str, pods: Sequence[str], on: bool)
                 raise
 
 
-def _set_replicas(api: KubeApi, namespace: str, name: str, replicas: int) -> None:
-    api.patch(*GS, namespace, name, {"spec": {"replicas": replicas}})
+def _set_replicas(api: KubeApi, namespace: str, name: str, replicas: int | None) -> None:
+    if replicas is not None:
+        api.patch(*GS, namespace, name, {"spec": {"replicas": replicas}})
+
+
+def _drain_step(
+    scope: rules.ScaleScope,
+    old: ScalingStatus,
+    heads: Sequence[Mapping[str, Any]],
+    now: float,
+    signals: ScaleSignalSource,
+) -> rules.DrainStep:
+    """The drain in ``old`` one tick on: the leaving heads' requests read off their ``/metrics``."""
+    leaving = [p for p in heads if p["metadata"]["name"] in old.draining]
+    running = signals.counter(leaving, ENGINE_PORT, rules.RUNNING_GAUGE)
+    waiting = signals.counter(leaving, ENGINE_PORT, rules.WAITING_GAUGE)
+    return rules.continue_drain(
+        old,
+        in_flight=rules.drain_in_flight(running, waiting, len(leaving)),
+        now=now,
+        current=scope.current,
+        timeout_s=scope.drain_timeout_s,
+    )
+
+
+def _decide(
+    api: KubeApi,
+    scope: rules.ScaleScope,
+    old: ScalingStatus,
+    sample: sc.ScaleSample | None,
+    scaling: Mapping[str, Any],
+    ready: int,
+    gear_pods: Sequence[Mapping[str, Any]],
+    now: float,
+) -> tuple[sc.ScaleDecision, rules.ScaleActions]:
+    """The decision on ``sample`` and what it writes (a scale-up placed on the free GPUs read now)."""
+    state = rules.state_from_status(old)
+    new_state, decision = sc.decide_scale(
+        state,
+        sample,
+        scope.policy,
+        current=scope.current,
+        ready=ready,
+        now=now,
+        shift_in_flight=scope.shift_in_flight,
+    )
+    add = decision.target - scope.current
+    placement = _place(api, scope, gear_pods, add) if decision.kind is sc.ScaleKind.UP else None
+    return decision, rules.act_on(
+        decision,
+        before=state,
+        after=new_state,
+        scaling=scaling,
+        current=scope.current,
+        placement=placement,
+        heads=[p["metadata"]["name"] for p in rules.head_pods(gear_pods)],
+        pods_per_replica=scope.gear.stages[0].replicas,
+        now=now,
+    )
 
 
 def tick(
@@ -259,7 +288,7 @@ def tick(
     now: float,
     prometheus_url: str | None,
     signals: ScaleSignalSource,
-) -> TickResult:
+) -> ScaleTick:
     """One turn of the autoscaler for GearSet ``namespace/name`` (module docstring).
 
     Raises:
@@ -267,182 +296,34 @@ def tick(
     """
     loaded = load_gearset_and_service(api, namespace, name)
     if isinstance(loaded, str):
-        return TickResult(skipped=loaded)
+        return ScaleTick(skipped=loaded)
     gs_body, gs, pds = loaded
-    role, service = gs.spec.role, gs.spec.service_name
-    role_spec = getattr(pds.spec, role)
-    if role_spec.scaling is None:
-        return TickResult(skipped="no scaling section: replicas stay as spec.replicas says", idle=True)
-    gears = {g.name: g for g in gs.gears()}
-    active = gs.status.active_gear
-    if active not in gears:
-        return TickResult(skipped="no active gear yet")
-    gear = gears[active]
-    policy = sc.ScalingPolicy.from_spec(role_spec.scaling)
-    allowed = list(role_spec.scaling.compute_classes)
-    current = gs.spec.replicas
-    shifting = gs.status.executor is not None and gs.status.executor.step in SHIFT_STEPS
-    labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: role, names.LABEL_GEAR: active}
-    sts = {s["metadata"]["name"]: s for s in api.list(*STS, namespace, labels)}
-    ready = ready_pipelines(gear, sts, service, role)
-    gear_pods = api.list(*POD, namespace, labels)
-    heads = [p for p in gear_pods if ((p["metadata"].get("labels") or {}).get(names.LABEL_STAGE)) == "0"]
+    scope = rules.scope_of(gs, pds, prometheus_url)
+    if isinstance(scope, rules.Skip):
+        return ScaleTick(skipped=scope.reason, idle=scope.idle)
+    sts = {s["metadata"]["name"]: s for s in api.list(*STS, namespace, scope.pod_labels())}
+    ready = rules.ready_pipelines(scope.gear, sts, scope.service, scope.role)
+    gear_pods = api.list(*POD, namespace, scope.pod_labels())
     old = gs.status.scaling or ScalingStatus()
-    st: dict[str, Any] = old.to_json()
-    result = TickResult()
-    events: list[tuple[str, str, bool]] = []
-    cond: tuple[ConditionStatus, str, str] | None = None
-
-    # --- a drain in progress --------------------------------------------------------------------------
-    if old.draining:
-        started = from_time(old.drain_started_at) or now
-        if shifting:
-            _label_draining(api, namespace, old.draining, on=False)
-            events.append(
-                (REASON_DRAIN_ABORTED, "a gear shift started; the scale-down drain is aborted", False)
-            )
-            st.update(draining=[], drainTarget=None, drainStartedAt=None)
-        else:
-            draining_pods = [p for p in heads if p["metadata"]["name"] in old.draining]
-            in_flight = signals.counter(draining_pods, ENGINE_PORT, "vllm:num_requests_running")
-            waiting = signals.counter(draining_pods, ENGINE_PORT, "vllm:num_requests_waiting")
-            total = None if in_flight is None or waiting is None else int(in_flight + waiting)
-            if not draining_pods:
-                total = 0  # the pods are gone already
-            d = sc.drain_done(
-                started, now, total, grace_s=DRAIN_GRACE_S, timeout_s=gs.spec.policy.drain_timeout_s
-            )
-            st["lastMessage"] = d.message
-            if d.done:
-                target = old.drain_target if old.drain_target is not None else current
-                _set_replicas(api, namespace, name, target)
-                result.replicas = target
-                events.append(
-                    (
-                        REASON_SCALED_DOWN,
-                        f"{current} -> {target} pipeline replicas: {d.message}",
-                        d.reason == "DrainTimeout",
-                    )
-                )
-                st.update(
-                    draining=[],
-                    drainTarget=None,
-                    drainStartedAt=None,
-                    lastScaleTime=to_time(now),
-                    desiredReplicas=target,
-                )
-            else:
-                result.draining = list(old.draining)
-            _write_status(api, namespace, name, service, st, ready, None, now, gs_body)
-            _emit_all(api, gs_body, events)
-            return result
-
-    # --- sample and decide -----------------------------------------------------------------------------
-    state = state_from_status(old)
-    sample: sc.ScaleSample | None = None
-    if prometheus_url := (pds.spec.prometheus_url or prometheus_url):
-        metric = (
-            "vllm:time_to_first_token_seconds" if role == "prefill" else "vllm:inter_token_latency_seconds"
-        )
-        slo = pds.spec.slo.ttft_ms if role == "prefill" else pds.spec.slo.itl_ms
-        try:
-            sample = signals.sample(
-                prometheus_url, GearSelector(namespace, service, role, active), metric, slo, now
-            )
-        except SignalsUnavailable as exc:
-            st["lastMessage"] = str(exc)[:4000]
-    if role == "decode":
-        router_pods = api.list(
-            *POD, namespace, {names.LABEL_SERVICE: service, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
-        )
-        value = signals.counter(router_pods, ROUTER_PORT, sc.NO_HEADROOM_TOTAL)
-        delta = sc.counter_delta(old.router_rejections, value)
-        if value is not None:
-            st["routerRejections"] = value
-        if sample is not None:
-            sample = replace(sample, no_headroom=delta)
-        elif delta > 0:
-            sample = sc.ScaleSample(at=now, no_headroom=delta, running=1.0)
-    new_state, decision = sc.decide_scale(
-        state, sample, policy, current=current, ready=ready, now=now, shift_in_flight=shifting
-    )
-    result.decision = decision
-    desired = current
-    if decision.kind is sc.ScaleKind.UP:
-        add = decision.target - current
-        placement = sc.place_replicas(
-            stage_needs(gear, gear_pods),
-            add,
-            node_views(api.list(*NODE), api.list(*POD), {p["metadata"]["name"]: p for p in api.list(*GPUP)}),
-            allowed,
-        )
-        if placement.replicas > 0:
-            desired = current + placement.replicas
-            _set_replicas(api, namespace, name, desired)
-            result.replicas = desired
-            where = "; ".join(",".join(r) for r in placement.nodes)
-            st["placement"] = f"new replicas on: {where}"[:4000]
-            events.append(
-                (
-                    REASON_SCALED_UP,
-                    f"{current} -> {desired} pipeline replicas ({decision.reason}): "
-                    f"{decision.message}; nodes {where}",
-                    False,
-                )
-            )
-        if placement.short:
-            cond = (
-                "False",
-                REASON_NO_FREE_GPU,
-                f"{decision.reason} asks {decision.target} replicas, {desired} placed: {placement.short}; "
-                "retried when nodes appear, nothing is evicted",
-            )
-            if placement.replicas == 0:
-                # Keep the window's memory so that the next tick retries at once.
-                new_state = replace(
-                    new_state,
-                    up_since=state.up_since,
-                    up_floor=state.up_floor,
-                    last_scale_at=state.last_scale_at,
-                )
-    elif decision.kind is sc.ScaleKind.DOWN:
-        leaving = sc.pods_to_drain(
-            [p["metadata"]["name"] for p in heads], decision.target, gear.stages[0].replicas
-        )
-        if leaving:
-            _label_draining(api, namespace, leaving, on=True)
-            st.update(draining=leaving, drainTarget=decision.target, drainStartedAt=to_time(now))
-            result.draining = leaving
-            events.append(
-                (
-                    REASON_SCALE_DOWN_DRAINING,
-                    f"{current} -> {decision.target}: draining {', '.join(leaving)} "
-                    f"({decision.reason}: {decision.message})",
-                    False,
-                )
-            )
-        else:
-            desired = decision.target
-            _set_replicas(api, namespace, name, desired)
-            result.replicas = desired
-            events.append((REASON_SCALED_DOWN, f"{current} -> {desired} pipeline replicas", False))
-    if cond is None:
-        cond = ("True", REASON_ACTIVE, f"{decision.reason}: {decision.message}"[:4000])
-    st.update(
-        desiredReplicas=desired,
-        lastDecision=decision.kind.value,
-        lastReason=decision.reason,
-        lastMessage=decision.message[:4000],
-        upSince=to_time(new_state.up_since),
-        upFloor=new_state.up_floor,
-        downSince=to_time(new_state.down_since),
-        downCeiling=new_state.down_ceiling,
-        idleSince=to_time(new_state.idle_since),
-        lastScaleTime=to_time(new_state.last_scale_at),
-    )
-    _write_status(api, namespace, name, service, st, ready, cond, now, gs_body)
-    _emit_all(api, gs_body, events)
-    return result
+    scaling = old.to_json()
+    events: list[rules.ScaleEvent] = []
+    if old.draining and scope.shift_in_flight:
+        aborted = rules.abort_drain(scaling, old.draining)
+        _label_draining(api, namespace, aborted.unlabel, on=False)
+        scaling, events = aborted.scaling, list(aborted.events)
+    elif old.draining:
+        step = _drain_step(scope, old, rules.head_pods(gear_pods), now, signals)
+        _set_replicas(api, namespace, name, step.replicas)
+        _write_status(api, namespace, name, scope.service, step.scaling, ready, None, now, gs_body)
+        _emit_all(api, gs_body, step.events)
+        return ScaleTick(replicas=step.replicas, draining=list(step.draining))
+    sample, scaling = _sample(api, namespace, scope, old, scaling, now, signals)
+    decision, act = _decide(api, scope, old, sample, scaling, ready, gear_pods, now)
+    _set_replicas(api, namespace, name, act.replicas)
+    _label_draining(api, namespace, act.label, on=True)
+    _write_status(api, namespace, name, scope.service, act.scaling, ready, act.condition, now, gs_body)
+    _emit_all(api, gs_body, [*events, *act.events])
+    return ScaleTick(decision=decision, replicas=act.replicas, draining=list(act.label))
 
 
 def _write_status(
@@ -450,21 +331,18 @@ def _write_status(
     namespace: str,
     name: str,
     service: str,
-    scaling: dict[str, Any],
+    scaling: Mapping[str, Any],
     ready: int,
-    cond: tuple[ConditionStatus, str, str] | None,
+    cond: rules.ScalingCondition | None,
     now: float,
     gs_body: Mapping[str, Any],
 ) -> None:
     """Write ``status.scaling``, ``status.replicas`` and the ScalingActive condition (fresh read, locked)."""
-    from datetime import UTC, datetime
-
-    scaling["readyReplicas"] = ready
     with service_lock(namespace, service):
         fresh = api.get(*GS, namespace, name)
         if fresh is None:
             return
-        patch: dict[str, Any] = {"scaling": scaling, "replicas": ready}
+        patch = rules.status_patch(scaling, ready)
         if cond is not None:
             gen = fresh["metadata"].get("generation")
             raw = (fresh.get("status") or {}).get("conditions")
@@ -472,19 +350,14 @@ def _write_status(
                 conditions_from(raw), gen, datetime.fromtimestamp(now, UTC).replace(microsecond=0)
             )
             book.set(COND_SCALING_ACTIVE, cond[0], cond[1], cond[2], warning=cond[0] == "False")
-            if book.changes and (cond[0] == "False" or _flipped(raw, cond[0])):
+            if book.changes and rules.announce_condition(raw, cond[0]):
                 for reason, message, warning in book.changes:
                     emit(api, gs_body, reason, message, warning)
             patch["conditions"] = book.as_json()
         patch_status(api, *GS, namespace, name, patch)
 
 
-def _flipped(raw: Any, status: str) -> bool:
-    old = next((c for c in raw or [] if c.get("type") == COND_SCALING_ACTIVE), None)
-    return old is None or old.get("status") != status
-
-
-def _emit_all(api: KubeApi, body: Mapping[str, Any], events: Sequence[tuple[str, str, bool]]) -> None:
+def _emit_all(api: KubeApi, body: Mapping[str, Any], events: Iterable[rules.ScaleEvent]) -> None:
     for reason, message, warning in events:
         emit(api, body, reason, message, warning)
 
@@ -499,8 +372,10 @@ def configure(signals: ScaleSignalSource) -> None:
     _signals = signals
 
 
-def run_tick(namespace: str, name: str) -> TickResult:
+def run_tick(namespace: str, name: str) -> ScaleTick:
     """One tick with the operator's API client and settings."""
+    # Imported here, not at the top: importing pdservice registers its kopf handlers, and this module
+    # alone (``kopf run -m gearshift.handlers.autoscale``, the unit tests) should register only its own.
     from gearshift.handlers import pdservice
 
     return tick(
