@@ -1,7 +1,9 @@
 """The pipeline-replica autoscaler's decisions: how many replicas a role wants, when, and where they go.
 
 Pure: no clock (``now`` is passed in, s), no network, no kopf. The handler
-(:mod:`gearshift.handlers.autoscale`) fetches samples, calls :func:`decide_scale` and acts.
+(:mod:`gearshift.handlers.autoscale`) fetches samples, calls :func:`decide_scale` and acts;
+:mod:`gearshift.control.autoscale` maps the GearSet and PDService onto these numbers and the decisions
+back onto the GearSet.
 
 Algorithm, per sample of one role (issue 12):
 
