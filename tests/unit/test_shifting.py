@@ -1,5 +1,6 @@
-"""The gear-shifting loop (handlers/shifting.py) over an in-memory API: state round trips, the observed
-world, free-GPU check, and whole shifts driven tick by tick (forced, restarts, signals lost, paused)."""
+"""The gear-shifting loop (handlers/shifting.py; its pure parts are control/shifting.py and
+control/shift_status.py) over an in-memory API: state round trips, the observed world, free-GPU check,
+and whole shifts driven tick by tick (forced, restarts, signals lost, paused)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import pytest
 from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
 
 from gearshift.api.gearset import ControlState, ExecutorState, Gear
+from gearshift.control import executor_status as es
+from gearshift.control import shift_status as ss
+from gearshift.control import shifting as cs
 from gearshift.control.decide import DecisionState, TriggerTrack
-from gearshift.control.executor import Phase, ShiftState
+from gearshift.control.executor import Phase, SelectGear, ShiftState
 from gearshift.control.policy import ShiftRules
 from gearshift.control.signals import (
     GearSelector,
@@ -110,7 +114,7 @@ def kubelet(api: FakeApi, now: float) -> None:
                     "status": {
                         "phase": "Running",
                         "conditions": [
-                            {"type": "Ready", "status": "True", "lastTransitionTime": sh.to_time(now)}
+                            {"type": "Ready", "status": "True", "lastTransitionTime": es.to_time(now)}
                         ],
                     },
                 },
@@ -142,7 +146,7 @@ def world() -> FakeApi:
     return a
 
 
-def run(api: FakeApi, sig: FakeSignals, now: float) -> sh.TickResult:
+def run(api: FakeApi, sig: FakeSignals, now: float) -> sh.ShiftTick:
     return sh.tick(api, NS, GS_NAME, now=now, settings=rec.Settings(), signals=sig)
 
 
@@ -184,8 +188,8 @@ class TestStateRoundTrip:
             failure_message="late" if phase is Phase.ROLLING_BACK else "",
             paused_at=T0 + 20.0,
         )
-        raw = sh.executor_to_status(s, in_flight=3)
-        back = sh.executor_from_status("balanced", ExecutorState.model_validate(raw))
+        raw = es.executor_to_status(s, in_flight=3)
+        back = es.executor_from_status("balanced", ExecutorState.model_validate(raw))
         assert back == s
         assert raw["rollbackUntil"] == (raw["deadline"] if phase is Phase.SWITCHING else None)
 
@@ -201,14 +205,14 @@ class TestStateRoundTrip:
             last_shift_at=T0 - 30,
             last_retrigger_at=T0 - 10,
         )
-        raw = sh.control_to_status(d, ShiftRules(dwell_s=600))
-        assert raw["dwellUntil"] == sh.to_time(T0 + 570)
-        back = sh.control_from_status(ControlState.model_validate(raw))
+        raw = ss.control_to_status(d, ShiftRules(dwell_s=600))
+        assert raw["dwellUntil"] == es.to_time(T0 + 570)
+        back = ss.control_from_status(ControlState.model_validate(raw))
         assert back == d
 
     def test_initial(self) -> None:
-        assert sh.control_from_status(None) == DecisionState()
-        assert sh.executor_from_status("x", None) == ShiftState(active="x")
+        assert ss.control_from_status(None) == DecisionState()
+        assert es.executor_from_status("x", None) == ShiftState(active="x")
 
 
 def _sts(stage: int, replicas: int, ready: int) -> dict[str, Any]:
@@ -228,7 +232,7 @@ def _pod(ready: bool, at: float, waiting: str | None = None) -> dict[str, Any]:
                 {
                     "type": "Ready",
                     "status": "True" if ready else "False",
-                    "lastTransitionTime": sh.to_time(at),
+                    "lastTransitionTime": es.to_time(at),
                 }
             ],
             "containerStatuses": cs,
@@ -240,10 +244,10 @@ class TestObserveGear:
     gear = Gear.model_validate({"name": "g", "stages": [{"layers": [0, 16]}, {"layers": [16, 32]}]})
 
     def test_absent(self) -> None:
-        assert not sh.observe_gear(self.gear, [], []).exists
+        assert not cs.observe_gear(self.gear, [], []).exists
 
     def test_ready_since_latest_pod(self) -> None:
-        o = sh.observe_gear(self.gear, [_sts(0, 1, 1), _sts(1, 1, 1)], [_pod(True, T0), _pod(True, T0 + 7)])
+        o = cs.observe_gear(self.gear, [_sts(0, 1, 1), _sts(1, 1, 1)], [_pod(True, T0), _pod(True, T0 + 7)])
         assert o.exists and o.ready and o.ready_since == pytest.approx(T0 + 7)
 
     @pytest.mark.parametrize(
@@ -255,18 +259,18 @@ class TestObserveGear:
         ],
     )
     def test_not_ready(self, sts: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
-        o = sh.observe_gear(self.gear, sts, pods)
+        o = cs.observe_gear(self.gear, sts, pods)
         assert o.exists and not o.ready and o.ready_since is None
 
     def test_crash_loop_is_a_failure(self) -> None:
-        o = sh.observe_gear(
+        o = cs.observe_gear(
             self.gear, [_sts(0, 1, 0), _sts(1, 1, 1)], [_pod(False, T0, "CrashLoopBackOff"), _pod(True, T0)]
         )
         assert o.failure == "CrashLoopBackOff"
 
     def test_selected_gear(self) -> None:
-        assert sh.selected_gear(None) is None
-        assert sh.selected_gear({"spec": {"selector": {names.LABEL_GEAR: "x"}}}) == "x"
+        assert cs.selected_gear(None) is None
+        assert cs.selected_gear({"spec": {"selector": {names.LABEL_GEAR: "x"}}}) == "x"
 
 
 class TestShadowFits:
@@ -281,7 +285,7 @@ class TestShadowFits:
                 {"layers": [20, 32], "nodeSelector": {names.NODE_GPU_MODEL: "A100-40GB"}},
             ]
         )
-        assert sh.shadow_fits(g, 1, nodes, [])
+        assert cs.shadow_fits(g, 1, nodes, [])
         busy = {
             "spec": {
                 "nodeName": "gpu-h100-0",
@@ -289,18 +293,18 @@ class TestShadowFits:
             },
             "status": {"phase": "Running"},
         }
-        assert not sh.shadow_fits(g, 1, nodes, [busy])
+        assert not cs.shadow_fits(g, 1, nodes, [busy])
         done = copy.deepcopy(busy)
         done["status"]["phase"] = "Succeeded"
-        assert sh.shadow_fits(g, 1, nodes, [done])
+        assert cs.shadow_fits(g, 1, nodes, [done])
         # Time-sliced cards (2 nvidia.com/gpu each, as the sandbox's fleet advertises them): the shadow
         # takes the second slot of the busy card, a third pod would not fit.
         sliced = fleet_nodes(gpu_replicas=2)
-        assert sh.shadow_fits(g, 1, sliced, [busy])
-        assert not sh.shadow_fits(g, 1, sliced, [busy, copy.deepcopy(busy)])
+        assert cs.shadow_fits(g, 1, sliced, [busy])
+        assert not cs.shadow_fits(g, 1, sliced, [busy, copy.deepcopy(busy)])
         # two A100 nodes: two pipeline replicas fit the A100 stage, three do not (the H100 stage: one node)
         g2 = self._gear([{"layers": [0, 32], "nodeSelector": {names.NODE_GPU_MODEL: "A100-40GB"}}])
-        assert sh.shadow_fits(g2, 2, nodes, []) and not sh.shadow_fits(g2, 3, nodes, [])
+        assert cs.shadow_fits(g2, 2, nodes, []) and not cs.shadow_fits(g2, 3, nodes, [])
 
 
 class TestTicks:
@@ -363,7 +367,7 @@ class TestTicks:
         sent = next(p["signals"] for p in patches if "signals" in p)
         # An explicit null: the API server merges a status patch, so a missing key would keep 150.
         assert "p99Ms" in sent and sent["p99Ms"] is None
-        assert all(sent[k] is None for k in sh.LATENCY_SIGNAL_KEYS)
+        assert all(sent[k] is None for k in ss.LATENCY_SIGNAL_KEYS)
         assert sent["qps"] == pytest.approx(0.7 * 3.0)  # the smoothed rate (alpha 0.3) still decays
         assert status(world)["signals"].get("p99Ms") is None
 
@@ -388,11 +392,11 @@ class TestTicks:
         policy = ShiftRules()
         smoothed = Sample(at=T0, qps=1.5, ttft_p99_ms=690.514, itl_p99_ms=21.0)
         busy = Sample(at=T0, qps=0.5, ttft_p99_ms=500.0, itl_p99_ms=None)
-        out = sh.signals_to_status(smoothed, policy, 1, busy)
+        out = ss.signals_to_status(smoothed, policy, 1, busy)
         # measured this window: the smoothed value; not measured (ITL): blank
         assert out["p99TtftMs"] == 690.51 and out["p99ItlMs"] is None and out["qps"] == 1.5
         idle = Sample(at=T0, qps=0.0, ttft_p99_ms=500.0)
-        assert sh.signals_to_status(smoothed, policy, 1, idle)["p99TtftMs"] is None
+        assert ss.signals_to_status(smoothed, policy, 1, idle)["p99TtftMs"] is None
 
     def test_forced_shift_end_to_end_keeps_a_ready_gear_selected(self, world: FakeApi) -> None:
         _policy_patch(world, warmS=5, rollbackWindowS=10, drainTimeoutS=30)
@@ -571,7 +575,7 @@ class TestTicks:
         freed = sh.free_gears_of_deleted_gearset(world, NS, world.store[key])
         assert freed == ["latency"]
         assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
-        assert sh.gears_to_free([], None, "balanced") == []
+        assert cs.gears_to_free([], None, "balanced") == []
 
     def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeApi) -> None:
         """Baseline = balanced's smoothed TTFT P99 at the decision (150 ms): latency at 1000 ms exceeds
@@ -773,7 +777,7 @@ def test_non_finite_values_never_reach_the_status_patch(world: FakeApi) -> None:
 
 
 def test_json_safe() -> None:
-    assert sh.json_safe({"a": [1.0, math.nan, {"b": -math.inf}], "c": "x", "d": 2}) == {
+    assert ss.json_safe({"a": [1.0, math.nan, {"b": -math.inf}], "c": "x", "d": 2}) == {
         "a": [1.0, None, {"b": None}],
         "c": "x",
         "d": 2,
@@ -781,6 +785,24 @@ def test_json_safe() -> None:
 
 
 def test_signals_to_status_always_sends_the_source_keys() -> None:
-    out = sh.signals_to_status(Sample(at=T0, qps=1.0), ShiftRules(), 1)
+    out = ss.signals_to_status(Sample(at=T0, qps=1.0), ShiftRules(), 1)
     assert "stageUtilizationSource" in out and out["stageUtilizationSource"] is None
     assert "pipelineUtilization" in out and out["pipelineUtilization"] is None
+
+
+def test_an_unknown_executor_action_fails_the_tick_before_anything_is_written(
+    world: FakeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick used to drop an action it had no case for (``case _: pass``); now it raises before the
+    status write, so the step is neither persisted nor half applied."""
+    real_step = sh.step
+
+    def step_with_a_new_action(*args: Any, **kwargs: Any) -> tuple[ShiftState, list[Any]]:
+        state, actions = real_step(*args, **kwargs)
+        return state, [*actions, SelectGear("latency"), "ResizeKvPool(latency)"]
+
+    monkeypatch.setattr(sh, "step", step_with_a_new_action)
+    before = copy.deepcopy(world.store)
+    with pytest.raises(cs.UnknownActionError, match="ResizeKvPool"):
+        run(world, FakeSignals(), T0)
+    assert world.store == before  # no status patch, no Service selector change

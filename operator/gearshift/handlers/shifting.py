@@ -18,14 +18,19 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
    ``SignalsAvailable=True`` with reason ``StageBalanceUnavailable`` and the imbalance trigger off;
 4. :func:`gearshift.control.decide.decide` → :func:`gearshift.control.adapt.shift_request` →
    :func:`gearshift.control.executor.step`; when the active gear holds stages on a time-limited node the
-   reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``), :func:`window_request`
-   replaces the decision's request with a shift (trigger ``window``) to the reconciler's window-free
-   replacement, signals or not (issue 13);
+   reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``),
+   :func:`gearshift.control.shifting.window_request` replaces the decision's request with a shift
+   (trigger ``window``) to the reconciler's window-free replacement, signals or not (issue 13);
 5. persist the new executor and decision state, smoothed signals, history, gear health and the
    condition in ``GearSet.status`` (under the reconciler's per-service lock, so a concurrent reconcile
    sees either the old or the new executor step, never a half), *then* apply the actions through the
    reconciler's :func:`~gearshift.handlers.reconcile.ensure_gear_sync`, ``select_gear_sync`` and
-   ``delete_gear_sync`` and record events.
+   ``delete_gear_sync`` and record events. An action type the tick does not know fails the tick before
+   anything is written (:func:`gearshift.control.shifting.api_operations`).
+
+What is decided in a tick is pure code: the observation, the shadow check, the request, the condition,
+the events and the mapping of actions to API operations in :mod:`gearshift.control.shifting`, the status
+patch in :mod:`gearshift.control.shift_status`; this module reads, calls them, writes and records.
 
 Persisting before acting is what makes a restart safe: the executor step is level-triggered and re-emits
 whatever the world still lacks (a gear to create, a selector to set, a leftover to delete), so an
@@ -42,71 +47,65 @@ it every turn. Both need kopf's finalizer on the GearSet.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import kopf
 
 from gearshift.adapters import prometheus
-from gearshift.api.common import (
-    COND_SIGNALS_AVAILABLE,
-    GROUP,
-    MAX_HISTORY,
-    REASON_SIGNALS_MISSING,
-    REASON_WINDOW_NO_TARGET,
-    VERSION,
-    inputs_hash,
-)
-from gearshift.api.gearset import ControlState, Gear, GearHealth, GearSet, GearSignals
-from gearshift.control.adapt import gear_views, policy_from_api, shift_request
-from gearshift.control.decide import (
-    MANUAL,
-    Decision,
-    DecisionKind,
-    DecisionState,
-    Overrides,
-    TriggerTrack,
-    decide,
-)
+from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
+from gearshift.api.gearset import Gear, GearHealth, GearSet
+from gearshift.api.pdservice import PDService
+from gearshift.control.adapt import gear_views, policy_from_api
+from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, decide
 from gearshift.control.executor import (
     Action,
     DeleteGear,
     EnsureGear,
     Event,
     GearObservation,
-    MarkUnhealthy,
     Outcome,
     Phase,
     RecordShift,
     SelectGear,
-    ShiftRequest,
     ShiftState,
     World,
     draining_gear,
     step,
 )
-from gearshift.control.executor_status import executor_from_status, executor_to_status, from_time, to_time
-from gearshift.control.policy import GearTable, LatencyMetric, PolicyError, ShiftRules
+from gearshift.control.executor_status import executor_from_status
+from gearshift.control.policy import GearTable, PolicyError, ShiftRules
 from gearshift.control.reconcile import SHIFT_STEPS
-from gearshift.control.signals import (
-    E2E,
-    ITL,
-    TTFT,
-    Engine,
-    GearSelector,
-    PipelineShape,
-    Reading,
-    SignalsUnavailable,
-    UtilizationSource,
+from gearshift.control.shift_status import (
+    Signals,
+    control_from_status,
+    json_safe,
+    records_to_status,
+    status_patch,
 )
+from gearshift.control.shifting import (
+    ApiOperation,
+    api_operations,
+    current_marks,
+    decision_event,
+    executor_request,
+    forced_shift_reverted,
+    gears_to_free,
+    observe_gears,
+    pipeline_shape,
+    selected_gear,
+    shadow_fits,
+    shadow_to_check,
+    signals_condition,
+    statefulsets_by_gear,
+)
+from gearshift.control.shifting import pod_gpus as _gpu_requests  # noqa: F401  # handlers.autoscale's
+from gearshift.control.signals import Engine, GearSelector, PipelineShape, Reading, SignalsUnavailable
 from gearshift.control.smoothing import Sample
-from gearshift.control.triggers import TRIGGERS, Trigger
-from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
@@ -120,285 +119,12 @@ from gearshift.handlers.reconcile import (
     service_lock,
 )
 from gearshift.k8s import names
-from gearshift.k8s.placement import GPU_RESOURCE
-from gearshift.planner.inputs import node_gpus
 
 log = logging.getLogger(__name__)
 
 PLURAL = "gearsets"
-#: Condition reason when signals are there.
-REASON_SIGNALS_OK = "SignalsOk"
-#: Condition reason (SignalsAvailable=True) when a sample has no per-stage utilisation: vLLM exports none
-#: and the gear's stage times, which the derivation needs, are unknown (or nothing completed yet); the
-#: imbalance trigger is off, the others run.
-REASON_STAGE_BALANCE_UNAVAILABLE = "StageBalanceUnavailable"
-#: Condition reason (SignalsAvailable=True, a Warning event) when requests are served but the latency
-#: metric the P99 triggers read has no data: its histogram is not exported or not scraped (#20 row 3).
-REASON_LATENCY_UNAVAILABLE = "LatencyUnavailable"
-#: The histogram each latency metric is read from (vLLM's names).
-LATENCY_HISTOGRAM = {
-    LatencyMetric.TTFT: TTFT,
-    LatencyMetric.ITL: ITL,
-    LatencyMetric.E2E: E2E,
-}
-#: Condition reason when neither the PDService nor the operator names a Prometheus.
-REASON_NO_PROMETHEUS = "NoPrometheus"
 #: The shortest loop period, s, whatever ``sampleIntervalS`` says (keeps a typo from spinning the loop).
 MIN_INTERVAL_S = 0.2
-#: Container waiting/terminated reasons that mark a gear as failed (seed 002: OOM, crash loops).
-FAILURE_REASONS = ("OOMKilled", "CrashLoopBackOff")
-
-
-_SAMPLE_KEYS = {
-    "at": "at",
-    "queue": "queue",
-    "running": "running",
-    "qps": "qps",
-    "ttft_p50_ms": "ttftP50Ms",
-    "ttft_p99_ms": "ttftP99Ms",
-    "itl_p50_ms": "itlP50Ms",
-    "itl_p99_ms": "itlP99Ms",
-    "e2e_p50_ms": "e2eP50Ms",
-    "e2e_p99_ms": "e2eP99Ms",
-}
-
-
-def _sample_to_ema(s: Sample) -> dict[str, float]:
-    # Non-finite values are no data: JSON has no NaN/Inf, and the API server would refuse the patch.
-    out = {key: float(v) for f, key in _SAMPLE_KEYS.items() if _finite(v := getattr(s, f)) is not None}
-    if all(math.isfinite(u) for u in s.stage_utilization):
-        out |= {f"stage{k}": float(u) for k, u in enumerate(s.stage_utilization)}
-    return out
-
-
-def _finite(v: float | None) -> float | None:
-    """``v`` when it is a finite number, else ``None`` (NaN and ±Inf mean no data)."""
-    return v if v is not None and math.isfinite(v) else None
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with every non-finite float (NaN, ±Inf) replaced by ``None``, recursively through dicts,
-    lists and tuples: the last guard before a status patch, whose JSON encoding refuses them."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def _ema_to_sample(ema: Mapping[str, float]) -> Sample | None:
-    if "at" not in ema:
-        return None
-    stages: list[float] = []
-    while f"stage{len(stages)}" in ema:
-        stages.append(float(ema[f"stage{len(stages)}"]))
-    values: dict[str, Any] = {f: ema.get(key) for f, key in _SAMPLE_KEYS.items()}
-    for f in ("queue", "running", "qps"):
-        values[f] = values[f] or 0.0
-    return Sample(stage_utilization=tuple(stages), **values)
-
-
-def control_from_status(c: ControlState | None) -> DecisionState:
-    """The decision's :class:`DecisionState` from ``status.control`` (``None``: the initial state)."""
-    if c is None:
-        return DecisionState()
-    tracks = {
-        t: TriggerTrack(
-            on=c.streaks.get(t.value, 0),
-            off=c.off_streaks.get(t.value, 0),
-            latched=t.value in c.latched,
-            level=c.threshold_steps.get(t.value, 0),
-        )
-        for t in TRIGGERS
-    }
-    return DecisionState(
-        smoothed=_ema_to_sample(c.ema),
-        tracks=tracks,
-        last_shift_at=from_time(c.last_shift_time),
-        last_retrigger_at=from_time(c.last_retrigger_time),
-    )
-
-
-def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
-    """``status.control`` (camelCase JSON) of ``d``; ``dwellUntil`` is informational (last shift + dwell)."""
-    tracks: Mapping[Trigger, TriggerTrack] = d.tracks
-    return {
-        "ema": {} if d.smoothed is None else _sample_to_ema(d.smoothed),
-        "streaks": {t.value: tr.on for t, tr in tracks.items()},
-        "offStreaks": {t.value: tr.off for t, tr in tracks.items()},
-        "latched": [t.value for t, tr in tracks.items() if tr.latched],
-        "thresholdSteps": {t.value: tr.level for t, tr in tracks.items()},
-        "lastShiftTime": to_time(d.last_shift_at),
-        "dwellUntil": None if d.last_shift_at is None else to_time(d.last_shift_at + policy.dwell_s),
-        "lastRetriggerTime": to_time(d.last_retrigger_at),
-    }
-
-
-#: ``status.signals`` keys of latency percentiles: they describe completed requests, so a sample window
-#: without any has none of them (camelCase, as stored).
-LATENCY_SIGNAL_KEYS = ("p99Ms", "p50TtftMs", "p99TtftMs", "p50ItlMs", "p99ItlMs", "p50E2eMs", "p99E2eMs")
-#: ``status.signals`` keys that only some samples have (always sent, ``null`` when unknown).
-OPTIONAL_SIGNAL_KEYS = (*LATENCY_SIGNAL_KEYS, "stageUtilizationSource", "pipelineUtilization")
-
-
-def signals_to_status(
-    s: Sample,
-    policy: ShiftRules,
-    replicas: int,
-    raw: Sample | None = None,
-    reading: Reading | None = None,
-) -> dict[str, Any]:
-    """``status.signals`` from the smoothed sample ``s`` (``queueLength`` per pipeline replica).
-
-    ``raw`` is the sample ``s`` was smoothed from. The moving average keeps a latency through samples
-    that have none (the triggers want that), but shown in ``kubectl get gearsets`` it is stale: when
-    ``raw`` has no completed request in its window (``qps`` 0, requests/s), or no value for a
-    percentile, that percentile is written as ``null``. ``reading`` (the raw sample's) gives
-    ``stageUtilizationSource`` (engine, derived, none) and, for vLLM, ``pipelineUtilization`` (this
-    sample's seat occupancy of the head, not smoothed). When the raw sample has no stage utilisation,
-    ``stageUtilization`` is empty rather than the average of an earlier one. The optional keys are
-    always present (``null`` when unknown) because a JSON merge patch leaves out-of-patch keys as they
-    were. Non-finite numbers are written as ``null``."""
-    no_traffic = raw is not None and raw.qps <= 0.0
-
-    def shown(smoothed: float | None, measured: float | None) -> float | None:
-        if raw is not None and (no_traffic or measured is None):
-            return None
-        return _round(smoothed)
-
-    stages = s.stage_utilization
-    if raw is not None and not raw.stage_utilization:
-        stages = ()
-
-    metric = policy.latency_metric
-    sig = GearSignals(
-        sample_time=datetime.fromtimestamp(s.at, UTC),
-        qps=_finite(round(s.qps, 3)),
-        p99_ms=shown(s.p99_ms(metric), raw.p99_ms(metric) if raw else None),
-        p50_ttft_ms=shown(s.ttft_p50_ms, raw.ttft_p50_ms if raw else None),
-        p99_ttft_ms=shown(s.ttft_p99_ms, raw.ttft_p99_ms if raw else None),
-        p50_itl_ms=shown(s.itl_p50_ms, raw.itl_p50_ms if raw else None),
-        p99_itl_ms=shown(s.itl_p99_ms, raw.itl_p99_ms if raw else None),
-        p50_e2e_ms=shown(s.e2e_p50_ms, raw.e2e_p50_ms if raw else None),
-        p99_e2e_ms=shown(s.e2e_p99_ms, raw.e2e_p99_ms if raw else None),
-        queue_length=_finite(round(s.queue / max(replicas, 1), 3)),
-        stage_utilization=[round(u, 4) for u in stages] if all(math.isfinite(u) for u in stages) else [],
-        stage_utilization_source=None if reading is None else reading.source.value,
-        pipeline_utilization=None
-        if reading is None or _finite(reading.pipeline_utilization) is None
-        else round(reading.pipeline_utilization, 4),  # type: ignore[arg-type]
-    )
-    return {k: None for k in OPTIONAL_SIGNAL_KEYS} | json_safe(sig.to_json())
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None or not math.isfinite(v) else round(v, 2)
-
-
-# --- the observed world (pure) -------------------------------------------------------------------------
-def _pod_ready_since(pod: Mapping[str, Any]) -> float | None:
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready":
-            if c.get("status") != "True":
-                return None
-            return from_time(c.get("lastTransitionTime")) or 0.0
-    return None
-
-
-def _pod_failure(pod: Mapping[str, Any]) -> str | None:
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in FAILURE_REASONS:
-            return str(waiting["reason"])
-        for st in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated")):
-            if st and st.get("reason") in FAILURE_REASONS:
-                return str(st["reason"])
-    return None
-
-
-def observe_gear(
-    gear: Gear | None, statefulsets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
-) -> GearObservation:
-    """One gear's :class:`GearObservation` from its StatefulSets and pods (all stages).
-
-    Ready: a StatefulSet for every stage of ``gear`` (when known), each with all its replicas Ready, and
-    every pod Ready; ``ready_since`` is the latest pod Ready transition (s). A pod whose container is
-    OOM-killed or in a crash loop sets ``failure``.
-    """
-    if not statefulsets:
-        return GearObservation(exists=False)
-    failure = next((f for p in pods if (f := _pod_failure(p))), None)
-    stages = {int((s["metadata"].get("labels") or {}).get(names.LABEL_STAGE, "0")) for s in statefulsets}
-    complete = gear is None or stages >= set(range(len(gear.stages)))
-    want = 0
-    sts_ready = True
-    for s in statefulsets:
-        n = int((s.get("spec") or {}).get("replicas") or 0)
-        want += n
-        if int((s.get("status") or {}).get("readyReplicas") or 0) < n:
-            sts_ready = False
-    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
-    since = [_pod_ready_since(p) for p in live]
-    ready = complete and sts_ready and len(live) >= want and all(t is not None for t in since)
-    return GearObservation(
-        exists=True,
-        ready=ready,
-        ready_since=max((t for t in since if t is not None), default=None) if ready else None,
-        failure=failure,
-    )
-
-
-def selected_gear(role_service: Mapping[str, Any] | None) -> str | None:
-    """The gear the role Service's selector names, or ``None`` (no Service yet)."""
-    if not role_service:
-        return None
-    return ((role_service.get("spec") or {}).get("selector") or {}).get(names.LABEL_GEAR)
-
-
-def _gpu_requests(pod: Mapping[str, Any]) -> int:
-    total = 0
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        res = c.get("resources") or {}
-        raw = (res.get("limits") or {}).get(GPU_RESOURCE) or (res.get("requests") or {}).get(GPU_RESOURCE)
-        total += int(str(raw)) if raw else 0
-    return total
-
-
-def shadow_fits(
-    gear: Gear, pipeline_replicas: int, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
-) -> bool:
-    """Whether free GPUs hold every pod of ``gear`` beside everything running now.
-
-    Free GPUs of a node = allocatable ``nvidia.com/gpu`` − GPUs of its unfinished pods. Stages take nodes
-    greedily in order (a named node list, else the nodes matching the stage's selector, else any GPU
-    node), one pod per node for a stage (the builders' anti-affinity). GPUs are whole devices here, so
-    "memory short for a full shadow" means "not enough free cards" (a first fit, not an optimal packing).
-    """
-    node_list = list(nodes)
-    free = {n["metadata"]["name"]: node_gpus(n) for n in node_list}
-    for p in pods:
-        phase = (p.get("status") or {}).get("phase")
-        host = (p.get("spec") or {}).get("nodeName")
-        if host in free and phase not in ("Succeeded", "Failed"):
-            free[host] -= _gpu_requests(p)
-    labels = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}) for n in node_list}
-    for st in gear.stages:
-        if st.nodes:
-            cands = [n for n in st.nodes if n in free]
-        else:
-            cands = [n for n in free if all(labels[n].get(k) == v for k, v in st.node_selector.items())]
-        need = st.replicas * max(pipeline_replicas, 1)
-        for n in sorted(cands, key=lambda x: -free[x]):
-            if need == 0:
-                break
-            if free[n] >= st.gpus:
-                free[n] -= st.gpus
-                need -= 1
-        if need > 0:
-            return False
-    return True
 
 
 # --- signals -----------------------------------------------------------------------------------------
@@ -432,22 +158,10 @@ class PrometheusSignals:
         return prometheus.in_flight(url, sel, self.timeout_s)
 
 
-def pipeline_shape(gear: Gear) -> PipelineShape:
-    """What vLLM's derived stage utilisation needs of ``gear``: the planner's per-stage times
-    (``predictedTimeMs``, ms; ``None`` where not given), per-stage replicas and ``maxBatch``
-    (``--max-num-seqs``)."""
-    return PipelineShape(
-        gear=gear.name,
-        stage_times_ms=tuple(s.predicted_time_ms for s in gear.stages),
-        stage_replicas=tuple(s.replicas for s in gear.stages),
-        max_num_seqs=gear.max_batch,
-    )
-
-
 # --- one tick ------------------------------------------------------------------------------------------
 @dataclass
-class TickResult:
-    """What one tick did (for logs, metrics and tests)."""
+class ShiftTick:
+    """What one shifting tick did (for logs, metrics and tests)."""
 
     skipped: str = ""
     """Why nothing was decided (no active gear yet, GearSet gone, ...); empty when it ran."""
@@ -465,74 +179,217 @@ _last_window: dict[tuple[str, str], str] = {}
 _hold_lock = threading.Lock()
 
 
-def _history(raw: list[dict[str, Any]], rec: RecordShift, message_limit: int = 4000) -> list[dict[str, Any]]:
-    entry = {
-        "from": rec.from_gear,
-        "to": rec.to_gear,
-        "trigger": rec.trigger,
-        "startedAt": to_time(rec.started_at),
-        "finishedAt": to_time(rec.finished_at),
-        "outcome": rec.outcome.value,
-        "message": rec.message[:message_limit],
-    }
-    out = list(raw)
-    for i, h in enumerate(out):
-        same_start = (
-            from_time(h.get("startedAt")) is not None
-            and abs((from_time(h.get("startedAt")) or 0.0) - rec.started_at) < 1e-3
-        )
-        if same_start and h.get("to") == rec.to_gear:
-            out[i] = entry
-            break
-    else:
-        out.append(entry)
-    return out[-MAX_HISTORY:]
+@dataclass(frozen=True)
+class _Inputs:
+    """What a tick read of its GearSet and PDService, parsed: the state it steps from."""
+
+    namespace: str
+    name: str
+    body: dict[str, Any]
+    gs: GearSet
+    pds: PDService
+    policy: ShiftRules
+    state: ShiftState
+    control: DecisionState
+    gears: dict[str, Gear]
+    """The spec's gears by name."""
+    marks: list[GearHealth]
+    """The gear-health marks that still hold (:func:`~gearshift.control.shifting.current_marks`)."""
 
 
-def gear_fingerprint(gear: Gear) -> str:
-    """A stable hash of a gear's spec, for :class:`GearHealth` marks."""
-    return inputs_hash(gear.model_dump(mode="json", by_alias=True))
+@dataclass(frozen=True)
+class _Seen:
+    """What a tick observed of its role: objects per gear, the selected gear, the sample."""
+
+    by_gear: dict[str, list[Mapping[str, Any]]]
+    selected: str | None
+    url: str | None
+    reading: Reading | None
+    why: str
+    """Why there is no reading (empty when there is one)."""
+    in_flight_old: int | None
+    """Requests still on the gear being drained; ``None``: unknown, or no drain."""
+    observations: dict[str, GearObservation]
+
+    @property
+    def sample(self) -> Sample | None:
+        return None if self.reading is None else self.reading.sample
 
 
-def forced_shift_reverted(gs: GearSet, state: ShiftState) -> str | None:
-    """Why a shift ``spec.forceGear`` started is no longer wanted, or None: the field now names another
-    gear or none (#20 row 6). The executor cancels it only before the switch."""
-    if not state.busy or state.trigger != MANUAL or gs.spec.force_gear == state.to_gear:
-        return None
-    now_forced = f"names {gs.spec.force_gear!r}" if gs.spec.force_gear else "was cleared"
-    return f"spec.forceGear {now_forced}"
+@dataclass(frozen=True)
+class _Stepped:
+    """The decision's and the executor's outcome of one tick."""
+
+    control: DecisionState
+    decision: Decision
+    state: ShiftState
+    actions: list[Action]
+    operations: list[ApiOperation]
+    window_warning: str | None
 
 
-def current_marks(gs: GearSet) -> list[GearHealth]:
-    """The health marks that still hold (seed 002: a gear is unhealthy until the model or the profiles
-    change): marked under the current GPUProfiles, and on the gear as it is now — an edited gear is a new
-    gear and is tried again, as the ``ForceGearUnhealthy`` hold tells users."""
+def _load(api: KubeApi, namespace: str, name: str) -> _Inputs | ShiftTick:
+    """The tick's inputs, or the :class:`ShiftTick` that skips this turn (a bad policy emits an event)."""
+    loaded = load_gearset_and_service(api, namespace, name)
+    if isinstance(loaded, str):
+        return ShiftTick(skipped=loaded)
+    gs_body, gs, pds = loaded
+    gears = gs.gears()
+    gear_names = [g.name for g in gears]
     st = gs.status
-    gears = {g.name: gear_fingerprint(g) for g in gs.gears()}
-    return [
-        h
-        for h in st.gear_health
-        if h.profiles_hash in (None, st.profiles_hash) and h.gear_hash in (None, gears.get(h.gear))
-    ]
+    if not gears or not st.active_gear:
+        return ShiftTick(skipped="no active gear yet (the reconciler sets it)")
+    if st.active_gear not in gear_names:
+        return ShiftTick(skipped=f"active gear {st.active_gear!r} is not among {gear_names}")
+    # A shift in flight must run to its end whatever the gear count says now.
+    # A window on one of its nodes may call for a vacating shift to a gear the reconciler adds.
+    if gs.spec.replicas == 0 and _settled(gs_body):
+        return ShiftTick(skipped="scaled to zero: no signals", idle=True)
+    try:
+        policy = policy_from_api(gs.spec.policy, role=gs.spec.role, ttft_slo_ms=pds.spec.slo.ttft_ms,
+                                 itl_slo_ms=pds.spec.slo.itl_ms)  # fmt: skip
+    except PolicyError as exc:
+        emit(api, gs_body, "InvalidPolicy", str(exc), True)
+        return ShiftTick(skipped=str(exc))
+    state = executor_from_status(st.active_gear, st.executor)
+    control = control_from_status(st.control)
+    spec_gears = {g.name: g for g in gears}
+    return _Inputs(namespace, name, gs_body, gs, pds, policy, state, control, spec_gears, current_marks(gs))
 
 
-def _health(
-    raw: list[dict[str, Any]],
-    mark: MarkUnhealthy,
-    now: float,
-    profiles_hash: str | None,
-    gear_hash: str | None,
-) -> list:
-    entry = {
-        "gear": mark.gear,
-        "healthy": False,
-        "reason": mark.reason,
-        "message": mark.message[:4000],
-        "since": to_time(now),
-        "profilesHash": profiles_hash,
-        "gearHash": gear_hash,
-    }
-    return [h for h in raw if h.get("gear") != mark.gear] + [entry]
+def _observe(api: KubeApi, t: _Inputs, settings: Settings, signals: SignalSource, now: float) -> _Seen:
+    """Read the role's StatefulSets, pods and Service and sample the serving gear (and the drained one's
+    in-flight requests) from Prometheus; a failed sample is a reason (``why``), not an error."""
+    service, role, ns = t.gs.spec.service_name, t.gs.spec.role, t.namespace
+    labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: role}
+    by_gear = statefulsets_by_gear(
+        api.list(*STS, ns, {**labels, names.LABEL_COMPONENT: names.COMPONENT_ENGINE})
+    )
+    pods = api.list(*POD, ns, labels)
+    selected = selected_gear(api.get(*SVC, ns, names.role_service_name(service, role)))
+    url = t.pds.spec.prometheus_url or settings.prometheus_url
+    sample_gear = selected if selected in by_gear else t.state.active
+    reading: Reading | None = None
+    why = ""
+    if not url:
+        why = "no Prometheus URL: set PDService spec.prometheusUrl or the operator's --prometheus-url"
+    else:
+        shape = pipeline_shape(t.gears[sample_gear]) if sample_gear in t.gears else None
+        try:
+            reading = signals.sample(
+                url, GearSelector(ns, service, role, sample_gear), now, engine=t.pds.spec.engine, shape=shape
+            )
+        except SignalsUnavailable as exc:
+            why = str(exc)
+    drained = draining_gear(t.state)
+    in_flight_old: int | None = None
+    if drained is not None and drained in by_gear and url:
+        try:
+            in_flight_old = signals.in_flight(url, GearSelector(ns, service, role, drained))
+        except SignalsUnavailable as exc:
+            log.info("GearSet %s/%s: in-flight requests of %s unknown: %s", ns, t.name, drained, exc)
+    observations = observe_gears(
+        t.gears,
+        by_gear,
+        pods,
+        drained=drained,
+        drained_in_flight=in_flight_old,
+        sample=None if reading is None else reading.sample,
+        sample_gear=sample_gear,
+        metric=t.policy.latency_metric,
+    )
+    return _Seen(by_gear, selected, url, reading, why, in_flight_old, observations)
+
+
+def _step(api: KubeApi, t: _Inputs, seen: _Seen, now: float) -> _Stepped:
+    """Decide, then step the executor; lists nodes and pods only when a shift is about to start.
+
+    Raises:
+        UnknownActionError: the executor returned an action the tick cannot carry out (before any write).
+    """
+    gs, state = t.gs, t.state
+    views = gear_views(list(t.gears.values()), t.marks)
+    table = GearTable(views, active=state.active, arch=t.pds.spec.model.to_model_arch())
+    t0 = time.perf_counter()
+    overrides = Overrides(force_gear=gs.spec.force_gear, paused=gs.spec.paused)
+    control, decision = decide(
+        t.control, seen.sample, t.policy, table, now, overrides=overrides, busy=state.busy
+    )
+    metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
+    request, window_warning = executor_request(decision, table, gs, state)
+    shadow = shadow_to_check(request, state, t.gears, seen.by_gear)
+    fits = shadow is None or shadow_fits(shadow, gs.spec.replicas, api.list(*NODE), api.list(*POD))
+    world = World(now=now, gears=seen.observations, selected=seen.selected, full_shadow_fits=fits)
+    new_state, actions = step(
+        state,
+        world,
+        t.policy,
+        request=request,
+        paused=gs.spec.paused,
+        cancel=forced_shift_reverted(gs, state),
+    )
+    return _Stepped(control, decision, new_state, actions, api_operations(actions), window_warning)
+
+
+def _write_status(api: KubeApi, t: _Inputs, seen: _Seen, done: _Stepped, now: float) -> ConditionBook:
+    """Persist the tick's states, history, gear health, signals and the SignalsAvailable condition (under
+    the reconciler's per-service lock); returns the condition book, whose changes call for events."""
+    st, raw = t.gs.status, t.body.get("status") or {}
+    gen = t.body["metadata"].get("generation")
+    book = ConditionBook(conditions_from([c.to_json() for c in st.conditions]), gen, _now_dt(now))
+    cond = signals_condition(
+        url=seen.url,
+        engine=t.pds.spec.engine,
+        reading=seen.reading,
+        metric=t.policy.latency_metric,
+        why=seen.why,
+    )
+    book.set(cond.type, cond.status, cond.reason, cond.message, warning=cond.warning)
+    history, health = records_to_status(
+        raw.get("history") or [],
+        raw.get("gearHealth") or [],
+        done.actions,
+        marks=t.marks,
+        gears=t.gears,
+        now=now,
+        profiles_hash=st.profiles_hash,
+    )
+    for a in done.actions:
+        if isinstance(a, RecordShift) and a.outcome is not Outcome.IN_PROGRESS:
+            metrics.SHIFTS.labels(t.gs.spec.role, a.outcome.value).inc()
+    signals = Signals(done.control.smoothed, seen.sample, seen.reading, t.gs.spec.replicas)
+    patch = status_patch(
+        done.state,
+        done.control,
+        t.policy,
+        in_flight_old=seen.in_flight_old,
+        history=history,
+        health=health,
+        conditions=book.as_json(),
+        generation=gen,
+        signals=signals,
+    )
+    with service_lock(t.namespace, t.gs.spec.service_name):
+        patch["conditions"] = _keep_other_conditions(api, t.namespace, t.name, patch["conditions"])
+        patch_status(api, *GS, t.namespace, t.name, json_safe(patch))
+    return book
+
+
+def _act(api: KubeApi, t: _Inputs, operations: Sequence[ApiOperation], settings: Settings) -> None:
+    """Carry out the executor's API operations in order, through the reconciler's builders."""
+    service, role = t.gs.spec.service_name, t.gs.spec.role
+    for op in operations:
+        match op:
+            case EnsureGear(gear=g):
+                ensure_gear_sync(api, t.namespace, service, role, g, settings)
+            case SelectGear(gear=g):
+                select_gear_sync(api, t.namespace, service, role, g)
+            case DeleteGear(gear=g):
+                delete_gear_sync(api, t.namespace, service, role, g)
+            case Event(reason=r, message=m, warning=w):
+                emit(api, t.body, r, m, w)
+            case _:
+                assert_never(op)
 
 
 def tick(
@@ -543,216 +400,33 @@ def tick(
     now: float,
     settings: Settings,
     signals: SignalSource,
-) -> TickResult:
+) -> ShiftTick:
     """One turn of the shifting loop for GearSet ``namespace/name`` (see the module docstring).
 
     Raises:
         KubeApiError: the API server refused a read or write (the loop retries next turn).
+        UnknownActionError: the executor returned an action type the tick has no handling for; nothing
+            of the step is written (the loop logs it with its traceback).
     """
-    loaded = load_gearset_and_service(api, namespace, name)
-    if isinstance(loaded, str):
-        return TickResult(skipped=loaded)
-    gs_body, gs, pds = loaded
-    role, service = gs.spec.role, gs.spec.service_name
-    gears = gs.gears()
-    gear_names = [g.name for g in gears]
-    st = gs.status
-    if not gears or not st.active_gear:
-        return TickResult(skipped="no active gear yet (the reconciler sets it)")
-    if st.active_gear not in gear_names:
-        return TickResult(skipped=f"active gear {st.active_gear!r} is not among {gear_names}")
-    # A shift in flight must run to its end whatever the gear count says now.
-    # A window on one of its nodes may call for a vacating shift to a gear the reconciler adds.
-    if gs.spec.replicas == 0 and _settled(gs_body):
-        return TickResult(skipped="scaled to zero: no signals", idle=True)
-    try:
-        policy = policy_from_api(gs.spec.policy, role=role, ttft_slo_ms=pds.spec.slo.ttft_ms,
-                                 itl_slo_ms=pds.spec.slo.itl_ms)  # fmt: skip
-    except PolicyError as exc:
-        emit(api, gs_body, "InvalidPolicy", str(exc), True)
-        return TickResult(skipped=str(exc))
-
-    state = executor_from_status(st.active_gear, st.executor)
-    dstate = control_from_status(st.control)
-
-    # --- observe -------------------------------------------------------------------------------------
-    labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: role}
-    sts_all = api.list(*STS, namespace, {**labels, names.LABEL_COMPONENT: names.COMPONENT_ENGINE})
-    pods_all = api.list(*POD, namespace, labels)
-    by_gear: dict[str, list[dict[str, Any]]] = {}
-    for s in sts_all:
-        by_gear.setdefault((s["metadata"].get("labels") or {}).get(names.LABEL_GEAR, ""), []).append(s)
-    selected = selected_gear(api.get(*SVC, namespace, names.role_service_name(service, role)))
-    url = pds.spec.prometheus_url or settings.prometheus_url
-    sample_gear = selected if selected in by_gear else state.active
-    spec_gears = {g.name: g for g in gears}
-    engine: Engine = pds.spec.engine
-    sample: Sample | None = None
-    reading: Reading | None = None
-    why = ""
-    if not url:
-        why = "no Prometheus URL: set PDService spec.prometheusUrl or the operator's --prometheus-url"
-    else:
-        shape = pipeline_shape(spec_gears[sample_gear]) if sample_gear in spec_gears else None
-        try:
-            reading = signals.sample(
-                url, GearSelector(namespace, service, role, sample_gear), now, engine=engine, shape=shape
-            )
-            sample = reading.sample
-        except SignalsUnavailable as exc:
-            why = str(exc)
-    # The gear being drained: the old one while Draining, the failed one while RollingBack.
-    drained = draining_gear(state)
-    in_flight_old: int | None = None
-    if drained is not None and drained in by_gear and url:
-        try:
-            in_flight_old = signals.in_flight(url, GearSelector(namespace, service, role, drained))
-        except SignalsUnavailable as exc:
-            log.info("GearSet %s/%s: in-flight requests of %s unknown: %s", namespace, name, drained, exc)
-    observations: dict[str, GearObservation] = {}
-    for gname, objs in by_gear.items():
-        pods = [p for p in pods_all if (p["metadata"].get("labels") or {}).get(names.LABEL_GEAR) == gname]
-        obs = observe_gear(spec_gears.get(gname), objs, pods)
-        if gname == drained:
-            # Unknown in-flight counts hold the drain until its timeout rather than cut requests off.
-            obs = replace(obs, in_flight=1 if in_flight_old is None else in_flight_old)
-        if sample is not None and gname == sample_gear:
-            obs = replace(obs, p99_ms=sample.p99_ms(policy.latency_metric), qps=sample.qps)
-        observations[gname] = obs
-    # --- decide and step -----------------------------------------------------------------------------
-    marks = current_marks(gs)
-    table = GearTable(gear_views(gears, marks), active=state.active, arch=pds.spec.model.to_model_arch())
-    t0 = time.perf_counter()
-    overrides = Overrides(force_gear=gs.spec.force_gear, paused=gs.spec.paused)
-    new_dstate, decision = decide(dstate, sample, policy, table, now, overrides=overrides, busy=state.busy)
-    metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
-    request = shift_request(decision, table)
-    vacate = window_request(gs, table, state)
-    if isinstance(vacate, ShiftRequest):
-        request = vacate  # the node's deadline comes before any trigger, dwell or forced gear
-    fits = True
-    if (
-        request is not None
-        and not state.busy
-        and request.target in spec_gears
-        and request.target not in by_gear
-    ):
-        # Only a shift about to start needs the cluster-wide view of free GPUs.
-        fits = shadow_fits(spec_gears[request.target], gs.spec.replicas, api.list(*NODE), api.list(*POD))
-    world = World(now=now, gears=observations, selected=selected, full_shadow_fits=fits)
-    new_state, actions = step(
-        state, world, policy, request=request, paused=gs.spec.paused, cancel=forced_shift_reverted(gs, state)
-    )
-
-    # --- status --------------------------------------------------------------------------------------
-    gen = gs_body["metadata"].get("generation")
-    book = ConditionBook(conditions_from([c.to_json() for c in st.conditions]), gen, _now_dt(now))
-    if reading is not None and reading.source is UtilizationSource.NONE:
-        book.set(
-            COND_SIGNALS_AVAILABLE,
-            "True",
-            REASON_STAGE_BALANCE_UNAVAILABLE,
-            f"Prometheus at {url} answers (engine {engine}); {reading.note}: the imbalance trigger is off "
-            "for this gear, the saturation and P99 triggers run",
-        )
-    elif sample is not None and sample.qps > 0 and sample.p99_ms(policy.latency_metric) is None:
-        metric = policy.latency_metric
-        book.set(
-            COND_SIGNALS_AVAILABLE,
-            "True",
-            REASON_LATENCY_UNAVAILABLE,
-            f"Prometheus at {url} answers and the gear serves requests, but {metric.value} P99 has no data: "
-            f"is {LATENCY_HISTOGRAM[metric]}_bucket exported by the head pods and scraped? "
-            "The P99 triggers are off; the saturation and imbalance triggers run",
-            warning=True,
-        )
-    elif sample is not None:
-        book.set(COND_SIGNALS_AVAILABLE, "True", REASON_SIGNALS_OK, f"Prometheus at {url} answers")
-    else:
-        reason = REASON_NO_PROMETHEUS if not url else REASON_SIGNALS_MISSING
-        book.set(COND_SIGNALS_AVAILABLE, "False", reason, f"{why}; no gear shift starts", warning=True)
-    raw = gs_body.get("status") or {}
-    history = list(raw.get("history") or [])
-    # Marks that no longer hold (the gear or the profiles changed) leave the status: `kubectl get` must
-    # not show a gear as unhealthy that is tried again, or serving.
-    held = {m.gear for m in marks}
-    health = [h for h in raw.get("gearHealth") or [] if h.get("gear") in held]
-    for a in actions:
-        if isinstance(a, RecordShift):
-            history = _history(history, a)
-            if a.outcome is not Outcome.IN_PROGRESS:
-                metrics.SHIFTS.labels(role, a.outcome.value).inc()
-        elif isinstance(a, MarkUnhealthy):
-            marked = spec_gears.get(a.gear)
-            health = _health(
-                health, a, now, st.profiles_hash, gear_fingerprint(marked) if marked is not None else None
-            )
-    patch: dict[str, Any] = {
-        "phase": new_state.phase.value,
-        "activeGear": new_state.active,
-        "targetGear": new_state.to_gear if new_state.busy else None,
-        "executor": executor_to_status(new_state, in_flight_old),
-        "control": control_to_status(new_dstate, policy),
-        "history": history,
-        "gearHealth": health,
-        "conditions": book.as_json(),
-        "observedGeneration": gen,
-    }
-    if new_dstate.smoothed is not None and sample is not None:
-        patch["signals"] = signals_to_status(new_dstate.smoothed, policy, gs.spec.replicas, sample, reading)
-    with service_lock(namespace, service):
-        patch["conditions"] = _keep_other_conditions(api, namespace, name, patch["conditions"])
-        patch_status(api, *GS, namespace, name, json_safe(patch))
-
-    # --- act -----------------------------------------------------------------------------------------
-    for a in actions:
-        match a:
-            case EnsureGear(gear=g):
-                ensure_gear_sync(api, namespace, service, role, g, settings)
-            case SelectGear(gear=g):
-                select_gear_sync(api, namespace, service, role, g)
-            case DeleteGear(gear=g):
-                delete_gear_sync(api, namespace, service, role, g)
-            case Event(reason=r, message=m, warning=w):
-                emit(api, gs_body, r, m, w)
-            case _:
-                pass
+    t = _load(api, namespace, name)
+    if isinstance(t, ShiftTick):
+        return t
+    seen = _observe(api, t, settings, signals, now)
+    done = _step(api, t, seen, now)
+    book = _write_status(api, t, seen, done, now)
+    _act(api, t, done.operations, settings)
     for reason, message, warning in book.changes:
-        emit(api, gs_body, reason, message, warning)
-    if isinstance(vacate, str):
-        _once(api, gs_body, namespace, name, REASON_WINDOW_NO_TARGET, vacate, True)
-    _decision_event(api, gs_body, namespace, name, decision)
-    return TickResult(
-        phase=new_state.phase, decision=decision, actions=actions, signals_ok=sample is not None, message=why
+        emit(api, t.body, reason, message, warning)
+    if done.window_warning is not None:
+        _once(api, t.body, namespace, name, REASON_WINDOW_NO_TARGET, done.window_warning, True)
+    _decision_event(api, t.body, namespace, name, done.decision)
+    return ShiftTick(
+        phase=done.state.phase,
+        decision=done.decision,
+        actions=done.actions,
+        signals_ok=seen.reading is not None,
+        message=seen.why,
     )
-
-
-def window_request(gs: GearSet, table: GearTable, state: ShiftState) -> ShiftRequest | str | None:
-    """The shift that vacates time-limited nodes, when the active gear holds stages on one the reconciler
-    reports past its leaveBy (``status.windowedNodes`` state ``Leaving``); issue 13.
-
-    Returns a :class:`ShiftRequest` with trigger ``window`` to the reconciler's window-free replacement
-    (:func:`gearshift.control.windows.vacate_target`), a message when no healthy gear is off those nodes,
-    or ``None`` (nothing to vacate, or a shift already runs: it finishes first).
-    """
-    if state.busy:
-        return None
-    closing = closing_nodes(w.to_json() for w in gs.status.windowed_nodes)
-    if not closing:
-        return None
-    gears = gs.gears()
-    unhealthy = {g.name for g in table.gears if not g.healthy}
-    target = vacate_target(gears, state.active, closing, unhealthy)
-    if target is None:
-        cur = next((g for g in gears if g.name == state.active), None)
-        if cur is None or not uses(cur, closing):
-            return None
-        return (
-            f"gear {state.active!r} runs on node(s) {', '.join(sorted(closing))} past their leaveBy and no "
-            "healthy gear is off them to shift to; it stays until the node goes (then: node loss)"
-        )
-    view = table.get(target)
-    return ShiftRequest(target, TRIGGER_WINDOW, None if view is None else view.predicted_p99_ms)
 
 
 def _once(
@@ -785,19 +459,17 @@ def _now_dt(now: float) -> datetime:
 def _decision_event(
     api: KubeApi, body: Mapping[str, Any], namespace: str, name: str, decision: Decision
 ) -> None:
-    """Events for decisions that did something (raised a threshold, vetoed) or a hold that changed why."""
-    if decision.kind in (DecisionKind.THRESHOLD_RAISED, DecisionKind.VETOED):
-        emit(api, body, decision.kind.value, decision.message, decision.kind is DecisionKind.VETOED)
-        return
-    if decision.kind is not DecisionKind.HOLD:
-        return
-    key = (namespace, name)
-    with _hold_lock:
-        changed = _last_hold.get(key) != decision.reason
-        _last_hold[key] = decision.reason
-    notable = decision.reason not in ("Steady", "ShiftInProgress", "ForcedGear")
-    if changed and notable:
-        emit(api, body, decision.reason, decision.message, decision.reason.startswith("Force"))
+    """The event :func:`~gearshift.control.shifting.decision_event` calls for, given this GearSet's last
+    hold reason (remembered here: the loop ticks every few s)."""
+    previous: str | None = None
+    if decision.kind is DecisionKind.HOLD:
+        key = (namespace, name)
+        with _hold_lock:
+            previous = _last_hold.get(key)
+            _last_hold[key] = decision.reason
+    event = decision_event(decision, previous)
+    if event is not None:
+        emit(api, body, event.reason, event.message, event.warning)
 
 
 # --- kopf ----------------------------------------------------------------------------------------------
@@ -810,7 +482,7 @@ def configure(signals: SignalSource) -> None:
     _signals = signals
 
 
-def run_tick(namespace: str, name: str) -> TickResult:
+def run_tick(namespace: str, name: str) -> ShiftTick:
     """One tick with the operator's API client and settings (see :func:`tick`)."""
     from gearshift.handlers import pdservice
 
@@ -850,18 +522,6 @@ async def gearset_shifting(
         floor_s=MIN_INTERVAL_S,
         expected=(KubeApiError, NotYet, KeyError),
     )
-
-
-def gears_to_free(sts: Sequence[Mapping[str, Any]], selected: str | None, active: str | None) -> list[str]:
-    """Gears of a deleted GearSet's role whose StatefulSets go with it: every gear but the one serving
-    (the role Service's, else ``status.activeGear``), sorted. Pure.
-
-    The serving gear stays: deleting its pods would drop requests, and the PDService's own deletion (owner
-    references) or a new GearSet decides its fate. A shadow or a drained old gear holds GPUs for nothing.
-    """
-    keep = selected or active
-    gears = {(s.get("metadata", {}).get("labels") or {}).get(names.LABEL_GEAR) for s in sts}
-    return sorted(g for g in gears if g and g != keep)
 
 
 def free_gears_of_deleted_gearset(api: KubeApi, namespace: str, body: Mapping[str, Any]) -> list[str]:

@@ -1,0 +1,311 @@
+"""What the gear-shifting tick writes to ``GearSet.status``: the decision state's codec (``status.control``),
+the shown signals (``status.signals``), the history and gear-health entries of the executor's actions, and
+the whole status patch of one tick.
+
+Pure: plain data in, JSON-ready dicts out (camelCase keys as the CRD stores them); times are epoch seconds
+in, RFC 3339 strings out. The handler (:mod:`gearshift.handlers.shifting`) writes what these return.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from gearshift.api.common import MAX_HISTORY, inputs_hash
+from gearshift.api.gearset import ControlState, Gear, GearHealth, GearSignals
+from gearshift.control.decide import DecisionState, TriggerTrack
+from gearshift.control.executor import Action, MarkUnhealthy, RecordShift, ShiftState
+from gearshift.control.executor_status import executor_to_status, from_time, to_time
+from gearshift.control.policy import ShiftRules
+from gearshift.control.signals import Reading
+from gearshift.control.smoothing import Sample
+from gearshift.control.triggers import TRIGGERS, Trigger
+
+#: Longest ``message`` of a history or gear-health entry, characters (a status stays well under etcd's
+#: object size limit however long the executor's messages get).
+MESSAGE_LIMIT = 4000
+
+_SAMPLE_KEYS = {
+    "at": "at",
+    "queue": "queue",
+    "running": "running",
+    "qps": "qps",
+    "ttft_p50_ms": "ttftP50Ms",
+    "ttft_p99_ms": "ttftP99Ms",
+    "itl_p50_ms": "itlP50Ms",
+    "itl_p99_ms": "itlP99Ms",
+    "e2e_p50_ms": "e2eP50Ms",
+    "e2e_p99_ms": "e2eP99Ms",
+}
+
+
+def _sample_to_ema(s: Sample) -> dict[str, float]:
+    # Non-finite values are no data: JSON has no NaN/Inf, and the API server would refuse the patch.
+    out = {key: float(v) for f, key in _SAMPLE_KEYS.items() if _finite(v := getattr(s, f)) is not None}
+    if all(math.isfinite(u) for u in s.stage_utilization):
+        out |= {f"stage{k}": float(u) for k, u in enumerate(s.stage_utilization)}
+    return out
+
+
+def _finite(v: float | None) -> float | None:
+    """``v`` when it is a finite number, else ``None`` (NaN and ±Inf mean no data)."""
+    return v if v is not None and math.isfinite(v) else None
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±Inf) replaced by ``None``, recursively through dicts,
+    lists and tuples: the last guard before a status patch, whose JSON encoding refuses them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _ema_to_sample(ema: Mapping[str, float]) -> Sample | None:
+    if "at" not in ema:
+        return None
+    stages: list[float] = []
+    while f"stage{len(stages)}" in ema:
+        stages.append(float(ema[f"stage{len(stages)}"]))
+    values: dict[str, Any] = {f: ema.get(key) for f, key in _SAMPLE_KEYS.items()}
+    for f in ("queue", "running", "qps"):
+        values[f] = values[f] or 0.0
+    return Sample(stage_utilization=tuple(stages), **values)
+
+
+def control_from_status(c: ControlState | None) -> DecisionState:
+    """The decision's :class:`DecisionState` from ``status.control`` (``None``: the initial state)."""
+    if c is None:
+        return DecisionState()
+    tracks = {
+        t: TriggerTrack(
+            on=c.streaks.get(t.value, 0),
+            off=c.off_streaks.get(t.value, 0),
+            latched=t.value in c.latched,
+            level=c.threshold_steps.get(t.value, 0),
+        )
+        for t in TRIGGERS
+    }
+    return DecisionState(
+        smoothed=_ema_to_sample(c.ema),
+        tracks=tracks,
+        last_shift_at=from_time(c.last_shift_time),
+        last_retrigger_at=from_time(c.last_retrigger_time),
+    )
+
+
+def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
+    """``status.control`` (camelCase JSON) of ``d``; ``dwellUntil`` is informational (last shift + dwell)."""
+    tracks: Mapping[Trigger, TriggerTrack] = d.tracks
+    return {
+        "ema": {} if d.smoothed is None else _sample_to_ema(d.smoothed),
+        "streaks": {t.value: tr.on for t, tr in tracks.items()},
+        "offStreaks": {t.value: tr.off for t, tr in tracks.items()},
+        "latched": [t.value for t, tr in tracks.items() if tr.latched],
+        "thresholdSteps": {t.value: tr.level for t, tr in tracks.items()},
+        "lastShiftTime": to_time(d.last_shift_at),
+        "dwellUntil": None if d.last_shift_at is None else to_time(d.last_shift_at + policy.dwell_s),
+        "lastRetriggerTime": to_time(d.last_retrigger_at),
+    }
+
+
+#: ``status.signals`` keys of latency percentiles: they describe completed requests, so a sample window
+#: without any has none of them (camelCase, as stored).
+LATENCY_SIGNAL_KEYS = ("p99Ms", "p50TtftMs", "p99TtftMs", "p50ItlMs", "p99ItlMs", "p50E2eMs", "p99E2eMs")
+#: ``status.signals`` keys that only some samples have (always sent, ``null`` when unknown).
+OPTIONAL_SIGNAL_KEYS = (*LATENCY_SIGNAL_KEYS, "stageUtilizationSource", "pipelineUtilization")
+
+
+def signals_to_status(
+    s: Sample,
+    policy: ShiftRules,
+    replicas: int,
+    raw: Sample | None = None,
+    reading: Reading | None = None,
+) -> dict[str, Any]:
+    """``status.signals`` from the smoothed sample ``s`` (``queueLength`` per pipeline replica).
+
+    ``raw`` is the sample ``s`` was smoothed from. The moving average keeps a latency through samples
+    that have none (the triggers want that), but shown in ``kubectl get gearsets`` it is stale: when
+    ``raw`` has no completed request in its window (``qps`` 0, requests/s), or no value for a
+    percentile, that percentile is written as ``null``. ``reading`` (the raw sample's) gives
+    ``stageUtilizationSource`` (engine, derived, none) and, for vLLM, ``pipelineUtilization`` (this
+    sample's seat occupancy of the head, not smoothed). When the raw sample has no stage utilisation,
+    ``stageUtilization`` is empty rather than the average of an earlier one. The optional keys are
+    always present (``null`` when unknown) because a JSON merge patch leaves out-of-patch keys as they
+    were. Non-finite numbers are written as ``null``."""
+    no_traffic = raw is not None and raw.qps <= 0.0
+
+    def shown(smoothed: float | None, measured: float | None) -> float | None:
+        if raw is not None and (no_traffic or measured is None):
+            return None
+        return _round(smoothed)
+
+    stages = s.stage_utilization
+    if raw is not None and not raw.stage_utilization:
+        stages = ()
+
+    metric = policy.latency_metric
+    sig = GearSignals(
+        sample_time=datetime.fromtimestamp(s.at, UTC),
+        qps=_finite(round(s.qps, 3)),
+        p99_ms=shown(s.p99_ms(metric), raw.p99_ms(metric) if raw else None),
+        p50_ttft_ms=shown(s.ttft_p50_ms, raw.ttft_p50_ms if raw else None),
+        p99_ttft_ms=shown(s.ttft_p99_ms, raw.ttft_p99_ms if raw else None),
+        p50_itl_ms=shown(s.itl_p50_ms, raw.itl_p50_ms if raw else None),
+        p99_itl_ms=shown(s.itl_p99_ms, raw.itl_p99_ms if raw else None),
+        p50_e2e_ms=shown(s.e2e_p50_ms, raw.e2e_p50_ms if raw else None),
+        p99_e2e_ms=shown(s.e2e_p99_ms, raw.e2e_p99_ms if raw else None),
+        queue_length=_finite(round(s.queue / max(replicas, 1), 3)),
+        stage_utilization=[round(u, 4) for u in stages] if all(math.isfinite(u) for u in stages) else [],
+        stage_utilization_source=None if reading is None else reading.source.value,
+        pipeline_utilization=None
+        if reading is None or _finite(reading.pipeline_utilization) is None
+        else round(reading.pipeline_utilization, 4),  # type: ignore[arg-type]
+    )
+    return {k: None for k in OPTIONAL_SIGNAL_KEYS} | json_safe(sig.to_json())
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None or not math.isfinite(v) else round(v, 2)
+
+
+# --- history and gear health ---------------------------------------------------------------------------
+def history_with(
+    raw: Sequence[Mapping[str, Any]], rec: RecordShift, message_limit: int = MESSAGE_LIMIT
+) -> list[dict[str, Any]]:
+    """``status.history`` with ``rec``'s entry: it replaces the entry of the same shift (same ``to`` gear,
+    ``startedAt`` within 1 ms) or is appended; the last :data:`~gearshift.api.common.MAX_HISTORY` kept."""
+    entry = {
+        "from": rec.from_gear,
+        "to": rec.to_gear,
+        "trigger": rec.trigger,
+        "startedAt": to_time(rec.started_at),
+        "finishedAt": to_time(rec.finished_at),
+        "outcome": rec.outcome.value,
+        "message": rec.message[:message_limit],
+    }
+    out = [dict(h) for h in raw]
+    for i, h in enumerate(out):
+        same_start = (
+            from_time(h.get("startedAt")) is not None
+            and abs((from_time(h.get("startedAt")) or 0.0) - rec.started_at) < 1e-3
+        )
+        if same_start and h.get("to") == rec.to_gear:
+            out[i] = entry
+            break
+    else:
+        out.append(entry)
+    return out[-MAX_HISTORY:]
+
+
+def gear_fingerprint(gear: Gear) -> str:
+    """A stable hash of a gear's spec, for :class:`GearHealth` marks."""
+    return inputs_hash(gear.model_dump(mode="json", by_alias=True))
+
+
+def health_with(
+    raw: Sequence[Mapping[str, Any]],
+    mark: MarkUnhealthy,
+    now: float,
+    profiles_hash: str | None,
+    gear_hash: str | None,
+) -> list[dict[str, Any]]:
+    """``status.gearHealth`` with ``mark``'s gear marked unhealthy since ``now`` (s), replacing its entry;
+    ``profiles_hash`` and ``gear_hash`` say what the mark holds for (it lapses when either changes)."""
+    entry = {
+        "gear": mark.gear,
+        "healthy": False,
+        "reason": mark.reason,
+        "message": mark.message[:MESSAGE_LIMIT],
+        "since": to_time(now),
+        "profilesHash": profiles_hash,
+        "gearHash": gear_hash,
+    }
+    return [dict(h) for h in raw if h.get("gear") != mark.gear] + [entry]
+
+
+def records_to_status(
+    history: Sequence[Mapping[str, Any]],
+    health: Sequence[Mapping[str, Any]],
+    actions: Iterable[Action],
+    *,
+    marks: Iterable[GearHealth],
+    gears: Mapping[str, Gear],
+    now: float,
+    profiles_hash: str | None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(status.history, status.gearHealth)`` after the step's :class:`RecordShift` and
+    :class:`MarkUnhealthy` actions, from the stored lists.
+
+    Health entries of gears without a mark in ``marks`` (the marks that still hold, see
+    :func:`gearshift.control.shifting.current_marks`) leave: ``kubectl get`` must not show a gear as
+    unhealthy that is tried again, or serving. ``gears`` (spec gears by name) give a new mark's gear hash.
+    """
+    out_history = [dict(h) for h in history]
+    held = {m.gear for m in marks}
+    out_health = [dict(h) for h in health if h.get("gear") in held]
+    for a in actions:
+        if isinstance(a, RecordShift):
+            out_history = history_with(out_history, a)
+        elif isinstance(a, MarkUnhealthy):
+            marked = gears.get(a.gear)
+            gear_hash = gear_fingerprint(marked) if marked is not None else None
+            out_health = health_with(out_health, a, now, profiles_hash, gear_hash)
+    return out_history, out_health
+
+
+# --- the patch -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Signals:
+    """This tick's sample as the status shows it: the raw sample, its reading, the smoothed one."""
+
+    smoothed: Sample | None
+    """The decision's moving average after this sample (``DecisionState.smoothed``)."""
+    raw: Sample | None
+    """This tick's sample; ``None`` when the signals were unavailable (``status.signals`` stays)."""
+    reading: Reading | None
+    replicas: int
+    """Pipeline replicas (``GearSet.spec.replicas``): ``queueLength`` is per replica."""
+
+
+def status_patch(
+    state: ShiftState,
+    decision: DecisionState,
+    policy: ShiftRules,
+    *,
+    in_flight_old: int | None,
+    history: list[dict[str, Any]],
+    health: list[dict[str, Any]],
+    conditions: list[dict[str, Any]],
+    generation: int | None,
+    signals: Signals,
+) -> dict[str, Any]:
+    """The merge patch of ``GearSet.status`` after one tick (camelCase JSON; not yet :func:`json_safe`).
+
+    ``state`` and ``decision`` are the executor's and the decision's new states; ``in_flight_old`` the
+    drained gear's in-flight requests (``None``: unknown or no drain); ``targetGear`` is set only while a
+    shift runs. ``signals`` is written only when there was a sample and a smoothed one.
+    """
+    patch: dict[str, Any] = {
+        "phase": state.phase.value,
+        "activeGear": state.active,
+        "targetGear": state.to_gear if state.busy else None,
+        "executor": executor_to_status(state, in_flight_old),
+        "control": control_to_status(decision, policy),
+        "history": history,
+        "gearHealth": health,
+        "conditions": conditions,
+        "observedGeneration": generation,
+    }
+    if signals.smoothed is not None and signals.raw is not None:
+        patch["signals"] = signals_to_status(
+            signals.smoothed, policy, signals.replicas, signals.raw, signals.reading
+        )
+    return patch

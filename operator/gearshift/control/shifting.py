@@ -1,0 +1,437 @@
+"""The gear-shifting tick's pure parts: what it sees of a role's gears, whether a shadow fits the free
+GPUs, which request the executor gets (the decision's, or a vacating one for a time-limited node), the
+``SignalsAvailable`` condition, the event a decision calls for, and which executor actions touch the API.
+
+Pure: Kubernetes objects come in as plain dicts (as the API returns them), times as epoch seconds; no I/O,
+no clock. The handler (:mod:`gearshift.handlers.shifting`) reads the objects, calls these, writes and
+records; the status it writes is :mod:`gearshift.control.shift_status`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Never, NoReturn
+
+from gearshift.api.common import COND_SIGNALS_AVAILABLE, REASON_SIGNALS_MISSING, ConditionStatus
+from gearshift.api.gearset import Gear, GearHealth, GearSet
+from gearshift.control.adapt import shift_request
+from gearshift.control.decide import MANUAL, Decision, DecisionKind
+from gearshift.control.executor import (
+    Action,
+    DeleteGear,
+    EnsureGear,
+    Event,
+    GearObservation,
+    MarkUnhealthy,
+    RecordShift,
+    SelectGear,
+    ShiftRequest,
+    ShiftState,
+)
+from gearshift.control.executor_status import from_time
+from gearshift.control.policy import GearTable, LatencyMetric
+from gearshift.control.scaling import NodeView, StageNeed, place_replicas
+from gearshift.control.shift_status import gear_fingerprint
+from gearshift.control.signals import E2E, ITL, TTFT, Engine, PipelineShape, Reading, UtilizationSource
+from gearshift.control.smoothing import Sample
+from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
+from gearshift.k8s import names
+from gearshift.k8s.placement import GPU_RESOURCE
+from gearshift.planner.inputs import node_gpus
+
+#: Container waiting/terminated reasons that mark a gear as failed (seed 002: OOM, crash loops).
+FAILURE_REASONS = ("OOMKilled", "CrashLoopBackOff")
+#: Condition reason when signals are there.
+REASON_SIGNALS_OK = "SignalsOk"
+#: Condition reason (SignalsAvailable=True) when a sample has no per-stage utilisation: vLLM exports none
+#: and the gear's stage times, which the derivation needs, are unknown (or nothing completed yet); the
+#: imbalance trigger is off, the others run.
+REASON_STAGE_BALANCE_UNAVAILABLE = "StageBalanceUnavailable"
+#: Condition reason (SignalsAvailable=True, a Warning event) when requests are served but the latency
+#: metric the P99 triggers read has no data: its histogram is not exported or not scraped (#20 row 3).
+REASON_LATENCY_UNAVAILABLE = "LatencyUnavailable"
+#: Condition reason when neither the PDService nor the operator names a Prometheus.
+REASON_NO_PROMETHEUS = "NoPrometheus"
+#: The histogram each latency metric is read from (vLLM's names).
+LATENCY_HISTOGRAM = {
+    LatencyMetric.TTFT: TTFT,
+    LatencyMetric.ITL: ITL,
+    LatencyMetric.E2E: E2E,
+}
+#: Hold reasons that are the loop's normal state, not news: no event when a decision holds for them.
+QUIET_HOLDS = ("Steady", "ShiftInProgress", "ForcedGear")
+
+
+# --- the observed world --------------------------------------------------------------------------------
+def _pod_ready_since(pod: Mapping[str, Any]) -> float | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            if c.get("status") != "True":
+                return None
+            return from_time(c.get("lastTransitionTime")) or 0.0
+    return None
+
+
+def _pod_failure(pod: Mapping[str, Any]) -> str | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in FAILURE_REASONS:
+            return str(waiting["reason"])
+        for st in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated")):
+            if st and st.get("reason") in FAILURE_REASONS:
+                return str(st["reason"])
+    return None
+
+
+def observe_gear(
+    gear: Gear | None, statefulsets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
+) -> GearObservation:
+    """One gear's :class:`GearObservation` from its StatefulSets and pods (all stages).
+
+    Ready: a StatefulSet for every stage of ``gear`` (when known), each with all its replicas Ready, and
+    every pod Ready; ``ready_since`` is the latest pod Ready transition (s). A pod whose container is
+    OOM-killed or in a crash loop sets ``failure``.
+    """
+    if not statefulsets:
+        return GearObservation(exists=False)
+    failure = next((f for p in pods if (f := _pod_failure(p))), None)
+    stages = {int((s["metadata"].get("labels") or {}).get(names.LABEL_STAGE, "0")) for s in statefulsets}
+    complete = gear is None or stages >= set(range(len(gear.stages)))
+    want = 0
+    sts_ready = True
+    for s in statefulsets:
+        n = int((s.get("spec") or {}).get("replicas") or 0)
+        want += n
+        if int((s.get("status") or {}).get("readyReplicas") or 0) < n:
+            sts_ready = False
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    since = [_pod_ready_since(p) for p in live]
+    ready = complete and sts_ready and len(live) >= want and all(t is not None for t in since)
+    return GearObservation(
+        exists=True,
+        ready=ready,
+        ready_since=max((t for t in since if t is not None), default=None) if ready else None,
+        failure=failure,
+    )
+
+
+def _gear_label(obj: Mapping[str, Any]) -> str:
+    return str((obj["metadata"].get("labels") or {}).get(names.LABEL_GEAR, ""))
+
+
+def statefulsets_by_gear(statefulsets: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """A role's engine StatefulSets grouped by their gear label (``""`` for one without), in list order."""
+    by_gear: dict[str, list[Mapping[str, Any]]] = {}
+    for s in statefulsets:
+        by_gear.setdefault(_gear_label(s), []).append(s)
+    return by_gear
+
+
+def observe_gears(
+    gears: Mapping[str, Gear],
+    by_gear: Mapping[str, Sequence[Mapping[str, Any]]],
+    pods: Sequence[Mapping[str, Any]],
+    *,
+    drained: str | None,
+    drained_in_flight: int | None,
+    sample: Sample | None,
+    sample_gear: str | None,
+    metric: LatencyMetric,
+) -> dict[str, GearObservation]:
+    """The executor's view of every gear with StatefulSets (``by_gear``, from :func:`statefulsets_by_gear`).
+
+    ``gears`` are the spec's gears by name (a gear no longer in the spec is still observed, without its
+    stage count); ``pods`` all pods of the role. The ``drained`` gear (the old one while Draining, the
+    failed one while RollingBack) gets ``drained_in_flight`` requests, 1 when unknown (``None``): an
+    unknown count holds the drain until its timeout rather than cut requests off. The ``sample_gear``
+    (the one sampled) gets the sample's P99 (``metric``, ms) and served rate (completed requests/s).
+    """
+    out: dict[str, GearObservation] = {}
+    for gname, objs in by_gear.items():
+        obs = observe_gear(gears.get(gname), objs, [p for p in pods if _gear_label(p) == gname])
+        if gname == drained:
+            obs = replace(obs, in_flight=1 if drained_in_flight is None else drained_in_flight)
+        if sample is not None and gname == sample_gear:
+            obs = replace(obs, p99_ms=sample.p99_ms(metric), qps=sample.qps)
+        out[gname] = obs
+    return out
+
+
+def selected_gear(role_service: Mapping[str, Any] | None) -> str | None:
+    """The gear the role Service's selector names, or ``None`` (no Service yet)."""
+    if not role_service:
+        return None
+    return ((role_service.get("spec") or {}).get("selector") or {}).get(names.LABEL_GEAR)
+
+
+def pipeline_shape(gear: Gear) -> PipelineShape:
+    """What vLLM's derived stage utilisation needs of ``gear``: the planner's per-stage times
+    (``predictedTimeMs``, ms; ``None`` where not given), per-stage replicas and ``maxBatch``
+    (``--max-num-seqs``)."""
+    return PipelineShape(
+        gear=gear.name,
+        stage_times_ms=tuple(s.predicted_time_ms for s in gear.stages),
+        stage_replicas=tuple(s.replicas for s in gear.stages),
+        max_num_seqs=gear.max_batch,
+    )
+
+
+# --- free GPUs -----------------------------------------------------------------------------------------
+def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """GPUs (``nvidia.com/gpu``) a pod's containers ask for: each container's limit, else its request."""
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        raw = (res.get("limits") or {}).get(GPU_RESOURCE) or (res.get("requests") or {}).get(GPU_RESOURCE)
+        total += int(str(raw)) if raw else 0
+    return total
+
+
+def free_gpus(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Free GPUs per node name: allocatable ``nvidia.com/gpu`` − GPUs of its unfinished pods (not
+    ``Succeeded``/``Failed``); negative when pods hold more than the node now advertises. Node order kept."""
+    free = {n["metadata"]["name"]: node_gpus(n) for n in nodes}
+    for p in pods:
+        phase = (p.get("status") or {}).get("phase")
+        host = (p.get("spec") or {}).get("nodeName")
+        if host in free and phase not in ("Succeeded", "Failed"):
+            free[host] -= pod_gpus(p)
+    return free
+
+
+def _most_free_first(candidates: Sequence[str], free: Mapping[str, int]) -> list[NodeView]:
+    """``candidates`` as :class:`NodeView`s ranked most free GPUs first, ties in ``candidates`` order.
+
+    The shadow check has no compute preference: the kube-scheduler places a shadow's pods, and its default
+    scoring (NodeResourcesFit, LeastAllocated) favours the emptiest node. :func:`place_replicas` takes the
+    highest ``compute_per_gpu`` first, so the rank goes in that field: ``free × (n+1) + (n − index)``,
+    distinct integers ordered by (free GPUs, then list position), so its other tie-breaks never apply.
+    """
+    n = len(candidates)
+    return [
+        NodeView(name, free_gpus=free[name], compute_per_gpu=float(free[name] * (n + 1) + (n - i)))
+        for i, name in enumerate(candidates)
+    ]
+
+
+def shadow_fits(
+    gear: Gear, pipeline_replicas: int, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> bool:
+    """Whether free GPUs (:func:`free_gpus`) hold every pod of ``gear`` beside everything running now.
+
+    ``pipeline_replicas`` (``GearSet.spec.replicas``, at least 1 counted) times each stage's ``replicas``
+    pods per stage. Stages take nodes in order (a named node list, else the nodes matching the stage's
+    selector, else any node), at most one pod of a stage per node (the builders' anti-affinity, counted as
+    required here even for a selector stage, whose StatefulSet only prefers it), the node with the most
+    free GPUs first. The packing is :func:`gearshift.control.scaling.place_replicas`'s, one stage at a
+    time with the stage's candidates given as named nodes (that is what makes its anti-affinity apply).
+    GPUs are whole devices here, so "memory short for a full shadow" means "not enough free cards" (a
+    greedy fit, not an optimal packing).
+    """
+    node_list = list(nodes)
+    free = free_gpus(node_list, pods)
+    labels = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}) for n in node_list}
+    for st in gear.stages:
+        if st.nodes:
+            cands = list(dict.fromkeys(n for n in st.nodes if n in free))
+        else:
+            cands = [n for n in free if all(labels[n].get(k) == v for k, v in st.node_selector.items())]
+        need = StageNeed(gpus=st.gpus, pods=st.replicas * max(pipeline_replicas, 1), nodes=tuple(cands))
+        # No candidate: nodes=() reads as "any node" to place_replicas, but it is offered none at all.
+        placed = place_replicas([need], 1, _most_free_first(cands, free))
+        if placed.replicas < 1:
+            return False
+        for name in placed.nodes[0]:
+            free[name] -= st.gpus
+    return True
+
+
+def shadow_to_check(
+    request: ShiftRequest | None, state: ShiftState, gears: Mapping[str, Gear], existing: Collection[str]
+) -> Gear | None:
+    """The gear whose full shadow must fit the free GPUs before the executor starts this tick's shift, or
+    ``None`` (no request, a shift already runs, the target is not a spec gear, or its objects exist):
+    only a shift about to start needs the cluster-wide view of free GPUs."""
+    if request is None or state.busy or request.target not in gears or request.target in existing:
+        return None
+    return gears[request.target]
+
+
+# --- requests, holds, windows --------------------------------------------------------------------------
+def forced_shift_reverted(gs: GearSet, state: ShiftState) -> str | None:
+    """Why a shift ``spec.forceGear`` started is no longer wanted, or None: the field now names another
+    gear or none (#20 row 6). The executor cancels it only before the switch."""
+    if not state.busy or state.trigger != MANUAL or gs.spec.force_gear == state.to_gear:
+        return None
+    now_forced = f"names {gs.spec.force_gear!r}" if gs.spec.force_gear else "was cleared"
+    return f"spec.forceGear {now_forced}"
+
+
+def current_marks(gs: GearSet) -> list[GearHealth]:
+    """The health marks that still hold (seed 002: a gear is unhealthy until the model or the profiles
+    change): marked under the current GPUProfiles, and on the gear as it is now — an edited gear is a new
+    gear and is tried again, as the ``ForceGearUnhealthy`` hold tells users."""
+    st = gs.status
+    gears = {g.name: gear_fingerprint(g) for g in gs.gears()}
+    return [
+        h
+        for h in st.gear_health
+        if h.profiles_hash in (None, st.profiles_hash) and h.gear_hash in (None, gears.get(h.gear))
+    ]
+
+
+def window_request(gs: GearSet, table: GearTable, state: ShiftState) -> ShiftRequest | str | None:
+    """The shift that vacates time-limited nodes, when the active gear holds stages on one the reconciler
+    reports past its leaveBy (``status.windowedNodes`` state ``Leaving``); issue 13.
+
+    Returns a :class:`ShiftRequest` with trigger ``window`` to the reconciler's window-free replacement
+    (:func:`gearshift.control.windows.vacate_target`), a message when no healthy gear is off those nodes,
+    or ``None`` (nothing to vacate, or a shift already runs: it finishes first).
+    """
+    if state.busy:
+        return None
+    closing = closing_nodes(w.to_json() for w in gs.status.windowed_nodes)
+    if not closing:
+        return None
+    gears = gs.gears()
+    unhealthy = {g.name for g in table.gears if not g.healthy}
+    target = vacate_target(gears, state.active, closing, unhealthy)
+    if target is None:
+        cur = next((g for g in gears if g.name == state.active), None)
+        if cur is None or not uses(cur, closing):
+            return None
+        return (
+            f"gear {state.active!r} runs on node(s) {', '.join(sorted(closing))} past their leaveBy and no "
+            "healthy gear is off them to shift to; it stays until the node goes (then: node loss)"
+        )
+    view = table.get(target)
+    return ShiftRequest(target, TRIGGER_WINDOW, None if view is None else view.predicted_p99_ms)
+
+
+def executor_request(
+    decision: Decision, table: GearTable, gs: GearSet, state: ShiftState
+) -> tuple[ShiftRequest | None, str | None]:
+    """``(request, window_warning)``: the shift the executor is asked for this tick, and the message of a
+    time-limited node that cannot be vacated (:func:`window_request`), if any.
+
+    A vacating shift replaces the decision's request: the node's deadline comes before any trigger, dwell
+    or forced gear.
+    """
+    vacate = window_request(gs, table, state)
+    if isinstance(vacate, ShiftRequest):
+        return vacate, None
+    return shift_request(decision, table), vacate
+
+
+def decision_event(decision: Decision, previous_hold: str | None) -> Event | None:
+    """The event a decision calls for: one that did something (raised a threshold; vetoed, as a warning)
+    always; a hold only when its reason differs from ``previous_hold`` (the last hold's reason for this
+    GearSet, ``None`` at first) and is not one of :data:`QUIET_HOLDS` (a forced-gear hold warns)."""
+    if decision.kind in (DecisionKind.THRESHOLD_RAISED, DecisionKind.VETOED):
+        return Event(decision.kind.value, decision.message, decision.kind is DecisionKind.VETOED)
+    if decision.kind is not DecisionKind.HOLD:
+        return None
+    if previous_hold == decision.reason or decision.reason in QUIET_HOLDS:
+        return None
+    return Event(decision.reason, decision.message, decision.reason.startswith("Force"))
+
+
+# --- the SignalsAvailable condition --------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConditionUpdate:
+    """One condition to set: ``type``, ``status``, ``reason``, ``message``; ``warning`` for its event."""
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str
+    warning: bool = False
+
+
+def signals_condition(
+    *,
+    url: str | None,
+    engine: Engine,
+    reading: Reading | None,
+    metric: LatencyMetric,
+    why: str,
+) -> ConditionUpdate:
+    """``SignalsAvailable`` after this tick's sample (``reading``, ``None`` when there was none: ``why``
+    says what failed; ``url`` is the Prometheus asked, ``None``/empty when none is configured).
+
+    True with ``StageBalanceUnavailable`` when the reading has no stage utilisation, with
+    ``LatencyUnavailable`` (a warning) when requests were served (``qps`` > 0) but ``metric``'s P99 has no
+    data, else ``SignalsOk``; False (a warning) with ``NoPrometheus`` or ``SignalsMissing``.
+    """
+    cond = COND_SIGNALS_AVAILABLE
+    sample = reading.sample if reading is not None else None
+    if reading is not None and reading.source is UtilizationSource.NONE:
+        return ConditionUpdate(
+            cond,
+            "True",
+            REASON_STAGE_BALANCE_UNAVAILABLE,
+            f"Prometheus at {url} answers (engine {engine}); {reading.note}: the imbalance trigger is off "
+            "for this gear, the saturation and P99 triggers run",
+        )
+    if sample is not None and sample.qps > 0 and sample.p99_ms(metric) is None:
+        return ConditionUpdate(
+            cond,
+            "True",
+            REASON_LATENCY_UNAVAILABLE,
+            f"Prometheus at {url} answers and the gear serves requests, but {metric.value} P99 has no data: "
+            f"is {LATENCY_HISTOGRAM[metric]}_bucket exported by the head pods and scraped? "
+            "The P99 triggers are off; the saturation and imbalance triggers run",
+            warning=True,
+        )
+    if sample is not None:
+        return ConditionUpdate(cond, "True", REASON_SIGNALS_OK, f"Prometheus at {url} answers")
+    reason = REASON_NO_PROMETHEUS if not url else REASON_SIGNALS_MISSING
+    return ConditionUpdate(cond, "False", reason, f"{why}; no gear shift starts", warning=True)
+
+
+# --- actions → API operations --------------------------------------------------------------------------
+#: The executor actions that the handler carries out against the API (StatefulSets, Service, events);
+#: :class:`RecordShift` and :class:`MarkUnhealthy` go into the status patch instead.
+ApiOperation = EnsureGear | SelectGear | DeleteGear | Event
+
+
+class UnknownActionError(TypeError):
+    """An executor action this tick has no handling for (a new :data:`Action` type not wired here)."""
+
+
+def unknown_action(action: Never) -> NoReturn:
+    """Raise :class:`UnknownActionError` for ``action``; typed ``Never`` so that mypy proves every
+    ``match`` that ends in it exhaustive."""
+    raise UnknownActionError(f"executor action {action!r} has no handling in the shifting tick")
+
+
+def api_operations(actions: Iterable[Action]) -> list[ApiOperation]:
+    """The actions that touch the API, in the executor's order (ensure, select, delete, event).
+
+    Raises:
+        UnknownActionError: an action of a type this function does not know; it is raised before the
+            handler writes anything, so nothing of that step is persisted or half applied.
+    """
+    out: list[ApiOperation] = []
+    for a in actions:
+        match a:
+            case EnsureGear() | SelectGear() | DeleteGear() | Event():
+                out.append(a)
+            case RecordShift() | MarkUnhealthy():
+                pass  # status only: shift_status.records_to_status writes them
+            case _:
+                unknown_action(a)
+    return out
+
+
+def gears_to_free(sts: Sequence[Mapping[str, Any]], selected: str | None, active: str | None) -> list[str]:
+    """Gears of a deleted GearSet's role whose StatefulSets go with it: every gear but the one serving
+    (the role Service's, else ``status.activeGear``), sorted.
+
+    The serving gear stays: deleting its pods would drop requests, and the PDService's own deletion (owner
+    references) or a new GearSet decides its fate. A shadow or a drained old gear holds GPUs for nothing.
+    """
+    keep = selected or active
+    gears = {(s.get("metadata", {}).get("labels") or {}).get(names.LABEL_GEAR) for s in sts}
+    return sorted(g for g in gears if g and g != keep)
