@@ -247,39 +247,43 @@ class StreamEnded(Exception):
 class RequestError(Exception):
     """A request the router answers itself with an error (status, message, type)."""
 
-    def __init__(self, status: int, message: str, err_type: str, outcome: str) -> None:
+    def __init__(
+        self, status: int, message: str, err_type: str, outcome: str, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.err_type, self.outcome = status, message, err_type, outcome
+        self.param = param
 
 
-def _upstream_error_text(text: str) -> tuple[str, str | None]:
-    """The message and type of an engine's error body: vLLM's ``{"error": {"message", "type", ..}}``
-    (``ErrorResponse``, vllm/entrypoints/openai/protocol.py), its older flat ``{"object": "error",
-    "message", "type"}``, or the raw text."""
+def _upstream_error_text(text: str) -> tuple[str, str | None, str | None]:
+    """The message, type and param of an engine's error body: vLLM's ``{"error": {"message", "type",
+    "param", ..}}`` (``ErrorResponse``, vllm/entrypoints/serve/engine/protocol.py), its older flat
+    ``{"object": "error", "message", "type"}``, or the raw text."""
     try:
         doc = json.loads(text)
     except ValueError:
-        return text.strip()[:500] or "(empty body)", None
+        return text.strip()[:500] or "(empty body)", None, None
     if isinstance(doc, dict):
         error = doc.get("error")
         inner = error if isinstance(error, dict) else doc
         msg = inner.get("message")
         if isinstance(msg, str):
-            typ = inner.get("type")
-            return msg, typ if isinstance(typ, str) else None
-    return text.strip()[:500], None
+            typ, param = inner.get("type"), inner.get("param")
+            return msg, typ if isinstance(typ, str) else None, param if isinstance(param, str) else None
+    return text.strip()[:500], None, None
 
 
 def prefill_failed(pod: str, status: int, text: str) -> RequestError:
     """The error the client gets when the prefill leg fails: the engine's 4xx (the request itself is
     wrong for the model, e.g. too long) keeps its status and type; anything else is a 502."""
-    msg, typ = _upstream_error_text(text)
+    msg, typ, param = _upstream_error_text(text)
     if 400 <= status < 500:
         return RequestError(
             status,
             f"prefill pod {pod} refused the request (HTTP {status}): {msg}",
-            typ or "invalid_request_error",
+            typ or "BadRequestError",
             "client_error",
+            param,
         )
     return RequestError(
         502,
@@ -325,29 +329,32 @@ def validate_body(body: Any, path: str) -> dict[str, Any]:
         RequestError: 400 naming the field and the fix.
     """
     if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object", "invalid_request_error", "client_error")
+        raise RequestError(400, "request body must be a JSON object", "BadRequestError", "client_error")
     if path.endswith("/chat/completions"):
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise RequestError(
                 400,
                 "'messages' must be a non-empty list of {role, content}",
-                "invalid_request_error",
+                "BadRequestError",
                 "client_error",
+                "messages",
             )
     elif "prompt" not in body:
         raise RequestError(
             400,
             "'prompt' is required (a string or a list of token ids)",
-            "invalid_request_error",
+            "BadRequestError",
             "client_error",
+            "prompt",
         )
     mt = body.get("max_tokens", body.get("max_completion_tokens"))
     if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
         raise RequestError(
             400,
             f"'max_tokens' must be a positive integer, got {mt!r}",
-            "invalid_request_error",
+            "BadRequestError",
             "client_error",
+            "max_tokens",
         )
     return body
 
@@ -634,13 +641,13 @@ class Proxy:
                 body = validate_body(await request.json(), request.path)
             except json.JSONDecodeError as exc:
                 raise RequestError(
-                    400, f"request body is not JSON: {exc}", "invalid_request_error", "client_error"
+                    400, f"request body is not JSON: {exc}", "BadRequestError", "client_error"
                 ) from None
             rid = request_id_for(request.headers, body)
             await self.admit()
         except RequestError as err:
             self.metrics.requests.labels(policy, "-", "-", err.outcome).inc()
-            return _with_id(error_response(err.status, err.message, err.err_type), rid)
+            return _with_id(error_response(err.status, err.message, err.err_type, err.param), rid)
         self.inflight += 1
         self.metrics.inflight.inc()
         outcome = "ok"
@@ -653,7 +660,7 @@ class Proxy:
                 return await self._forward(request, body, rid, labels, t_in, streams)
         except RequestError as err:
             outcome = err.outcome
-            return _with_id(error_response(err.status, err.message, err.err_type), rid)
+            return _with_id(error_response(err.status, err.message, err.err_type, err.param), rid)
         except StreamEnded as ended:
             outcome = ended.outcome
             return ended.response

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import yaml
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -80,6 +81,10 @@ class ParsedRequest:
     kv_transfer_params: Mapping[str, Any] | None
     request_id: str | None = None
     """The body's ``request_id`` (vLLM's own field; the ``X-Request-Id`` header comes first)."""
+    stop: tuple[str, ...] = ()
+    """``stop`` strings: the output ends before the first one (after it with ``include_stop``)."""
+    include_stop: bool = False
+    """``include_stop_str_in_output`` (vLLM's extra field)."""
 
 
 class BadRequest(ValueError):
@@ -133,6 +138,70 @@ def count_chat_tokens(messages: Any) -> int:
     return total
 
 
+#: Fields that change what a completion returns and the simulator does not produce, with the values that
+#: ask for nothing (vLLM's defaults): a request asking for more is refused naming the field, not answered
+#: as if it had been applied.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "use_beam_search": (None, False),
+    "stop_token_ids": (None, []),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+}
+
+INCLUDE_STOP = "include_stop_str_in_output"
+_LAX_BOOL: pydantic.TypeAdapter[bool] = pydantic.TypeAdapter(bool)
+_LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
+
+
+def _lax(adapter: pydantic.TypeAdapter[Any], value: Any, field: str, what: str) -> Any:
+    """``value`` read as vLLM reads it: pydantic's lax mode (vLLM's request models are pydantic), so
+    ``"stream": "yes"`` is true and ``"false"`` false, ``"max_tokens": "5"`` is 5.
+
+    Raises:
+        BadRequest: naming ``field``.
+    """
+    try:
+        return adapter.validate_python(value)
+    except pydantic.ValidationError:
+        raise BadRequest(f"{field} must be {what}, got {value!r}", field) from None
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(v for v in value if v)
+    raise BadRequest(f"stop must be a string or a list of strings, got {value!r}", "stop")
+
+
+def stop_point(stop: Sequence[str], max_tokens: int, include_stop: bool = False) -> tuple[int, int] | None:
+    """Where ``stop`` ends the simulator's output (``TOKEN_TEXT`` repeated): ``(tokens, chars)``, the
+    tokens generated up to the one that completes the first stop string and the characters of text
+    returned (up to that string, or through it with ``include_stop``), as vLLM's detokenizer stops
+    (vllm/v1/engine/detokenizer.py ``check_stop_strings``); None when no stop string occurs within
+    ``max_tokens`` tokens."""
+    best: tuple[int, int] | None = None
+    for s in stop:
+        # The output is periodic: a string that occurs at all occurs within its length plus two tokens.
+        for k in range(1, min(max_tokens, len(s) // len(TOKEN_TEXT) + 2) + 1):
+            at = (TOKEN_TEXT * k).find(s)
+            if at >= 0:
+                cut = at + len(s) if include_stop else at
+                if best is None or (k, cut) < best:
+                    best = (k, cut)
+                break
+    return best
+
+
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
     """Read the fields the simulator uses from a completions (``chat=False``) or chat body.
 
@@ -145,11 +214,21 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = DEFAULT_CHAT_MAX_TOKENS if chat else 16
     max_tokens = body.get(key)
-    max_tokens = default if max_tokens is None else max_tokens
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    max_tokens = default if max_tokens is None else _lax(_LAX_INT, max_tokens, key, "a positive integer")
+    if max_tokens < 1:
         raise BadRequest(f"{key} must be a positive integer, got {max_tokens!r}", key)
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported", "n")
+    if _lax(_LAX_INT, body.get("n", 1), "n", "an integer") != 1:
+        raise BadRequest(
+            "n: gearshift-sim returns one choice per request; send n=1 (or several requests)", "n"
+        )
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        # by type as well: completions' logprobs=0 asks for the sampled token's logprob (0 == False)
+        if name in body and not any(body[name] == n and type(body[name]) is type(n) for n in neutral):
+            raise BadRequest(
+                f"{name} is not supported by gearshift-sim (it returns placeholder text of the right length "
+                "and timing); leave it out, or serve the model with engine: vllm",
+                name,
+            )
     opts = body.get("stream_options") or {}
     ktp = body.get("kv_transfer_params")
     if ktp is not None and not isinstance(ktp, dict):
@@ -159,11 +238,18 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     return ParsedRequest(
         prompt_tokens=prompt,
         max_tokens=max_tokens,
-        stream=bool(body.get("stream", False)),
+        stream=_lax(_LAX_BOOL, body.get("stream") or False, "stream", "a boolean"),
         include_usage=bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False,
         model=model if isinstance(model, str) else None,
         kv_transfer_params=ktp,
         request_id=rid if isinstance(rid, str) and rid else None,
+        stop=_stop_strings(body.get("stop")),
+        include_stop=_lax(
+            _LAX_BOOL,
+            body.get("include_stop_str_in_output") or False,
+            "include_stop_str_in_output",
+            "a boolean",
+        ),
     )
 
 
@@ -249,8 +335,20 @@ def _usage(req: SimRequest) -> dict[str, int]:
     }
 
 
-def _choice(chat: bool, n: int, finish: str | None, delta: bool) -> dict[str, Any]:
-    text = TOKEN_TEXT * n
+def _text(start: int, end: int, stop_at: tuple[int, int] | None) -> str:
+    """The output text of tokens ``start..end`` (0-based, end exclusive), cut at a stop string."""
+    full_end = len(TOKEN_TEXT) * end if stop_at is None else min(len(TOKEN_TEXT) * end, stop_at[1])
+    return (TOKEN_TEXT * end)[len(TOKEN_TEXT) * start : full_end]
+
+
+def _finish(req: SimRequest, stop_at: tuple[int, int] | None) -> str | None:
+    """vLLM's finish_reason: ``stop`` when a stop string ended the output, else the engine's."""
+    if req.finish_reason is not None and stop_at is not None and req.generated >= stop_at[0]:
+        return "stop"
+    return req.finish_reason
+
+
+def _choice(chat: bool, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
     if chat:
         # vLLM sends the role once, in the first (empty) delta of a stream; a whole message carries it.
         if delta:
@@ -280,6 +378,9 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     remote_decode = bool(ktp.get("do_remote_decode"))
     prefill_only = remote_decode or cfg.role == "prefill"
     max_tokens = 1 if prefill_only else pr.max_tokens
+    stop_at = None if prefill_only else stop_point(pr.stop, max_tokens, pr.include_stop)
+    if stop_at is not None:
+        max_tokens = stop_at[0]
     try:
         req = engine.new_request(
             pr.prompt_tokens, max_tokens, remote_kv_tokens=remote_kv, prefill_only=prefill_only
@@ -297,7 +398,9 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                 "object": obj,
                 "created": created,
                 "model": cfg.served_model_name,
-                "choices": [_choice(chat, req.generated, req.finish_reason, delta=False)],
+                "choices": [
+                    _choice(chat, _text(0, req.generated, stop_at), _finish(req, stop_at), delta=False)
+                ],
                 "usage": _usage(req),
             }
             if remote_decode:
@@ -313,7 +416,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                 )
             return web.json_response(out)
         return await _stream(
-            request, engine, req, chat, rid, obj, created, pr.include_usage, cfg.served_model_name
+            request, engine, req, chat, rid, obj, created, pr.include_usage, cfg.served_model_name, stop_at
         )
     except (asyncio.CancelledError, ConnectionResetError):
         engine.abort(req)
@@ -343,6 +446,7 @@ async def _stream(
     created: int,
     include_usage: bool,
     model: str,
+    stop_at: tuple[int, int] | None = None,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -354,9 +458,10 @@ async def _stream(
     sent = 0
     try:
         async for n in req.token_batches():
+            text = _text(sent, sent + n, stop_at)
             sent += n
-            finish = req.finish_reason if req.finished and sent >= req.generated else None
-            chunk = {**base, "choices": [_choice(chat, n, finish, delta=True)]}
+            finish = _finish(req, stop_at) if req.finished and sent >= req.generated else None
+            chunk = {**base, "choices": [_choice(chat, text, finish, delta=True)]}
             # One write per step: all the tokens this request got from the step go in one chunk.
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if include_usage:
