@@ -152,14 +152,7 @@ def load_handlers(disabled: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted; returns the exit code."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if logging.getLogger().level > logging.DEBUG:
-        # kopf logs every event handler's success at INFO: one line per watched Node/GPUProfile change.
-        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-        # One access line per kubelet probe of kopf's /healthz (every 10 s) says nothing.
-        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    _configure_logging(args.log_level)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
     times = lease_times(args)
@@ -177,25 +170,7 @@ def run(args: argparse.Namespace) -> int:
     pdservice.configure(Settings(images=images, prometheus_url=args.prometheus_url))
     loaded = load_handlers(args.disable)
     log.info("handler modules: %s", ", ".join(loaded))
-
-    @kopf.on.startup()
-    def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.finalizer = FINALIZER
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
-        # The diff base is the spec only: kopf's default essence also copies metadata.annotations, so a
-        # user annotation of 150 KiB made the last-handled annotation pass the API's 256 KiB limit for
-        # all annotations and every patch failed "Too long" (#20 row 4). No handler reacts to annotations.
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=DOMAIN, key="last-handled-configuration", ignored_fields=DIFFBASE_IGNORED
-        )
-        # Our own events say what happened; kopf's per-handler events would double them.
-        settings.posting.level = logging.WARNING
-        settings.execution.max_workers = args.workers
-        # Server-side watch timeouts keep watches from hanging silently on a dropped connection
-        # (kopf docs, "Configuration: API timeouts"; nolar/kopf#232).
-        settings.watching.server_timeout = 300
-        settings.watching.client_timeout = 330
-
+    _register_startup(args.workers)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -227,6 +202,38 @@ def run(args: argparse.Namespace) -> int:
             elector.release()
             LEADER.set(0)
     return 0
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:
+        # kopf logs every event handler's success at INFO: one line per watched Node/GPUProfile change.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # One access line per kubelet probe of kopf's /healthz (every 10 s) says nothing.
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _register_startup(workers: int) -> None:
+    """kopf's settings for this operator, applied when kopf starts."""
+    import kopf
+
+    @kopf.on.startup()
+    def operator_startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
+        # The diff base is the spec only: kopf's default essence also copies metadata.annotations, so a
+        # user annotation of 150 KiB made the last-handled annotation pass the API's 256 KiB limit for
+        # all annotations and every patch failed "Too long" (#20 row 4). No handler reacts to annotations.
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=DOMAIN, key="last-handled-configuration", ignored_fields=DIFFBASE_IGNORED
+        )
+        # Our own events say what happened; kopf's per-handler events would double them.
+        settings.posting.level = logging.WARNING
+        settings.execution.max_workers = workers
+        # Server-side watch timeouts keep watches from hanging silently on a dropped connection
+        # (kopf docs, "Configuration: API timeouts"; nolar/kopf#232).
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
 
 
 def lease_times(args: argparse.Namespace) -> LeaseTimes:
