@@ -20,19 +20,10 @@ from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 
 log = logging.getLogger(__name__)
 
-# --- reasons used by the reconciler beyond those in gearshift.api.common ---------------------------
-REASON_GEARSET_MISSING = "GearSetMissing"  # a gearSetRef names no GearSet (yet)
-REASON_GEARSET_MISMATCH = "GearSetMismatch"  # the GearSet serves another service or role
-REASON_PROFILES_MISSING = "ProfilesMissing"  # candidate GPU nodes have no usable GPUProfile
-REASON_ALL_PLACED = "AllPlaced"  # every stage of the running gears has its nodes
-REASON_ROLLING_OUT = "RollingOut"  # pods of a running gear are not all ready/updated
-REASON_ALL_READY = "AllReady"  # both roles and the router serve
-REASON_NOT_READY = "NotReady"  # some role or the router is not serving yet
-REASON_AS_PLANNED = "AsPlanned"  # every node under a running stage is there
+# --- reasons of the gear operations' events (the reconciler's conditions: gearshift.control.reconcile) --
 REASON_GEAR_SELECTED = "GearSelected"  # the role Service now selects a gear
 REASON_GEAR_ENSURED = "GearEnsured"  # a gear's StatefulSets were applied
 REASON_GEAR_DELETED = "GearDeleted"  # a gear's StatefulSets and headless Service were deleted
-REASON_UNSCHEDULABLE = "Unschedulable"  # the scheduler cannot place a stage pod (e.g. GPUs short)
 
 EVENT_SOURCE = "gearshift-operator"
 
