@@ -63,7 +63,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
-from gearshift import fleet as fleet_mod  # noqa: E402
 from gearshift import planner  # noqa: E402
 from gearshift.api.gearset import Gear as ApiGear  # noqa: E402
 from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy  # noqa: E402
@@ -84,6 +83,7 @@ from gearshift.control.policy import GearTable, ShiftRules  # noqa: E402
 from gearshift.control.smoothing import Sample  # noqa: E402
 from gearshift.dev.demo.series import histogram_quantile  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
+from gearshift.facts import fleet as fleet_mod  # noqa: E402
 from gearshift.facts.gpus import pd_gpu_prior  # noqa: E402
 from gearshift.facts.model import ModelArch, load_hf_config  # noqa: E402
 from gearshift.k8s.engine import sim_pipeline  # noqa: E402

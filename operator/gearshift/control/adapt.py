@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields
 
-from gearshift.api.gearset import Gear, GearHealth
-from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy
+from gearshift.api.gearset import Gear, GearHealth, ShiftPolicy
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.executor import ShiftRequest
 from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
@@ -15,9 +14,7 @@ from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric,
 ROLE_METRIC = {"prefill": LatencyMetric.TTFT, "decode": LatencyMetric.ITL}
 
 
-def policy_from_api(
-    policy: ApiShiftPolicy, *, role: str, ttft_slo_ms: float, itl_slo_ms: float
-) -> ShiftRules:
+def policy_from_api(policy: ShiftPolicy, *, role: str, ttft_slo_ms: float, itl_slo_ms: float) -> ShiftRules:
     """The control policy from ``GearSet.spec.policy``.
 
     Every field the API model and :class:`ShiftRules` share (same snake-case name) is copied; the others

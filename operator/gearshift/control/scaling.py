@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 from gearshift.api.pdservice import ScalingSpec
 
@@ -401,10 +402,24 @@ class Placement:
     short: str = ""
 
 
+#: How the packer ranks a stage's candidate nodes: ``(node, its free GPUs now) -> key``, lowest first.
+NodeRank = Callable[[NodeView, int], Any]
+
+
+def fastest_tightest(node: NodeView, free: int) -> tuple[float, int, str]:
+    """The autoscaler's rank: highest compute per GPU, then the tightest fit, then the name."""
+    return (-node.compute_per_gpu, free, node.name)
+
+
 def place_replicas(
-    stages: Sequence[StageNeed], add: int, nodes: Iterable[NodeView], allowed_classes: Sequence[str] = ()
+    stages: Sequence[StageNeed],
+    add: int,
+    nodes: Iterable[NodeView],
+    allowed_classes: Sequence[str] = (),
+    rank: NodeRank = fastest_tightest,
 ) -> Placement:
-    """Place up to ``add`` new pipeline replicas, all stages of each or none (module docstring). Pure."""
+    """Place up to ``add`` new pipeline replicas, all stages of each or none (module docstring), each pod on
+    the candidate node ``rank`` puts first (default :func:`fastest_tightest`). Pure."""
     free = {n.name: n for n in nodes}
     left = {n: v.free_gpus for n, v in free.items()}
     used = [set(st.occupied) for st in stages]
@@ -433,7 +448,7 @@ def place_replicas(
                     classes = f" of class {list(allowed_classes)}" if allowed_classes else ""
                     short = f"stage {k}: no node{classes} among {where} has {st.gpus} free GPU(s)"
                     break
-                best = min(cands, key=lambda v: (-v.compute_per_gpu, trial[v.name] - st.gpus, v.name))
+                best = min(cands, key=lambda v: rank(v, trial[v.name]))
                 trial[best.name] -= st.gpus
                 trial_used[k].add(best.name)
                 chosen.append(best.name)

@@ -31,7 +31,7 @@ from gearshift.control.executor import (
 )
 from gearshift.control.executor_status import from_time
 from gearshift.control.policy import GearTable, LatencyMetric
-from gearshift.control.scaling import NodeView, StageNeed, place_replicas
+from gearshift.control.scaling import NodeRank, NodeView, StageNeed, place_replicas
 from gearshift.control.shift_status import gear_fingerprint
 from gearshift.control.signals import E2E, ITL, TTFT, Engine, PipelineShape, Reading, UtilizationSource
 from gearshift.control.smoothing import Sample
@@ -200,19 +200,12 @@ def free_gpus(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, An
     return free
 
 
-def _most_free_first(candidates: Sequence[str], free: Mapping[str, int]) -> list[NodeView]:
-    """``candidates`` as :class:`NodeView`s ranked most free GPUs first, ties in ``candidates`` order.
-
-    The shadow check has no compute preference: the kube-scheduler places a shadow's pods, and its default
-    scoring (NodeResourcesFit, LeastAllocated) favours the emptiest node. :func:`place_replicas` takes the
-    highest ``compute_per_gpu`` first, so the rank goes in that field: ``free × (n+1) + (n − index)``,
-    distinct integers ordered by (free GPUs, then list position), so its other tie-breaks never apply.
-    """
-    n = len(candidates)
-    return [
-        NodeView(name, free_gpus=free[name], compute_per_gpu=float(free[name] * (n + 1) + (n - i)))
-        for i, name in enumerate(candidates)
-    ]
+def _most_free_first(candidates: Sequence[str]) -> NodeRank:
+    """Most free GPUs first, ties in ``candidates`` order: the shadow check has no compute preference, the
+    kube-scheduler places a shadow's pods and its default scoring (NodeResourcesFit, LeastAllocated)
+    favours the emptiest node."""
+    order = {name: i for i, name in enumerate(candidates)}
+    return lambda node, free: (-free, order[node.name])
 
 
 def shadow_fits(
@@ -239,7 +232,8 @@ def shadow_fits(
             cands = [n for n in free if all(labels[n].get(k) == v for k, v in st.node_selector.items())]
         need = StageNeed(gpus=st.gpus, pods=st.replicas * max(pipeline_replicas, 1), nodes=tuple(cands))
         # No candidate: nodes=() reads as "any node" to place_replicas, but it is offered none at all.
-        placed = place_replicas([need], 1, _most_free_first(cands, free))
+        views = [NodeView(name, free_gpus=free[name], compute_per_gpu=0.0) for name in cands]
+        placed = place_replicas([need], 1, views, rank=_most_free_first(cands))
         if placed.replicas < 1:
             return False
         for name in placed.nodes[0]:

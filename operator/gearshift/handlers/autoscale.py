@@ -48,13 +48,13 @@ from gearshift.api.common import COND_SCALING_ACTIVE, GROUP, VERSION
 from gearshift.api.gearset import ScalingStatus
 from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
+from gearshift.control.shifting import pod_gpus
 from gearshift.control.signals import GearSelector, SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import NotYet, service_lock
-from gearshift.handlers.shifting import _gpu_requests
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.services import ROUTER_PORT
@@ -123,7 +123,7 @@ def node_views(
     for p in pods:
         host = (p.get("spec") or {}).get("nodeName")
         if host and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
-            used[host] = used.get(host, 0) + _gpu_requests(p)
+            used[host] = used.get(host, 0) + pod_gpus(p)
     out = []
     for n in nodes:
         meta = n.get("metadata") or {}

@@ -103,7 +103,6 @@ from gearshift.control.shifting import (
     signals_condition,
     statefulsets_by_gear,
 )
-from gearshift.control.shifting import pod_gpus as _gpu_requests  # noqa: F401  # handlers.autoscale's
 from gearshift.control.signals import Engine, GearSelector, PipelineShape, Reading, SignalsUnavailable
 from gearshift.control.smoothing import Sample
 from gearshift.handlers import metrics
