@@ -20,7 +20,7 @@ from aiohttp import web
 from test_router_proxy import Factory, FakeEngine, make_router  # noqa: F401  (the fixture)
 from vllm_ref import vllm_protocol
 
-from gearshift.router.proxy import error_body, sse_content_events
+from gearshift.router.proxy import error_body, scan_sse
 
 ROLE_DELAY_S = 0.25
 """How long the chat engine below waits between its role-only chunk and its first token, s."""
@@ -44,15 +44,18 @@ def test_token_events_are_counted_across_chunk_boundaries() -> None:
     usage = b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\n'
     done = b"data: [DONE]\n\n"
     whole = role + tok + tok + usage + done
-    assert sse_content_events(whole) == (2, b"")
+    scan, rest = scan_sse(whole)
+    assert (scan.tokens, scan.usage, rest) == (2, {"completion_tokens": 2}, b"")
     # cut anywhere: the counts of the pieces add up to the whole's, the tail carried over
     for cut in range(1, len(whole)):
-        n1, rest = sse_content_events(whole[:cut])
-        n2, rest2 = sse_content_events(rest + whole[cut:])
-        assert (n1 + n2, rest2) == (2, b""), cut
+        s1, rest = scan_sse(whole[:cut])
+        s2, rest2 = scan_sse(rest + whole[cut:])
+        assert (s1.tokens + s2.tokens, rest2) == (2, b""), cut
     completion = b'data: {"choices": [{"text": " x"}]}\r\n\r\ndata: {"choices": [{"text": ""}]}\n\n'
-    assert sse_content_events(completion) == (1, b"")
-    assert sse_content_events(b"data: not json\n\n: comment\n\n") == (0, b"")
+    assert scan_sse(completion)[0].tokens == 1
+    assert scan_sse(b"data: not json\n\n: comment\n\n")[0].tokens == 0
+    last = b'data: {"choices": [{"text": " y", "finish_reason": "length"}]}\n\n'
+    assert scan_sse(completion + last)[0].finish_reason == "length"
 
 
 @dataclass
@@ -182,3 +185,43 @@ async def test_get_one_model(make_router: Factory) -> None:  # noqa: F811
     doc = await resp.json()
     assert resp.status == 404 and doc["error"]["param"] == "model"
     assert re.search("`other` does not exist", doc["error"]["message"])
+
+
+async def test_client_facing_metrics_under_vllm_names_agree_with_the_client(make_router: Factory) -> None:  # noqa: F811
+    client, _router, _ = await make_router({"b0": ("both", ChatEngine("b0", tokens=5))})
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    ttfts, e2es = [], []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        resp = await client.post("/v1/chat/completions", json=body)
+        buf, first = b"", None
+        async for chunk in resp.content.iter_any():
+            buf += chunk
+            if first is None and b'"content": " t0"' in buf:
+                first = time.perf_counter() - t0
+        e2es.append(time.perf_counter() - t0)
+        assert first is not None
+        ttfts.append(first)
+    m = await _metrics(client)
+
+    def mean(name: str) -> float:
+        return _metric(m, f"vllm:{name}_sum") / _metric(m, f"vllm:{name}_count")
+
+    # the client's own clock on the same requests: within 10 % (the router's side is the earlier one)
+    assert abs(mean("time_to_first_token_seconds") - sum(ttfts) / 4) <= 0.1 * sum(ttfts) / 4
+    assert abs(mean("e2e_request_latency_seconds") - sum(e2es) / 4) <= 0.1 * sum(e2es) / 4
+    assert _metric(m, "vllm:inter_token_latency_seconds_count") == 4 * 4
+    assert 'vllm:request_success_total{finished_reason="unknown",model_name="m"} 4.0' in m
+    assert _metric(m, "vllm:generation_tokens_total") == 4 * 5  # from the stream's usage chunk
+    assert _metric(m, "vllm:request_generation_tokens_count") == 4
+
+
+async def test_an_unstreamed_answer_counts_its_usage_and_finish_reason(make_router: Factory) -> None:  # noqa: F811
+    client, _router, _ = await make_router({"b0": ("both", FakeEngine("b0"))})
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 200
+    m = await _metrics(client)
+    assert _metric(m, "vllm:e2e_request_latency_seconds_count") == 3
+    assert _metric(m, "vllm:time_to_first_token_seconds_count") == 0  # not seen on a whole answer
+    assert _metric(m, "vllm:generation_tokens_total") == 3 * 3  # FakeEngine's usage.completion_tokens
+    assert _metric(m, "vllm:request_success_total") == 3

@@ -11,6 +11,100 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5
 #: Inter-token latency buckets, s (vLLM's ITL buckets start at 10 ms).
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
+# vLLM's own buckets (vllm/v1/metrics/buckets.py, 0.32), so a dashboard's quantiles read alike on the
+# router's client-facing series and on an engine's.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)  # fmt: skip
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+#: vLLM's 1-2-5 token-count buckets (``build_1_2_5_buckets``), up to a million tokens: the router does not
+#: know each pod's ``max_model_len``, which vLLM stops them at.
+VLLM_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+
+
+@dataclass
+class ClientMetrics:
+    """What clients saw, under vLLM's metric names and label (``model_name``), exported by the router.
+
+    Under PD every request is counted by a prefill pod *and* a decode pod, and neither sees the client's
+    TTFT; these series count each client request once, timed on the router's side of the client's
+    connection (vllm/v1/metrics/loggers.py defines the names; benchmark tools' server-side views and vLLM
+    dashboards read them). Select them with ``gearshift_io_component="router"``.
+    """
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    success: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+
+
+def make_client_metrics(reg: CollectorRegistry) -> ClientMetrics:
+    """The vLLM-named collectors, in ``reg``."""
+    label = ["model_name"]
+    return ClientMetrics(
+        ttft=Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds (client side: streamed requests).",
+            label,
+            buckets=VLLM_TTFT_BUCKETS,
+            registry=reg,
+        ),
+        itl=Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (client side: gaps between token events).",
+            label,
+            buckets=VLLM_ITL_BUCKETS,
+            registry=reg,
+        ),
+        tpot=Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            label,
+            buckets=VLLM_ITL_BUCKETS,
+            registry=reg,
+        ),
+        e2e=Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            label,
+            buckets=VLLM_E2E_BUCKETS,
+            registry=reg,
+        ),
+        success=Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*label, "finished_reason"],
+            registry=reg,
+        ),
+        prompt_tokens=Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=reg
+        ),
+        generation_tokens=Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", label, registry=reg
+        ),
+        request_prompt_tokens=Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            label,
+            buckets=VLLM_TOKEN_BUCKETS,
+            registry=reg,
+        ),
+        request_generation_tokens=Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            label,
+            buckets=VLLM_TOKEN_BUCKETS,
+            registry=reg,
+        ),
+    )
+
 
 @dataclass
 class RouterMetrics:
@@ -32,6 +126,7 @@ class RouterMetrics:
     pods_available: Gauge
     ejections: Counter
     panic: Gauge
+    client: ClientMetrics
 
 
 def make_metrics() -> RouterMetrics:
@@ -117,4 +212,5 @@ def make_metrics() -> RouterMetrics:
             ["role"],
             registry=reg,
         ),
+        client=make_client_metrics(reg),
     )

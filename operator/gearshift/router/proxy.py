@@ -207,9 +207,19 @@ def _has_content(event: Mapping[str, Any]) -> bool:
     return False
 
 
-def sse_content_events(buffer: bytes) -> tuple[int, bytes]:
-    """Count the complete server-sent events in ``buffer`` that carry generated tokens; return the count
-    and the unfinished tail (bytes after the last blank line) to prepend to the next chunk.
+@dataclass
+class StreamScan:
+    """What the complete server-sent events of a stream's bytes say: token events, and the last
+    ``finish_reason`` and ``usage`` seen."""
+
+    tokens: int = 0
+    finish_reason: str | None = None
+    usage: Mapping[str, Any] | None = None
+
+
+def scan_sse(buffer: bytes) -> tuple[StreamScan, bytes]:
+    """Scan the complete server-sent events in ``buffer``; return what they say and the unfinished tail
+    (bytes after the last blank line) to prepend to the next chunk.
 
     A token event is a ``data:`` JSON chunk with a non-empty ``choices[].text`` (completions) or
     ``choices[].delta.content`` / ``reasoning_content`` / ``tool_calls`` (chat). Not tokens: chat's first
@@ -217,7 +227,7 @@ def sse_content_events(buffer: bytes) -> tuple[int, bytes]:
     from it is too low), a usage-only chunk (``choices: []``), ``[DONE]`` and anything that is not JSON.
     """
     *events, rest = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
-    n = 0
+    scan = StreamScan()
     for ev in events:
         for line in ev.split(b"\n"):
             if not line.startswith(b"data:"):
@@ -229,9 +239,35 @@ def sse_content_events(buffer: bytes) -> tuple[int, bytes]:
                 doc = json.loads(payload)
             except ValueError:
                 continue
-            if isinstance(doc, Mapping) and _has_content(doc):
-                n += 1
-    return n, rest
+            if not isinstance(doc, Mapping):
+                continue
+            if _has_content(doc):
+                scan.tokens += 1
+            scan.finish_reason = _finish_reason(doc) or scan.finish_reason
+            if isinstance(doc.get("usage"), Mapping):
+                scan.usage = doc["usage"]
+    return scan, rest
+
+
+def _finish_reason(doc: Mapping[str, Any]) -> str | None:
+    for choice in doc.get("choices") or ():
+        if isinstance(choice, Mapping) and isinstance(choice.get("finish_reason"), str):
+            return str(choice["finish_reason"])
+    return None
+
+
+def _body_scan(data: bytes) -> StreamScan:
+    """:class:`StreamScan` of a whole (unstreamed) completion body."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return StreamScan()
+    if not isinstance(doc, Mapping):
+        return StreamScan()
+    usage = doc.get("usage")
+    return StreamScan(
+        int(_has_content(doc)), _finish_reason(doc), usage if isinstance(usage, Mapping) else None
+    )
 
 
 class StreamEnded(Exception):
@@ -776,7 +812,10 @@ class Proxy:
         if not pd:
             labels["prefill"] = db.info.name
         try:
-            return await self._relay(request, dresp, t_in, policy, rid, streams)
+            model = body.get("model")
+            return await self._relay(
+                request, dresp, t_in, policy, rid, streams, model if isinstance(model, str) else ""
+            )
         finally:
             dresp.release()
             db.inflight -= 1
@@ -789,8 +828,10 @@ class Proxy:
         policy: str,
         rid: str,
         streams: dict[str, web.StreamResponse],
+        model: str = "",
     ) -> web.StreamResponse:
-        """Copy the upstream response to the client, streaming SSE as it arrives; observe TTFT and ITL."""
+        """Copy the upstream response to the client, streaming SSE as it arrives; observe TTFT and ITL
+        (the router's own series, and the client-facing ones under vLLM's names: :func:`_record_client`)."""
         ctype = resp.headers.get("Content-Type", "application/json")
         if not ctype.startswith("text/event-stream"):
             data = await resp.read()
@@ -798,6 +839,7 @@ class Proxy:
             if resp.status == 200:
                 # Non-streamed: the first token reaches the client with the last; ITL is not observable here.
                 self.metrics.ttft.labels(policy).observe(t - t_in)
+                self._record_client(model, t - t_in, None, _body_scan(data))
             return web.Response(
                 status=resp.status, body=data, headers={"Content-Type": ctype, REQUEST_ID_HEADER: rid}
             )
@@ -807,8 +849,11 @@ class Proxy:
         )
         await out.prepare(request)
         streams[rid] = out
+        first: float | None = None
         last: float | None = None
         ttft_h, itl_h = self.metrics.ttft.labels(policy), self.metrics.itl.labels(policy)
+        c_itl = self.metrics.client.itl.labels(model)
+        seen = StreamScan()
         tail = b""
         chunks = resp.content.iter_any()
         while True:
@@ -821,15 +866,21 @@ class Proxy:
                 raise StreamEnded("upstream_error", out) from exc
             now = self.clock()
             # TTFT and ITL count token events only: the clock of a chat stream starts at its first content.
-            events, tail = sse_content_events(tail + chunk)
+            scan, tail = scan_sse(tail + chunk)
+            events = scan.tokens
+            seen = StreamScan(
+                seen.tokens + events, scan.finish_reason or seen.finish_reason, scan.usage or seen.usage
+            )
             if events:
                 if last is None:
+                    first = now
                     ttft_h.observe(now - t_in)
                     events -= 1
                 else:
                     gap = (now - last) / events
                     for _ in range(events):
                         itl_h.observe(gap)
+                        c_itl.observe(gap)
                 last = now
             try:
                 await out.write(chunk)
@@ -839,7 +890,30 @@ class Proxy:
             await out.write_eof()
         except ConnectionResetError as exc:
             raise StreamEnded("client_disconnected", out) from exc
+        if resp.status == 200:
+            self._record_client(model, self.clock() - t_in, None if first is None else first - t_in, seen)
         return out
+
+    def _record_client(self, model: str, e2e_s: float, ttft_s: float | None, scan: StreamScan) -> None:
+        """One finished client request in the vLLM-named series (:class:`~.metrics.ClientMetrics`): E2E,
+        TTFT (streams only: a whole answer's first token is not seen), success by finish reason, and the
+        token counts and time per output token when the answer carries ``usage`` (always unstreamed;
+        streamed with ``stream_options.include_usage``)."""
+        c = self.metrics.client
+        c.e2e.labels(model).observe(e2e_s)
+        if ttft_s is not None:
+            c.ttft.labels(model).observe(ttft_s)
+        c.success.labels(model, scan.finish_reason or "unknown").inc()
+        usage = scan.usage or {}
+        prompt, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int):
+            c.prompt_tokens.labels(model).inc(prompt)
+            c.request_prompt_tokens.labels(model).observe(prompt)
+        if isinstance(generated, int):
+            c.generation_tokens.labels(model).inc(generated)
+            c.request_generation_tokens.labels(model).observe(generated)
+            if ttft_s is not None and generated > 1:
+                c.tpot.labels(model).observe((e2e_s - ttft_s) / (generated - 1))
 
     @staticmethod
     async def _end_stream(out: web.StreamResponse, message: str) -> None:
