@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -216,6 +217,18 @@ class Condition(StatusModel):
 def find_condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
     """The condition of ``type_``, or None."""
     return next((c for c in conditions if c.type == type_), None)
+
+
+@dataclass(frozen=True)
+class ConditionUpdate:
+    """One condition a handler is to set (:func:`set_condition`'s arguments), decided by pure code:
+    ``type``, ``status``, ``reason``, ``message``; ``warning``: its event is a Warning."""
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str
+    warning: bool = False
 
 
 def set_condition(

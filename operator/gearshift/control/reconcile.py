@@ -45,6 +45,7 @@ from gearshift.api.common import (
     REASON_WINDOW_VACATED,
     REASON_WINDOWED_IN_USE,
     ConditionStatus,
+    ConditionUpdate,
     format_validation_error,
     inputs_hash,
     set_condition,
@@ -72,6 +73,7 @@ from gearshift.planner.inputs import (
     node_ready,
     resource_profile,
     role_candidates,
+    stage_gpus,
     stage_limit_problems,
     usable_profile,
 )
@@ -114,17 +116,6 @@ class PlanSettings(Protocol):
     def sim_requests(self) -> int:
         """Requests per planner simulation run."""
         ...
-
-
-@dataclass(frozen=True)
-class ConditionUpdate:
-    """One condition to set on the PDService (``ConditionBook.set``'s arguments)."""
-
-    type: str
-    status: ConditionStatus
-    reason: str
-    message: str
-    warning: bool = False
 
 
 @dataclass
@@ -436,13 +427,7 @@ def _gpu_counts(gears: list[Gear], profiles: Mapping[str, Mapping[str, Any]]) ->
     """Stage ``gpus`` = the least GPU count among the stage's nodes' profiles (the planner plans nodes)."""
     out = []
     for g in gears:
-        stages = []
-        for st in g.stages:
-            counts = []
-            for n in st.nodes:
-                eff = usable_profile(profiles[n]) if n in profiles else None
-                counts.append(eff.gpu_count if eff and eff.gpu_count else 1)
-            stages.append(st.model_copy(update={"gpus": min(counts) if counts else st.gpus}))
+        stages = [st.model_copy(update={"gpus": stage_gpus(st.nodes, profiles, st.gpus)}) for st in g.stages]
         out.append(g.model_copy(update={"stages": stages}))
     return out
 

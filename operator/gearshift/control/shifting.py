@@ -10,10 +10,14 @@ records; the status it writes is :mod:`gearshift.control.shift_status`'s.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Never, NoReturn
 
-from gearshift.api.common import COND_SIGNALS_AVAILABLE, REASON_SIGNALS_MISSING, ConditionStatus
+from gearshift.api.common import (
+    COND_SIGNALS_AVAILABLE,
+    REASON_SIGNALS_MISSING,
+    ConditionUpdate,
+)
 from gearshift.api.gearset import Gear, GearHealth, GearSet
 from gearshift.control.adapt import shift_request
 from gearshift.control.decide import MANUAL, Decision, DecisionKind
@@ -332,17 +336,6 @@ def decision_event(decision: Decision, previous_hold: str | None) -> Event | Non
 
 
 # --- the SignalsAvailable condition --------------------------------------------------------------------
-@dataclass(frozen=True)
-class ConditionUpdate:
-    """One condition to set: ``type``, ``status``, ``reason``, ``message``; ``warning`` for its event."""
-
-    type: str
-    status: ConditionStatus
-    reason: str
-    message: str
-    warning: bool = False
-
-
 def signals_condition(
     *,
     url: str | None,

@@ -307,6 +307,17 @@ def stage_limit_problems(
     return out
 
 
+def stage_gpus(nodes: Sequence[str], profiles: Mapping[str, Mapping[str, Any]], default: int) -> int:
+    """GPUs per pod of a stage on ``nodes``: the least GPU count among their usable GPUProfiles (one pod
+    holds a whole node's cards, as the planner plans whole nodes; a node without one counts 1), or
+    ``default`` for a stage that names no nodes."""
+    counts = []
+    for n in nodes:
+        eff = usable_profile(profiles[n]) if n in profiles else None
+        counts.append(eff.gpu_count if eff and eff.gpu_count else 1)
+    return min(counts) if counts else default
+
+
 def api_gear(
     gear: planner.Gear, intent: str, profile_doc: Mapping[str, Any], profiles: Mapping[str, Mapping[str, Any]]
 ) -> ApiGear:
@@ -320,15 +331,11 @@ def api_gear(
     models = {n["node_id"]: n.get("gpu_model") for n in profile_doc.get("nodes", [])}
     stages = []
     for st in gear.stages:
-        counts = []
-        for n in st.nodes:
-            eff = usable_profile(profiles[n]) if n in profiles else None
-            counts.append(eff.gpu_count if eff and eff.gpu_count else 1)
         stages.append(
             {
                 "layers": list(st.layers),
                 "replicas": len(st.nodes),
-                "gpus": min(counts) if counts else 1,
+                "gpus": stage_gpus(st.nodes, profiles, 1),
                 "nodes": list(st.nodes),
                 "gpuModel": models.get(st.node),
                 "predictedTimeMs": round(st.time_ms, 6),
