@@ -31,7 +31,8 @@ class ClientMetrics:
     Under PD every request is counted by a prefill pod *and* a decode pod, and neither sees the client's
     TTFT; these series count each client request once, timed on the router's side of the client's
     connection (vllm/v1/metrics/loggers.py defines the names; benchmark tools' server-side views and vLLM
-    dashboards read them). Select them with ``gearshift_io_component="router"``.
+    dashboards read them). Select them with the router pod's component label: ``app.kubernetes.io/component``
+    is ``router``, ``app_kubernetes_io_component="router"`` under Prometheus' Kubernetes label mapping.
     """
 
     ttft: Histogram
@@ -106,6 +107,23 @@ def make_client_metrics(reg: CollectorRegistry) -> ClientMetrics:
     )
 
 
+#: ``result`` values of ``gearshift_router_slo_requests_total``.
+SLO_MET, SLO_MISSED = "met", "missed"
+
+
+def slo_met(ttft_s: float, tpot_s: float | None, slo_ttft_ms: float, slo_itl_ms: float) -> bool:
+    """Whether one answered request met the PDService's SLO as DistServe's goodput counts it (Zhong et al.,
+    OSDI 2024) and ``gearshift.dev.loadgen`` measures it: TTFT ≤ ``slo_ttft_ms`` and TPOT ≤ ``slo_itl_ms``.
+
+    Args:
+        ttft_s: time to the first token event, s.
+        tpot_s: mean time per output token after the first, s; None for an answer of one token (no TPOT:
+            only TTFT is judged, as the load generator does).
+        slo_ttft_ms, slo_itl_ms: the SLO (``slo.ttftMs``, ``slo.itlMs``), ms.
+    """
+    return ttft_s * 1e3 <= slo_ttft_ms and (tpot_s is None or tpot_s * 1e3 <= slo_itl_ms)
+
+
 @dataclass
 class RouterMetrics:
     """The router's collectors; every name starts with ``gearshift_router_``."""
@@ -127,6 +145,7 @@ class RouterMetrics:
     ejections: Counter
     panic: Gauge
     client: ClientMetrics
+    slo_requests: Counter
 
 
 def make_metrics() -> RouterMetrics:
@@ -213,4 +232,12 @@ def make_metrics() -> RouterMetrics:
             registry=reg,
         ),
         client=make_client_metrics(reg),
+        slo_requests=Counter(
+            "gearshift_router_slo_requests",
+            "Streamed client requests answered in full, by model_name and whether they met the PDService's "
+            "SLO (result met: TTFT <= slo.ttftMs and TPOT <= slo.itlMs, DistServe's goodput; else missed). "
+            "Goodput is the rate of result=met.",
+            ["model_name", "result"],
+            registry=reg,
+        ),
     )

@@ -45,7 +45,7 @@ import aiohttp
 from aiohttp import web
 
 from gearshift.router import policies as P
-from gearshift.router.metrics import RouterMetrics
+from gearshift.router.metrics import SLO_MET, SLO_MISSED, RouterMetrics, slo_met
 from gearshift.router.outlier import record_success
 from gearshift.router.pool import Backend, Pool
 
@@ -898,7 +898,9 @@ class Proxy:
         """One finished client request in the vLLM-named series (:class:`~.metrics.ClientMetrics`): E2E,
         TTFT (streams only: a whole answer's first token is not seen), success by finish reason, and the
         token counts and time per output token when the answer carries ``usage`` (always unstreamed;
-        streamed with ``stream_options.include_usage``)."""
+        streamed with ``stream_options.include_usage``); a stream also counts in
+        ``gearshift_router_slo_requests_total`` against the PDService's SLO (``--target-ttft-ms``,
+        ``--target-itl-ms``)."""
         c = self.metrics.client
         c.e2e.labels(model).observe(e2e_s)
         if ttft_s is not None:
@@ -914,6 +916,13 @@ class Proxy:
             c.request_generation_tokens.labels(model).observe(generated)
             if ttft_s is not None and generated > 1:
                 c.tpot.labels(model).observe((e2e_s - ttft_s) / (generated - 1))
+        if ttft_s is not None:
+            # Goodput as the load generator counts it: output tokens from usage, else the token events.
+            tokens = generated if isinstance(generated, int) else scan.tokens
+            tpot = (e2e_s - ttft_s) / (tokens - 1) if tokens > 1 else None
+            slo = self.pool.config
+            met = slo_met(ttft_s, tpot, slo.target_ttft_ms, slo.target_itl_ms)
+            self.metrics.slo_requests.labels(model, SLO_MET if met else SLO_MISSED).inc()
 
     @staticmethod
     async def _end_stream(out: web.StreamResponse, message: str) -> None:
