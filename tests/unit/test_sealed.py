@@ -16,12 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 UnitTestLeftTheMachine = RuntimeError
 
 
-def test_the_handlers_default_client_is_refused(monkeypatch: pytest.MonkeyPatch):
-    from gearshift.handlers import pdservice
+def test_the_handlers_default_client_is_refused():
+    from gearshift.handlers.runtime import Runtime
 
-    monkeypatch.setattr(pdservice, "_api", None)
     with pytest.raises(UnitTestLeftTheMachine, match="load_incluster_config"):
-        pdservice.api()
+        Runtime().api  # noqa: B018  (the property builds the client)
 
 
 def test_the_default_kubeconfig_is_refused():

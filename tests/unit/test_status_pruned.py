@@ -59,12 +59,11 @@ class PruningApi:
         self.events.append(dict(event))
 
 
-def test_a_pruned_write_raises_with_one_event_and_the_condition(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(common, "_pruned_reported", set())
-    api = PruningApi()
+def test_a_pruned_write_raises_with_one_event_and_the_condition():
+    api, reported = PruningApi(), common.PrunedReports()
     with pytest.raises(common.StatusPruned) as exc:
         common.patch_status(
-            api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}
+            api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}, reported
         )  # type: ignore[arg-type]
     assert "status.executor" in str(exc.value) and UPGRADE_HINT in str(exc.value)
     (event,) = api.events
@@ -75,13 +74,32 @@ def test_a_pruned_write_raises_with_one_event_and_the_condition(monkeypatch: pyt
     # Every tick still refuses to go on, but the event and the condition are not repeated.
     with pytest.raises(common.StatusPruned):
         common.patch_status(
-            api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}
+            api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}, reported
         )  # type: ignore[arg-type]
     assert len(api.events) == 1 and len(api.patches) == 3
+    assert reported.known("u1")
+    # Once the object is forgotten (deleted), a pruned write of its successor's uid reports again.
+    reported.forget("u1")
+    assert not reported.known("u1")
+    with pytest.raises(common.StatusPruned):
+        common.patch_status(
+            api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}, reported
+        )  # type: ignore[arg-type]
+    assert len(api.events) == 2
 
 
-def test_a_kept_write_returns_the_stored_object(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(common, "_pruned_reported", set())
+def test_without_a_memory_every_pruned_write_reports():
+    # The e2e test (and any caller outside the operator) passes no PrunedReports.
     api = PruningApi()
-    stored = common.patch_status(api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"phase": "Ready"})  # type: ignore[arg-type]
-    assert stored["status"]["phase"] == "Ready" and not api.events
+    for _ in range(2):
+        with pytest.raises(common.StatusPruned):
+            common.patch_status(api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {}})  # type: ignore[arg-type]
+    assert [e["reason"] for e in api.events] == ["FieldsPruned", "FieldsPruned"]
+
+
+def test_a_kept_write_returns_the_stored_object():
+    api, reported = PruningApi(), common.PrunedReports()
+    stored = common.patch_status(
+        api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"phase": "Ready"}, reported
+    )  # type: ignore[arg-type]
+    assert stored["status"]["phase"] == "Ready" and not api.events and not reported.known("u1")

@@ -9,6 +9,7 @@ and an Event is emitted only when a condition actually changed (status, reason o
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -116,8 +117,34 @@ def conditions_from(raw: Sequence[Mapping[str, Any]] | None) -> list[Condition]:
 
 #: Condition set when a status write lost fields to an older CRD (positive polarity, API conventions).
 CONDITION_CRD_CURRENT = "CRDCurrent"
-#: ``(uid, paths)`` already reported by this process: the event and the error log come once, not per tick.
-_pruned_reported: set[tuple[str, tuple[str, ...]]] = set()
+
+
+class PrunedReports:
+    """``(uid, paths)`` of status writes an older CRD pruned that this process reported: the event and
+    the error log come once per object and loss, not per tick (the operator's one lives in its
+    :class:`~gearshift.handlers.runtime.Runtime`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[tuple[str, tuple[str, ...]]] = set()
+
+    def first(self, uid: str, paths: tuple[str, ...]) -> bool:
+        """True the first time ``(uid, paths)`` is seen (remembered)."""
+        with self._lock:
+            if (uid, paths) in self._seen:
+                return False
+            self._seen.add((uid, paths))
+            return True
+
+    def forget(self, uid: str) -> None:
+        """Drop the reports of a deleted object."""
+        with self._lock:
+            self._seen = {k for k in self._seen if k[0] != uid}
+
+    def known(self, uid: str) -> bool:
+        """Whether a report of ``uid`` is remembered (tests)."""
+        with self._lock:
+            return any(k[0] == uid for k in self._seen)
 
 
 class StatusPruned(RuntimeError):
@@ -125,13 +152,21 @@ class StatusPruned(RuntimeError):
 
 
 def patch_status(
-    api: KubeApi, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
+    api: KubeApi,
+    api_version: str,
+    kind: str,
+    namespace: str | None,
+    name: str,
+    status: Mapping[str, Any],
+    reported: PrunedReports | None = None,
 ) -> dict[str, Any]:
     """``api.patch_status``, then check that every field written was stored.
 
     The start-up check (:mod:`gearshift.handlers.crds`) catches old CRDs before kopf runs; this catches a
     CRD replaced by an older one while the operator runs. A pruned write would otherwise go unnoticed and
     the next tick would act on state that is not there (a forced shift cycled Warming ↔ Degraded).
+    ``reported``: what this process reported already (the event and the condition come once per object
+    and loss); None: nothing is remembered, every pruned write reports.
 
     Returns the stored object.
 
@@ -149,9 +184,8 @@ def patch_status(
         f"the API server dropped {', '.join(lost[:8])}{' …' if len(lost) > 8 else ''} from this {kind}'s "
         f"status: its CRD is older than the operator; {crdcheck.UPGRADE_HINT}"
     )
-    key = (str(stored.get("metadata", {}).get("uid")), tuple(lost))
-    if key not in _pruned_reported:
-        _pruned_reported.add(key)
+    reported = reported if reported is not None else PrunedReports()
+    if reported.first(str(stored.get("metadata", {}).get("uid")), tuple(lost)):
         log.error("%s %s/%s: %s", kind, namespace, name, message)
         emit(api, stored, REASON_FIELDS_PRUNED, message, warning=True)
         if "status.conditions" not in lost:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from gearshift.api.common import API_VERSION
@@ -30,23 +31,25 @@ JOB = ("batch/v1", "Job")
 #: Field manager of every server-side apply by the operator.
 FIELD_MANAGER = "gearshift"
 
-#: (apiVersion, kind) -> (plural, namespaced).
-RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
-    ("v1", "Service"): ("services", True),
-    ("v1", "ServiceAccount"): ("serviceaccounts", True),
-    ("v1", "Pod"): ("pods", True),
-    ("v1", "Node"): ("nodes", False),
-    ("v1", "Event"): ("events", True),
-    ("apps/v1", "StatefulSet"): ("statefulsets", True),
-    ("apps/v1", "Deployment"): ("deployments", True),
-    JOB: ("jobs", True),
-    ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
-    PDS: ("pdservices", True),
-    GS: ("gearsets", True),
-    GPUP: ("gpuprofiles", False),
-    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
-}
+#: (apiVersion, kind) -> (plural, namespaced); read-only.
+RESOURCES: Mapping[tuple[str, str], tuple[str, bool]] = MappingProxyType(
+    {
+        ("v1", "Service"): ("services", True),
+        ("v1", "ServiceAccount"): ("serviceaccounts", True),
+        ("v1", "Pod"): ("pods", True),
+        ("v1", "Node"): ("nodes", False),
+        ("v1", "Event"): ("events", True),
+        ("apps/v1", "StatefulSet"): ("statefulsets", True),
+        ("apps/v1", "Deployment"): ("deployments", True),
+        JOB: ("jobs", True),
+        ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
+        PDS: ("pdservices", True),
+        GS: ("gearsets", True),
+        GPUP: ("gpuprofiles", False),
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
+    }
+)
 
 
 class KubeApiError(RuntimeError):

@@ -1,0 +1,94 @@
+"""Where the sampling loops get their numbers: the protocols the ticks read through, and the live sources
+over Prometheus and the pods' own ``/metrics``.
+
+Here rather than in :mod:`gearshift.handlers.shifting` and :mod:`gearshift.handlers.autoscale`, whose
+import registers their kopf daemons: the :class:`~gearshift.handlers.runtime.Runtime` holds one source of
+each kind (unit tests give fakes) and must not register handlers that ``--disable`` keeps off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import requests
+
+from gearshift.adapters import prometheus
+from gearshift.control import autoscale as rules
+from gearshift.control import scaling as sc
+from gearshift.control.signals import Engine, GearSelector, PipelineShape, Reading
+
+
+class SignalSource(Protocol):
+    """Where a shifting tick gets its numbers (Prometheus in the operator, a fake in unit tests)."""
+
+    def sample(
+        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
+    ) -> Reading:
+        """One raw reading of ``sel``'s gear served by ``engine`` (``shape``: its stages, for vLLM's
+        derived stage utilisation); raises SignalsUnavailable."""
+        ...
+
+    def in_flight(self, url: str, sel: GearSelector) -> int:
+        """Requests running or waiting on ``sel``'s head pods; raises SignalsUnavailable."""
+        ...
+
+
+class PrometheusSignals:
+    """:class:`SignalSource` over Prometheus' HTTP API (prometheus-api-client, no retries)."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.timeout_s = timeout_s
+
+    def sample(
+        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
+    ) -> Reading:
+        return prometheus.fetch_reading(url, sel, at, engine=engine, shape=shape, timeout_s=self.timeout_s)
+
+    def in_flight(self, url: str, sel: GearSelector) -> int:
+        return prometheus.in_flight(url, sel, self.timeout_s)
+
+
+class ScaleSignalSource(Protocol):
+    """Where an autoscaler tick gets its numbers (Prometheus and pod endpoints in the operator, a fake in
+    tests)."""
+
+    def sample(self, url: str, sel: GearSelector, metric: str, slo_ms: float, at: float) -> sc.ScaleSample:
+        """KV usage, waiting/running and P99 / SLO of ``sel``'s head pods; raises SignalsUnavailable."""
+        ...
+
+    def counter(self, pods: Sequence[Mapping[str, Any]], port: int, name: str) -> float | None:
+        """Sum of metric ``name`` over the pods' ``/metrics`` (None: none answered)."""
+        ...
+
+
+def _pod_url(pod: Mapping[str, Any], port: int) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    return f"http://{ip}:{port}/metrics" if ip else None
+
+
+class LiveSignals:
+    """:class:`ScaleSignalSource` over Prometheus' HTTP API and the pods' own ``/metrics``."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.timeout_s = timeout_s
+
+    def sample(self, url: str, sel: GearSelector, metric: str, slo_ms: float, at: float) -> sc.ScaleSample:
+        queries = rules.sample_queries(sel, metric)
+        results = prometheus.instant_queries(url, queries.values(), self.timeout_s)
+        return rules.sample_from(queries, results, slo_ms, at)
+
+    def counter(self, pods: Sequence[Mapping[str, Any]], port: int, name: str) -> float | None:
+        total, seen = 0.0, False
+        for p in pods:
+            url = _pod_url(p, port)
+            if url is None:
+                continue
+            try:
+                text = requests.get(url, timeout=self.timeout_s).text
+            except requests.RequestException:
+                continue
+            v = sc.parse_counter(text, name)
+            if v is not None:
+                total, seen = total + v, True
+        return total if seen else None
