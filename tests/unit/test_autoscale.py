@@ -8,6 +8,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import kopf
 import pytest
 from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
 
@@ -135,7 +136,7 @@ def gs(api: PatchApi) -> dict[str, Any]:
 
 
 def run(api: PatchApi, sig: FakeSignals, now: float) -> au.ScaleTick:
-    return au.tick(api, NS, GS_NAME, now=now, prometheus_url=None, signals=sig)
+    return au.tick(api.runtime, NS, GS_NAME, now=now, signals=sig)
 
 
 def cond(api: PatchApi) -> dict[str, Any] | None:
@@ -254,3 +255,26 @@ class TestRouterSkipsDraining:
             BackendInfo(name=n, url=f"http://127.0.0.1:{i}", role="decode") for i, n in enumerate("abc", 9000)
         ]
         assert [b.name for b in without_draining(infos, draining_pods(pods))] == ["b", "c"]
+
+
+class _OneTurn:
+    """Stands in for kopf.DaemonStopped: lets the loop run one turn, then stops it."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def __bool__(self) -> bool:
+        self.checks += 1
+        return self.checks > 1
+
+    async def wait(self, seconds: float) -> None:
+        pass
+
+
+async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: PatchApi) -> None:
+    world.runtime.scale_signals = FakeSignals()
+    assert "scaling" not in gs(world)["status"]
+    await au.gearset_autoscale(
+        namespace=NS, name=GS_NAME, body=gs(world), stopped=_OneTurn(), memo=kopf.Memo(runtime=world.runtime)
+    )  # type: ignore[arg-type]
+    assert gs(world)["status"]["scaling"]["lastDecision"] == "Hold"

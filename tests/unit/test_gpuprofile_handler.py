@@ -21,8 +21,9 @@ from gearshift.api.common import API_VERSION
 from gearshift.api.gpuprofile import GPUProfileStatus
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import load_fleet
-from gearshift.handlers import gpuprofile, nodes, pdservice
+from gearshift.handlers import gpuprofile, nodes
 from gearshift.handlers.kubeapi import KubeApiError
+from gearshift.handlers.runtime import Runtime
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
 from gearshift.k8s.probejob import ProbeJobConfig
 from gearshift.probe.report import compact
@@ -169,17 +170,15 @@ def sim_doc(view: GpuNodeView) -> str:
 
 
 class World:
-    """A fake API with one GPU node and its GPUProfile, the kopf indices, the clock and the events."""
+    """A fake API with one GPU node and its GPUProfile, the operator's Runtime over it (kopf's memo), the
+    kopf indices, the clock and the events."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.api = FakeKubeApi()
+        self.rt = Runtime(api=self.api, probe=SETTINGS)
+        self.memo = kopf.Memo(runtime=self.rt)
         self.events: list[tuple[str, str, str]] = []
         self.now = T0
-        monkeypatch.setattr(pdservice, "_api", self.api)
-        monkeypatch.setattr(nodes, "_settings", SETTINGS)
-        monkeypatch.setattr(nodes, "_ensured", set())
-        monkeypatch.setattr(gpuprofile, "_written", {})
-        monkeypatch.setattr(gpuprofile, "_now", lambda: self.now)
         monkeypatch.setattr(
             kopf, "event", lambda body, *, type, reason, message: self.events.append((type, reason, message))
         )
@@ -200,6 +199,7 @@ class World:
         self.api.calls.clear()
         self.events.clear()
         gpuprofile._step(
+            self.rt,
             NODE,
             body,  # type: ignore[arg-type]
             body["spec"],
@@ -207,6 +207,7 @@ class World:
             self.gpu_nodes,  # type: ignore[arg-type]
             self.scores,  # type: ignore[arg-type]
             _Logger(),
+            self.now,
         )
 
     def reindex(self) -> None:
@@ -256,7 +257,9 @@ def test_a_new_profile_creates_one_probe_job_and_writes_probing(world: World) ->
     body["metadata"]["resourceVersion"] = "0"
     body.pop("status")
     world.api.calls.clear()
-    gpuprofile._step(NODE, body, body["spec"], body["metadata"], world.gpu_nodes, {}, _Logger())  # type: ignore[arg-type]
+    gpuprofile._step(
+        world.rt, NODE, body, body["spec"], body["metadata"], world.gpu_nodes, {}, _Logger(), world.now
+    )  # type: ignore[arg-type]
     assert world.api.verbs() == [("get", "Job"), ("list", "Pod")]
     assert world.api.calls[1] == (
         "list",
@@ -371,6 +374,17 @@ def test_a_changed_gpu_is_recorded_stale_before_the_new_probe(world: World) -> N
     assert st["phase"] == "Probing" and st["probe"]["gpuKey"] == v.gpu_key  # the probed GPU until it finishes
 
 
+def test_the_timer_steps_with_the_runtime_in_kopfs_memo(world: World) -> None:
+    body = world.api.profile()
+    gpuprofile.gpuprofile_reconcile(
+        name=NODE, body=body, spec=body["spec"], meta=body["metadata"], gpu_nodes=world.gpu_nodes,
+        profile_scores={}, logger=_Logger(), memo=world.memo,
+    )  # type: ignore[arg-type]  # fmt: skip
+    assert world.api.verbs() == [("create", "Job"), ("patch_status", "GPUProfile")]
+    written = world.rt.profiles.written(NODE)
+    assert written is not None and written[1]["phase"] == "Probing"
+
+
 def test_label_patch_errors(world: World) -> None:
     ready = {"phase": "Ready", "gpuModel": "A", "memoryGiB": 8.0, "computeClass": "low",
              "probeTime": "2025-01-31T18:00:00Z"}  # fmt: skip
@@ -383,17 +397,19 @@ def test_label_patch_errors(world: World) -> None:
 
 def test_deleting_a_profile_removes_its_labels(world: World) -> None:
     world.api.patch("v1", "Node", None, NODE, {"metadata": {"labels": {NODE_PROFILED: "true", "keep": "1"}}})
-    gpuprofile._written[NODE] = (1, {})
-    gpuprofile.gpuprofile_delete(name=NODE, spec={"nodeName": NODE}, logger=_Logger())  # type: ignore[arg-type]
-    assert NODE not in gpuprofile._written
+    world.rt.profiles.wrote(NODE, 1, {})
+    gpuprofile.gpuprofile_delete(name=NODE, spec={"nodeName": NODE}, logger=_Logger(), memo=world.memo)  # type: ignore[arg-type]
+    assert world.rt.profiles.written(NODE) is None
     assert NODE_PROFILED not in world.node_labels() and world.node_labels()["keep"] == "1"
     world.api.store.pop(("Node", None, NODE))
-    gpuprofile.gpuprofile_delete(name=NODE, spec={"nodeName": NODE}, logger=_Logger())  # type: ignore[arg-type]
+    gpuprofile.gpuprofile_delete(name=NODE, spec={"nodeName": NODE}, logger=_Logger(), memo=world.memo)  # type: ignore[arg-type]
 
 
 class TestNodeEvent:
     def event(self, world: World, body: dict[str, Any], type_: str | None = "ADDED") -> None:
-        nodes.node_event(type=type_, name=body["metadata"]["name"], body=body, logger=_Logger())  # type: ignore[arg-type]
+        nodes.node_event(
+            type=type_, name=body["metadata"]["name"], body=body, logger=_Logger(), memo=world.memo
+        )  # type: ignore[arg-type]
 
     def test_creates_the_profile_once(self, world: World) -> None:
         body = fleet_node("gpu-a10-0")
@@ -408,13 +424,24 @@ class TestNodeEvent:
     def test_an_existing_profile_is_left_alone(self, world: World) -> None:
         before = world.api.profile()
         self.event(world, fleet_node())
-        assert world.api.profile() == before and NODE in nodes._ensured
+        assert world.api.profile() == before and world.rt.profiles.ensured(NODE)
 
     def test_other_refusals_are_retried(self, world: World) -> None:
         world.api.refuse[("create", "GPUProfile")] = KubeApiError("POST x: 403 Forbidden", 403)
         with pytest.raises(kopf.TemporaryError, match="cannot create GPUProfile gpu-a10-0: POST x: 403"):
             self.event(world, fleet_node("gpu-a10-0"))
-        assert "gpu-a10-0" not in nodes._ensured
+        assert not world.rt.profiles.ensured("gpu-a10-0")
+
+    def test_a_deleted_profile_is_forgotten_and_made_again(self, world: World) -> None:
+        body = fleet_node("gpu-a10-0")
+        self.event(world, body)
+        world.rt.profiles.wrote("gpu-a10-0", 5, {"phase": "Ready"})
+        world.api.store.pop(("GPUProfile", None, "gpu-a10-0"))
+        nodes.gpuprofile_event_forget(type="DELETED", name="gpu-a10-0", memo=world.memo)  # type: ignore[arg-type]
+        assert not world.rt.profiles.known("gpu-a10-0")
+        world.api.calls.clear()
+        self.event(world, body)  # the node's next heartbeat
+        assert world.api.calls == [("create", "GPUProfile", None, "gpu-a10-0")]
 
     def test_deleted_and_cpu_nodes_make_no_call(self, world: World) -> None:
         self.event(world, fleet_node("gpu-a10-0"), "DELETED")

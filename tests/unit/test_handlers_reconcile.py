@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +19,7 @@ from gearshift.control.reconcile import SpecInvalid, plan_message
 from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
+from gearshift.handlers.runtime import PlanCache, Runtime
 from gearshift.k8s import names
 from gearshift.planner.inputs import (
     datasheet_gpuprofile,
@@ -28,6 +30,11 @@ from gearshift.planner.inputs import (
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "ns1"
+#: The reconciler's settings in these tests (fewer simulated requests per gear candidate: faster plans).
+SETTINGS = rec.Settings(sim_requests=200)
+#: Plans made by the tests' reconciles, shared by every test's Runtime as the operator shares its plans
+#: across services (planning takes seconds); keyed by the plan's inputs, so no test sees another's fleet.
+PLANS = PlanCache()
 
 
 class FakeApi:
@@ -119,6 +126,12 @@ class FakeApi:
     def create_event(self, event: Mapping[str, Any]) -> None:
         self.events.append(dict(event))
 
+    @functools.cached_property
+    def runtime(self) -> Runtime:
+        """The Runtime of the one operator serving this API (made on first use): its locks, caches and
+        per-object memory last as long as the API, as they last as long as the operator's process."""
+        return Runtime(api=self, settings=SETTINGS, plans=PLANS)
+
     # helpers
     def sts(self) -> dict[str, dict[str, Any]]:
         return {o["metadata"]["name"]: o for o in self.list("apps/v1", "StatefulSet", NS)}
@@ -165,8 +178,8 @@ def api() -> FakeApi:
 
 def reconcile(api: FakeApi) -> rec.ReconcileOutcome:
     # The operator drops its fleet cache on every Node/GPUProfile event; tests change nodes directly.
-    rec.forget_fleet()
-    return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
+    api.runtime.fleet.forget()
+    return rec.reconcile_service(api.runtime, NS, "llama3-8b")
 
 
 class TestAdapter:
@@ -391,17 +404,17 @@ class TestReconcile:
 
     def test_gear_operations(self, api: FakeApi) -> None:
         reconcile(api)
-        made = rec.ensure_gear_sync(api, NS, "llama3-8b", "prefill", "latency")
+        made = rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "latency")
         assert made == ["llama3-8b-prefill-latency-s0", "llama3-8b-prefill-latency-s1"]
-        rec.select_gear_sync(api, NS, "llama3-8b", "prefill", "latency")
+        rec.select_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "latency")
         assert (
             api.get("v1", "Service", NS, "llama3-8b-prefill")["spec"]["selector"][names.LABEL_GEAR]
             == "latency"
         )
-        assert rec.delete_gear_sync(api, NS, "llama3-8b", "prefill", "balanced") == 5
+        assert rec.delete_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "balanced") == 5
         assert not [n for n in api.sts() if "-balanced-" in n and "prefill" in n]
         with pytest.raises(KeyError, match="no gear"):
-            rec.ensure_gear_sync(api, NS, "llama3-8b", "prefill", "nope")
+            rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "nope")
 
     def test_shadow_from_the_executor_matches_the_reconciler(self, api: FakeApi) -> None:
         """ensure_gear_sync (the executor's shadow and its un-shadowing) applies the same pod template as
@@ -418,7 +431,7 @@ class TestReconcile:
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
         active = gs["status"]["activeGear"]
         deep = next(g for g in gs["status"]["plannedGears"] if len(g["stages"]) > 1 and g["name"] != active)
-        made = rec.ensure_gear_sync(api, NS, "llama3-8b", "decode", deep["name"])
+        made = rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "decode", deep["name"])
         env = {
             e["name"]: e.get("value")
             for e in api.get("apps/v1", "StatefulSet", NS, made[0])["spec"]["template"]["spec"]["containers"][
@@ -435,7 +448,8 @@ class TestReconcile:
             {"executor": {"step": "Warming", "fromGear": active, "toGear": deep["name"]}},
         )
         reconcile(api)  # keeps both gears of the shift in flight
-        rec.ensure_gear_sync(api, NS, "llama3-8b", "decode", deep["name"])  # the switch's un-shadowing
+        # the switch's un-shadowing
+        rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "decode", deep["name"])
         after = {n: api.get("apps/v1", "StatefulSet", NS, n)["metadata"]["resourceVersion"] for n in made}
         assert after == rvs
 

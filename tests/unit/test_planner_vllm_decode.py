@@ -175,8 +175,8 @@ def _vllm(api: FakeApi) -> None:
 
 
 def _reconcile(api: FakeApi) -> rec.ReconcileOutcome:
-    rec.forget_fleet()
-    return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
+    api.runtime.fleet.forget()
+    return rec.reconcile_service(api.runtime, NS, "llama3-8b")
 
 
 def _explicit_decode(stages: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from gearshift.commands.rendering import (
 )
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
+from gearshift.handlers.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEET = ROOT / "examples" / "fleets" / "mixed.yaml"
@@ -285,8 +286,7 @@ class TestSameAsTheReconciler:
                 body["metadata"]["uid"] = PLACEHOLDER_UID
                 service = body["metadata"]["name"]
             api.put(body)
-        rec.forget_fleet()
-        rec.reconcile_service(api, ns, service, rec.Settings())
+        rec.reconcile_service(Runtime(api=api, settings=rec.Settings()), ns, service)
         (r,) = render(docs, load_fleet(FLEET), now=NOW, namespace=ns)[0]
         assert r.objects == api.applied
         for gs in r.gearsets:

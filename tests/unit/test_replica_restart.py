@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import kopf
 import pytest
 from test_handlers_reconcile import NS, FakeApi, _example
 
@@ -250,4 +251,11 @@ class TestHandler:
         assert len(_pods(api)) == 6 and not api.events
 
     def test_deleted_event_is_ignored(self) -> None:
-        rp.head_pod_event(type="DELETED", body=pod(0, 1, restarts=1))  # no API needed
+        # No API needed: an empty memo (no Runtime) would raise if the handler reached for one.
+        rp.head_pod_event(type="DELETED", body=pod(0, 1, restarts=1), memo=kopf.Memo())
+
+    def test_the_handler_acts_through_the_runtimes_api(self, api: PatchingApi) -> None:
+        api.put(pod(0, 1, restarts=1, stopped=600), NS)
+        rp.head_pod_event(type="MODIFIED", body=_head(api), memo=kopf.Memo(runtime=api.runtime))
+        assert "llama3-8b-decode-deep-s1-1" not in _pods(api)
+        assert [e["reason"] for e in api.events] == ["PipelineReplicaRestarted"]

@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any
 
+import kopf
 import pytest
 from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
 
@@ -141,13 +142,13 @@ def world() -> FakeApi:
     a.put(pds, NS)
     a.put(_example("gearset-explicit.yaml"), NS)
     a.put(_example("gearset-auto.yaml"), NS)
-    rec.reconcile_service(a, NS, "llama3-8b", rec.Settings(sim_requests=200))
+    rec.reconcile_service(a.runtime, NS, "llama3-8b")
     kubelet(a, T0 - 100)
     return a
 
 
 def run(api: FakeApi, sig: FakeSignals, now: float) -> sh.ShiftTick:
-    return sh.tick(api, NS, GS_NAME, now=now, settings=rec.Settings(), signals=sig)
+    return sh.tick(api.runtime, NS, GS_NAME, now=now, signals=sig)
 
 
 def status(api: FakeApi) -> dict[str, Any]:
@@ -572,7 +573,7 @@ class TestTicks:
         world.store[key]["spec"]["forceGear"] = "latency"
         run(world, FakeSignals(), T0)
         assert prefill_gears(world) == {"balanced", "latency"}
-        freed = sh.free_gears_of_deleted_gearset(world, NS, world.store[key])
+        freed = sh.free_gears_of_deleted_gearset(world.runtime, NS, world.store[key])
         assert freed == ["latency"]
         assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
         assert cs.gears_to_free([], None, "balanced") == []
@@ -637,7 +638,7 @@ class TestTicks:
         key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         run(world, FakeSignals(), T0)
-        rec.reconcile_service(world, NS, "llama3-8b", rec.Settings(sim_requests=200))
+        rec.reconcile_service(world.runtime, NS, "llama3-8b")
         assert prefill_gears(world) == {"balanced", "latency"} and selected(world) == "balanced"
 
 
@@ -806,3 +807,30 @@ def test_an_unknown_executor_action_fails_the_tick_before_anything_is_written(
     with pytest.raises(cs.UnknownActionError, match="ResizeKvPool"):
         run(world, FakeSignals(), T0)
     assert world.store == before  # no status patch, no Service selector change
+
+
+class _OneTurn:
+    """Stands in for kopf.DaemonStopped: lets the loop run one turn, then stops it."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def __bool__(self) -> bool:
+        self.checks += 1
+        return self.checks > 1
+
+    async def wait(self, seconds: float) -> None:
+        pass
+
+
+async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: FakeApi) -> None:
+    sig = FakeSignals()
+    world.runtime.shift_signals = sig
+    body = world.get("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    assert "SignalsAvailable" not in [c["type"] for c in body["status"].get("conditions") or []]
+    await sh.gearset_shifting(
+        namespace=NS, name=GS_NAME, body=body, stopped=_OneTurn(), memo=kopf.Memo(runtime=world.runtime)
+    )  # type: ignore[arg-type]
+    assert sig.asked  # sampled through the runtime's source
+    types = [c["type"] for c in status(world)["conditions"]]
+    assert "SignalsAvailable" in types

@@ -142,8 +142,8 @@ def _set_window(api: FakeApi, node: str, until: datetime) -> None:
 
 
 def _reconcile(api: FakeApi) -> rec.ReconcileOutcome:
-    rec.forget_fleet()
-    return rec.reconcile_service(api, NS, "llama3-8b", rec.Settings(sim_requests=200))
+    api.runtime.fleet.forget()
+    return rec.reconcile_service(api.runtime, NS, "llama3-8b")
 
 
 def _gs(api: FakeApi) -> dict[str, Any]:
@@ -233,7 +233,7 @@ class TestVacate:
         phases: list[Phase] = []
         now = T0
         for _ in range(60):
-            r = sh.tick(api, NS, DECODE, now=now, settings=rec.Settings(), signals=sig)
+            r = sh.tick(api.runtime, NS, DECODE, now=now, signals=sig)
             assert r.phase is not None
             phases.append(r.phase)
             kubelet(api, now)
@@ -278,7 +278,7 @@ class TestVacate:
         sig = FakeSignals()
         sig.up = False
         for i in range(3):
-            r = sh.tick(api, NS, DECODE, now=T0 + 2 * i, settings=rec.Settings(), signals=sig)
+            r = sh.tick(api.runtime, NS, DECODE, now=T0 + 2 * i, signals=sig)
             assert r.phase is Phase.STABLE
         assert _selected(api) == "latency"
         assert [e["reason"] for e in api.events].count("WindowNoTarget") == 1

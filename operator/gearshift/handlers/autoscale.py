@@ -33,28 +33,29 @@ records. Status writes re-read the GearSet under the reconciler's per-service lo
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import kopf
-import requests
 
-from gearshift.adapters import prometheus
 from gearshift.api.common import COND_SCALING_ACTIVE, GROUP, VERSION
 from gearshift.api.gearset import ScalingStatus
 from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
 from gearshift.control.shifting import pod_gpus
-from gearshift.control.signals import GearSelector, SignalsUnavailable
+from gearshift.control.signals import SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import NotYet, service_lock
+from gearshift.handlers.reconcile import NotYet
+from gearshift.handlers.runtime import Runtime, runtime_of
+from gearshift.handlers.signals import ScaleSignalSource
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.services import ROUTER_PORT
@@ -65,51 +66,6 @@ log = logging.getLogger(__name__)
 PLURAL = "gearsets"
 #: Shortest loop period, s.
 MIN_INTERVAL_S = 0.5
-
-
-# --- signals -----------------------------------------------------------------------------------------
-class ScaleSignalSource(Protocol):
-    """Where a tick gets its numbers (Prometheus and pod endpoints in the operator, a fake in tests)."""
-
-    def sample(self, url: str, sel: GearSelector, metric: str, slo_ms: float, at: float) -> sc.ScaleSample:
-        """KV usage, waiting/running and P99 / SLO of ``sel``'s head pods; raises SignalsUnavailable."""
-        ...
-
-    def counter(self, pods: Sequence[Mapping[str, Any]], port: int, name: str) -> float | None:
-        """Sum of metric ``name`` over the pods' ``/metrics`` (None: none answered)."""
-        ...
-
-
-def _pod_url(pod: Mapping[str, Any], port: int) -> str | None:
-    ip = (pod.get("status") or {}).get("podIP")
-    return f"http://{ip}:{port}/metrics" if ip else None
-
-
-class LiveSignals:
-    """:class:`ScaleSignalSource` over Prometheus' HTTP API and the pods' own ``/metrics``."""
-
-    def __init__(self, timeout_s: float = 2.0) -> None:
-        self.timeout_s = timeout_s
-
-    def sample(self, url: str, sel: GearSelector, metric: str, slo_ms: float, at: float) -> sc.ScaleSample:
-        queries = rules.sample_queries(sel, metric)
-        results = prometheus.instant_queries(url, queries.values(), self.timeout_s)
-        return rules.sample_from(queries, results, slo_ms, at)
-
-    def counter(self, pods: Sequence[Mapping[str, Any]], port: int, name: str) -> float | None:
-        total, seen = 0.0, False
-        for p in pods:
-            url = _pod_url(p, port)
-            if url is None:
-                continue
-            try:
-                text = requests.get(url, timeout=self.timeout_s).text
-            except requests.RequestException:
-                continue
-            v = sc.parse_counter(text, name)
-            if v is not None:
-                total, seen = total + v, True
-        return total if seen else None
 
 
 # --- reads ---------------------------------------------------------------------------------------------
@@ -280,25 +236,20 @@ def _decide(
     )
 
 
-def tick(
-    api: KubeApi,
-    namespace: str,
-    name: str,
-    *,
-    now: float,
-    prometheus_url: str | None,
-    signals: ScaleSignalSource,
-) -> ScaleTick:
-    """One turn of the autoscaler for GearSet ``namespace/name`` (module docstring).
+def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: ScaleSignalSource) -> ScaleTick:
+    """One turn of the autoscaler for GearSet ``namespace/name`` (module docstring), with the runtime's
+    API and Prometheus URL (``rt.settings.prometheus_url``, unless the PDService names one), sampling
+    ``signals``.
 
     Raises:
         KubeApiError: the API server refused a read or write (the loop retries next turn).
     """
+    api = rt.api
     loaded = load_gearset_and_service(api, namespace, name)
     if isinstance(loaded, str):
         return ScaleTick(skipped=loaded)
     gs_body, gs, pds = loaded
-    scope = rules.scope_of(gs, pds, prometheus_url)
+    scope = rules.scope_of(gs, pds, rt.settings.prometheus_url)
     if isinstance(scope, rules.Skip):
         return ScaleTick(skipped=scope.reason, idle=scope.idle)
     sts = {s["metadata"]["name"]: s for s in api.list(*STS, namespace, scope.pod_labels())}
@@ -314,20 +265,20 @@ def tick(
     elif old.draining:
         step = _drain_step(scope, old, rules.head_pods(gear_pods), now, signals)
         _set_replicas(api, namespace, name, step.replicas)
-        _write_status(api, namespace, name, scope.service, step.scaling, ready, None, now, gs_body)
+        _write_status(rt, namespace, name, scope.service, step.scaling, ready, None, now, gs_body)
         _emit_all(api, gs_body, step.events)
         return ScaleTick(replicas=step.replicas, draining=list(step.draining))
     sample, scaling = _sample(api, namespace, scope, old, scaling, now, signals)
     decision, act = _decide(api, scope, old, sample, scaling, ready, gear_pods, now)
     _set_replicas(api, namespace, name, act.replicas)
     _label_draining(api, namespace, act.label, on=True)
-    _write_status(api, namespace, name, scope.service, act.scaling, ready, act.condition, now, gs_body)
+    _write_status(rt, namespace, name, scope.service, act.scaling, ready, act.condition, now, gs_body)
     _emit_all(api, gs_body, [*events, *act.events])
     return ScaleTick(decision=decision, replicas=act.replicas, draining=list(act.label))
 
 
 def _write_status(
-    api: KubeApi,
+    rt: Runtime,
     namespace: str,
     name: str,
     service: str,
@@ -338,7 +289,8 @@ def _write_status(
     gs_body: Mapping[str, Any],
 ) -> None:
     """Write ``status.scaling``, ``status.replicas`` and the ScalingActive condition (fresh read, locked)."""
-    with service_lock(namespace, service):
+    api = rt.api
+    with rt.service_locks.hold((namespace, service)):
         fresh = api.get(*GS, namespace, name)
         if fresh is None:
             return
@@ -354,7 +306,7 @@ def _write_status(
                 for reason, message, warning in book.changes:
                     emit(api, gs_body, reason, message, warning)
             patch["conditions"] = book.as_json()
-        patch_status(api, *GS, namespace, name, patch)
+        patch_status(api, *GS, namespace, name, patch, rt.pruned)
 
 
 def _emit_all(api: KubeApi, body: Mapping[str, Any], events: Iterable[rules.ScaleEvent]) -> None:
@@ -363,29 +315,9 @@ def _emit_all(api: KubeApi, body: Mapping[str, Any], events: Iterable[rules.Scal
 
 
 # --- kopf ----------------------------------------------------------------------------------------------
-_signals: ScaleSignalSource = LiveSignals()
-
-
-def configure(signals: ScaleSignalSource) -> None:
-    """Swap the signal source (tests)."""
-    global _signals
-    _signals = signals
-
-
-def run_tick(namespace: str, name: str) -> ScaleTick:
-    """One tick with the operator's API client and settings."""
-    # Imported here, not at the top: importing pdservice registers its kopf handlers, and this module
-    # alone (``kopf run -m gearshift.handlers.autoscale``, the unit tests) should register only its own.
-    from gearshift.handlers import pdservice
-
-    return tick(
-        pdservice.api(),
-        namespace,
-        name,
-        now=time.time(),
-        prometheus_url=pdservice.settings().prometheus_url,
-        signals=_signals,
-    )
+def run_tick(rt: Runtime, namespace: str, name: str) -> ScaleTick:
+    """One tick now, sampling the runtime's signal source (see :func:`tick`)."""
+    return tick(rt, namespace, name, now=time.time(), signals=rt.scale_signals)
 
 
 def _autoscaled(body: kopf.Body, **_: Any) -> bool:
@@ -396,7 +328,7 @@ def _autoscaled(body: kopf.Body, **_: Any) -> bool:
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_autoscaled)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 async def gearset_autoscale(
-    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
+    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
 ) -> None:
     """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
     await every_sample_interval(
@@ -404,7 +336,7 @@ async def gearset_autoscale(
         name,
         body,
         stopped,
-        run_tick,
+        functools.partial(run_tick, runtime_of(memo)),
         what="autoscale tick",
         floor_s=MIN_INTERVAL_S,
         expected=(KubeApiError, NotYet, KeyError),

@@ -15,23 +15,24 @@ import kopf
 
 from gearshift.api.common import GROUP, VERSION
 from gearshift.handlers.pdservice import poke
+from gearshift.handlers.runtime import runtime_of
 
 PLURAL = "gearsets"
 
-_generations: dict[tuple[str, str], int | None] = {}
-
 
 @kopf.on.event(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-async def gearset_changed(namespace: str, name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
-    """A GearSet was created, deleted or its spec changed: reconcile its PDService (``spec.serviceName``)."""
-    key = (namespace, name)
+async def gearset_changed(
+    namespace: str, name: str, body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any
+) -> None:
+    """A GearSet was created, deleted or its spec changed: reconcile its PDService (``spec.serviceName``).
+
+    A deleted GearSet is forgotten (its generation, the shifting loop's memory of it, its pruned-write
+    reports)."""
+    rt = runtime_of(memo)
     service = (body.get("spec") or {}).get("serviceName")
     if type == "DELETED":
-        _generations.pop(key, None)
-    else:
-        gen = (body.get("metadata") or {}).get("generation")
-        if _generations.get(key) == gen:
-            return
-        _generations[key] = gen
+        rt.forget_gearset(namespace, name, (body.get("metadata") or {}).get("uid"))
+    elif not rt.gearsets.new_generation((namespace, name), (body.get("metadata") or {}).get("generation")):
+        return
     if service and namespace:
-        poke(namespace, str(service))
+        poke(rt, namespace, str(service))

@@ -8,17 +8,16 @@ compute class from the fleet (:func:`gearshift.profiling.profiles.classify` over
 and makes the node's ``gearshift.io/*`` labels match the profile (removed unless Ready).
 
 The decisions are the life cycle's pure functions; this module makes the calls between them, through the
-operator's :class:`~gearshift.handlers.kubeapi.KubeApi` (:func:`gearshift.handlers.nodes.kube_api`).
-Status is written with the status subresource by this module (not through kopf's ``patch``), and the
-object returned is remembered: a tick that runs before the watch delivers that write uses the
-remembered status, so a probe is never started twice. Importing this module also registers
-:mod:`gearshift.handlers.nodes`; run both with ``kopf run -m gearshift.handlers.gpuprofile``.
+operator's :class:`~gearshift.handlers.kubeapi.KubeApi` (the :class:`~gearshift.handlers.runtime.Runtime`'s,
+from kopf's ``memo``). Status is written with the status subresource by this module (not through kopf's
+``patch``), and the object returned is remembered (``Runtime.profiles``): a tick that runs before the
+watch delivers that write uses the remembered status, so a probe is never started twice. Importing this
+module also registers :mod:`gearshift.handlers.nodes`.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +27,7 @@ from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus, ProfileOverride
 from gearshift.handlers import nodes
 from gearshift.handlers.kubeapi import GPUP, JOB, NODE, POD, KubeApi, KubeApiError
+from gearshift.handlers.runtime import ProfileMemory, Runtime, runtime_of
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
 from gearshift.profiling.lifecycle import (
     ProbeSettings,
@@ -52,10 +52,6 @@ TICK_S = 2.0
 #: its GPU changed, a declared window, a re-probe due, the fleet's classes), and an idle fleet of many
 #: nodes would otherwise keep the operator busy with do-nothing ticks (issue 6: no hot loop when idle).
 READY_TICK_S = 10.0
-
-_lock = threading.Lock()
-#: name → (resourceVersion, status dict) of the last status this process wrote.
-_written: dict[str, tuple[int, dict[str, Any]]] = {}
 
 
 def _rv(body: kopf.Body | dict[str, Any]) -> int:
@@ -105,17 +101,15 @@ def _delete_job(api: KubeApi, namespace: str, name: str) -> None:
     api.delete(*JOB, namespace, name)  # background propagation: its pods go too; gone already is fine
 
 
-def _write_status(api: KubeApi, name: str, status: GPUProfileStatus) -> None:
+def _write_status(api: KubeApi, memory: ProfileMemory, name: str, status: GPUProfileStatus) -> None:
     obj = api.patch_status(*GPUP, None, name, dump_status(status))
-    with _lock:
-        _written[name] = (_rv(obj), dict(obj.get("status") or {}))
+    memory.wrote(name, _rv(obj), obj.get("status") or {})
 
 
-def _known_status(name: str, body: kopf.Body) -> GPUProfileStatus:
+def _known_status(memory: ProfileMemory, name: str, body: kopf.Body) -> GPUProfileStatus:
     """The profile's status: the one this process last wrote when the watch has not delivered it yet."""
     raw = dict(body.get("status") or {})
-    with _lock:
-        cached = _written.get(name)
+    cached = memory.written(name)
     if cached is not None and cached[0] > _rv(body):
         raw = cached[1]
     return GPUProfileStatus.model_validate(raw)
@@ -171,10 +165,11 @@ def gpuprofile_reconcile(
     gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     """One step of the probe life cycle of this profile (see the module docstring)."""
-    _step(name, body, spec, meta, gpu_nodes, profile_scores, logger)
+    _step(runtime_of(memo), name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=READY_TICK_S, initial_delay=READY_TICK_S, when=_is_ready)  # type: ignore[arg-type]  # kopf passes its indices as keywords its protocol does not name
@@ -186,13 +181,15 @@ def gpuprofile_ready_reconcile(
     gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     """The same step for a Ready profile, at the slower :data:`READY_TICK_S`."""
-    _step(name, body, spec, meta, gpu_nodes, profile_scores, logger)
+    _step(runtime_of(memo), name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
 
 
 def _step(
+    rt: Runtime,
     name: str,
     body: kopf.Body,
     spec: kopf.Spec,
@@ -200,21 +197,22 @@ def _step(
     gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
+    now: datetime,
 ) -> None:
-    """Read the profile and its node, take the life cycle's step (with its Job calls), write the status,
-    record the events, label the node.
+    """Read the profile and its node, take the life cycle's step (with its Job calls) at ``now``, write
+    the status, record the events, label the node.
 
     Raises:
         kopf.PermanentError: an invalid spec.
         kopf.TemporaryError: the node's labels could not be written.
         KubeApiError: another API call refused (kopf retries the timer).
     """
-    api, s, now, generation = nodes.kube_api(), nodes.settings(), _now(), meta.get("generation")
+    api, s, generation = rt.api, rt.probe_settings(), meta.get("generation")
     try:
         pspec = GPUProfileSpec.model_validate(dict(spec))
     except ValueError as exc:
         raise kopf.PermanentError(f"invalid spec: {exc}") from None
-    status = _known_status(name, body)
+    status = _known_status(rt.profiles, name, body)
     node_store = gpu_nodes.get(pspec.node_name)
     node = next(iter(node_store)) if node_store else None
     job = running_job(status)
@@ -230,7 +228,7 @@ def _step(
     step = complete_step(step, status, node, pspec.override, fleet_class, now=now, generation=generation)
     current = status
     if step is not None:
-        _write_status(api, name, step.status)
+        _write_status(api, rt.profiles, name, step.status)
         _emit(body, step)
         current = step.status
     if node is not None:
@@ -330,8 +328,9 @@ def _emit(body: kopf.Body, step: Step) -> None:
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def gpuprofile_delete(name: str, spec: kopf.Spec, logger: Any, **_: Any) -> None:
-    """Remove the profile labels from the node (they came from this profile) and forget its cache."""
-    with _lock:
-        _written.pop(name, None)
-    _label_node_if_exists(nodes.kube_api(), str(spec.get("nodeName", name)), None, logger)
+def gpuprofile_delete(name: str, spec: kopf.Spec, logger: Any, memo: kopf.Memo, **_: Any) -> None:
+    """Remove the profile labels from the node (they came from this profile) and forget the status last
+    written (the rest of the profile is forgotten at its DELETED event, :mod:`gearshift.handlers.nodes`)."""
+    rt = runtime_of(memo)
+    rt.profiles.forget_written(name)
+    _label_node_if_exists(rt.api, str(spec.get("nodeName", name)), None, logger)

@@ -9,6 +9,10 @@ runs; the chart uses it for liveness and readiness). Metrics: the operator's own
 replicas campaign for a Lease (:mod:`gearshift.adapters.leader`); a standby answers ``/healthz`` itself and
 starts kopf only once it leads. Without the flag the operator runs alone.
 
+State: one :class:`~gearshift.handlers.runtime.Runtime` (settings from the flags, the API, what the handlers
+remember per object), built here before any handler module is imported and handed to kopf as
+``kopf.run(memo=kopf.Memo(runtime=...))``: every handler finds it in its ``memo`` kwarg.
+
 kopf's finalizer and bookkeeping annotations live under the ``gearshift.io`` domain
 (``gearshift.io/finalizer``, ``gearshift.io/last-handled-configuration``, ``gearshift.io/<handler>``),
 as Twingate's operator does in its startup handler, rather than under ``kopf.zalando.org``.
@@ -26,12 +30,15 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gearshift.adapters.leader import LeaderElector, LeaseTimes
 from gearshift.api.pdservice import DNS_SUBDOMAIN_PATTERN
 from gearshift.handlers.metrics import LEADER
 from gearshift.k8s.names import DOMAIN
+
+if TYPE_CHECKING:
+    from gearshift.handlers.runtime import Runtime
 
 #: Handler modules the operator loads; each registers its kopf handlers on import. Other features add a
 #: line here.
@@ -159,15 +166,9 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from gearshift.handlers import pdservice
-    from gearshift.handlers.reconcile import Settings
-    from gearshift.k8s.desired import Images
+    from gearshift.handlers.runtime import MEMO_KEY
 
-    images = Images()
-    images = Images(
-        vllm=args.vllm_image or images.vllm, sim=args.sim_image or images.sim, router=args.router_image
-    )
-    pdservice.configure(Settings(images=images, prometheus_url=args.prometheus_url))
+    rt = build_runtime(args)
     loaded = load_handlers(args.disable)
     log.info("handler modules: %s", ", ".join(loaded))
     _register_startup(args.workers)
@@ -180,13 +181,13 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.handlers.crds import StaleCRDs, check_installed_crds
 
     try:
-        check_installed_crds(pdservice.api())
+        check_installed_crds(rt.api)
     except StaleCRDs as exc:
         log.error("%s", exc)
         return EXIT_STALE_CRDS
     elector = None
     if args.leader_elect:
-        elector = campaign(args, times, pdservice.api().client)  # type: ignore[attr-defined]
+        elector = campaign(args, times, rt.api.client)  # type: ignore[attr-defined]
     else:
         LEADER.set(1)  # alone: it handles resources
     liveness = f"http://{args.probe_host}:{args.probe_port}/healthz" if args.probe_port else None
@@ -196,12 +197,27 @@ def run(args: argparse.Namespace) -> int:
             clusterwide=not args.namespace,
             namespaces=args.namespace,
             liveness_endpoint=liveness,
+            memo=kopf.Memo({MEMO_KEY: rt}),
         )
     finally:
         if elector is not None:
             elector.release()
             LEADER.set(0)
     return 0
+
+
+def build_runtime(args: argparse.Namespace) -> Runtime:
+    """The operator's :class:`~gearshift.handlers.runtime.Runtime` from the flags: the images and the
+    Prometheus URL; the API is built on first use (``--kubeconfig`` exported before), the probe settings
+    read from the environment when the GPUProfile handlers start."""
+    from gearshift.handlers.runtime import Runtime, Settings
+    from gearshift.k8s.desired import Images
+
+    images = Images()
+    images = Images(
+        vllm=args.vllm_image or images.vllm, sim=args.sim_image or images.sim, router=args.router_image
+    )
+    return Runtime(settings=Settings(images=images, prometheus_url=args.prometheus_url))
 
 
 def _configure_logging(level: str) -> None:

@@ -1,7 +1,8 @@
 """kopf handlers on Nodes: index the GPU nodes and give each one a GPUProfile named after it.
 
 GPU nodes are those with ``nvidia.com/gpu`` capacity that match ``GEARSHIFT_GPU_NODE_SELECTOR``
-(:class:`gearshift.profiling.lifecycle.ProbeSettings`). Probing itself, staleness and labels are the
+(:class:`gearshift.profiling.lifecycle.ProbeSettings`, the :class:`~gearshift.handlers.runtime.Runtime`'s
+:meth:`~gearshift.handlers.runtime.Runtime.probe_settings`). Probing itself, staleness and labels are the
 GPUProfile timer's (:mod:`gearshift.handlers.gpuprofile`), which reads the ``gpu_nodes`` index kept here;
 these handlers only watch, so nothing is written onto a node except the profile labels.
 """
@@ -9,39 +10,17 @@ these handlers only watch, so nothing is written onto a node except the profile 
 from __future__ import annotations
 
 import functools
-import os
-import threading
 from typing import Any
 
 import kopf
 
 from gearshift.api.common import API_VERSION, GROUP, VERSION
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError
-from gearshift.profiling.lifecycle import ProbeSettings, SettingsError
+from gearshift.handlers.kubeapi import KubeApiError
+from gearshift.handlers.runtime import runtime_of
+from gearshift.profiling.lifecycle import SettingsError
 from gearshift.profiling.profiles import GpuNodeView, node_view, parse_selector
 
 PLURAL = "gpuprofiles"
-
-_lock = threading.Lock()
-_settings: ProbeSettings | None = None
-#: Nodes whose GPUProfile is known to exist; saves a create call on every node heartbeat.
-_ensured: set[str] = set()
-
-
-def configure(settings: ProbeSettings) -> None:
-    """Set the profiling settings (``gearshift operator`` calls this; else the startup handler reads env)."""
-    global _settings
-    with _lock:
-        _settings = settings
-
-
-def settings() -> ProbeSettings:
-    """The profiling settings in force (from the environment unless :func:`configure` set them)."""
-    global _settings
-    with _lock:
-        if _settings is None:
-            _settings = ProbeSettings.from_env(os.environ)
-        return _settings
 
 
 @functools.cache
@@ -49,21 +28,11 @@ def _selector(text: str) -> tuple[Any, ...]:
     return parse_selector(text)
 
 
-def kube_api() -> KubeApi:
-    """The operator's API (:func:`gearshift.handlers.pdservice.api`: in-cluster credentials, else
-    ``$KUBECONFIG``), shared with the other handlers."""
-    # Imported here, as the other handler modules do: importing pdservice registers its handlers, which
-    # `--disable gearshift.handlers.pdservice` must keep off.
-    from gearshift.handlers import pdservice
-
-    return pdservice.api()
-
-
 @kopf.on.startup()
-def nodes_startup(logger: Any, **_: Any) -> None:
+def nodes_startup(logger: Any, memo: kopf.Memo, **_: Any) -> None:
     """Read and check the settings before any handler runs; a bad value stops the operator, named."""
     try:
-        s = settings()
+        s = runtime_of(memo).probe_settings()
     except SettingsError as exc:
         raise kopf.PermanentError(str(exc)) from None
     logger.info(
@@ -77,19 +46,21 @@ def nodes_startup(logger: Any, **_: Any) -> None:
 
 
 @kopf.index("", "v1", "nodes")
-def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, GpuNodeView] | None:
+def gpu_nodes(name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, GpuNodeView] | None:
     """Index ``node name → GpuNodeView`` of every GPU node (others are not indexed)."""
-    view = node_view(body, _selector(settings().node_selector))
+    view = node_view(body, _selector(runtime_of(memo).probe_settings().node_selector))
     return {name: view} if view is not None else None
 
 
 @kopf.on.event("", "v1", "nodes")
-def node_event(type: str | None, name: str, body: kopf.Body, logger: Any, **_: Any) -> None:
+def node_event(type: str | None, name: str, body: kopf.Body, logger: Any, memo: kopf.Memo, **_: Any) -> None:
     """Ensure a GPUProfile exists for every GPU node (created once; the timer does the rest)."""
     if type == "DELETED":
         # The profile stays: its timer marks it Stale; a node that comes back is re-probed.
         return
-    if node_view(body, _selector(settings().node_selector)) is None or name in _ensured:
+    rt = runtime_of(memo)
+    selector = _selector(rt.probe_settings().node_selector)
+    if node_view(body, selector) is None or rt.profiles.ensured(name):
         return
     manifest = {
         "apiVersion": API_VERSION,
@@ -98,16 +69,17 @@ def node_event(type: str | None, name: str, body: kopf.Body, logger: Any, **_: A
         "spec": {"nodeName": name},
     }
     try:
-        kube_api().create(manifest)
+        rt.api.create(manifest)
         logger.info("created GPUProfile %s for GPU node %s", name, name)
     except KubeApiError as exc:
         if exc.status != 409:  # 409: it exists (made by an earlier run, or by hand): left as it is
             raise kopf.TemporaryError(f"cannot create GPUProfile {name}: {exc}", delay=5) from None
-    _ensured.add(name)
+    rt.profiles.ensure(name)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def gpuprofile_event_forget(type: str | None, name: str, **_: Any) -> None:
-    """A deleted GPUProfile of an existing GPU node is created again on the node's next event."""
+def gpuprofile_event_forget(type: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """Forget a deleted GPUProfile (the status last written, that it exists): the profile of an existing
+    GPU node is created again on the node's next event."""
     if type == "DELETED":
-        _ensured.discard(name)
+        runtime_of(memo).forget_profile(name)

@@ -16,34 +16,32 @@ Thin: every handler ends in :func:`gearshift.handlers.reconcile.reconcile_servic
 The gear executor (:mod:`gearshift.handlers.shifting`) acts on a role's objects through
 :mod:`gearshift.handlers.reconcile`'s ``ensure_gear_sync``, ``select_gear_sync`` and ``delete_gear_sync``,
 under the reconciler's per-service lock.
+
+What these handlers remember between calls (each service's last outcome and handled window, the pending
+debounced reconciles, the fleet's prints) is the :class:`~gearshift.handlers.runtime.Runtime`'s, which
+kopf hands every handler in its ``memo``; a deleted PDService's entries go with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
-from gearshift.api.common import GROUP, VERSION
+from gearshift.api.common import GROUP, VERSION, inputs_hash
 from gearshift.control.reconcile import SpecInvalid
 from gearshift.control.windows import leave_by_due
 from gearshift.handlers import metrics
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError, RestKubeApi
-from gearshift.handlers.reconcile import (
-    NotYet,
-    ReconcileOutcome,
-    Settings,
-    forget_fleet,
-    reconcile_service,
-)
+from gearshift.handlers.kubeapi import KubeApiError
+from gearshift.handlers.reconcile import NotYet, ReconcileOutcome, reconcile_service
+from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.k8s import names
+from gearshift.planner.inputs import node_gpus, node_ready, usable_profile
 
 log = logging.getLogger(__name__)
 
@@ -57,85 +55,33 @@ API_ERROR_DELAY_S = 5.0
 #: How often a PDService that uses a time-limited node checks whether its leaveBy has come, s.
 WINDOW_TICK_S = 2.0
 
-_state_lock = threading.Lock()
-_settings = Settings()
-_api: KubeApi | None = None
 
-
-@dataclass
-class Known:
-    """What the last reconcile of a PDService found (decides which fleet events concern it)."""
-
-    outcome: ReconcileOutcome
-
-
-_known: dict[tuple[str, str], Known] = {}
-#: Per PDService, the ``windowLeaveBy`` a reconcile already ran for (:func:`window_tick`).
-_window_handled: dict[tuple[str, str], str] = {}
-_pending: dict[tuple[str, str], asyncio.Task[None]] = {}
-
-
-def configure(settings: Settings, api: KubeApi | None = None) -> None:
-    """Set the operator-wide settings and, optionally, the API (tests pass a fake)."""
-    global _settings, _api
-    with _state_lock:
-        _settings = settings
-        if api is not None:
-            _api = api
-
-
-def settings() -> Settings:
-    """The operator-wide settings (images, Prometheus URL) the handlers use."""
-    with _state_lock:
-        return _settings
-
-
-def api() -> KubeApi:
-    """The API the handlers use: the configured one, else a REST client from the kubeconfig/in-cluster."""
-    global _api
-    with _state_lock:
-        if _api is None:
-            from kubernetes import client, config
-
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            _api = RestKubeApi(client.ApiClient())
-        return _api
-
-
-def known_services() -> dict[tuple[str, str], ReconcileOutcome]:
+def known_services(rt: Runtime) -> dict[tuple[str, str], ReconcileOutcome]:
     """The last outcome per ``(namespace, name)`` (a copy)."""
-    with _state_lock:
-        return {k: v.outcome for k, v in _known.items()}
+    return rt.services.outcomes()
 
 
-def _record(namespace: str, name: str, outcome: ReconcileOutcome | None) -> None:
-    with _state_lock:
-        if outcome is None or outcome.phase in ("Deleted", "Deleting"):
-            _known.pop((namespace, name), None)
-        else:
-            _known[(namespace, name)] = Known(outcome)
-        phases: dict[str, int] = {}
-        for k in _known.values():
-            phases[k.outcome.phase] = phases.get(k.outcome.phase, 0) + 1
+def _record(rt: Runtime, namespace: str, name: str, outcome: ReconcileOutcome | None) -> None:
+    gone = outcome is None or outcome.phase in ("Deleted", "Deleting")
+    phases = rt.services.record((namespace, name), None if gone else outcome)
     for phase in ("Pending", "Progressing", "Ready", "Degraded", "Failed"):
         metrics.SERVICES.labels(phase).set(phases.get(phase, 0))
 
 
-def run_reconcile(namespace: str, name: str, body: Mapping[str, Any] | None = None) -> ReconcileOutcome:
+def run_reconcile(
+    rt: Runtime, namespace: str, name: str, body: Mapping[str, Any] | None = None
+) -> ReconcileOutcome:
     """Reconcile one PDService with metrics; kopf-independent errors propagate (see :mod:`reconcile`)."""
     start = time.perf_counter()
     try:
-        out = reconcile_service(api(), namespace, name, _settings, body)
+        out = reconcile_service(rt, namespace, name, body)
     except SpecInvalid:
         metrics.RECONCILES.labels("PDService", "invalid").inc()
-        _record(namespace, name, ReconcileOutcome(phase="Failed"))
+        _record(rt, namespace, name, ReconcileOutcome(phase="Failed"))
         raise
     except NotYet:
         metrics.RECONCILES.labels("PDService", "waiting").inc()
-        _record(namespace, name, ReconcileOutcome(phase="Pending", placed=False))
+        _record(rt, namespace, name, ReconcileOutcome(phase="Pending", placed=False))
         raise
     except Exception as exc:
         metrics.RECONCILES.labels("PDService", "error").inc()
@@ -145,14 +91,14 @@ def run_reconcile(namespace: str, name: str, body: Mapping[str, Any] | None = No
         metrics.RECONCILE_SECONDS.labels("PDService").observe(time.perf_counter() - start)
     metrics.RECONCILES.labels("PDService", "ok").inc()
     metrics.APPLIED.labels("PDService").inc(out.applied)
-    _record(namespace, name, out)
+    _record(rt, namespace, name, out)
     return out
 
 
-def _kopf_errors(namespace: str, name: str, body: Mapping[str, Any] | None) -> ReconcileOutcome:
+def _kopf_errors(rt: Runtime, namespace: str, name: str, body: Mapping[str, Any] | None) -> ReconcileOutcome:
     """Run a reconcile, turning the reconciler's errors into kopf's (permanent vs retry)."""
     try:
-        return run_reconcile(namespace, name, body)
+        return run_reconcile(rt, namespace, name, body)
     except SpecInvalid as exc:
         raise kopf.PermanentError(str(exc)) from None
     except NotYet as exc:
@@ -164,13 +110,13 @@ def _kopf_errors(namespace: str, name: str, body: Mapping[str, Any] | None) -> R
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Reconcile on create, resume and spec/metadata updates.
 
     Returns nothing: kopf would store a result under ``status.<handler>``, which the CRD's structural
     schema prunes.
     """
-    out = _kopf_errors(namespace, name, body)
+    out = _kopf_errors(runtime_of(memo), namespace, name, body)
     log.info(
         "PDService %s/%s: %s, %d applied, %d deleted", namespace, name, out.phase, out.applied, out.deleted
     )
@@ -189,15 +135,15 @@ def _needs_attention(body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_S, initial_delay=RETRY_S, when=_needs_attention)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def pdservice_retry(namespace: str, name: str, **_: Any) -> None:
+def pdservice_retry(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Retry a PDService that is not Ready yet (placement pending, pods rolling out, profiles missing)."""
     try:
-        run_reconcile(namespace, name)
+        run_reconcile(runtime_of(memo), namespace, name)
     except (SpecInvalid, NotYet, KubeApiError) as exc:
         log.info("PDService %s/%s: %s", namespace, name, exc)
 
 
-def window_tick(namespace: str, name: str, leave_by: str | None, now: datetime) -> bool:
+def window_tick(rt: Runtime, namespace: str, name: str, leave_by: str | None, now: datetime) -> bool:
     """Reconcile once when the PDService's ``windowLeaveBy`` has come (:func:`leave_by_due`).
 
     The reconcile at ``leaveBy`` publishes the window-free plan and reports the node ``Leaving``, which
@@ -206,16 +152,14 @@ def window_tick(namespace: str, name: str, leave_by: str | None, now: datetime) 
     Returns True when a reconcile ran and succeeded.
     """
     key = (namespace, name)
-    with _state_lock:
-        if not leave_by_due(leave_by, now, _window_handled.get(key)):
-            return False
+    if not leave_by_due(leave_by, now, rt.services.window_handled(key)):
+        return False
     try:
-        run_reconcile(namespace, name)
+        run_reconcile(rt, namespace, name)
     except (SpecInvalid, NotYet, KubeApiError) as exc:
         log.info("PDService %s/%s: at windowLeaveBy %s: %s", namespace, name, leave_by, exc)
         return False
-    with _state_lock:
-        _window_handled[key] = str(leave_by)
+    rt.services.handle_window(key, str(leave_by))
     return True
 
 
@@ -224,64 +168,62 @@ def _window_in_use(body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=WINDOW_TICK_S, when=_window_in_use)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def pdservice_window(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+def pdservice_window(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Re-plan as soon as a time-limited node's leaveBy comes (issue 13); see :func:`window_tick`."""
-    window_tick(namespace, name, (body.get("status") or {}).get("windowLeaveBy"), datetime.now(UTC))
+    leave_by = (body.get("status") or {}).get("windowLeaveBy")
+    window_tick(runtime_of(memo), namespace, name, leave_by, datetime.now(UTC))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def pdservice_forget(namespace: str, name: str, type: str | None, **_: Any) -> None:
-    """Drop a deleted PDService from the known set (its objects go with it through owner references)."""
+def pdservice_forget(
+    namespace: str, name: str, type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    """Forget a deleted PDService (its objects go with it through owner references): its outcome (and so
+    the phase metrics), its window, its pruned-write reports. Its lock went when its last holder left."""
     if type == "DELETED":
-        _record(namespace, name, None)
-        with _state_lock:
-            _window_handled.pop((namespace, name), None)
+        rt = runtime_of(memo)
+        _record(rt, namespace, name, None)
+        rt.forget_service(namespace, name, (body.get("metadata") or {}).get("uid"))
 
 
 # --- debounced triggers ------------------------------------------------------------------------------
-async def _later(namespace: str, name: str, delay: float) -> None:
+async def _later(rt: Runtime, namespace: str, name: str, delay: float) -> None:
     try:
         await asyncio.sleep(delay)
     finally:
-        _pending.pop((namespace, name), None)
+        rt.services.pending.pop((namespace, name), None)
     try:
-        await asyncio.to_thread(run_reconcile, namespace, name)
+        await asyncio.to_thread(run_reconcile, rt, namespace, name)
     except (SpecInvalid, NotYet, KubeApiError) as exc:
         log.info("PDService %s/%s: %s", namespace, name, exc)
     except Exception:
         log.exception("reconcile of PDService %s/%s failed", namespace, name)
 
 
-def poke(namespace: str, name: str, delay: float = DEBOUNCE_S) -> bool:
+def poke(rt: Runtime, namespace: str, name: str, delay: float = DEBOUNCE_S) -> bool:
     """Schedule a reconcile of one PDService in ``delay`` s unless one is already scheduled.
 
     Must run in the event loop (kopf's). Returns True when a new reconcile was scheduled.
     """
-    key = (namespace, name)
-    task = _pending.get(key)
+    key, pending = (namespace, name), rt.services.pending
+    task = pending.get(key)
     if task is not None and not task.done():
         return False
-    _pending[key] = asyncio.get_running_loop().create_task(_later(namespace, name, delay))
+    pending[key] = asyncio.get_running_loop().create_task(_later(rt, namespace, name, delay))
     return True
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})
 @kopf.on.event("apps", "v1", "deployments", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-async def owned_changed(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+async def owned_changed(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
     """An owned StatefulSet or Deployment changed (pods became ready, a rollout moved): refresh status."""
     service = labels.get(names.LABEL_SERVICE)
     if service and namespace:
-        poke(namespace, service)
-
-
-_node_prints: dict[str, tuple[Any, ...]] = {}
-_profile_prints: dict[str, str] = {}
+        poke(runtime_of(memo), namespace, service)
 
 
 def node_fingerprint(node: Mapping[str, Any]) -> tuple[Any, ...]:
     """What about a node matters to placement: readiness, schedulability, GPU count, gearshift labels."""
-    from gearshift.planner.inputs import node_gpus, node_ready
-
     labels = (node.get("metadata") or {}).get("labels") or {}
     mine = tuple(sorted((k, v) for k, v in labels.items() if k.startswith(names.DOMAIN)))
     return (node_ready(node), node_gpus(node), mine)
@@ -297,38 +239,44 @@ def fleet_concerns(outcome: ReconcileOutcome, node: str | None) -> bool:
     )
 
 
-def _fleet_changed(node: str | None) -> None:
-    forget_fleet()
-    for (ns, name), out in known_services().items():
+def _fleet_changed(rt: Runtime, node: str | None) -> None:
+    rt.fleet.forget()
+    for (ns, name), out in known_services(rt).items():
         if fleet_concerns(out, node):
-            poke(ns, name, delay=2 * DEBOUNCE_S)
+            poke(rt, ns, name, delay=2 * DEBOUNCE_S)
 
 
 @kopf.on.event("", "v1", "nodes")
-async def fleet_node_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
+async def fleet_node_changed(name: str, body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """A node appeared, went, or changed readiness/GPUs/labels: reconcile the services it concerns."""
+    rt = runtime_of(memo)
     if type == "DELETED":
-        if _node_prints.pop(name, None) is not None:
-            _fleet_changed(name)
+        if rt.fleet_prints.forget_node(name) is not None:
+            _fleet_changed(rt, name)
         return
-    fp = node_fingerprint(body)
-    if _node_prints.get(name) != fp:
-        first = name not in _node_prints
-        _node_prints[name] = fp
-        if not first or known_services():
-            _fleet_changed(name)
+    prints, fp = rt.fleet_prints.nodes, node_fingerprint(body)
+    if prints.get(name) != fp:
+        first = name not in prints
+        prints[name] = fp
+        if not first or known_services(rt):
+            _fleet_changed(rt, name)
 
 
 @kopf.on.event(GROUP, VERSION, "gpuprofiles")
-async def fleet_profile_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
+async def fleet_profile_changed(
+    name: str, body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any
+) -> None:
     """A GPUProfile's numbers changed (a probe finished, an override): services planning on it re-plan."""
-    from gearshift.api.common import inputs_hash
-    from gearshift.planner.inputs import usable_profile
-
+    rt = runtime_of(memo)
+    if type == "DELETED":
+        # A deleted profile's print goes; it counts as a change unless its numbers were unusable already.
+        if rt.fleet_prints.forget_profile(name) != "":
+            _fleet_changed(rt, None)
+        return
     # Only the numbers a plan reads: probe bookkeeping (times, attempts) must not trigger reconciles.
-    eff = None if type == "DELETED" else usable_profile(body)
+    eff = usable_profile(body)
     skip = {"probe_time", "probe", "conditions", "message", "observed_generation"}
     fp = "" if eff is None else inputs_hash(eff.model_dump(mode="json", exclude=skip))
-    if _profile_prints.get(name) != fp:
-        _profile_prints[name] = fp
-        _fleet_changed(None)
+    if rt.fleet_prints.profiles.get(name) != fp:
+        rt.fleet_prints.profiles[name] = fp
+        _fleet_changed(rt, None)

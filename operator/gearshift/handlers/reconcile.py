@@ -4,13 +4,15 @@ events.
 
 Level-triggered and idempotent: every call recomputes the whole desired state from what it reads, applies
 it with server-side apply (a no-op when nothing changed: no resourceVersion moves), and patches status only
-when it differs. It is plain synchronous code over :class:`~gearshift.handlers.kubeapi.KubeApi`, so unit
-tests drive it with an in-memory API and kopf runs it in its thread pool (handlers/pdservice.py).
+when it differs. It is plain synchronous code over the :class:`~gearshift.handlers.runtime.Runtime`'s
+:class:`~gearshift.handlers.kubeapi.KubeApi`, so unit tests drive it with an in-memory API and kopf runs it
+in its thread pool (handlers/pdservice.py). Imports no kopf and registers no handler.
 
 One :func:`reconcile_service`, in order: read the PDService and its GearSets and check them
 (:func:`~gearshift.control.reconcile.role_state`, ``explicit_layer_problems``, ``explicit_engine_problems``);
-read the fleet (:func:`fleet`) and work out the desired state
-(:func:`~gearshift.control.reconcile.desired_state`, plans memoised by inputs hash); write each GearSet's
+read the fleet (through the runtime's :class:`~gearshift.handlers.runtime.FleetCache`) and work out the
+desired state (:func:`~gearshift.control.reconcile.desired_state`, plans memoised by inputs hash in the
+runtime's :class:`~gearshift.handlers.runtime.PlanCache`); write each GearSet's
 status and the planning events; apply the owned objects; delete the engine StatefulSets and headless
 Services no wanted gear has (``stale_statefulsets``, ``stale_gear_services``); write each GearSet's
 readiness; write the PDService's conditions, phase and status
@@ -33,10 +35,7 @@ Service's selector alone and deletes no gear; the executor drives the objects th
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -74,10 +73,18 @@ from gearshift.control.reconcile import (
     unschedulable,
 )
 from gearshift.handlers import common
-from gearshift.handlers.common import ConditionBook, conditions_from, emit, now_utc, patch_status
-from gearshift.handlers.kubeapi import DEPLOY, GPUP, GS, NODE, PDS, POD, STS, SVC, KubeApi
+from gearshift.handlers.common import (
+    ConditionBook,
+    PrunedReports,
+    conditions_from,
+    emit,
+    now_utc,
+    patch_status,
+)
+from gearshift.handlers.kubeapi import DEPLOY, GS, PDS, POD, STS, SVC, KubeApi
+from gearshift.handlers.runtime import Runtime, Settings
 from gearshift.k8s import names
-from gearshift.k8s.desired import Images, RoleDesire, desired_objects, gear_objects, owner_reference
+from gearshift.k8s.desired import RoleDesire, desired_objects, gear_objects, owner_reference
 from gearshift.k8s.engine import EngineSpecError
 from gearshift.k8s.services import build_role_service
 from gearshift.planner.inputs import gear_links, resource_profile
@@ -87,8 +94,6 @@ log = logging.getLogger(__name__)
 
 #: Retry delay when a referenced object is missing, s.
 NOT_YET_DELAY_S = 15.0
-#: Plans kept in memory, keyed by their inputs hash (many PDServices of one model share a fleet).
-PLAN_CACHE_SIZE = 128
 
 
 class NotYet(ReconcileError):
@@ -97,16 +102,6 @@ class NotYet(ReconcileError):
     def __init__(self, message: str, delay: float = NOT_YET_DELAY_S) -> None:
         super().__init__(message)
         self.delay = delay
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Operator-wide settings (from ``gearshift operator`` flags)."""
-
-    images: Images = field(default_factory=Images)
-    prometheus_url: str | None = None
-    sim_requests: int = 500
-    """Requests per planner simulation run (bounds planning time per gear candidate)."""
 
 
 @dataclass
@@ -123,59 +118,6 @@ class ReconcileOutcome:
     """Some role plans from GPUProfiles (a fleet change may re-plan it)."""
     nodes: set[str] = field(default_factory=set)
     """Nodes named by the running gears' stages (a change of one of them concerns this service)."""
-
-
-_plan_cache: OrderedDict[str, list[Gear]] = OrderedDict()
-_plan_lock = threading.Lock()
-_service_locks: dict[tuple[str, str], threading.Lock] = {}
-_locks_lock = threading.Lock()
-
-
-def service_lock(namespace: str, name: str) -> threading.Lock:
-    """The lock serialising reconciles of one PDService (kopf threads, fleet triggers, the executor)."""
-    with _locks_lock:
-        return _service_locks.setdefault((namespace, name), threading.Lock())
-
-
-#: Seconds a read of the fleet (Nodes, GPUProfiles) serves other reconciles: a wave of reconciles after a
-#: fleet event or at start-up reads the cluster-scoped lists once, not once per PDService.
-FLEET_TTL_S = 2.0
-_fleet_cache: dict[int, tuple[float, dict[str, Any], dict[str, Any]]] = {}
-
-
-def fleet(api: KubeApi) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """``(nodes, profiles)`` by name, read at most every :data:`FLEET_TTL_S` s per API object."""
-    now = time.monotonic()
-    with _plan_lock:
-        hit = _fleet_cache.get(id(api))
-    if hit is not None and now - hit[0] < FLEET_TTL_S:
-        return hit[1], hit[2]
-    nodes = {n["metadata"]["name"]: n for n in api.list(*NODE)}
-    profiles = {p["metadata"]["name"]: p for p in api.list(*GPUP)}
-    with _plan_lock:
-        _fleet_cache[id(api)] = (now, nodes, profiles)
-    return nodes, profiles
-
-
-def forget_fleet() -> None:
-    """Drop the cached fleet (a Node or GPUProfile changed)."""
-    with _plan_lock:
-        _fleet_cache.clear()
-
-
-def _cached_plan(key: str, plan: Callable[[], list[Gear]]) -> list[Gear]:
-    """The gears of the plan with inputs hash ``key`` (a :data:`gearshift.control.reconcile.PlanMemo`):
-    from the last :data:`PLAN_CACHE_SIZE` plans made, else ``plan()``'s, kept. A copy of the list."""
-    with _plan_lock:
-        if key in _plan_cache:
-            _plan_cache.move_to_end(key)
-            return list(_plan_cache[key])
-    gears = plan()
-    with _plan_lock:
-        _plan_cache[key] = gears
-        while len(_plan_cache) > PLAN_CACHE_SIZE:
-            _plan_cache.popitem(last=False)
-    return list(gears)
 
 
 def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dict[str, RoleState]:
@@ -200,6 +142,7 @@ class _ServiceStatus:
     """The PDService's status as one reconcile writes it: its conditions, and the events they call for."""
 
     api: KubeApi
+    reported: PrunedReports
     body: dict[str, Any]
     """The PDService as read at the start of the reconcile."""
     namespace: str
@@ -209,12 +152,12 @@ class _ServiceStatus:
 
     @classmethod
     def read(
-        cls, api: KubeApi, body: dict[str, Any], namespace: str, name: str, now: datetime
+        cls, rt: Runtime, body: dict[str, Any], namespace: str, name: str, now: datetime
     ) -> _ServiceStatus:
         """The status of ``body`` to update at ``now``."""
         old = dict(body.get("status") or {})
         book = ConditionBook(conditions_from(old.get("conditions")), body["metadata"].get("generation"), now)
-        return cls(api, body, namespace, name, book, old)
+        return cls(rt.api, rt.pruned, body, namespace, name, book, old)
 
     def set(self, updates: Iterable[ConditionUpdate]) -> None:
         """Set conditions (in order: their events follow it)."""
@@ -226,7 +169,7 @@ class _ServiceStatus:
         status["conditions"] = self.book.as_json()
         status["observedGeneration"] = self.book.generation
         if self.old_status | status != self.old_status:
-            patch_status(self.api, *PDS, self.namespace, self.name, status)
+            patch_status(self.api, *PDS, self.namespace, self.name, status, self.reported)
         for reason, message, warning in self.book.changes:
             emit(self.api, self.body, reason, message, warning)
 
@@ -238,13 +181,10 @@ class _ServiceStatus:
 
 
 def reconcile_service(
-    api: KubeApi,
-    namespace: str,
-    name: str,
-    settings: Settings | None = None,
-    body: Mapping[str, Any] | None = None,
+    rt: Runtime, namespace: str, name: str, body: Mapping[str, Any] | None = None
 ) -> ReconcileOutcome:
-    """Reconcile one PDService (see the module docstring). Serialised per PDService.
+    """Reconcile one PDService (see the module docstring) with the runtime's API, settings and caches.
+    Serialised per PDService (``rt.service_locks``).
 
     ``body`` (kopf's) is not used: the PDService is read afresh, as a kopf body may be older than a status
     written a moment ago.
@@ -253,13 +193,12 @@ def reconcile_service(
         SpecInvalid: the PDService or a GearSet is unusable (status and an event say why).
         NotYet: a GearSet is missing (status and an event say which).
     """
-    with service_lock(namespace, name):
-        return _reconcile(api, namespace, name, settings or Settings(), body)
+    with rt.service_locks.hold((namespace, name)):
+        return _reconcile(rt, namespace, name, body)
 
 
-def _reconcile(
-    api: KubeApi, ns: str, name: str, settings: Settings, body: Mapping[str, Any] | None
-) -> ReconcileOutcome:
+def _reconcile(rt: Runtime, ns: str, name: str, body: Mapping[str, Any] | None) -> ReconcileOutcome:
+    api, settings = rt.api, rt.settings
     # Always read the newest body: a kopf body may be older than a status we wrote a moment ago.
     fresh = api.get(*PDS, ns, name)
     if fresh is None:
@@ -267,19 +206,19 @@ def _reconcile(
     if fresh["metadata"].get("deletionTimestamp"):
         return ReconcileOutcome(phase="Deleting")
     now = now_utc()
-    status = _ServiceStatus.read(api, fresh, ns, name, now)
-    pds, roles, nodes, profiles = _read_spec(api, status)
+    status = _ServiceStatus.read(rt, fresh, ns, name, now)
+    pds, roles, nodes, profiles = _read_spec(rt, status)
     service_pods = api.list(*POD, ns, {names.LABEL_SERVICE: name})
     bound = bound_nodes(service_pods, api.list(*STS, ns, {names.LABEL_SERVICE: name}))
-    want = desired_state(pds, roles, nodes, profiles, settings, now, bound, memo=_cached_plan)
+    want = desired_state(pds, roles, nodes, profiles, settings, now, bound, memo=rt.plans)
     out = ReconcileOutcome(
         auto=any(rs.gs.spec.mode == "auto" for rs in roles.values()),
         nodes={n for d in want.desires for g in d.gears for st in g.stages for n in st.nodes},
     )
-    out.planned = _write_plans(api, fresh, ns, roles, want, now)
+    out.planned = _write_plans(rt, fresh, ns, roles, want, now)
     out.applied = _apply(api, status, pds, want, settings)
     out.deleted = _collect_garbage(api, ns, name, want, roles)
-    readiness = _write_readiness(api, ns, name, pds, roles, settings.images)
+    readiness = _write_readiness(rt, ns, name, pds, roles)
     router = router_ready(api.get(*DEPLOY, ns, names.router_name(name)))
     verdict = service_verdict(
         name, ns, want, roles, readiness, unschedulable(service_pods), router, status.old_status
@@ -291,7 +230,7 @@ def _reconcile(
 
 
 def _read_spec(
-    api: KubeApi, status: _ServiceStatus
+    rt: Runtime, status: _ServiceStatus
 ) -> tuple[PDService, dict[str, RoleState], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """``(pds, roles, nodes, profiles)``: the PDService, its GearSets and the fleet, checked.
 
@@ -306,7 +245,7 @@ def _read_spec(
         status.refuse(REASON_INVALID_SPEC, msg)
         raise SpecInvalid(msg) from None
     try:
-        roles = _read_gearsets(api, status.body, pds)
+        roles = _read_gearsets(rt.api, status.body, pds)
         explicit_layer_problems(pds, roles)
     except SpecInvalid as exc:
         status.refuse(REASON_GEARSET_MISMATCH, str(exc))
@@ -316,7 +255,7 @@ def _read_spec(
         status.set(conditions)
         status.finish(pending)
         raise
-    nodes, profiles = fleet(api)
+    nodes, profiles = rt.fleet.read(rt.api)
     try:
         explicit_engine_problems(pds, roles, profiles)
     except SpecInvalid as exc:
@@ -326,7 +265,7 @@ def _read_spec(
 
 
 def _write_plans(
-    api: KubeApi,
+    rt: Runtime,
     body: Mapping[str, Any],
     ns: str,
     roles: Mapping[str, RoleState],
@@ -335,12 +274,12 @@ def _write_plans(
 ) -> list[str]:
     """Write each GearSet's status, then record planning's events on the GearSet and the PDService;
     returns the roles whose plan was written."""
-    planned = []
+    api, planned = rt.api, []
     # GearSet status first: the executor and `kubectl get gs` see the plan and the active gear.
     for role, rs in roles.items():
         patch = gearset_status_patch(rs, now)
         if patch:
-            patch_status(api, *GS, ns, rs.gs.metadata["name"], patch)
+            patch_status(api, *GS, ns, rs.gs.metadata["name"], patch, rt.pruned)
             planned += [role] if "plannedGears" in patch else []
     for role, reason, message, warning in want.plan_events:
         emit(api, roles[role].gs_body, reason, message, warning)
@@ -394,17 +333,17 @@ def _collect_garbage(
 
 
 def _write_readiness(
-    api: KubeApi, ns: str, name: str, pds: PDService, roles: Mapping[str, RoleState], images: Images
+    rt: Runtime, ns: str, name: str, pds: PDService, roles: Mapping[str, RoleState]
 ) -> dict[str, Readiness]:
     """Each role's :class:`~gearshift.control.reconcile.Readiness` from the service's StatefulSets, written
     to its GearSet's status where it differs."""
-    sts = {s["metadata"]["name"]: s for s in api.list(*STS, ns, {names.LABEL_SERVICE: name})}
+    sts = {s["metadata"]["name"]: s for s in rt.api.list(*STS, ns, {names.LABEL_SERVICE: name})}
     out = {}
     for role, rs in roles.items():
-        out[role] = role_readiness(rs, sts, pds, name, ns, images)
+        out[role] = role_readiness(rs, sts, pds, name, ns, rt.settings.images)
         patch = readiness_patch(rs, out[role])
         if patch:
-            patch_status(api, *GS, ns, rs.gs.metadata["name"], patch)
+            patch_status(rt.api, *GS, ns, rs.gs.metadata["name"], patch, rt.pruned)
     return out
 
 
@@ -423,16 +362,14 @@ def _context(
     return body, pds, GearSet.model_validate(gs_body)
 
 
-def ensure_gear_sync(
-    api: KubeApi, namespace: str, service: str, role: str, gear: str, settings: Settings | None = None
-) -> list[str]:
+def ensure_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear: str) -> list[str]:
     """Apply the headless Service and StatefulSets of ``gear`` of ``role``; returns the StatefulSet names.
 
     Raises:
         NotYet: the PDService or GearSet is missing; KeyError: no such gear in the GearSet.
     """
-    settings = settings or Settings()
-    with service_lock(namespace, service):
+    api, settings = rt.api, rt.settings
+    with rt.service_locks.hold((namespace, service)):
         body, pds, gs = _context(api, namespace, service, role)
         g = next((x for x in gs.gears() if x.name == gear), None)
         if g is None:
@@ -450,7 +387,7 @@ def ensure_gear_sync(
             # The same links the reconciler gives the gear: a pod template that differs from the
             # reconciler's would roll the gear's pods each time either one applies (a shadow restarted
             # by its own switch is "not Ready while draining" and the shift rolls back).
-            {g.name: _auto_gear_links(api, gs, g, memutil)},
+            {g.name: _auto_gear_links(rt, gs, g, memutil)},
         )
         objs = gear_objects(service, namespace, pds.spec, desire, g, settings.images, owner_reference(body))
         for obj in objs:
@@ -464,7 +401,7 @@ def ensure_gear_sync(
         return [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"]
 
 
-def _auto_gear_links(api: KubeApi, gs: GearSet, gear: Gear, memutil: float) -> list[dict[str, float]] | None:
+def _auto_gear_links(rt: Runtime, gs: GearSet, gear: Gear, memutil: float) -> list[dict[str, float]] | None:
     """The simulated pipeline links of ``gear`` as :func:`reconcile_service` computes them: an ``auto`` role's
     gear gets the links between its stages' nodes from their GPUProfiles; explicit gears get none."""
     if gs.spec.mode != "auto":
@@ -472,7 +409,7 @@ def _auto_gear_links(api: KubeApi, gs: GearSet, gear: Gear, memutil: float) -> l
     gear_nodes = {n for st in gear.stages for n in st.nodes}
     if not gear_nodes:
         return None
-    nodes, profiles = fleet(api)
+    nodes, profiles = rt.fleet.read(rt.api)
     try:
         doc = resource_profile(gear_nodes, profiles, nodes, memutil)
         return gear_links(gear, planner.parse_profile(doc))
@@ -480,17 +417,19 @@ def _auto_gear_links(api: KubeApi, gs: GearSet, gear: Gear, memutil: float) -> l
         return None
 
 
-def select_gear_sync(api: KubeApi, namespace: str, service: str, role: str, gear: str) -> None:
+def select_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear: str) -> None:
     """Point the role Service ``<pds>-<role>`` at the heads of ``gear`` (switching the role's traffic)."""
-    with service_lock(namespace, service):
+    api = rt.api
+    with rt.service_locks.hold((namespace, service)):
         body, _pds, _gs = _context(api, namespace, service, role)
         api.apply(build_role_service(service, namespace, role, gear, owner_reference(body)))
         emit(api, body, common.REASON_GEAR_SELECTED, f"{role} Service now selects gear {gear}")
 
 
-def delete_gear_sync(api: KubeApi, namespace: str, service: str, role: str, gear: str) -> int:
+def delete_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear: str) -> int:
     """Delete every StatefulSet and the headless Service of ``gear`` of ``role``; returns how many went."""
-    with service_lock(namespace, service):
+    api = rt.api
+    with rt.service_locks.hold((namespace, service)):
         labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: role, names.LABEL_GEAR: gear}
         n = 0
         for obj in api.list(*STS, namespace, labels):

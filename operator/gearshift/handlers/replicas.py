@@ -37,6 +37,7 @@ import kopf
 
 from gearshift.handlers.common import emit
 from gearshift.handlers.kubeapi import PDS, POD, KubeApi, KubeApiError
+from gearshift.handlers.runtime import runtime_of
 from gearshift.k8s import names
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,7 @@ def act(api: KubeApi, pod: Mapping[str, Any]) -> Decision:
         names.LABEL_STAGE: "0",
     },
 )
-def head_pod_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+def head_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A head pod changed: recreate its pipeline replica's other ranks when it restarted (see :func:`act`).
 
     kopf does not retry event handlers; a refused call is logged and the head pod's next change (a
@@ -313,10 +314,8 @@ def head_pod_event(type: str | None, body: kopf.Body, **_: Any) -> None:
     """
     if type == "DELETED":
         return
-    from gearshift.handlers import pdservice
-
     try:
-        act(pdservice.api(), body)
+        act(runtime_of(memo).api, body)
     except KubeApiError as exc:
         meta = body.get("metadata") or {}
         log.warning("head pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)

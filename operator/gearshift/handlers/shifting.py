@@ -46,17 +46,16 @@ it every turn. Both need kopf's finalizer on the GearSet.
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, assert_never
+from typing import Any, assert_never
 
 import kopf
 
-from gearshift.adapters import prometheus
 from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
 from gearshift.api.gearset import Gear, GearHealth, GearSet
 from gearshift.api.pdservice import PDService
@@ -103,20 +102,15 @@ from gearshift.control.shifting import (
     signals_condition,
     statefulsets_by_gear,
 )
-from gearshift.control.signals import Engine, GearSelector, PipelineShape, Reading, SignalsUnavailable
+from gearshift.control.signals import GearSelector, Reading, SignalsUnavailable
 from gearshift.control.smoothing import Sample
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.kubeapi import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import (
-    NotYet,
-    Settings,
-    delete_gear_sync,
-    ensure_gear_sync,
-    select_gear_sync,
-    service_lock,
-)
+from gearshift.handlers.reconcile import NotYet, delete_gear_sync, ensure_gear_sync, select_gear_sync
+from gearshift.handlers.runtime import GearSetMemory, Runtime, Settings, runtime_of
+from gearshift.handlers.signals import SignalSource
 from gearshift.k8s import names
 
 log = logging.getLogger(__name__)
@@ -124,37 +118,6 @@ log = logging.getLogger(__name__)
 PLURAL = "gearsets"
 #: The shortest loop period, s, whatever ``sampleIntervalS`` says (keeps a typo from spinning the loop).
 MIN_INTERVAL_S = 0.2
-
-
-# --- signals -----------------------------------------------------------------------------------------
-class SignalSource(Protocol):
-    """Where a tick gets its numbers (Prometheus in the operator, a fake in unit tests)."""
-
-    def sample(
-        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
-    ) -> Reading:
-        """One raw reading of ``sel``'s gear served by ``engine`` (``shape``: its stages, for vLLM's
-        derived stage utilisation); raises SignalsUnavailable."""
-        ...
-
-    def in_flight(self, url: str, sel: GearSelector) -> int:
-        """Requests running or waiting on ``sel``'s head pods; raises SignalsUnavailable."""
-        ...
-
-
-class PrometheusSignals:
-    """:class:`SignalSource` over Prometheus' HTTP API (prometheus-api-client, no retries)."""
-
-    def __init__(self, timeout_s: float = 2.0) -> None:
-        self.timeout_s = timeout_s
-
-    def sample(
-        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
-    ) -> Reading:
-        return prometheus.fetch_reading(url, sel, at, engine=engine, shape=shape, timeout_s=self.timeout_s)
-
-    def in_flight(self, url: str, sel: GearSelector) -> int:
-        return prometheus.in_flight(url, sel, self.timeout_s)
 
 
 # --- one tick ------------------------------------------------------------------------------------------
@@ -171,11 +134,6 @@ class ShiftTick:
     actions: list[Action] = field(default_factory=list)
     signals_ok: bool = False
     message: str = ""
-
-
-_last_hold: dict[tuple[str, str], str] = {}
-_last_window: dict[tuple[str, str], str] = {}
-_hold_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -330,7 +288,7 @@ def _step(api: KubeApi, t: _Inputs, seen: _Seen, now: float) -> _Stepped:
     return _Stepped(control, decision, new_state, actions, api_operations(actions), window_warning)
 
 
-def _write_status(api: KubeApi, t: _Inputs, seen: _Seen, done: _Stepped, now: float) -> ConditionBook:
+def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: float) -> ConditionBook:
     """Persist the tick's states, history, gear health, signals and the SignalsAvailable condition (under
     the reconciler's per-service lock); returns the condition book, whose changes call for events."""
     st, raw = t.gs.status, t.body.get("status") or {}
@@ -368,57 +326,51 @@ def _write_status(api: KubeApi, t: _Inputs, seen: _Seen, done: _Stepped, now: fl
         generation=gen,
         signals=signals,
     )
-    with service_lock(t.namespace, t.gs.spec.service_name):
-        patch["conditions"] = _keep_other_conditions(api, t.namespace, t.name, patch["conditions"])
-        patch_status(api, *GS, t.namespace, t.name, json_safe(patch))
+    with rt.service_locks.hold((t.namespace, t.gs.spec.service_name)):
+        patch["conditions"] = _keep_other_conditions(rt.api, t.namespace, t.name, patch["conditions"])
+        patch_status(rt.api, *GS, t.namespace, t.name, json_safe(patch), rt.pruned)
     return book
 
 
-def _act(api: KubeApi, t: _Inputs, operations: Sequence[ApiOperation], settings: Settings) -> None:
+def _act(rt: Runtime, t: _Inputs, operations: Sequence[ApiOperation]) -> None:
     """Carry out the executor's API operations in order, through the reconciler's builders."""
     service, role = t.gs.spec.service_name, t.gs.spec.role
     for op in operations:
         match op:
             case EnsureGear(gear=g):
-                ensure_gear_sync(api, t.namespace, service, role, g, settings)
+                ensure_gear_sync(rt, t.namespace, service, role, g)
             case SelectGear(gear=g):
-                select_gear_sync(api, t.namespace, service, role, g)
+                select_gear_sync(rt, t.namespace, service, role, g)
             case DeleteGear(gear=g):
-                delete_gear_sync(api, t.namespace, service, role, g)
+                delete_gear_sync(rt, t.namespace, service, role, g)
             case Event(reason=r, message=m, warning=w):
-                emit(api, t.body, r, m, w)
+                emit(rt.api, t.body, r, m, w)
             case _:
                 assert_never(op)
 
 
-def tick(
-    api: KubeApi,
-    namespace: str,
-    name: str,
-    *,
-    now: float,
-    settings: Settings,
-    signals: SignalSource,
-) -> ShiftTick:
-    """One turn of the shifting loop for GearSet ``namespace/name`` (see the module docstring).
+def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: SignalSource) -> ShiftTick:
+    """One turn of the shifting loop for GearSet ``namespace/name`` (see the module docstring), with the
+    runtime's API and settings, sampling ``signals``.
 
     Raises:
         KubeApiError: the API server refused a read or write (the loop retries next turn).
         UnknownActionError: the executor returned an action type the tick has no handling for; nothing
             of the step is written (the loop logs it with its traceback).
     """
+    api = rt.api
     t = _load(api, namespace, name)
     if isinstance(t, ShiftTick):
         return t
-    seen = _observe(api, t, settings, signals, now)
+    seen = _observe(api, t, rt.settings, signals, now)
     done = _step(api, t, seen, now)
-    book = _write_status(api, t, seen, done, now)
-    _act(api, t, done.operations, settings)
+    book = _write_status(rt, t, seen, done, now)
+    _act(rt, t, done.operations)
     for reason, message, warning in book.changes:
         emit(api, t.body, reason, message, warning)
     if done.window_warning is not None:
-        _once(api, t.body, namespace, name, REASON_WINDOW_NO_TARGET, done.window_warning, True)
-    _decision_event(api, t.body, namespace, name, done.decision)
+        _once(api, rt.gearsets, t.body, (namespace, name), REASON_WINDOW_NO_TARGET, done.window_warning)
+    _decision_event(api, rt.gearsets, t.body, (namespace, name), done.decision)
     return ShiftTick(
         phase=done.state.phase,
         decision=done.decision,
@@ -429,15 +381,17 @@ def tick(
 
 
 def _once(
-    api: KubeApi, body: Mapping[str, Any], namespace: str, name: str, reason: str, message: str, warning: bool
+    api: KubeApi,
+    memory: GearSetMemory,
+    body: Mapping[str, Any],
+    key: tuple[str, str],
+    reason: str,
+    message: str,
 ) -> None:
-    """Emit an event unless the last one of this GearSet had the same reason (the loop ticks every few s)."""
-    key = (namespace, name)
-    with _hold_lock:
-        if _last_window.get(key) == message:
-            return
-        _last_window[key] = message
-    emit(api, body, reason, message, warning)
+    """Emit a Warning event unless the last window warning of this GearSet had the same message (the loop
+    ticks every few s)."""
+    if memory.new_window_warning(key, message):
+        emit(api, body, reason, message, True)
 
 
 def _keep_other_conditions(
@@ -456,38 +410,22 @@ def _now_dt(now: float) -> datetime:
 
 
 def _decision_event(
-    api: KubeApi, body: Mapping[str, Any], namespace: str, name: str, decision: Decision
+    api: KubeApi, memory: GearSetMemory, body: Mapping[str, Any], key: tuple[str, str], decision: Decision
 ) -> None:
     """The event :func:`~gearshift.control.shifting.decision_event` calls for, given this GearSet's last
-    hold reason (remembered here: the loop ticks every few s)."""
+    hold reason (remembered in ``memory``: the loop ticks every few s)."""
     previous: str | None = None
     if decision.kind is DecisionKind.HOLD:
-        key = (namespace, name)
-        with _hold_lock:
-            previous = _last_hold.get(key)
-            _last_hold[key] = decision.reason
+        previous = memory.swap_hold(key, decision.reason)
     event = decision_event(decision, previous)
     if event is not None:
         emit(api, body, event.reason, event.message, event.warning)
 
 
 # --- kopf ----------------------------------------------------------------------------------------------
-_signals: SignalSource = PrometheusSignals()
-
-
-def configure(signals: SignalSource) -> None:
-    """Swap the signal source (tests)."""
-    global _signals
-    _signals = signals
-
-
-def run_tick(namespace: str, name: str) -> ShiftTick:
-    """One tick with the operator's API client and settings (see :func:`tick`)."""
-    from gearshift.handlers import pdservice
-
-    return tick(
-        pdservice.api(), namespace, name, now=time.time(), settings=pdservice.settings(), signals=_signals
-    )
+def run_tick(rt: Runtime, namespace: str, name: str) -> ShiftTick:
+    """One tick now, sampling the runtime's signal source (see :func:`tick`)."""
+    return tick(rt, namespace, name, now=time.time(), signals=rt.shift_signals)
 
 
 def _settled(body: Mapping[str, Any]) -> bool:
@@ -508,7 +446,7 @@ def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_serving_or_busy)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 async def gearset_shifting(
-    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
+    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
 ) -> None:
     """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
     await every_sample_interval(
@@ -516,16 +454,16 @@ async def gearset_shifting(
         name,
         body,
         stopped,
-        run_tick,
+        functools.partial(run_tick, runtime_of(memo)),
         what="shifting tick",
         floor_s=MIN_INTERVAL_S,
         expected=(KubeApiError, NotYet, KeyError),
     )
 
 
-def free_gears_of_deleted_gearset(api: KubeApi, namespace: str, body: Mapping[str, Any]) -> list[str]:
+def free_gears_of_deleted_gearset(rt: Runtime, namespace: str, body: Mapping[str, Any]) -> list[str]:
     """On a GearSet's deletion: delete its role's StatefulSets of gears not serving; returns those gears."""
-    spec, st = body.get("spec") or {}, body.get("status") or {}
+    api, spec, st = rt.api, body.get("spec") or {}, body.get("status") or {}
     service, role = spec.get("serviceName"), spec.get("role")
     if not service or not role:
         return []
@@ -538,15 +476,16 @@ def free_gears_of_deleted_gearset(api: KubeApi, namespace: str, body: Mapping[st
     selected = selected_gear(api.get(*SVC, namespace, names.role_service_name(service, role)))
     freed = gears_to_free(sts, selected, st.get("activeGear"))
     for gear in freed:
-        delete_gear_sync(api, namespace, service, role, gear)
+        delete_gear_sync(rt, namespace, service, role, gear)
     if freed:
         log.info("GearSet %s/%s deleted: freed gear(s) %s", namespace, body["metadata"]["name"], freed)
     return freed
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def gearset_deleted(namespace: str, body: kopf.Body, **_: Any) -> None:
-    """#20 row 6: a GearSet deleted mid-shift left its shadow StatefulSets (and their GPUs) behind."""
-    from gearshift.handlers import pdservice
-
-    free_gears_of_deleted_gearset(pdservice.api(), namespace, body)
+def gearset_deleted(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """#20 row 6: a GearSet deleted mid-shift left its shadow StatefulSets (and their GPUs) behind. Its
+    daemon has stopped: the loop's memory of it goes too."""
+    rt = runtime_of(memo)
+    free_gears_of_deleted_gearset(rt, namespace, body)
+    rt.gearsets.forget((namespace, name))
