@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from typing import ClassVar
@@ -16,7 +17,16 @@ from gearshift.dev.sandbox.layout import (
     sandbox_name,
     sandbox_octet,
 )
-from gearshift.dev.sandbox.prometheus import pod_targets, prometheus_argv, prometheus_config
+from gearshift.dev.sandbox.prometheus import (
+    LOCAL_JOB,
+    POD_JOB,
+    label_name,
+    local_target,
+    pod_targets,
+    prometheus_argv,
+    prometheus_config,
+)
+from gearshift.dev.sandbox.promsd import write_groups
 from gearshift.dev.sandbox.stages import RUN_LABEL_QUERY, kwok_configuration, sandbox_stages
 
 
@@ -177,10 +187,37 @@ class TestPrometheus:
     def test_promtool_accepts_config(self, tmp_path):
         targets = tmp_path / "targets.json"
         targets.write_text("[]")
-        path = tmp_path / "prometheus.yml"
-        path.write_text(yaml.safe_dump(prometheus_config(targets)))
-        proc = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        local = tmp_path / "local"
+        local.mkdir()
+        write_groups(local / "op.json", local_target("127.0.0.1:9999", {"namespace": "gearshift-system"}))
+        for cfg in (prometheus_config(targets), prometheus_config(targets, local_targets_dir=local)):
+            path = tmp_path / "prometheus.yml"
+            path.write_text(yaml.safe_dump(cfg))
+            proc = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def test_local_job_reads_every_json_file_of_the_directory(self, tmp_path):
+        assert [j["job_name"] for j in prometheus_config(tmp_path / "t.json")["scrape_configs"]] == [POD_JOB]
+        cfg = prometheus_config(tmp_path / "t.json", local_targets_dir=tmp_path / "local")
+        pods, local = cfg["scrape_configs"]
+        assert (pods["job_name"], local["job_name"]) == (POD_JOB, LOCAL_JOB)
+        assert local["file_sd_configs"][0]["files"] == [str(tmp_path / "local" / "*.json")]
+        assert "relabel_configs" not in local  # the file's labels are the series' labels
+
+    def test_local_target_and_atomic_write(self, tmp_path):
+        groups = local_target("127.0.0.1:9090", {"namespace": "gearshift-system"})
+        assert groups == [{"targets": ["127.0.0.1:9090"], "labels": {"namespace": "gearshift-system"}}]
+        for bad in ("127.0.0.1", ":9090", "127.0.0.1:x"):
+            with pytest.raises(ValueError, match="host:port"):
+                local_target(bad, {})
+        out = tmp_path / "op.json"
+        write_groups(out, groups)
+        assert json.loads(out.read_text()) == groups
+        assert [f.name for f in tmp_path.iterdir()] == ["op.json"]  # no temporary left behind
+
+    def test_label_name_is_prometheus_discoverys_spelling(self):
+        assert label_name("app.kubernetes.io/component") == "app_kubernetes_io_component"
+        assert label_name("gearshift.io/role") == "gearshift_io_role"
 
 
 class TestCli:

@@ -35,6 +35,8 @@ from gearshift.k8s import names
 #: Namespace of the operator (chart release or local process) and of the probe Jobs.
 SYSTEM_NAMESPACE = "gearshift-system"
 HELM_RELEASE = "gearshift"
+#: The chart's operator metrics port (``ports.metrics``), named again in its pod's scrape annotations.
+CHART_METRICS_PORT = 9090
 #: Whether ``--install auto`` uses the Helm chart (its sandbox install is covered by tests/e2e/test_helm.py);
 #: False makes the demo run ``gearshift operator`` as a local process instead (the code the chart's pod runs).
 CHART_READY = True
@@ -79,6 +81,8 @@ class Ctx:
     notes: list[str] = field(default_factory=list)
     operator: subprocess.Popen[bytes] | None = None
     """The local ``gearshift operator`` process, when the demo started one."""
+    metrics_target: Path | None = None
+    """The sandbox Prometheus' target file of the local operator's ``/metrics``, while it runs."""
 
 
 # ------------------------------------------------------------------------------ 1. sandbox, operator
@@ -149,6 +153,14 @@ def _start_operator(ctx: Ctx) -> None:
             f"watchNamespaces[0]={ctx.args.namespace}",
             "--set",
             f"prometheusUrl={ctx.state.get('prometheus_url') or ''}",
+            # The sandbox Prometheus' pod job scrapes annotated pods: the operator's gearshift_operator_*
+            # series (the dashboard's shift panel) come from its pod IP.
+            "--set",
+            f"ports.metrics={CHART_METRICS_PORT}",
+            "--set-string",
+            "podAnnotations.prometheus\\.io/scrape=true",
+            "--set-string",
+            f"podAnnotations.prometheus\\.io/port={CHART_METRICS_PORT}",
             "--wait",
             "--timeout",
             "180s",
@@ -162,6 +174,11 @@ def _start_operator(ctx: Ctx) -> None:
     # The CRDs come with the chart; a local operator needs them applied first.
     ctx.kube.run("apply", "--server-side", "--force-conflicts", "-f", str(names_repo() / "crds"))
     log = Path(ctx.layout.logs_dir) / "demo-operator.log"
+    # With the sandbox's Prometheus the operator serves its metrics on a loopback port, scraped through a
+    # local target file (the dashboard's shift panel reads them); without it, none.
+    from gearshift.dev.sandbox.cluster import free_port
+
+    metrics_port = free_port() if ctx.state.get("prometheus_url") else 0
     argv = [
         str(Path(sys.executable).parent / "gearshift"),
         "operator",
@@ -170,7 +187,7 @@ def _start_operator(ctx: Ctx) -> None:
         "--probe-port",
         "0",
         "--metrics-port",
-        "0",
+        str(metrics_port),
         # Only the demo's namespace: PDServices elsewhere (other users of a shared sandbox) are left
         # alone. Nodes and GPUProfiles are cluster-scoped, and kopf serves those cluster-wide regardless.
         "--namespace",
@@ -196,13 +213,47 @@ def _start_operator(ctx: Ctx) -> None:
     ctx.say(
         f"operator: started `gearshift operator` locally (pid {ctx.operator.pid}, log {log}); no Helm chart"
     )
+    if metrics_port:
+        ctx.metrics_target = _announce_local_operator(ctx, metrics_port)
     ctx.notes.append(
         "The operator ran as a local `gearshift operator` process (sandbox mode), not from the Helm chart."
     )
 
 
+def _announce_local_operator(ctx: Ctx, port: int) -> Path:
+    """Write the sandbox Prometheus' target file of the local operator's metrics on ``127.0.0.1:port``,
+    labelled as the chart's operator pod would be (namespace, component), one file per demo namespace so
+    concurrent demos keep theirs; returns its path (removed by :func:`_stop_operator`)."""
+    from gearshift.dev.sandbox.cluster import local_targets_dir
+    from gearshift.dev.sandbox.prometheus import label_name, local_target
+    from gearshift.dev.sandbox.promsd import write_groups
+
+    labels = {
+        "namespace": SYSTEM_NAMESPACE,
+        "pod": f"local-operator-{ctx.args.namespace}",
+        label_name(names.LABEL_NAME): "gearshift",
+        label_name(names.LABEL_COMPONENT): "operator",
+    }
+    path = local_targets_dir(ctx.layout) / f"operator-{ctx.args.namespace}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_groups(path, local_target(f"127.0.0.1:{port}", labels))
+    ctx.say(f"operator: metrics on http://127.0.0.1:{port}/metrics, scraped by the sandbox's Prometheus")
+    return path
+
+
 def _stop_operator(ctx: Ctx) -> None:
-    """Stop the local operator the demo started (SIGTERM to its session, SIGKILL after 15 s)."""
+    """Stop the local operator the demo started (SIGTERM to its session, SIGKILL after 15 s) and remove
+    its Prometheus target file."""
+    target, ctx.metrics_target = ctx.metrics_target, None
+    try:
+        _stop_operator_process(ctx)
+    finally:
+        # Removed after the process stopped, so Prometheus keeps scraping it to the end.
+        if target is not None:
+            target.unlink(missing_ok=True)
+
+
+def _stop_operator_process(ctx: Ctx) -> None:
     proc = ctx.operator
     if proc is None or proc.poll() is not None:
         return

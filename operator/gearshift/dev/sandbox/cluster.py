@@ -303,6 +303,12 @@ def prometheus_ready(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def local_targets_dir(layout: Layout) -> Path:
+    """Where local processes (the demo's ``gearshift operator``) put their ``file_sd`` files for the
+    sandbox Prometheus' ``gearshift-local`` job (``prometheus.local_target``)."""
+    return layout.state_dir / "prometheus" / "local-targets"
+
+
 def _ensure_prometheus(layout: Layout, state: dict[str, Any], say: Say) -> str:
     binary = _prometheus_binary()
     if binary is None:
@@ -329,8 +335,10 @@ def _ensure_prometheus(layout: Layout, state: dict[str, Any], say: Say) -> str:
         ]
         procs.start(sd_pidfile, sd_argv, layout.logs_dir / "promsd.log")
         say("prometheus: pod discovery (API server → file_sd) started")
+    local = local_targets_dir(layout)
+    local.mkdir(exist_ok=True)
     cfg = pdir / "prometheus.yml"
-    text = yaml.safe_dump(prometheus_config(targets), sort_keys=False)
+    text = yaml.safe_dump(prometheus_config(targets, local_targets_dir=local), sort_keys=False)
     changed = not cfg.exists() or cfg.read_text() != text
     cfg.write_text(text)
     pidfile = layout.run_dir / "prometheus.pid"

@@ -12,12 +12,17 @@ and ``prometheus.io/path`` (else ``/metrics``), at its pod IP — a loopback add
 carry ``namespace``, ``pod``, ``node``, ``container`` and every pod label (``gearshift.io/role`` becomes
 ``gearshift_io_role``). Prometheus re-reads the file as soon as it changes (inotify).
 
+A second job, ``gearshift-local``, scrapes processes that run on this machine outside the pod runner (the
+demo's local ``gearshift operator``): each writes a ``file_sd`` file of its own into the local targets
+directory (``local_target``) and removes it when it stops.
+
 The scrape interval is 2 s: the gear controller samples its signals every 2 s (seed 002).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +31,34 @@ SCRAPE_INTERVAL_S = 2
 #: How long the sandbox keeps samples; a sandbox is for tests and demos.
 RETENTION = "1d"
 POD_JOB = "kubernetes-pods"
+#: The job of local processes' targets (``local_target``), one ``file_sd`` file per process.
+LOCAL_JOB = "gearshift-local"
 
 
-def prometheus_config(targets_file: Path, scrape_interval_s: int = SCRAPE_INTERVAL_S) -> dict[str, Any]:
+def prometheus_config(
+    targets_file: Path, scrape_interval_s: int = SCRAPE_INTERVAL_S, local_targets_dir: Path | None = None
+) -> dict[str, Any]:
     """The Prometheus configuration (as a YAML-able dict) that scrapes annotated sandbox pods.
 
     Args:
         targets_file: the ``file_sd`` file ``promsd`` keeps up to date (``pod_targets``).
         scrape_interval_s: scrape interval, s; the timeout is the same (Prometheus requires ≤ interval).
+        local_targets_dir: where local processes put their ``*.json`` target files (``local_target``),
+            scraped by the ``gearshift-local`` job; None: no such job.
     """
     interval = f"{scrape_interval_s}s"
     meta = "__meta_kubernetes_pod_"
+    local = []
+    if local_targets_dir is not None:
+        # Prometheus watches the directory: a file written or removed takes effect within a second.
+        local = [
+            {
+                "job_name": LOCAL_JOB,
+                "file_sd_configs": [
+                    {"files": [str(local_targets_dir / "*.json")], "refresh_interval": "30s"}
+                ],
+            }
+        ]
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
         "scrape_configs": [
@@ -72,9 +94,24 @@ def prometheus_config(targets_file: Path, scrape_interval_s: int = SCRAPE_INTERV
                     {"source_labels": [meta + "node_name"], "target_label": "node"},
                     {"source_labels": [meta + "container_name"], "target_label": "container"},
                 ],
-            }
+            },
+            *local,
         ],
     }
+
+
+def local_target(address: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The ``file_sd`` content for one local process serving ``/metrics`` at ``address`` (``host:port``),
+    its series labelled with ``labels`` (e.g. the ``namespace`` and ``app_kubernetes_io_component`` its pod
+    would carry after the pod job's relabelling, so queries read the same either way).
+
+    Raises:
+        ValueError: ``address`` is not ``host:port``.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"a scrape address is host:port, not {address!r}")
+    return [{"targets": [address], "labels": dict(labels)}]
 
 
 def prometheus_argv(binary: str, config: Path, data_dir: Path, port: int) -> list[str]:
@@ -90,8 +127,9 @@ def prometheus_argv(binary: str, config: Path, data_dir: Path, port: int) -> lis
     ]
 
 
-def _sanitize(name: str) -> str:
-    """A Kubernetes label/annotation key as Prometheus discovery spells it: every non-[a-zA-Z0-9_] → _."""
+def label_name(name: str) -> str:
+    """A Kubernetes label/annotation key as Prometheus discovery spells it: every non-[a-zA-Z0-9_] → _
+    (``app.kubernetes.io/component`` → ``app_kubernetes_io_component``)."""
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
@@ -127,11 +165,11 @@ def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
             base[m + "controller_kind"] = owners[0].get("kind", "")
             base[m + "controller_name"] = owners[0].get("name", "")
         for key, value in (meta.get("labels") or {}).items():
-            base[m + "label_" + _sanitize(key)] = value
-            base[m + "labelpresent_" + _sanitize(key)] = "true"
+            base[m + "label_" + label_name(key)] = value
+            base[m + "labelpresent_" + label_name(key)] = "true"
         for key, value in (meta.get("annotations") or {}).items():
-            base[m + "annotation_" + _sanitize(key)] = value
-            base[m + "annotationpresent_" + _sanitize(key)] = "true"
+            base[m + "annotation_" + label_name(key)] = value
+            base[m + "annotationpresent_" + label_name(key)] = "true"
         for c in spec.get("containers") or []:
             cl = {**base, m + "container_name": c.get("name", ""), m + "container_image": c.get("image", "")}
             cl[m + "container_init"] = "false"

@@ -27,12 +27,18 @@ def _log(msg: str) -> None:
     print(f"{datetime.now(UTC).strftime('%Y-%m-%dT%H:%M:%SZ')} {msg}", flush=True)
 
 
-def write_targets(out: Path, pods: list[dict[str, Any]]) -> int:
-    """Write the target groups of ``pods`` to ``out`` atomically; returns the number of groups."""
-    groups = pod_targets(pods)
+def write_groups(out: Path, groups: list[dict[str, Any]]) -> None:
+    """Write ``file_sd`` target ``groups`` to ``out`` atomically (a rename: Prometheus never reads half a
+    file). The temporary name does not end in ``.json``, so a ``*.json`` glob never matches it."""
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(groups, indent=1, sort_keys=True))
     tmp.replace(out)
+
+
+def write_targets(out: Path, pods: list[dict[str, Any]]) -> int:
+    """Write the target groups of ``pods`` to ``out`` atomically; returns the number of groups."""
+    groups = pod_targets(pods)
+    write_groups(out, groups)
     return len(groups)
 
 
