@@ -7,6 +7,7 @@ Snapshot: tests/unit/fixtures/chart/default.yaml; after an intended chart change
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gearshift.dev import dashboard
 from gearshift.dev.sandbox.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,6 +259,97 @@ class TestServiceMonitor:
         assert sm["spec"]["namespaceSelector"] == {"matchNames": [NS]}
 
 
+class TestDashboard:
+    """The Grafana dashboard ConfigMap (``dashboards.*``): off by default; on, the sidecar's label and the
+    chart's dashboard JSON, every panel with PromQL that parses."""
+
+    def test_off_by_default(self):
+        assert not by_kind(render(), "ConfigMap")
+
+    def test_enabled_renders_the_dashboard_for_grafanas_sidecar(self):
+        cm = one(render("dashboards.enabled=true"), "ConfigMap")
+        assert cm["metadata"]["name"] == "gearshift-dashboards"
+        assert cm["metadata"]["namespace"] == NS
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # the Grafana chart's sidecar default
+        assert list(cm["data"]) == ["gearshift.json"]
+        doc = json.loads(cm["data"]["gearshift.json"])
+        assert doc == dashboard.load()  # the chart's file, unchanged by templating ({{legend}} kept)
+        assert doc["schemaVersion"] >= 39 and doc["uid"]
+
+    def test_label_namespace_and_annotations_are_configurable(self):
+        cm = one(
+            render(
+                "dashboards.enabled=true",
+                "dashboards.label=example.com/dashboard",
+                "dashboards.labelValue=yes",
+                "dashboards.namespace=monitoring",
+                "dashboards.annotations.grafana_folder=LLM serving",
+            ),
+            "ConfigMap",
+        )
+        assert cm["metadata"]["labels"]["example.com/dashboard"] == "yes"
+        assert "grafana_dashboard" not in cm["metadata"]["labels"]
+        assert cm["metadata"]["namespace"] == "monitoring"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
+
+    def test_variables_are_a_prometheus_datasource_then_namespace_and_service(self):
+        doc = dashboard.load()
+        ds, ns, svc = doc["templating"]["list"]
+        assert (ds["name"], ds["type"], ds["query"]) == ("datasource", "datasource", "prometheus")
+        for var, label in ((ns, "namespace"), (svc, "gearshift_io_service")):
+            assert var["type"] == "query" and var["datasource"]["uid"] == "${datasource}"
+            assert var["definition"] == var["query"]["query"]
+            assert var["definition"].startswith("label_values(") and var["definition"].endswith(f", {label})")
+        assert '{namespace="$namespace"}' in svc["definition"]
+
+    def test_every_panel_queries_prometheus_through_the_variable(self):
+        doc = dashboard.load()
+        panels = dashboard.panels(doc)
+        assert len(panels) >= 10
+        ids = [p["id"] for p in doc["panels"]]
+        assert len(ids) == len(set(ids))
+        for p in panels:
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+            assert p["targets"], f"panel {p['title']!r} has no query"
+            refs = [t["refId"] for t in p["targets"]]
+            assert len(refs) == len(set(refs)), p["title"]
+            for t in p["targets"]:
+                assert t["expr"].strip() and t["datasource"]["uid"] == "${datasource}", p["title"]
+        titles = " ".join(p["title"].lower() for p in panels)
+        for topic in ("gear", "shift", "ttft", "itl", "goodput", "utilisation"):
+            assert topic in titles, topic
+
+    def test_service_panels_select_the_namespace_and_service(self):
+        # The operator's own series (gearshift_operator_*) carry no service label; everything else does.
+        for t in dashboard.panel_targets(dashboard.load()):
+            if "gearshift_operator_" in t.expr:
+                continue
+            assert 'namespace="$namespace"' in t.expr and 'gearshift_io_service="$service"' in t.expr, t
+
+    @pytest.mark.skipif(
+        shutil.which("promtool") is None, reason="promtool (Debian package prometheus) missing"
+    )
+    def test_every_expression_parses(self, tmp_path):
+        values = {"namespace": "ns", "service": "svc", "__rate_interval": "10s"}
+        targets = dashboard.panel_targets(dashboard.load())
+        rules = [
+            {"record": f"dashboard:panel_{i}", "expr": dashboard.fill(t.expr, values)}
+            for i, t in enumerate(targets)
+        ]
+        path = tmp_path / "rules.yml"
+        path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+        proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
+
+    def test_fill_names_a_missing_variable(self):
+        assert dashboard.fill(
+            'x{a="$a", b="${b}"}[$__rate_interval]', {"a": "1", "b": "2", "__rate_interval": "5s"}
+        ) == ('x{a="1", b="2"}[5s]')
+        with pytest.raises(KeyError, match="service"):
+            dashboard.fill('x{s="$service"}', {})
+
+
 class TestRbac:
     def test_cluster_wide_install(self):
         docs = render()
@@ -390,6 +483,9 @@ class TestValuesSchema:
             ("logLevel=LOUD", "/logLevel"),
             ("ports.metrics=70000", "/ports/metrics"),
             ("unknownKey=1", "unknownKey"),
+            ("dashboards.label=no spaces", "/dashboards/label"),
+            ("dashboards.namespace=Bad_NS", "/dashboards/namespace"),
+            ("dashboards.enabled=yes", "/dashboards/enabled"),
         ],
     )
     def test_bad_values_are_refused_naming_the_field(self, setting, field):
