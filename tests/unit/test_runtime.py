@@ -448,9 +448,10 @@ def test_the_flags_make_the_runtimes_settings() -> None:
 
 
 #: ``gearshift operator`` as tests/e2e and dev/sandbox/harness.py start it (``handlers.main.run`` in a
-#: fresh interpreter), with in-cluster credentials that load nothing, no CRD check and kopf.run recorded.
+#: fresh interpreter), with in-cluster credentials that load nothing, no CRD check and kopf.run recorded
+#: (its keywords checked against kopf's own signature).
 _OPERATOR = """
-import argparse, json, sys
+import argparse, inspect, json, sys
 import kopf
 from kubernetes import config
 from gearshift.handlers import crds, main as m
@@ -458,7 +459,8 @@ loads = []
 config.load_incluster_config = lambda: loads.append("in-cluster")
 crds.check_installed_crds = lambda api: loads.append("crd check")
 seen = {}
-kopf.run = lambda **kw: seen.update(kw)
+real_run = kopf.run
+kopf.run = lambda **kw: (inspect.signature(real_run).bind(**kw), seen.update(kw))  # kopf's own keywords
 p = argparse.ArgumentParser(); m.add_arguments(p)
 rc = m.run(p.parse_args(sys.argv[1:]))
 rt = seen["memo"]["runtime"]
