@@ -533,6 +533,18 @@ class TestServicesAndRouter:
         assert dep["spec"]["template"]["metadata"]["labels"][names.LABEL_SANDBOX_RUN] == "true"
         assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "llama3-8b-router"
 
+    def test_router_pods_are_scraped_on_the_router_port(self, pds: PDService) -> None:
+        from gearshift.k8s.services import ROUTER_PORT
+
+        tmpl = build_router_deployment("llama3-8b", "ns1", pds.spec)["spec"]["template"]
+        assert tmpl["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(ROUTER_PORT),
+            "prometheus.io/path": "/metrics",
+        }
+        (port,) = tmpl["spec"]["containers"][0]["ports"]
+        assert port["containerPort"] == ROUTER_PORT
+
     def test_router_role_reads_slices_pods_and_gets_services_only(self) -> None:
         sa, role, binding = build_router_rbac("s", "ns")
         assert sa["kind"] == "ServiceAccount"

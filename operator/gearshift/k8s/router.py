@@ -86,7 +86,16 @@ def build_router_deployment(
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": pod_labels},
+                # Prometheus' kubernetes-pods job scrapes the router's /metrics: the client-facing request
+                # series (each request once) and gearshift_router_* (the chart's dashboard reads them).
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ROUTER_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
                 "spec": {
                     "serviceAccountName": name,
                     "enableServiceLinks": False,
