@@ -4,13 +4,12 @@ retry when a node appears, the scale-down drain, and a shift aborting a drain.""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
 import pytest
-from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
+from test_handlers_reconcile import NS, _example, new_api, put_fleet
 
 from gearshift.api.common import COND_SCALING_ACTIVE
 from gearshift.control import autoscale as rules
@@ -18,34 +17,11 @@ from gearshift.control import scaling as sc
 from gearshift.control.signals import GearSelector
 from gearshift.handlers import autoscale as au
 from gearshift.k8s import names
-from gearshift.planner.inputs import datasheet_gpuprofile
+from gearshift.testing.kube import FakeKubeApi
 
 GS_NAME = "llama3-8b-decode"
 T0 = 1_800_000_000.0
 SVC = "llama3-8b"
-
-
-class PatchApi(FakeApi):
-    """FakeApi plus JSON merge patch of objects (``None`` deletes; a spec change bumps generation)."""
-
-    def patch(
-        self, api_version: str, kind: str, namespace: str | None, name: str, body: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        o = self.store[self._key(api_version, kind, namespace, name)]
-
-        def merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
-            for k, v in src.items():
-                if v is None:
-                    dst.pop(k, None)
-                elif isinstance(v, Mapping):
-                    merge(dst.setdefault(k, {}), v)
-                else:
-                    dst[k] = v
-
-        if "spec" in body:
-            o["metadata"]["generation"] += 1
-        merge(o, body)
-        return copy.deepcopy(o)
 
 
 class FakeSignals:
@@ -90,13 +66,10 @@ def _sts(replicas: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def world() -> PatchApi:
+def world() -> FakeKubeApi:
     """Decode GearSet with one 1-stage gear ``g`` on A10 nodes by label; 1 replica on gpu-a10-0."""
-    a = PatchApi()
-    for n in fleet_nodes():
-        a.put(n)
-        if n["status"]["allocatable"].get("nvidia.com/gpu"):
-            a.put(datasheet_gpuprofile(n))
+    a = new_api()
+    put_fleet(a)
     pds = _example("pdservice-llama3-8b.yaml")
     pds["spec"]["prometheusUrl"] = "http://127.0.0.1:9"
     pds["spec"]["decode"]["scaling"] = {
@@ -131,21 +104,21 @@ def world() -> PatchApi:
     return a
 
 
-def gs(api: PatchApi) -> dict[str, Any]:
+def gs(api: FakeKubeApi) -> dict[str, Any]:
     return api.get("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
 
 
-def run(api: PatchApi, sig: FakeSignals, now: float) -> au.ScaleTick:
+def run(api: FakeKubeApi, sig: FakeSignals, now: float) -> au.ScaleTick:
     return au.tick(api.runtime, NS, GS_NAME, now=now, signals=sig)
 
 
-def cond(api: PatchApi) -> dict[str, Any] | None:
+def cond(api: FakeKubeApi) -> dict[str, Any] | None:
     return next(
         (c for c in gs(api)["status"].get("conditions", []) if c["type"] == COND_SCALING_ACTIVE), None
     )
 
 
-def a10_nodes(api: PatchApi) -> list[str]:
+def a10_nodes(api: FakeKubeApi) -> list[str]:
     return sorted(
         n["metadata"]["name"]
         for n in api.list("v1", "Node")
@@ -154,14 +127,14 @@ def a10_nodes(api: PatchApi) -> list[str]:
 
 
 class TestTick:
-    def test_without_scaling_section_nothing_happens(self, world: PatchApi) -> None:
-        key = world._key("gearshift.io/v1alpha1", "PDService", NS, SVC)
+    def test_without_scaling_section_nothing_happens(self, world: FakeKubeApi) -> None:
+        key = world.key("PDService", NS, SVC)
         del world.store[key]["spec"]["decode"]["scaling"]
         res = run(world, FakeSignals(), T0)
         assert res.skipped.startswith("no scaling section") and res.idle
         assert "scaling" not in gs(world)["status"]
 
-    def test_headroom_rejections_scale_up_at_once_onto_a_free_a10(self, world: PatchApi) -> None:
+    def test_headroom_rejections_scale_up_at_once_onto_a_free_a10(self, world: FakeKubeApi) -> None:
         sig = FakeSignals()
         first = run(world, sig, T0)  # baseline read of the router counter
         assert first.decision is not None and first.decision.kind is sc.ScaleKind.HOLD
@@ -182,7 +155,7 @@ class TestTick:
         assert any(e["reason"] == "ScaledUp" for e in world.events)
         assert cond(world)["status"] == "True"
 
-    def test_no_free_gpu_is_a_condition_and_evicts_nothing_then_retries(self, world: PatchApi) -> None:
+    def test_no_free_gpu_is_a_condition_and_evicts_nothing_then_retries(self, world: FakeKubeApi) -> None:
         for i, node in enumerate(a10_nodes(world)[1:]):
             world.put(_pod(f"other-{i}", 0, node) | {"metadata": {"name": f"other-{i}", "labels": {}}}, NS)
         pods_before = sorted(p["metadata"]["name"] for p in world.list("v1", "Pod", NS))
@@ -203,7 +176,7 @@ class TestTick:
         assert res.replicas == 2
         assert cond(world)["status"] == "True"
 
-    def test_scale_down_drains_the_highest_head_first(self, world: PatchApi) -> None:
+    def test_scale_down_drains_the_highest_head_first(self, world: FakeKubeApi) -> None:
         world.patch("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME, {"spec": {"replicas": 2}})
         world.put(_sts(2), NS)
         world.put(_pod("llama3-8b-decode-g-s0-1", 0, "gpu-a10-1"), NS)
@@ -225,7 +198,7 @@ class TestTick:
         assert gs(world)["status"]["scaling"]["draining"] == []
         assert any(e["reason"] == "ScaledDown" for e in world.events)
 
-    def test_a_shift_aborts_the_drain(self, world: PatchApi) -> None:
+    def test_a_shift_aborts_the_drain(self, world: FakeKubeApi) -> None:
         world.patch("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME, {"spec": {"replicas": 2}})
         world.put(_sts(2), NS)
         world.put(_pod("llama3-8b-decode-g-s0-1", 0, "gpu-a10-1"), NS)
@@ -271,7 +244,7 @@ class _OneTurn:
         pass
 
 
-async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: PatchApi) -> None:
+async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: FakeKubeApi) -> None:
     world.runtime.scale_signals = FakeSignals()
     assert "scaling" not in gs(world)["status"]
     await au.gearset_autoscale(

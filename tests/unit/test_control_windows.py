@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from test_handlers_reconcile import NS, FakeApi, api, reconcile  # noqa: F401  (api is a fixture)
+from test_handlers_reconcile import NS, api, reconcile  # noqa: F401  (api is a fixture)
 
 from gearshift.control.windows import (
     WindowTiming,
@@ -16,6 +16,7 @@ from gearshift.control.windows import (
     stages_on,
     windowed_nodes,
 )
+from gearshift.testing.kube import FakeKubeApi
 
 T0 = datetime(2025, 1, 31, 12, 0, tzinfo=UTC)
 GS = ("gearshift.io/v1alpha1", "GearSet")
@@ -100,19 +101,19 @@ class TestLeaveByDue:
         assert not leave_by_due("2025-01-31T13:00:00+01:00", T0, None)
 
 
-def _set_window(api: FakeApi, node: str, until: datetime) -> None:  # noqa: F811
+def _set_window(api: FakeKubeApi, node: str, until: datetime) -> None:  # noqa: F811
     prof = api.get("gearshift.io/v1alpha1", "GPUProfile", None, node)
     prof["status"]["availableUntil"] = until.isoformat()
     api.put(prof)
 
 
-def _used(api: FakeApi, gs: str) -> set[str]:  # noqa: F811
+def _used(api: FakeKubeApi, gs: str) -> set[str]:  # noqa: F811
     body = api.get(*GS, NS, gs)
     return {n for g in body["status"]["plannedGears"] for s in g["stages"] for n in s["nodes"]}
 
 
 class TestReconcileWindows:
-    def test_windowed_node_used_only_as_extra_then_left_at_leave_by(self, api: FakeApi) -> None:  # noqa: F811
+    def test_windowed_node_used_only_as_extra_then_left_at_leave_by(self, api: FakeKubeApi) -> None:  # noqa: F811
         reconcile(api)
         victim = sorted(_used(api, "llama3-8b-decode"))[-1]
         _set_window(api, victim, datetime.now(UTC) + timedelta(hours=3))

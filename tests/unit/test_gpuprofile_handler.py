@@ -7,7 +7,6 @@ The probe documents are the real simulated probe's; statuses are checked against
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -23,7 +22,6 @@ from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import gpuprofile, nodes
 from gearshift.handlers.kubeapi import KubeApiError
-from gearshift.handlers.runtime import Runtime
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
 from gearshift.k8s.probejob import ProbeJobConfig
 from gearshift.probe.report import compact
@@ -31,6 +29,7 @@ from gearshift.probe.run import TINY
 from gearshift.probe.simulated import simulated_probe
 from gearshift.profiling.lifecycle import ProbeSettings
 from gearshift.profiling.profiles import GpuNodeView, node_view
+from gearshift.testing.kube import FakeKubeApi
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2025, 1, 31, 18, 0, 0, tzinfo=UTC)
@@ -46,100 +45,17 @@ SETTINGS = ProbeSettings(
 )
 
 
-class FakeKubeApi:
-    """In-memory API server: create refuses a taken name (409), patches merge (None deletes), status
-    patches bump resourceVersion; every call is logged as ``(verb, kind, namespace, name)``."""
-
-    def __init__(self) -> None:
-        self.store: dict[tuple[str, str | None, str], dict[str, Any]] = {}
-        self.rv = itertools.count(1)
-        self.calls: list[tuple[str, str, str | None, str]] = []
-        self.refuse: dict[tuple[str, str], KubeApiError] = {}
-
-    def _check(self, verb: str, kind: str, ns: str | None, name: str) -> None:
-        self.calls.append((verb, kind, ns, name))
-        err = self.refuse.get((verb, kind))
-        if err is not None:
-            raise err
-
-    def put(self, obj: dict[str, Any]) -> None:
-        obj = copy.deepcopy(obj)
-        meta = obj["metadata"]
-        meta.setdefault("uid", f"uid-{meta['name']}")
-        meta["resourceVersion"] = str(next(self.rv))
-        self.store[(obj["kind"], meta.get("namespace"), meta["name"])] = obj
-
-    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        self._check("get", kind, namespace, name)
-        obj = self.store.get((kind, namespace, name))
-        return copy.deepcopy(obj) if obj is not None else None
-
-    def list(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str | None = None,
-        labels: Mapping[str, str] | None = None,
-    ) -> list[dict[str, Any]]:
-        self._check("list", kind, namespace, ",".join(f"{k}={v}" for k, v in (labels or {}).items()))
-        return [
-            copy.deepcopy(o)
-            for (k, ns, _), o in self.store.items()
-            if k == kind and ns == namespace
-            and all((o["metadata"].get("labels") or {}).get(a) == b for a, b in (labels or {}).items())
-        ]  # fmt: skip
-
-    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        meta = manifest["metadata"]
-        self._check("create", manifest["kind"], meta.get("namespace"), meta["name"])
-        if (manifest["kind"], meta.get("namespace"), meta["name"]) in self.store:
-            raise KubeApiError("409 Conflict", 409)
-        self.put(dict(manifest))
-        return copy.deepcopy(self.store[(manifest["kind"], meta.get("namespace"), meta["name"])])
+class ProfilingApi(FakeKubeApi):
+    """The in-memory API, where an apply or an Event fails the test: profiling creates its objects (an
+    apply would need a patch permission its Role lacks) and its events go through kopf."""
 
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         raise AssertionError("profiling creates, it does not apply")
-
-    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
-        self._check("delete", kind, namespace, name)
-        return self.store.pop((kind, namespace, name), None) is not None
-
-    def patch(
-        self, api_version: str, kind: str, namespace: str | None, name: str, body: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        self._check("patch", kind, namespace, name)
-        obj = self.store.get((kind, namespace, name))
-        if obj is None:
-            raise KubeApiError("404 Not Found", 404)
-        labels = obj["metadata"].setdefault("labels", {})
-        for k, v in body["metadata"]["labels"].items():
-            if v is None:
-                labels.pop(k, None)
-            else:
-                labels[k] = v
-        return copy.deepcopy(obj)
-
-    def patch_status(
-        self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        self._check("patch_status", kind, namespace, name)
-        obj = self.store[(kind, namespace, name)]
-        st = obj.setdefault("status", {})
-        for k, v in status.items():
-            if v is None:
-                st.pop(k, None)
-            else:
-                st[k] = copy.deepcopy(v)
-        obj["metadata"]["resourceVersion"] = str(next(self.rv))
-        return copy.deepcopy(obj)
 
     def create_event(self, event: Mapping[str, Any]) -> None:
         raise AssertionError("GPUProfile events go through kopf")
 
     # helpers
-    def verbs(self) -> list[tuple[str, str]]:
-        return [(verb, kind) for verb, kind, _, _ in self.calls]
-
     def profile(self, name: str = NODE) -> dict[str, Any]:
         return copy.deepcopy(self.store[("GPUProfile", None, name)])
 
@@ -174,8 +90,8 @@ class World:
     kopf indices, the clock and the events."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.api = FakeKubeApi()
-        self.rt = Runtime(api=self.api, probe=SETTINGS)
+        self.api = ProfilingApi(probe=SETTINGS)
+        self.rt = self.api.runtime
         self.memo = kopf.Memo(runtime=self.rt)
         self.events: list[tuple[str, str, str]] = []
         self.now = T0

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import itertools
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ from gearshift.control.reconcile import SpecInvalid, plan_message
 from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
-from gearshift.handlers.runtime import PlanCache, Runtime
+from gearshift.handlers.runtime import PlanCache
 from gearshift.k8s import names
 from gearshift.planner.inputs import (
     datasheet_gpuprofile,
@@ -27,6 +24,7 @@ from gearshift.planner.inputs import (
     resource_profile,
     role_candidates,
 )
+from gearshift.testing.kube import FakeKubeApi
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "ns1"
@@ -37,111 +35,24 @@ SETTINGS = rec.Settings(sim_requests=200)
 PLANS = PlanCache()
 
 
-class FakeApi:
-    """In-memory API server: apply replaces the object's non-status content and bumps resourceVersion only
-    when it changed (as server-side apply does), status patches merge, deletes remove."""
+def new_api() -> FakeKubeApi:
+    """An empty API whose Runtime reconciles with these tests' settings and shares their plans."""
+    return FakeKubeApi(settings=SETTINGS, plans=PLANS)
 
-    def __init__(self) -> None:
-        self.store: dict[tuple[str, str, str | None, str], dict[str, Any]] = {}
-        self.rv = itertools.count(1)
-        self.events: list[dict[str, Any]] = []
-        self.applies = 0
 
-    def _key(
-        self, api_version: str, kind: str, ns: str | None, name: str
-    ) -> tuple[str, str, str | None, str]:
-        cluster = kind in ("Node", "GPUProfile")
-        return (api_version, kind, None if cluster else ns, name)
+def stateful_sets(api: FakeKubeApi) -> dict[str, dict[str, Any]]:
+    """The StatefulSets of namespace ``NS`` by name."""
+    return {o["metadata"]["name"]: o for o in api.list("apps/v1", "StatefulSet", NS)}
 
-    def put(self, obj: dict[str, Any], ns: str | None = None) -> dict[str, Any]:
-        obj = copy.deepcopy(obj)
-        meta = obj.setdefault("metadata", {})
-        if ns and obj["kind"] not in ("Node", "GPUProfile"):
-            meta["namespace"] = ns
-        meta.setdefault("uid", f"uid-{meta['name']}")
-        meta.setdefault("generation", 1)
-        meta["resourceVersion"] = str(next(self.rv))
-        self.store[self._key(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])] = obj
-        return obj
 
-    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        o = self.store.get(self._key(api_version, kind, namespace, name))
-        return copy.deepcopy(o) if o else None
-
-    def list(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str | None = None,
-        labels: Mapping[str, str] | None = None,
-    ) -> list[dict[str, Any]]:
-        out = []
-        for (av, k, ns, _), o in self.store.items():
-            if av != api_version or k != kind or (namespace and ns != namespace):
-                continue
-            ol = o["metadata"].get("labels") or {}
-            if all(ol.get(a) == b for a, b in (labels or {}).items()):
-                out.append(copy.deepcopy(o))
-        return out
-
-    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        self.applies += 1
-        m = copy.deepcopy(dict(manifest))
-        key = self._key(m["apiVersion"], m["kind"], m["metadata"].get("namespace"), m["metadata"]["name"])
-        old = self.store.get(key)
-        if old is not None:
-            content = {k: v for k, v in old.items() if k != "status"}
-            meta = {
-                k: v
-                for k, v in content["metadata"].items()
-                if k not in ("resourceVersion", "uid", "generation")
-            }
-            if {**content, "metadata": meta} == m:
-                return copy.deepcopy(old)
-            m["metadata"].update(uid=old["metadata"]["uid"], generation=old["metadata"]["generation"] + 1)
-            if "status" in old:
-                m["status"] = old["status"]
-        m["metadata"].setdefault("uid", f"uid-{m['metadata']['name']}")
-        m["metadata"].setdefault("generation", 1)
-        m["metadata"]["resourceVersion"] = str(next(self.rv))
-        self.store[key] = m
-        return copy.deepcopy(m)
-
-    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
-        return self.store.pop(self._key(api_version, kind, namespace, name), None) is not None
-
-    def patch_status(
-        self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        o = self.store[self._key(api_version, kind, namespace, name)]
-        st = o.setdefault("status", {})
-        for k, v in status.items():
-            if v is None:
-                st.pop(k, None)
-            else:
-                st[k] = copy.deepcopy(v)
-        o["metadata"]["resourceVersion"] = str(next(self.rv))
-        return copy.deepcopy(o)
-
-    def create_event(self, event: Mapping[str, Any]) -> None:
-        self.events.append(dict(event))
-
-    @functools.cached_property
-    def runtime(self) -> Runtime:
-        """The Runtime of the one operator serving this API (made on first use): its locks, caches and
-        per-object memory last as long as the API, as they last as long as the operator's process."""
-        return Runtime(api=self, settings=SETTINGS, plans=PLANS)
-
-    # helpers
-    def sts(self) -> dict[str, dict[str, Any]]:
-        return {o["metadata"]["name"]: o for o in self.list("apps/v1", "StatefulSet", NS)}
-
-    def rvs(self) -> dict[tuple[str, str], str]:
-        return {
-            (k[1], k[3]): o["metadata"]["resourceVersion"]
-            for k, o in self.store.items()
-            if k[1] not in ("PDService", "GearSet")
-        }
+def resource_versions(api: FakeKubeApi) -> dict[tuple[str, str], str]:
+    """``(kind, name) -> resourceVersion`` of every object but the PDServices and GearSets (whose status
+    every reconcile may write)."""
+    return {
+        (kind, name): o["metadata"]["resourceVersion"]
+        for (kind, _, name), o in api.store.items()
+        if kind not in ("PDService", "GearSet")
+    }
 
 
 def _example(name: str) -> dict[str, Any]:
@@ -163,20 +74,31 @@ def fleet_nodes(gpu_replicas: int = 1) -> list[dict[str, Any]]:
     return nodes
 
 
-@pytest.fixture
-def api() -> FakeApi:
-    a = FakeApi()
-    for n in fleet_nodes():
-        a.put(n)
+def put_fleet(api: FakeKubeApi, nodes: list[dict[str, Any]] | None = None) -> None:
+    """Store ``nodes`` (default: :func:`fleet_nodes`) and the datasheet GPUProfile of each GPU node."""
+    for n in fleet_nodes() if nodes is None else nodes:
+        api.put(n)
         if n["status"]["allocatable"].get("nvidia.com/gpu"):
-            a.put(datasheet_gpuprofile(n))
+            api.put(datasheet_gpuprofile(n))
+
+
+def service_api() -> FakeKubeApi:
+    """The mixed fleet, the llama3-8b PDService and its two example GearSets (explicit prefill, auto
+    decode), nothing reconciled yet."""
+    a = new_api()
+    put_fleet(a)
     a.put(_example("pdservice-llama3-8b.yaml"), NS)
     a.put(_example("gearset-explicit.yaml"), NS)
     a.put(_example("gearset-auto.yaml"), NS)
     return a
 
 
-def reconcile(api: FakeApi) -> rec.ReconcileOutcome:
+@pytest.fixture
+def api() -> FakeKubeApi:
+    return service_api()
+
+
+def reconcile(api: FakeKubeApi) -> rec.ReconcileOutcome:
     # The operator drops its fleet cache on every Node/GPUProfile event; tests change nodes directly.
     api.runtime.fleet.forget()
     return rec.reconcile_service(api.runtime, NS, "llama3-8b")
@@ -242,10 +164,10 @@ class TestAdapter:
 
 
 class TestReconcile:
-    def test_creates_placed_objects_and_plans_auto(self, api: FakeApi) -> None:
+    def test_creates_placed_objects_and_plans_auto(self, api: FakeKubeApi) -> None:
         out = reconcile(api)
         assert out.applied > 0 and out.planned == ["decode"]
-        sts = api.sts()
+        sts = stateful_sets(api)
         # prefill: explicit, initialGear balanced -> 4 stages on the named nodes
         pre = [n for n in sts if n.startswith("llama3-8b-prefill-")]
         assert sorted(pre) == [f"llama3-8b-prefill-balanced-s{k}" for k in range(4)]
@@ -286,46 +208,46 @@ class TestReconcile:
         assert conds["Placed"]["status"] == "True" and conds["Ready"]["status"] == "False"
         assert any(e["reason"] == "Planned" for e in api.events)
 
-    def test_twice_changes_nothing(self, api: FakeApi) -> None:
+    def test_twice_changes_nothing(self, api: FakeKubeApi) -> None:
         reconcile(api)
-        before = api.rvs()
+        before = resource_versions(api)
         status_before = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["metadata"][
             "resourceVersion"
         ]
         n_events = len(api.events)
         out = reconcile(api)
-        assert api.rvs() == before and out.planned == [] and out.deleted == 0
+        assert resource_versions(api) == before and out.planned == [] and out.deleted == 0
         assert (
             api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["metadata"]["resourceVersion"]
             == status_before
         )
         assert len(api.events) == n_events
 
-    def test_spec_edit_patches_only_what_changed(self, api: FakeApi) -> None:
+    def test_spec_edit_patches_only_what_changed(self, api: FakeKubeApi) -> None:
         reconcile(api)
-        before = api.rvs()
+        before = resource_versions(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
         gs["spec"]["gears"][1]["stages"][3]["nodes"] = ["gpu-a10-0"]  # balanced, stage 3 moves
         gs["spec"]["gears"][1]["stages"][3]["gpuModel"] = "A10-24GB"
         api.put(gs, NS)
         reconcile(api)
-        after = api.rvs()
+        after = resource_versions(api)
         changed = {k for k in after if before.get(k) != after[k]}
         # the pipeline description (env) changes on every stage of the gear; nothing else moves
         assert changed == {("StatefulSet", f"llama3-8b-prefill-balanced-s{k}") for k in range(4)}
-        aff = api.sts()["llama3-8b-prefill-balanced-s3"]["spec"]["template"]["spec"]["affinity"]
+        aff = stateful_sets(api)["llama3-8b-prefill-balanced-s3"]["spec"]["template"]["spec"]["affinity"]
         assert aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
             "matchExpressions"
         ][0]["values"] == ["gpu-a10-0"]
 
-    def test_switching_initial_gear_deletes_the_old_gear(self, api: FakeApi) -> None:
+    def test_switching_initial_gear_deletes_the_old_gear(self, api: FakeKubeApi) -> None:
         reconcile(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
         gs["spec"]["gears"] = [g for g in gs["spec"]["gears"] if g["name"] != "balanced"]
         gs["spec"]["initialGear"] = "throughput"
         api.put(gs, NS)
         out = reconcile(api)
-        pre = sorted(n for n in api.sts() if n.startswith("llama3-8b-prefill-"))
+        pre = sorted(n for n in stateful_sets(api) if n.startswith("llama3-8b-prefill-"))
         assert pre == sorted(f"llama3-8b-prefill-throughput-s{k}" for k in range(8))
         assert out.deleted == 5  # 4 StatefulSets + the headless Service of the balanced gear
         assert (
@@ -333,30 +255,30 @@ class TestReconcile:
             == "throughput"
         )
 
-    def test_missing_gearset_waits(self, api: FakeApi) -> None:
+    def test_missing_gearset_waits(self, api: FakeKubeApi) -> None:
         api.delete("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
         with pytest.raises(rec.NotYet, match="llama3-8b-decode"):
             reconcile(api)
         st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
         placed = next(c for c in st["conditions"] if c["type"] == "Placed")
         assert placed["status"] == "False" and placed["reason"] == "GearSetMissing"
-        assert api.sts() == {}
+        assert stateful_sets(api) == {}
 
-    def test_gearset_of_other_service_is_permanent(self, api: FakeApi) -> None:
+    def test_gearset_of_other_service_is_permanent(self, api: FakeKubeApi) -> None:
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
         gs["spec"]["serviceName"] = "other"
         api.put(gs, NS)
         with pytest.raises(SpecInvalid, match=r"spec\.serviceName: llama3-8b"):
             reconcile(api)
 
-    def test_lost_node_keeps_serving_objects_and_reports(self, api: FakeApi) -> None:
+    def test_lost_node_keeps_serving_objects_and_reports(self, api: FakeKubeApi) -> None:
         reconcile(api)
-        before = api.rvs()
+        before = resource_versions(api)
         node = api.get("v1", "Node", None, "gpu-a100-0")
         node["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
         api.put(node)
         reconcile(api)
-        after = api.rvs()
+        after = resource_versions(api)
         pre = {k: v for k, v in after.items() if k[1].startswith("llama3-8b-prefill-balanced")}
         assert pre == {k: v for k, v in before.items() if k[1].startswith("llama3-8b-prefill-balanced")}
         st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
@@ -365,7 +287,7 @@ class TestReconcile:
         assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "NodeLost"
         assert st["phase"] == "Degraded"
 
-    def test_auto_role_replans_without_lost_node(self, api: FakeApi) -> None:
+    def test_auto_role_replans_without_lost_node(self, api: FakeKubeApi) -> None:
         reconcile(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")
         used = {n for g in gs["status"]["plannedGears"] for s in g["stages"] for n in s["nodes"]}
@@ -377,7 +299,7 @@ class TestReconcile:
         now_used = {n for g in gs["status"]["plannedGears"] for s in g["stages"] for n in s["nodes"]}
         assert victim not in now_used and now_used
 
-    def test_shift_in_flight_is_left_to_the_executor(self, api: FakeApi) -> None:
+    def test_shift_in_flight_is_left_to_the_executor(self, api: FakeKubeApi) -> None:
         reconcile(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
         api.patch_status(
@@ -392,7 +314,7 @@ class TestReconcile:
         )
         del gs
         reconcile(api)
-        pre = sorted(n for n in api.sts() if n.startswith("llama3-8b-prefill-"))
+        pre = sorted(n for n in stateful_sets(api) if n.startswith("llama3-8b-prefill-"))
         assert pre == sorted(
             [f"llama3-8b-prefill-balanced-s{k}" for k in range(4)]
             + ["llama3-8b-prefill-latency-s0", "llama3-8b-prefill-latency-s1"]
@@ -402,7 +324,7 @@ class TestReconcile:
             == "balanced"
         )
 
-    def test_gear_operations(self, api: FakeApi) -> None:
+    def test_gear_operations(self, api: FakeKubeApi) -> None:
         reconcile(api)
         made = rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "latency")
         assert made == ["llama3-8b-prefill-latency-s0", "llama3-8b-prefill-latency-s1"]
@@ -412,11 +334,11 @@ class TestReconcile:
             == "latency"
         )
         assert rec.delete_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "balanced") == 5
-        assert not [n for n in api.sts() if "-balanced-" in n and "prefill" in n]
+        assert not [n for n in stateful_sets(api) if "-balanced-" in n and "prefill" in n]
         with pytest.raises(KeyError, match="no gear"):
             rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "nope")
 
-    def test_shadow_from_the_executor_matches_the_reconciler(self, api: FakeApi) -> None:
+    def test_shadow_from_the_executor_matches_the_reconciler(self, api: FakeKubeApi) -> None:
         """ensure_gear_sync (the executor's shadow and its un-shadowing) applies the same pod template as
         the reconciler, pipeline links included: otherwise each apply rolls the gear's pods and the shift
         rolls back with "stopped being Ready while draining" (the demo's failed shifts)."""
@@ -453,18 +375,18 @@ class TestReconcile:
         after = {n: api.get("apps/v1", "StatefulSet", NS, n)["metadata"]["resourceVersion"] for n in made}
         assert after == rvs
 
-    def test_status_counts_ready_pipelines(self, api: FakeApi) -> None:
+    def test_status_counts_ready_pipelines(self, api: FakeKubeApi) -> None:
         reconcile(api)
-        for name, o in api.sts().items():
+        for name, o in stateful_sets(api).items():
             o["status"] = {
                 "readyReplicas": o["spec"]["replicas"],
                 "updatedReplicas": o["spec"]["replicas"],
                 "observedGeneration": o["metadata"]["generation"],
             }
-            api.store[("apps/v1", "StatefulSet", NS, name)] = o
+            api.store[("StatefulSet", NS, name)] = o
         dep = api.get("apps/v1", "Deployment", NS, "llama3-8b-router")
         dep["status"] = {"availableReplicas": 1}
-        api.store[("apps/v1", "Deployment", NS, "llama3-8b-router")] = dep
+        api.store[("Deployment", NS, "llama3-8b-router")] = dep
         out = reconcile(api)
         assert out.ready and out.phase == "Ready"
         st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
@@ -477,17 +399,19 @@ class TestReconcile:
         prefill = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]
         assert not prefill.get("autoscaled") and prefill["replicas"] == 1
         # One pod of a stage not Ready: that pipeline replica is not Ready.
-        name, o = next((n, o) for n, o in api.sts().items() if n.startswith("llama3-8b-prefill-"))
+        name, o = next((n, o) for n, o in stateful_sets(api).items() if n.startswith("llama3-8b-prefill-"))
         o["status"]["readyReplicas"] = o["spec"]["replicas"] - 1
-        api.store[("apps/v1", "StatefulSet", NS, name)] = o
+        api.store[("StatefulSet", NS, name)] = o
         reconcile(api)
         assert api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]["replicas"] == 0
 
 
 class TestExplicitGearLayers:
-    def test_gear_beyond_the_models_layers_is_refused_before_anything_is_applied(self, api: FakeApi) -> None:
+    def test_gear_beyond_the_models_layers_is_refused_before_anything_is_applied(
+        self, api: FakeKubeApi
+    ) -> None:
         reconcile(api)
-        before = {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()}
+        before = {n: s["metadata"]["resourceVersion"] for n, s in stateful_sets(api).items()}
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
         gear = gs["spec"]["gears"][0]
         last = gear["stages"][-1]
@@ -496,12 +420,12 @@ class TestExplicitGearLayers:
         with pytest.raises(SpecInvalid, match=r"stages cover layers \[0, 40\) but the model has 32"):
             reconcile(api)
         # Nothing that was serving changed.
-        assert {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()} == before
+        assert {n: s["metadata"]["resourceVersion"] for n, s in stateful_sets(api).items()} == before
         pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
         ready = {c["type"]: c for c in pds["status"]["conditions"]}["Ready"]
         assert ready["status"] == "False" and "make the last stage's layers end at 32" in ready["message"]
 
-    def test_a_refused_edit_of_a_serving_service_reads_degraded_not_failed(self, api: FakeApi) -> None:
+    def test_a_refused_edit_of_a_serving_service_reads_degraded_not_failed(self, api: FakeKubeApi) -> None:
         reconcile(api)
         pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
         # The service was serving: its last status said Ready=True.
@@ -511,14 +435,14 @@ class TestExplicitGearLayers:
         ]  # fmt: skip
         pds["status"]["phase"] = "Ready"
         api.put(pds, NS)
-        before = {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()}
+        before = {n: s["metadata"]["resourceVersion"] for n, s in stateful_sets(api).items()}
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
         last = gs["spec"]["gears"][0]["stages"][-1]
         last["layers"] = [last["layers"][0], 40]
         api.put(gs, NS)
         with pytest.raises(SpecInvalid):
             reconcile(api)
-        assert {n: s["metadata"]["resourceVersion"] for n, s in api.sts().items()} == before
+        assert {n: s["metadata"]["resourceVersion"] for n, s in stateful_sets(api).items()} == before
         st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
         cond = {c["type"]: c for c in st["conditions"]}
         assert st["phase"] == "Degraded"
@@ -529,7 +453,9 @@ class TestExplicitGearLayers:
 
 
 class TestUnknownNodeIsNotALostNode:
-    def test_misspelled_node_in_a_new_gear_is_a_placement_problem_not_node_lost(self, api: FakeApi) -> None:
+    def test_misspelled_node_in_a_new_gear_is_a_placement_problem_not_node_lost(
+        self, api: FakeKubeApi
+    ) -> None:
         reconcile(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
         active = gs["status"]["activeGear"]
@@ -546,7 +472,7 @@ class TestUnknownNodeIsNotALostNode:
         assert f"no Node named {typo}" in conds["Placed"]["message"]
         assert conds["Degraded"]["status"] == "False", conds["Degraded"]
 
-    def test_deleted_node_is_lost_after_its_pods_are_gone(self, api: FakeApi) -> None:
+    def test_deleted_node_is_lost_after_its_pods_are_gone(self, api: FakeKubeApi) -> None:
         reconcile(api)
         gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
         active = gs["status"]["activeGear"]
@@ -573,7 +499,7 @@ def test_pinned_nodes_reads_back_node_affinity() -> None:
     assert pinned_nodes(by_label) == set()
 
 
-def test_reconciler_marks_the_gearsets_the_pdservice_scales(api: FakeApi) -> None:
+def test_reconciler_marks_the_gearsets_the_pdservice_scales(api: FakeKubeApi) -> None:
     from gearshift.handlers.autoscale import _autoscaled
 
     pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
@@ -622,7 +548,7 @@ def test_plan_message_counts_distinct_nodes() -> None:
     )
 
 
-def test_planned_events_on_the_pdservice_name_the_role_and_gearset(api: FakeApi) -> None:
+def test_planned_events_on_the_pdservice_name_the_role_and_gearset(api: FakeKubeApi) -> None:
     reconcile(api)
     planned = [e for e in api.events if e["reason"] == "Planned"]
     on_gs = [e for e in planned if e["involvedObject"]["kind"] == "GearSet"]
@@ -637,7 +563,7 @@ def test_planned_events_on_the_pdservice_name_the_role_and_gearset(api: FakeApi)
     assert on_gs[0]["message"].startswith(f"planned {n_gears} gear(s) on {len(used)} node(s) of 4 usable: ")
 
 
-def test_gearset_ready_column_counts_serving_copies_as_the_pdservice_does(api: FakeApi) -> None:
+def test_gearset_ready_column_counts_serving_copies_as_the_pdservice_does(api: FakeKubeApi) -> None:
     # The demo's case: the active gear is one whole-model stage replicated 4x, at spec.replicas 1.
     gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
     gs["spec"]["gears"][1]["stages"] = [
@@ -645,12 +571,12 @@ def test_gearset_ready_column_counts_serving_copies_as_the_pdservice_does(api: F
     ]
     api.put(gs, NS)
     reconcile(api)
-    sts = api.sts()["llama3-8b-prefill-balanced-s0"]
+    sts = stateful_sets(api)["llama3-8b-prefill-balanced-s0"]
     assert sts["spec"]["replicas"] == 4
 
     def ready_pods(n: int) -> None:
         sts["status"] = {"readyReplicas": n, "updatedReplicas": 4, "observedGeneration": 1}
-        api.store[("apps/v1", "StatefulSet", NS, "llama3-8b-prefill-balanced-s0")] = copy.deepcopy(sts)
+        api.store[("StatefulSet", NS, "llama3-8b-prefill-balanced-s0")] = copy.deepcopy(sts)
         reconcile(api)
 
     def shown() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
+from test_handlers_reconcile import NS, _example, fleet_nodes, service_api, stateful_sets
 
 from gearshift import planner
 from gearshift.api.gearset import Gear
@@ -33,6 +33,7 @@ from gearshift.planner.inputs import (
     engine_stage_limit,
     stage_limit_problems,
 )
+from gearshift.testing.kube import FakeKubeApi
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ARCH = load_hf_config(EXAMPLES / "models" / "llama-3-8b.json")
@@ -168,13 +169,13 @@ class TestEngineStageLimit:
 # --- the reconciler ---------------------------------------------------------------------------------
 
 
-def _vllm(api: FakeApi) -> None:
+def _vllm(api: FakeKubeApi) -> None:
     pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
     pds["spec"]["engine"] = "vllm"
     api.put(pds, NS)
 
 
-def _reconcile(api: FakeApi) -> rec.ReconcileOutcome:
+def _reconcile(api: FakeKubeApi) -> rec.ReconcileOutcome:
     api.runtime.fleet.forget()
     return rec.reconcile_service(api.runtime, NS, "llama3-8b")
 
@@ -189,20 +190,12 @@ def _explicit_decode(stages: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def api() -> FakeApi:
-    a = FakeApi()
-    for n in fleet_nodes():
-        a.put(n)
-        if n["status"]["allocatable"].get("nvidia.com/gpu"):
-            a.put(datasheet_gpuprofile(n))
-    a.put(_example("pdservice-llama3-8b.yaml"), NS)
-    a.put(_example("gearset-explicit.yaml"), NS)
-    a.put(_example("gearset-auto.yaml"), NS)
-    return a
+def api() -> FakeKubeApi:
+    return service_api()
 
 
 class TestReconcileVllmDecode:
-    def test_explicit_multi_stage_decode_is_refused(self, api: FakeApi) -> None:
+    def test_explicit_multi_stage_decode_is_refused(self, api: FakeKubeApi) -> None:
         _vllm(api)
         api.put(
             _explicit_decode(
@@ -219,7 +212,7 @@ class TestReconcileVllmDecode:
         want = f"decode: GearSet 'llama3-8b-decode': gear 'deep' has 3 stages; {REFUSAL_TAIL}"
         # an A10 (21.6 GiB usable) holds the 14.96 GiB of weights: no note about one node's memory
         assert str(err.value) == want
-        assert api.sts() == {}  # nothing applied
+        assert stateful_sets(api) == {}  # nothing applied
         st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
         ready = next(c for c in st["conditions"] if c["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
@@ -228,7 +221,7 @@ class TestReconcileVllmDecode:
         assert ev["type"] == "Warning" and want in ev["message"]
         assert ev["involvedObject"]["kind"] == "PDService"
 
-    def test_same_gears_on_the_sim_engine_are_served(self, api: FakeApi) -> None:
+    def test_same_gears_on_the_sim_engine_are_served(self, api: FakeKubeApi) -> None:
         api.put(
             _explicit_decode(
                 [{"layers": [0, 16], "nodes": ["gpu-a10-2"]}, {"layers": [16, 32], "nodes": ["gpu-a10-3"]}]
@@ -236,15 +229,16 @@ class TestReconcileVllmDecode:
             NS,
         )
         _reconcile(api)
-        assert "llama3-8b-decode-deep-s1" in api.sts()
+        assert "llama3-8b-decode-deep-s1" in stateful_sets(api)
 
-    def test_one_stage_explicit_decode_is_served_on_vllm(self, api: FakeApi) -> None:
+    def test_one_stage_explicit_decode_is_served_on_vllm(self, api: FakeKubeApi) -> None:
         _vllm(api)
         api.put(_explicit_decode([{"layers": [0, 32], "nodes": ["gpu-h100-1"]}]), NS)
         _reconcile(api)
-        assert "llama3-8b-decode-deep-s0" in api.sts() and "llama3-8b-decode-deep-s1" not in api.sts()
+        sts = stateful_sets(api)
+        assert "llama3-8b-decode-deep-s0" in sts and "llama3-8b-decode-deep-s1" not in sts
 
-    def test_auto_decode_plans_one_stage_gears(self, api: FakeApi) -> None:
+    def test_auto_decode_plans_one_stage_gears(self, api: FakeKubeApi) -> None:
         _reconcile(api)  # sim first: its plan and fingerprint
         sim = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-decode")["status"]
         _vllm(api)
@@ -254,9 +248,9 @@ class TestReconcileVllmDecode:
         assert [g["name"] for g in gs["plannedGears"]] == ["latency", "balanced", "throughput"]
         assert all(len(g["stages"]) == 1 and g["stages"][0]["layers"] == [0, 32] for g in gs["plannedGears"])
         # prefill (explicit, 4 stages) is not limited
-        assert "llama3-8b-prefill-balanced-s3" in api.sts()
+        assert "llama3-8b-prefill-balanced-s3" in stateful_sets(api)
 
-    def test_auto_decode_model_too_big_for_one_node(self, api: FakeApi) -> None:
+    def test_auto_decode_model_too_big_for_one_node(self, api: FakeKubeApi) -> None:
         _vllm(api)
         pds = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
         big = load_hf_config(EXAMPLES / "models" / "llama-3-70b.json")

@@ -26,7 +26,7 @@ from gearshift.commands.rendering import (
 )
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
-from gearshift.handlers.runtime import Runtime
+from gearshift.testing.kube import FakeKubeApi
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEET = ROOT / "examples" / "fleets" / "mixed.yaml"
@@ -202,64 +202,6 @@ class TestExamples:
             assert _affinity_hosts(obj) == sorted(stage["nodes"])  # the nodes the planner chose
 
 
-class FakeApi:
-    """Just enough of :class:`gearshift.handlers.kubeapi.KubeApi` for one reconcile: a store, applies
-    recorded in order."""
-
-    def __init__(self) -> None:
-        self.store: dict[tuple[str, str | None, str], dict[str, Any]] = {}
-        self.applied: list[dict[str, Any]] = []
-
-    def put(self, obj: dict[str, Any]) -> None:
-        meta = obj["metadata"]
-        self.store[(obj["kind"], meta.get("namespace"), meta["name"])] = copy.deepcopy(obj)
-
-    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        o = self.store.get((kind, namespace if kind not in ("Node", "GPUProfile") else None, name))
-        return copy.deepcopy(o) if o else None
-
-    def list(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str | None = None,
-        labels: Mapping[str, str] | None = None,
-    ) -> list[dict[str, Any]]:
-        out = []
-        for (k, ns, _), o in self.store.items():
-            ol = o["metadata"].get("labels") or {}
-            if (
-                k == kind
-                and (not namespace or ns == namespace)
-                and all(ol.get(a) == b for a, b in (labels or {}).items())
-            ):
-                out.append(copy.deepcopy(o))
-        return out
-
-    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        self.applied.append(copy.deepcopy(dict(manifest)))
-        self.put(dict(manifest))
-        return dict(manifest)
-
-    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
-        return self.store.pop((kind, namespace, name), None) is not None
-
-    def patch_status(
-        self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        o = self.store[(kind, namespace, name)]
-        st = o.setdefault("status", {})
-        for k, v in status.items():
-            if v is None:
-                st.pop(k, None)
-            else:
-                st[k] = copy.deepcopy(v)
-        return copy.deepcopy(o)
-
-    def create_event(self, event: Mapping[str, Any]) -> None:
-        pass
-
-
 class TestSameAsTheReconciler:
     @pytest.mark.parametrize(
         "files",
@@ -275,7 +217,7 @@ class TestSameAsTheReconciler:
     def test_render_prints_what_a_first_reconcile_applies(self, files: list[str]) -> None:
         ns = "team-a"
         docs = load_documents([ROOT / f for f in files])
-        api = FakeApi()
+        api = FakeKubeApi(settings=rec.Settings())
         nodes, profiles = fleet_cluster(load_fleet(FLEET), NOW)
         for obj in [*nodes.values(), *profiles.values()]:
             api.put(obj)
@@ -286,11 +228,11 @@ class TestSameAsTheReconciler:
                 body["metadata"]["uid"] = PLACEHOLDER_UID
                 service = body["metadata"]["name"]
             api.put(body)
-        rec.reconcile_service(Runtime(api=api, settings=rec.Settings()), ns, service)
+        rec.reconcile_service(api.runtime, ns, service)
         (r,) = render(docs, load_fleet(FLEET), now=NOW, namespace=ns)[0]
         assert r.objects == api.applied
         for gs in r.gearsets:
-            stored = api.get("", "GearSet", ns, gs["metadata"]["name"])
+            stored = api.get(gs["apiVersion"], "GearSet", ns, gs["metadata"]["name"])
             assert stored is not None
             for key in ("plannedGears", "activeGear", "profilesHash", "selector", "phase"):
                 assert gs["status"].get(key) == stored["status"].get(key), key

@@ -8,11 +8,12 @@ from typing import Any
 
 import kopf
 import pytest
-from test_handlers_reconcile import NS, FakeApi, _example
+from test_handlers_reconcile import NS, _example, new_api
 
 from gearshift.handlers import replicas as rp
 from gearshift.handlers.main import HANDLER_MODULES
 from gearshift.k8s import names
+from gearshift.testing.kube import FakeKubeApi
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -153,19 +154,9 @@ def pod(
     }
 
 
-class PatchingApi(FakeApi):
-    """The in-memory API plus the merge patch of object metadata that RestKubeApi has."""
-
-    def patch(self, api_version: str, kind: str, namespace: str | None, name: str, body: Any) -> dict:
-        o = self.store[self._key(api_version, kind, namespace, name)]
-        ann = o["metadata"].setdefault("annotations", {})
-        ann.update(body["metadata"]["annotations"])
-        return o
-
-
 @pytest.fixture
-def api() -> PatchingApi:
-    a = PatchingApi()
+def api() -> FakeKubeApi:
+    a = new_api()
     a.put(_example("pdservice-llama3-8b.yaml"), NS)
     for k in range(3):
         for r in range(2):
@@ -173,13 +164,13 @@ def api() -> PatchingApi:
     return a
 
 
-def _head(api: PatchingApi, r: int = 1) -> dict[str, Any]:
+def _head(api: FakeKubeApi, r: int = 1) -> dict[str, Any]:
     got = api.get("v1", "Pod", NS, f"llama3-8b-decode-deep-s0-{r}")
     assert got is not None
     return got
 
 
-def _pods(api: PatchingApi) -> set[str]:
+def _pods(api: FakeKubeApi) -> set[str]:
     return {p["metadata"]["name"] for p in api.list("v1", "Pod", NS)}
 
 
@@ -197,7 +188,7 @@ class TestHandler:
         del no_label["metadata"]["labels"][rp.POD_INDEX_LABEL]
         assert rp.pod_ordinal(no_label) == 4
 
-    def test_head_restart_deletes_its_replicas_ranks_and_records(self, api: PatchingApi) -> None:
+    def test_head_restart_deletes_its_replicas_ranks_and_records(self, api: FakeKubeApi) -> None:
         h = pod(0, 1, restarts=1, stopped=600)
         api.put(h, NS)
         d = rp.act(api, _head(api))
@@ -218,7 +209,7 @@ class TestHandler:
         )
         assert ev["type"] == "Warning"
 
-    def test_operator_restart_does_not_redo_it(self, api: PatchingApi) -> None:
+    def test_operator_restart_does_not_redo_it(self, api: FakeKubeApi) -> None:
         api.put(pod(0, 1, restarts=1, stopped=600), NS)
         rp.act(api, _head(api))
         # the StatefulSet controller recreates the ranks; the operator restarts and sees the head again
@@ -228,7 +219,7 @@ class TestHandler:
         assert rp.act(api, _head(api)) == rp.Decision()
         assert len(_pods(api)) == 6 and len(api.events) == n
 
-    def test_recreated_head_pod(self, api: PatchingApi) -> None:
+    def test_recreated_head_pod(self, api: FakeKubeApi) -> None:
         new = pod(0, 1, created=1000)
         new["metadata"]["uid"] = "uid-new-head"
         api.delete("v1", "Pod", NS, "llama3-8b-decode-deep-s0-1")
@@ -238,12 +229,12 @@ class TestHandler:
         [ev] = [e for e in api.events if e["reason"] == "PipelineReplicaRestarted"]
         assert ev["message"].startswith("head llama3-8b-decode-deep-s0-1 was recreated (uid uid-new-head)")
 
-    def test_first_start_only_records(self, api: PatchingApi) -> None:
+    def test_first_start_only_records(self, api: FakeKubeApi) -> None:
         assert rp.act(api, _head(api)).delete == ()
         assert len(_pods(api)) == 6 and not api.events
         assert _head(api)["metadata"]["annotations"][rp.ANNOTATION_RESTARTS_ACTED].endswith(":0")
 
-    def test_sim_and_one_stage_heads_are_left_alone(self, api: PatchingApi) -> None:
+    def test_sim_and_one_stage_heads_are_left_alone(self, api: FakeKubeApi) -> None:
         sim = pod(0, 1, restarts=3, stopped=600, engine="gearshift-sim")
         assert rp.act(api, sim) == rp.Decision()
         one = pod(0, 1, restarts=3, stopped=600, stages=1)
@@ -254,7 +245,7 @@ class TestHandler:
         # No API needed: an empty memo (no Runtime) would raise if the handler reached for one.
         rp.head_pod_event(type="DELETED", body=pod(0, 1, restarts=1), memo=kopf.Memo())
 
-    def test_the_handler_acts_through_the_runtimes_api(self, api: PatchingApi) -> None:
+    def test_the_handler_acts_through_the_runtimes_api(self, api: FakeKubeApi) -> None:
         api.put(pod(0, 1, restarts=1, stopped=600), NS)
         rp.head_pod_event(type="MODIFIED", body=_head(api), memo=kopf.Memo(runtime=api.runtime))
         assert "llama3-8b-decode-deep-s1-1" not in _pods(api)

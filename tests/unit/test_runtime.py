@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 import pytest
 from kopf._core.reactor.inventory import ResourceMemories
-from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
+from test_handlers_reconcile import NS, PLANS, SETTINGS, new_api, service_api, stateful_sets
 
 from gearshift.api.gearset import Gear
 from gearshift.handlers import gearset, nodes, pdservice, shifting
@@ -35,8 +35,8 @@ from gearshift.handlers.runtime import (
     runtime_of,
 )
 from gearshift.k8s import names
-from gearshift.planner.inputs import datasheet_gpuprofile
 from gearshift.profiling.lifecycle import ProbeSettings, SettingsError
+from gearshift.testing.kube import FakeKubeApi
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[2]
 # --- the API ---------------------------------------------------------------------------------------------
 class TestApi:
     def test_a_given_api_is_used_and_nothing_is_loaded(self) -> None:
-        fake = FakeApi()
-        rt = Runtime(api=fake)  # type: ignore[arg-type]
+        fake = new_api()
+        rt = Runtime(api=fake)
         # The seal (tests/conftest.py) would raise had a kubeconfig or the in-cluster config been read.
         assert rt.api is fake and rt.api is fake
 
@@ -199,23 +199,12 @@ class TestKeyedLocks:
         assert order == ["first", "second"] and locks.keys() == set()
 
 
-def _service_api() -> FakeApi:
-    a = FakeApi()
-    for n in fleet_nodes():
-        a.put(n)
-        if n["status"]["allocatable"].get("nvidia.com/gpu"):
-            a.put(datasheet_gpuprofile(n))
-    a.put(_example("pdservice-llama3-8b.yaml"), NS)
-    a.put(_example("gearset-explicit.yaml"), NS)
-    a.put(_example("gearset-auto.yaml"), NS)
-    return a
-
-
-class LockWatchingApi(FakeApi):
-    """Records, at every read of the PDService, which service locks are held."""
+class LockWatchingApi(FakeKubeApi):
+    """Records, at every read of the PDService, which service locks are held (a read that looks at the
+    operator's own state: no behaviour of the API server, so a subclass of this test's own)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(settings=SETTINGS, plans=PLANS)
         self.held: list[set[tuple[str, str]]] = []
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -226,8 +215,8 @@ class LockWatchingApi(FakeApi):
 
 def test_a_reconcile_holds_its_services_lock_and_leaves_none_behind() -> None:
     api = LockWatchingApi()
-    base = _service_api()
-    api.store = base.store
+    for obj in service_api().store.values():
+        api.put(obj)
     rec.reconcile_service(api.runtime, NS, "llama3-8b")
     assert api.held and all(h == {(NS, "llama3-8b")} for h in api.held)
     assert api.runtime.service_locks.keys() == set()
@@ -326,7 +315,7 @@ class TestServiceMemory:
 
 
 def test_a_deleted_pdservice_is_forgotten_by_its_delete_event() -> None:
-    api = _service_api()
+    api = service_api()
     rt = api.runtime
     out = pdservice.run_reconcile(rt, NS, "llama3-8b")
     key = (NS, "llama3-8b")
@@ -343,15 +332,15 @@ def test_a_deleted_pdservice_is_forgotten_by_its_delete_event() -> None:
 
 
 def test_the_pdservice_handlers_reconcile_with_the_runtime_in_kopfs_memo() -> None:
-    api = _service_api()
+    api = service_api()
     memo = kopf.Memo(runtime=api.runtime)
     body = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
     pdservice.pdservice_reconcile(namespace=NS, name="llama3-8b", body=body, memo=memo)  # type: ignore[arg-type]
-    assert api.sts() and list(pdservice.known_services(api.runtime)) == [(NS, "llama3-8b")]
+    assert stateful_sets(api) and list(pdservice.known_services(api.runtime)) == [(NS, "llama3-8b")]
 
 
 async def test_an_owned_objects_change_reconciles_later_through_the_runtime() -> None:
-    api = _service_api()
+    api = service_api()
     rt = api.runtime
     labels = {names.LABEL_SERVICE: "llama3-8b"}
     await pdservice.owned_changed(namespace=NS, labels=labels, memo=kopf.Memo(runtime=rt))  # type: ignore[arg-type]
@@ -400,7 +389,7 @@ async def test_a_deleted_gearset_is_forgotten_by_its_event() -> None:
 
 
 def test_a_gearset_deleted_mid_shift_is_forgotten_by_its_delete_handler() -> None:
-    api = FakeApi()
+    api = new_api()
     rt = api.runtime
     rt.gearsets.swap_hold((NS, "g"), "cooldown")
     body = {"metadata": {"name": "g", "namespace": NS}, "spec": {}, "status": {}}

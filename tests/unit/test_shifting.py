@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 import pytest
-from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
+from test_handlers_reconcile import NS, _example, fleet_nodes, new_api, put_fleet
 
 from gearshift.api.gearset import ControlState, ExecutorState, Gear
 from gearshift.control import executor_status as es
@@ -34,7 +34,7 @@ from gearshift.control.triggers import Trigger
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh
 from gearshift.k8s import names
-from gearshift.planner.inputs import datasheet_gpuprofile
+from gearshift.testing.kube import FakeKubeApi
 
 GS_NAME = "llama3-8b-prefill"
 T0 = 1_800_000_000.0
@@ -93,12 +93,12 @@ class PerGearSignals(FakeSignals):
         return self.in_flight_by_gear.get(sel.gear, 0)
 
 
-def _policy_patch(api: FakeApi, **policy: Any) -> None:
-    key = api._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+def _policy_patch(api: FakeKubeApi, **policy: Any) -> None:
+    key = api.key("GearSet", NS, GS_NAME)
     api.store[key]["spec"]["policy"].update(policy)
 
 
-def kubelet(api: FakeApi, now: float) -> None:
+def kubelet(api: FakeKubeApi, now: float) -> None:
     """Play the StatefulSet controller and kubelet: every StatefulSet gets Ready pods (Ready at ``now``)."""
     for s in api.list("apps/v1", "StatefulSet", NS):
         n = int(s["spec"]["replicas"])
@@ -121,7 +121,7 @@ def kubelet(api: FakeApi, now: float) -> None:
                 },
                 NS,
             )
-        key = api._key("apps/v1", "StatefulSet", NS, s["metadata"]["name"])
+        key = api.key("StatefulSet", NS, s["metadata"]["name"])
         api.store[key]["status"] = {"readyReplicas": n, "replicas": n}
     # pods of deleted StatefulSets go
     live = {s["metadata"]["name"] for s in api.list("apps/v1", "StatefulSet", NS)}
@@ -131,12 +131,9 @@ def kubelet(api: FakeApi, now: float) -> None:
 
 
 @pytest.fixture
-def world() -> FakeApi:
-    a = FakeApi()
-    for n in fleet_nodes():
-        a.put(n)
-        if n["status"]["allocatable"].get("nvidia.com/gpu"):
-            a.put(datasheet_gpuprofile(n))
+def world() -> FakeKubeApi:
+    a = new_api()
+    put_fleet(a)
     pds = _example("pdservice-llama3-8b.yaml")
     pds["spec"]["prometheusUrl"] = "http://127.0.0.1:9"
     a.put(pds, NS)
@@ -147,24 +144,24 @@ def world() -> FakeApi:
     return a
 
 
-def run(api: FakeApi, sig: FakeSignals, now: float) -> sh.ShiftTick:
+def run(api: FakeKubeApi, sig: FakeSignals, now: float) -> sh.ShiftTick:
     return sh.tick(api.runtime, NS, GS_NAME, now=now, signals=sig)
 
 
-def status(api: FakeApi) -> dict[str, Any]:
+def status(api: FakeKubeApi) -> dict[str, Any]:
     return api.get("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)["status"]
 
 
-def selected(api: FakeApi) -> str:
+def selected(api: FakeKubeApi) -> str:
     return api.get("v1", "Service", NS, "llama3-8b-prefill")["spec"]["selector"][names.LABEL_GEAR]
 
 
-def gear_ready(api: FakeApi, gear: str) -> bool:
+def gear_ready(api: FakeKubeApi, gear: str) -> bool:
     sts = api.list("apps/v1", "StatefulSet", NS, {names.LABEL_ROLE: "prefill", names.LABEL_GEAR: gear})
     return bool(sts) and all(s.get("status", {}).get("readyReplicas") == s["spec"]["replicas"] for s in sts)
 
 
-def prefill_gears(api: FakeApi) -> set[str]:
+def prefill_gears(api: FakeKubeApi) -> set[str]:
     sts = api.list("apps/v1", "StatefulSet", NS, {names.LABEL_ROLE: "prefill"})
     return {s["metadata"]["labels"][names.LABEL_GEAR] for s in sts}
 
@@ -309,13 +306,13 @@ class TestShadowFits:
 
 
 class TestTicks:
-    def test_waits_for_the_reconciler(self, world: FakeApi) -> None:
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    def test_waits_for_the_reconciler(self, world: FakeKubeApi) -> None:
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["status"].pop("activeGear")
         assert run(world, FakeSignals(), T0).skipped.startswith("no active gear")
 
-    def test_zero_replicas_is_idle_without_sampling_but_one_gear_is_sampled(self, world: FakeApi) -> None:
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    def test_zero_replicas_is_idle_without_sampling_but_one_gear_is_sampled(self, world: FakeKubeApi) -> None:
+        key = world.key("GearSet", NS, GS_NAME)
         full = copy.deepcopy(world.store[key])
         active = full["status"]["activeGear"]
         world.store[key]["spec"]["replicas"] = 0
@@ -334,7 +331,7 @@ class TestTicks:
         assert not r.idle and r.signals_ok and sig.asked == [active]
         assert sh._serving_or_busy(world.store[key])
 
-    def test_steady_writes_signals_and_condition(self, world: FakeApi) -> None:
+    def test_steady_writes_signals_and_condition(self, world: FakeKubeApi) -> None:
         sig = FakeSignals()
         r = run(world, sig, T0)
         assert r.signals_ok and r.phase is Phase.STABLE and not r.actions
@@ -345,7 +342,7 @@ class TestTicks:
         assert cond["status"] == "True"
         assert sig.asked == ["balanced"]  # the gear the role Service selects
 
-    def test_no_traffic_blanks_the_latency_instead_of_keeping_the_last_one(self, world: FakeApi) -> None:
+    def test_no_traffic_blanks_the_latency_instead_of_keeping_the_last_one(self, world: FakeKubeApi) -> None:
         # First a sample with traffic, then Prometheus shows no completed request in the window (qps 0,
         # no histogram values): the moving average still holds 150 ms, the status must not show it.
         sig = FakeSignals()
@@ -372,7 +369,7 @@ class TestTicks:
         assert sent["qps"] == pytest.approx(0.7 * 3.0)  # the smoothed rate (alpha 0.3) still decays
         assert status(world)["signals"].get("p99Ms") is None
 
-    def test_served_requests_without_latency_histograms_warn_once(self, world: FakeApi) -> None:
+    def test_served_requests_without_latency_histograms_warn_once(self, world: FakeKubeApi) -> None:
         # #20 row 3: the head pods serve (qps > 0) but export no TTFT histogram: the P99 triggers are
         # blind, which the condition and one Warning event say (SignalsAvailable stays True).
         class NoHistograms(FakeSignals):
@@ -399,9 +396,9 @@ class TestTicks:
         idle = Sample(at=T0, qps=0.0, ttft_p99_ms=500.0)
         assert ss.signals_to_status(smoothed, policy, 1, idle)["p99TtftMs"] is None
 
-    def test_forced_shift_end_to_end_keeps_a_ready_gear_selected(self, world: FakeApi) -> None:
+    def test_forced_shift_end_to_end_keeps_a_ready_gear_selected(self, world: FakeKubeApi) -> None:
         _policy_patch(world, warmS=5, rollbackWindowS=10, drainTimeoutS=30)
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = FakeSignals()
         phases = []
@@ -431,9 +428,9 @@ class TestTicks:
         for r in ("ShiftStarted", "ShadowReady", "DrainStarted", "Switched", "ShiftCompleted"):
             assert r in reasons
 
-    def test_drain_waits_for_in_flight_requests(self, world: FakeApi) -> None:
+    def test_drain_waits_for_in_flight_requests(self, world: FakeKubeApi) -> None:
         _policy_patch(world, warmS=0, drainTimeoutS=100)
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = FakeSignals()
         sig.in_flight_n = 4
@@ -449,10 +446,10 @@ class TestTicks:
         run(world, sig, now + 4)
         assert status(world)["phase"] == "Switching"
 
-    def test_crash_between_persist_and_act_resumes(self, world: FakeApi) -> None:
+    def test_crash_between_persist_and_act_resumes(self, world: FakeKubeApi) -> None:
         """The operator dies after writing Warming/Draining but before acting: the next tick repairs."""
         _policy_patch(world, warmS=0, rollbackWindowS=0)
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = FakeSignals()
         real_apply = world.apply
@@ -479,8 +476,8 @@ class TestTicks:
         assert status(world)["phase"] == "Stable" and selected(world) == "latency"
         assert prefill_gears(world) == {"latency"}
 
-    def test_no_signals_no_shift_then_resume(self, world: FakeApi) -> None:
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    def test_no_signals_no_shift_then_resume(self, world: FakeKubeApi) -> None:
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = FakeSignals()
         sig.up = False
@@ -498,25 +495,25 @@ class TestTicks:
         cond = next(c for c in status(world)["conditions"] if c["type"] == "SignalsAvailable")
         assert cond["status"] == "True"
 
-    def test_no_prometheus_url(self, world: FakeApi) -> None:
-        key = world._key("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+    def test_no_prometheus_url(self, world: FakeKubeApi) -> None:
+        key = world.key("PDService", NS, "llama3-8b")
         del world.store[key]["spec"]["prometheusUrl"]
         r = run(world, FakeSignals(), T0)
         assert not r.signals_ok and "prometheusUrl" in r.message
         cond = next(c for c in status(world)["conditions"] if c["type"] == "SignalsAvailable")
         assert cond["reason"] == "NoPrometheus"
 
-    def test_paused_holds(self, world: FakeApi) -> None:
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    def test_paused_holds(self, world: FakeKubeApi) -> None:
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         world.store[key]["spec"]["paused"] = True
         r = run(world, FakeSignals(), T0)
         assert r.phase is Phase.STABLE and r.decision is not None and r.decision.reason == "Paused"
         assert prefill_gears(world) == {"balanced"}
 
-    def test_not_ready_in_time_rolls_back_and_marks_unhealthy(self, world: FakeApi) -> None:
+    def test_not_ready_in_time_rolls_back_and_marks_unhealthy(self, world: FakeKubeApi) -> None:
         _policy_patch(world, warmupTimeoutS=10)
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = FakeSignals()
         for i in range(8):  # no kubelet: the shadow never becomes Ready
@@ -543,10 +540,12 @@ class TestTicks:
         assert [h["gear"] for h in status(world).get("gearHealth") or []] == []
 
     @pytest.mark.parametrize("revert", ["balanced", None])
-    def test_force_reverted_while_warming_cancels_the_shift(self, world: FakeApi, revert: str | None) -> None:
+    def test_force_reverted_while_warming_cancels_the_shift(
+        self, world: FakeKubeApi, revert: str | None
+    ) -> None:
         # #20 row 6: the shadow is still warming when the user reverts spec.forceGear: the shift is
         # cancelled (shadow deleted, history Aborted), not completed and then undone by a second shift.
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = FakeSignals()
         r = run(world, sig, T0)
@@ -567,9 +566,9 @@ class TestTicks:
         assert r.phase is Phase.STABLE and prefill_gears(world) == {"balanced"}
 
     def test_deleting_the_gearset_mid_shift_frees_the_shadow_and_keeps_the_serving_gear(
-        self, world: FakeApi
+        self, world: FakeKubeApi
     ) -> None:
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         run(world, FakeSignals(), T0)
         assert prefill_gears(world) == {"balanced", "latency"}
@@ -578,12 +577,12 @@ class TestTicks:
         assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
         assert cs.gears_to_free([], None, "balanced") == []
 
-    def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeApi) -> None:
+    def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeKubeApi) -> None:
         """Baseline = balanced's smoothed TTFT P99 at the decision (150 ms): latency at 1000 ms exceeds
         2 × max(150, target 200) = 400 ms. The Service returns to balanced first; latency is deleted only
         once Prometheus reports no request left on it."""
         _policy_patch(world, warmS=0, rollbackWindowS=30, drainTimeoutS=100)
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = PerGearSignals({"balanced": 150.0, "latency": 1000.0})
         phases = []
@@ -613,14 +612,14 @@ class TestTicks:
 
     @pytest.mark.parametrize(("latency_qps", "phase"), [(3.5, Phase.SWITCHING), (2.5, Phase.ROLLING_BACK)])
     def test_saturation_shift_kept_while_it_serves_more(
-        self, world: FakeApi, latency_qps: float, phase: Phase
+        self, world: FakeKubeApi, latency_qps: float, phase: Phase
     ) -> None:
         """The handler passes the selected gear's sampled served rate into its observation: a saturation
         shift whose new gear (P99 1000 > 2 × max(150, 200) = 400 ms) serves 3.5 req/s, more than balanced's
         3.0 at the decision, stays in Switching; at 2.5 req/s it rolls back. (The shift is forced to reach
         Switching, then its persisted trigger is set to saturation, as a saturation decision records it.)"""
         _policy_patch(world, warmS=0, rollbackWindowS=30, drainTimeoutS=100)
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = PerGearSignals({"balanced": 150.0, "latency": 1000.0}, {"latency": latency_qps})
         for i in range(3):  # T0 Warming, +2 Draining, +4 Switching
@@ -634,8 +633,8 @@ class TestTicks:
         assert selected(world) == ("latency" if phase is Phase.SWITCHING else "balanced")
         assert status(world)["executor"]["trigger"] == "saturation"
 
-    def test_a_reconcile_mid_shift_keeps_both_gears(self, world: FakeApi) -> None:
-        key = world._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+    def test_a_reconcile_mid_shift_keeps_both_gears(self, world: FakeKubeApi) -> None:
+        key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"
         run(world, FakeSignals(), T0)
         rec.reconcile_service(world.runtime, NS, "llama3-8b")
@@ -670,19 +669,19 @@ class VllmProm(FakeSignals):
         return reading_from_results(at, q, answers, shape)
 
 
-def _engine(api: FakeApi, engine: str) -> None:
-    key = api._key("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
+def _engine(api: FakeKubeApi, engine: str) -> None:
+    key = api.key("PDService", NS, "llama3-8b")
     api.store[key]["spec"]["engine"] = engine
 
 
-def _stage_times(api: FakeApi, gear: str, times: list[float]) -> None:
-    key = api._key("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
+def _stage_times(api: FakeKubeApi, gear: str, times: list[float]) -> None:
+    key = api.key("GearSet", NS, GS_NAME)
     (g,) = [g for g in api.store[key]["spec"]["gears"] if g["name"] == gear]
     for stage, t in zip(g["stages"], times, strict=True):
         stage["predictedTimeMs"] = t
 
 
-def _signals_condition(api: FakeApi) -> dict[str, Any]:
+def _signals_condition(api: FakeKubeApi) -> dict[str, Any]:
     return next(c for c in status(api)["conditions"] if c["type"] == "SignalsAvailable")
 
 
@@ -690,7 +689,7 @@ class TestVllmService:
     """An ``engine: vllm`` PDService: no ``gearshift:stage_utilization`` anywhere, yet the loop samples,
     decides and shifts. The example's balanced gear has 4 stages, maxBatch 64 and no predictedTimeMs."""
 
-    def test_explicit_gear_without_stage_times_still_samples(self, world: FakeApi) -> None:
+    def test_explicit_gear_without_stage_times_still_samples(self, world: FakeKubeApi) -> None:
         _engine(world, "vllm")
         sig = VllmProm(concurrency="24")
         r = run(world, sig, T0)
@@ -704,9 +703,10 @@ class TestVllmService:
         sig_st = status(world)["signals"]
         assert sig_st["stageUtilizationSource"] == "none" and sig_st["stageUtilization"] == []
         assert sig_st["pipelineUtilization"] == 0.375  # 24 requests in execution / 64 seats
-        assert sig_st["p99Ms"] == 150.0 and sig_st["p99ItlMs"] is None
+        # No ITL: blank, which the status patch's null makes an absent key (RFC 7386: null deletes).
+        assert sig_st["p99Ms"] == 150.0 and "p99ItlMs" not in sig_st
 
-    def test_stage_times_give_derived_utilization(self, world: FakeApi) -> None:
+    def test_stage_times_give_derived_utilization(self, world: FakeKubeApi) -> None:
         _engine(world, "vllm")
         _stage_times(world, "balanced", [20.0, 20.0, 10.0, 10.0])
         run(world, VllmProm(concurrency="48"), T0)
@@ -717,14 +717,14 @@ class TestVllmService:
         assert sig_st["pipelineUtilization"] == 0.75
         assert _signals_condition(world)["reason"] == "SignalsOk"
 
-    def test_sim_records_the_engine_source(self, world: FakeApi) -> None:
+    def test_sim_records_the_engine_source(self, world: FakeKubeApi) -> None:
         sig = FakeSignals()
         run(world, sig, T0)
         assert sig.engines == ["sim"]
         sig_st = status(world)["signals"]
         assert sig_st["stageUtilizationSource"] == "engine" and sig_st.get("pipelineUtilization") is None
 
-    def test_p99_high_shifts_without_stage_times(self, world: FakeApi) -> None:
+    def test_p99_high_shifts_without_stage_times(self, world: FakeKubeApi) -> None:
         # TTFT P99 500 ms > 1.2 x the 200 ms target, three samples in a row → the latency gear.
         _engine(world, "vllm")
         sig = VllmProm(ttft_p99_s="0.5")
@@ -734,7 +734,7 @@ class TestVllmService:
         assert results[-1].phase is Phase.WARMING and "latency" in prefill_gears(world)
         assert _signals_condition(world)["status"] == "True"
 
-    def test_imbalance_shifts_on_derived_utilization(self, world: FakeApi) -> None:
+    def test_imbalance_shifts_on_derived_utilization(self, world: FakeKubeApi) -> None:
         # Stage times 30, 10, 10, 10 ms and 62 of 64 seats busy (0.96875): the bottleneck reads 0.969 >
         # 0.9 while the others read 0.96875 * 10/30 = 0.323 < 0.6 → the throughput gear. P99 150 ms is
         # between 0.7 and 1.2 x 200 ms, so no latency trigger competes.
@@ -747,14 +747,14 @@ class TestVllmService:
         assert d is not None and d.trigger == "imbalance" and d.target == "throughput"
         assert results[-1].phase is Phase.WARMING
 
-    def test_sim_engine_without_its_series_is_signals_missing(self, world: FakeApi) -> None:
+    def test_sim_engine_without_its_series_is_signals_missing(self, world: FakeKubeApi) -> None:
         # The sim path is unchanged: its per-stage series are required.
         r = run(world, VllmProm(), T0)
         assert not r.signals_ok and "gearshift:stage_utilization" in r.message
         assert _signals_condition(world)["status"] == "False"
 
 
-def test_non_finite_values_never_reach_the_status_patch(world: FakeApi) -> None:
+def test_non_finite_values_never_reach_the_status_patch(world: FakeKubeApi) -> None:
     class Broken(FakeSignals):
         def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
             return Sample(at=at, stage_utilization=(math.nan, 0.5), qps=math.inf, ttft_p99_ms=math.nan,
@@ -792,7 +792,7 @@ def test_signals_to_status_always_sends_the_source_keys() -> None:
 
 
 def test_an_unknown_executor_action_fails_the_tick_before_anything_is_written(
-    world: FakeApi, monkeypatch: pytest.MonkeyPatch
+    world: FakeKubeApi, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tick used to drop an action it had no case for (``case _: pass``); now it raises before the
     status write, so the step is neither persisted nor half applied."""
@@ -823,7 +823,7 @@ class _OneTurn:
         pass
 
 
-async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: FakeApi) -> None:
+async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: FakeKubeApi) -> None:
     sig = FakeSignals()
     world.runtime.shift_signals = sig
     body = world.get("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)

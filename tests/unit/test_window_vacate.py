@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_handlers_reconcile import NS, FakeApi, _example, fleet_nodes
+from test_handlers_reconcile import NS, _example, fleet_nodes, new_api, put_fleet
 from test_shifting import FakeSignals, kubelet
 
 from gearshift.api.common import MAX_GEAR_NAME
@@ -34,7 +34,7 @@ from gearshift.facts.gpus import gpu_spec
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh
 from gearshift.k8s import names
-from gearshift.planner.inputs import datasheet_gpuprofile
+from gearshift.testing.kube import FakeKubeApi
 
 GSV = "gearshift.io/v1alpha1"
 DECODE = "llama3-8b-decode"
@@ -134,25 +134,25 @@ def _h100(name: str, index: int) -> dict[str, Any]:
     return node
 
 
-def _set_window(api: FakeApi, node: str, until: datetime) -> None:
+def _set_window(api: FakeKubeApi, node: str, until: datetime) -> None:
     prof = api.get(GSV, "GPUProfile", None, node)
     assert prof is not None
     prof["status"]["availableUntil"] = until.isoformat()
     api.put(prof)
 
 
-def _reconcile(api: FakeApi) -> rec.ReconcileOutcome:
+def _reconcile(api: FakeKubeApi) -> rec.ReconcileOutcome:
     api.runtime.fleet.forget()
     return rec.reconcile_service(api.runtime, NS, "llama3-8b")
 
 
-def _gs(api: FakeApi) -> dict[str, Any]:
+def _gs(api: FakeKubeApi) -> dict[str, Any]:
     body = api.get(GSV, "GearSet", NS, DECODE)
     assert body is not None
     return body
 
 
-def _decode_sts(api: FakeApi) -> dict[str, dict[str, Any]]:
+def _decode_sts(api: FakeKubeApi) -> dict[str, dict[str, Any]]:
     return {
         s["metadata"]["name"]: s
         for s in api.list("apps/v1", "StatefulSet", NS, {names.LABEL_ROLE: "decode"})
@@ -160,25 +160,22 @@ def _decode_sts(api: FakeApi) -> dict[str, dict[str, Any]]:
     }
 
 
-def _selected(api: FakeApi) -> str:
+def _selected(api: FakeKubeApi) -> str:
     svc = api.get("v1", "Service", NS, "llama3-8b-decode")
     assert svc is not None
     return str(svc["spec"]["selector"][names.LABEL_GEAR])
 
 
-def _ready(api: FakeApi, gear: str) -> bool:
+def _ready(api: FakeKubeApi, gear: str) -> bool:
     sts = [s for s in _decode_sts(api).values() if s["metadata"]["labels"][names.LABEL_GEAR] == gear]
     return bool(sts) and all(s.get("status", {}).get("readyReplicas") == s["spec"]["replicas"] for s in sts)
 
 
 @pytest.fixture
-def windowed() -> FakeApi:
+def windowed() -> FakeKubeApi:
     """The fleet with ``x1`` windowed 3 h ahead, the short policy, reconciled and Ready."""
-    a = FakeApi()
-    for n in [*fleet_nodes(gpu_replicas=2), _h100(DURABLE, 90), _h100(WINDOWED, 91)]:
-        a.put(n)
-        if n["status"]["allocatable"].get("nvidia.com/gpu"):
-            a.put(datasheet_gpuprofile(n))
+    a = new_api()
+    put_fleet(a, [*fleet_nodes(gpu_replicas=2), _h100(DURABLE, 90), _h100(WINDOWED, 91)])
     _set_window(a, WINDOWED, datetime.now(UTC) + timedelta(hours=3))
     pds = _example("pdservice-llama3-8b.yaml")
     pds["spec"]["prometheusUrl"] = "http://127.0.0.1:9"
@@ -198,7 +195,7 @@ def windowed() -> FakeApi:
 
 
 class TestVacate:
-    def test_plan_uses_the_windowed_node_for_an_extra_replica(self, windowed: FakeApi) -> None:
+    def test_plan_uses_the_windowed_node_for_an_extra_replica(self, windowed: FakeKubeApi) -> None:
         st = _gs(windowed)["status"]
         assert st["activeGear"] == "latency"
         (lat,) = [g for g in st["plannedGears"] if g["name"] == "latency"]
@@ -211,7 +208,7 @@ class TestVacate:
         (w,) = st["windowedNodes"]
         assert w["state"] == "InUse" and "latency/s0" in w["stages"]
 
-    def test_leave_by_shifts_off_through_the_executor(self, windowed: FakeApi) -> None:
+    def test_leave_by_shifts_off_through_the_executor(self, windowed: FakeKubeApi) -> None:
         api = windowed
         # The window now closes 25 s ahead: inside margin (10) + lead (20), so past its leaveBy.
         _set_window(api, WINDOWED, datetime.now(UTC) + timedelta(seconds=25))
@@ -264,12 +261,12 @@ class TestVacate:
         pds = api.get(GSV, "PDService", NS, "llama3-8b")
         assert pds is not None and pds["status"].get("windowLeaveBy") is None
 
-    def test_no_target_keeps_serving_and_says_why(self, windowed: FakeApi) -> None:
+    def test_no_target_keeps_serving_and_says_why(self, windowed: FakeKubeApi) -> None:
         api = windowed
         _set_window(api, WINDOWED, datetime.now(UTC) + timedelta(seconds=25))
         _reconcile(api)
         # Every replacement unhealthy: the loop cannot vacate, keeps the gear and warns once.
-        key = api._key(GSV, "GearSet", NS, DECODE)
+        key = api.key("GearSet", NS, DECODE)
         api.store[key]["status"]["gearHealth"] = [
             {"gear": g["name"], "healthy": False, "reason": "OOMKilled", "message": "x"}
             for g in api.store[key]["status"]["plannedGears"]
