@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEMO_ARGS ?=
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: venv binaries vllm sandbox-up sandbox-down test unit e2e lint crds demo bench bench-sandbox clean
+.PHONY: venv binaries vllm bench-tools sandbox-up sandbox-down test unit e2e lint crds demo bench bench-sandbox clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,11 @@ binaries:
 vllm:
 	bash e2e/sandbox/install-vllm.sh >/dev/null
 
+# The standard benchmark clients tests/e2e/test_client_tools.py runs against the router (guidellm, aiperf;
+# inference-perf where a Python >= 3.12 is found) and the tiny model's tokenizer; cached, keyed by version.
+bench-tools:
+	bash e2e/sandbox/install-bench-tools.sh >/dev/null
+
 sandbox-up: venv binaries
 	$(VENV)/bin/gearshift sandbox up
 
@@ -40,10 +45,10 @@ unit: venv
 	$(VENV)/bin/pytest -m "not e2e" tests
 
 # GEARSHIFT_E2E=1: the e2e tests must run here (a bare pytest without a cluster leaves them out, one line).
-e2e: venv binaries vllm
+e2e: venv binaries vllm bench-tools
 	GEARSHIFT_E2E=1 $(VENV)/bin/pytest -m "e2e and not vllm_slow" tests
 
-test: venv binaries vllm
+test: venv binaries vllm bench-tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
