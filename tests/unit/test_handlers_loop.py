@@ -74,6 +74,8 @@ async def test_an_idle_tick_waits_the_idle_interval(monkeypatch):
         every_sample_interval("ns", "gs", body, stopped, tick, what="t", floor_s=0.01, expected=()),
         timeout=5,
     )
-    assert times[1] - times[0] >= 1.5  # after the idle tick
+    # After the idle tick: the loop waits 1.5 s from the idle turn's start; the tick's own clock reading
+    # comes after its worker thread starts, whose delay differs between turns on a busy machine.
+    assert times[1] - times[0] >= 1.5 - 0.1
     # Back to the 0.01 s sample interval; the bound leaves room for a loaded machine's scheduling.
     assert times[2] - times[1] < 1.0
