@@ -1,11 +1,12 @@
 """Standard LLM benchmark clients against the PD router: guidellm, aiperf and inference-perf, briefly.
 
-Each tool runs as its users run it, from a venv outside the repository (``e2e/sandbox/
-install-bench-tools.sh``, versions in ``e2e/sandbox/versions.env``), against the router's OpenAI URL (the router pod's loopback IP), with
-the sandbox tiny model's tokenizer built locally (``e2e/sandbox/build_tiny_model.py``): no model hub is
-reached (``HF_HUB_OFFLINE=1``, and ``HF_ENDPOINT`` on a closed loopback port for anything that still
-tries). The router serves a PDService of engine ``sim`` (one A10 prefill pod, one T4 decode pod, policy
-``pd-score``), run by the operator as a subprocess on this module's namespace, as in test_router.py.
+Each tool runs as its users run it, from a venv outside the repository
+(``e2e/sandbox/install-bench-tools.sh``, versions in ``e2e/sandbox/versions.env``), against the router's
+OpenAI URL (the router pod's loopback IP), with the sandbox tiny model's tokenizer built locally
+(``e2e/sandbox/build_tiny_model.py``): no model hub is reached (``HF_HUB_OFFLINE=1``, and ``HF_ENDPOINT``
+on a closed loopback port for anything that still tries). The router serves a PDService of engine
+``sim`` (one A10 prefill pod, one T4 decode pod, policy ``pd-score``), run by the operator as a
+subprocess on this module's namespace, as in test_router.py.
 
 Each tool sends :data:`N_REQUESTS` streamed requests one at a time (concurrency 1), synthetic prompts of
 :data:`PROMPT_TOKENS` tokens of that tokenizer and :data:`OUTPUT_TOKENS` output tokens (``ignore_eos``).
