@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -225,3 +226,45 @@ async def test_an_unstreamed_answer_counts_its_usage_and_finish_reason(make_rout
     assert _metric(m, "vllm:time_to_first_token_seconds_count") == 0  # not seen on a whole answer
     assert _metric(m, "vllm:generation_tokens_total") == 3 * 3  # FakeEngine's usage.completion_tokens
     assert _metric(m, "vllm:request_success_total") == 3
+
+
+@dataclass
+class LingeringEngine(FakeEngine):
+    """Streams its tokens and [DONE], then keeps the stream open a while before ending it (as a busy
+    engine may): a client that stops at [DONE] closes while the router still waits for the end."""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await request.json()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(3):
+            await out.write(f"data: {json.dumps({'choices': [{'text': f' t{i}'}]})}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.5)
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        return out
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["run_app", "handler_cancellation"])
+async def test_a_client_that_closes_after_done_got_its_answer(
+    make_router: Factory,  # noqa: F811
+    cancelled: bool,
+) -> None:
+    client, _router, _ = await make_router(
+        {"b0": ("both", LingeringEngine("b0"))}, handler_cancellation=cancelled
+    )
+    resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+    buf = b""
+    while b"[DONE]" not in buf:
+        buf += await asyncio.wait_for(resp.content.readany(), 5)
+    resp.close()  # as guidellm does: it stops reading at [DONE]
+    deadline, m = time.monotonic() + 10, ""
+    while time.monotonic() < deadline:
+        m = await _metrics(client)
+        if _metric(m, "gearshift_router_requests_total"):
+            break
+        await asyncio.sleep(0.05)
+    assert _metric(m, "gearshift_router_requests_total", "ok") == 1, m
+    assert _metric(m, "vllm:request_success_total") == 1
+    assert _metric(m, "vllm:e2e_request_latency_seconds_count") == 1

@@ -215,6 +215,8 @@ class StreamScan:
     tokens: int = 0
     finish_reason: str | None = None
     usage: Mapping[str, Any] | None = None
+    done: bool = False
+    """``data: [DONE]`` seen: the answer is complete (a client may close its connection now)."""
 
 
 def scan_sse(buffer: bytes) -> tuple[StreamScan, bytes]:
@@ -233,6 +235,8 @@ def scan_sse(buffer: bytes) -> tuple[StreamScan, bytes]:
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
+            if payload == b"[DONE]":
+                scan.done = True
             if not payload or payload == b"[DONE]":
                 continue
             try:
@@ -393,6 +397,16 @@ def validate_body(body: Any, path: str) -> dict[str, Any]:
             "max_tokens",
         )
     return body
+
+
+@dataclass
+class Relay:
+    """One client request's stream, once it has begun: an error after that point cannot be a new
+    response, only a last event on this one; and once the answer is delivered (``[DONE]`` written) a
+    client closing its connection is a client done reading, not one that left."""
+
+    response: web.StreamResponse | None = None
+    delivered: bool = False
 
 
 class Proxy:
@@ -687,13 +701,11 @@ class Proxy:
         self.inflight += 1
         self.metrics.inflight.inc()
         outcome = "ok"
-        # The response once a stream to the client has begun: an error after that point cannot be a new
-        # response, only a last event on this one.
-        streams: dict[str, web.StreamResponse] = {}
+        relay = Relay()
         try:
             # asyncio.timeout, unlike wait_for, runs the request in this task (no task per request).
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                return await self._forward(request, body, rid, labels, t_in, streams)
+                return await self._forward(request, body, rid, labels, t_in, relay)
         except RequestError as err:
             outcome = err.outcome
             return _with_id(error_response(err.status, err.message, err.err_type, err.param), rid)
@@ -704,11 +716,11 @@ class Proxy:
             # aiohttp cancels a handler whose client closed the connection (handler_cancellation), as it
             # does every handler at shutdown: only the first is the client's doing.
             gone = request.transport is None or request.transport.is_closing()
-            outcome = "client_disconnected" if gone else "cancelled"
+            outcome = "ok" if relay.delivered else "client_disconnected" if gone else "cancelled"
             raise
         except TimeoutError:
             outcome = "timeout"
-            if (started := streams.get(rid)) is not None:
+            if (started := relay.response) is not None:
                 await self._end_stream(started, f"no complete answer within {self.cfg.request_timeout_s:g} s")
                 return started
             return _with_id(
@@ -732,7 +744,7 @@ class Proxy:
         rid: str,
         labels: dict[str, str],
         t_in: float,
-        streams: dict[str, web.StreamResponse],
+        relay: Relay,
     ) -> web.StreamResponse:
         policy = self.pool.config.policy
         max_tokens = (
@@ -814,7 +826,7 @@ class Proxy:
         try:
             model = body.get("model")
             return await self._relay(
-                request, dresp, t_in, policy, rid, streams, model if isinstance(model, str) else ""
+                request, dresp, t_in, policy, rid, relay, model if isinstance(model, str) else ""
             )
         finally:
             dresp.release()
@@ -827,7 +839,7 @@ class Proxy:
         t_in: float,
         policy: str,
         rid: str,
-        streams: dict[str, web.StreamResponse],
+        relay: Relay,
         model: str = "",
     ) -> web.StreamResponse:
         """Copy the upstream response to the client, streaming SSE as it arrives; observe TTFT and ITL
@@ -848,7 +860,7 @@ class Proxy:
             headers={"Content-Type": ctype, "Cache-Control": "no-cache", REQUEST_ID_HEADER: rid},
         )
         await out.prepare(request)
-        streams[rid] = out
+        relay.response = out
         first: float | None = None
         last: float | None = None
         ttft_h, itl_h = self.metrics.ttft.labels(policy), self.metrics.itl.labels(policy)
@@ -869,7 +881,10 @@ class Proxy:
             scan, tail = scan_sse(tail + chunk)
             events = scan.tokens
             seen = StreamScan(
-                seen.tokens + events, scan.finish_reason or seen.finish_reason, scan.usage or seen.usage
+                seen.tokens + events,
+                scan.finish_reason or seen.finish_reason,
+                scan.usage or seen.usage,
+                seen.done or scan.done,
             )
             if events:
                 if last is None:
@@ -885,13 +900,24 @@ class Proxy:
             try:
                 await out.write(chunk)
             except ConnectionResetError as exc:
+                if relay.delivered:
+                    return out
                 raise StreamEnded("client_disconnected", out) from exc
+            if seen.done and not relay.delivered:
+                # Recorded at [DONE], not at the upstream's end: a client may close as soon as it reads it.
+                relay.delivered = True
+                if resp.status == 200:
+                    ttft_s = None if first is None else first - t_in
+                    self._record_client(model, self.clock() - t_in, ttft_s, seen)
         try:
             await out.write_eof()
         except ConnectionResetError as exc:
+            if relay.delivered:
+                return out
             raise StreamEnded("client_disconnected", out) from exc
-        if resp.status == 200:
+        if resp.status == 200 and not relay.delivered:
             self._record_client(model, self.clock() - t_in, None if first is None else first - t_in, seen)
+        relay.delivered = True
         return out
 
     def _record_client(self, model: str, e2e_s: float, ttft_s: float | None, scan: StreamScan) -> None:
