@@ -268,3 +268,41 @@ async def test_a_client_that_closes_after_done_got_its_answer(
     assert _metric(m, "gearshift_router_requests_total", "ok") == 1, m
     assert _metric(m, "vllm:request_success_total") == 1
     assert _metric(m, "vllm:e2e_request_latency_seconds_count") == 1
+
+
+@dataclass
+class OrgModelEngine(FakeEngine):
+    async def models(self, _r: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "meta-llama/Meta-Llama-3-8B"}]})
+
+
+async def test_a_model_id_with_a_slash(make_router: Factory) -> None:  # noqa: F811
+    client, _router, _ = await make_router({"b0": ("both", OrgModelEngine("b0"))})
+    resp = await client.get("/v1/models/meta-llama/Meta-Llama-3-8B")
+    assert resp.status == 200 and (await resp.json())["id"] == "meta-llama/Meta-Llama-3-8B"
+    assert (await client.get("/v1/models/meta-llama/other")).status == 404
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--retries", "-3"], "--retries must be at least 0"),
+        (["--max-inflight", "0"], "--max-inflight must be at least 1"),
+        (["--max-queue", "-1"], "--max-queue must be at least 0"),
+        (["--request-timeout", "-1"], "--request-timeout must be a finite number"),
+        (["--queue-timeout", "nan"], "--queue-timeout must be a finite number"),
+        (["--headroom-wait", "-2"], "--headroom-wait must be a finite number"),
+    ],
+)
+def test_router_flags_that_would_break_every_request_are_refused(flags: list[str], named: str) -> None:
+    import argparse
+
+    from gearshift.router.server import SettingsError, add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--backend", "both=http://127.0.0.1:9", *flags])
+    with pytest.raises(SettingsError, match=re.escape(named)):
+        settings_from_args(args)
+    # the same flags with sane values pass
+    settings_from_args(parser.parse_args(["--backend", "both=http://127.0.0.1:9"]))

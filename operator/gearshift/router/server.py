@@ -279,7 +279,8 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model_id}", self.model)
+        # Served names often hold a slash (meta-llama/Meta-Llama-3-8B): the id is the rest of the path.
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prom)
         app.router.add_get("/debug/pods", self.debug_pods)
@@ -365,9 +366,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=2.0, help="pod /health check period, s")
     p.add_argument("--balance-interval", type=float, default=pd_balance.INTERVAL_S, help="s")
     p.add_argument("--apply-rebalance", action="store_true", help="spare the pods the rebalancer names")
-    p.add_argument("--max-inflight", type=int, default=512)
-    p.add_argument("--max-queue", type=int, default=1024)
-    p.add_argument("--queue-timeout", type=float, default=10.0, help="s")
+    p.add_argument("--max-inflight", type=int, default=512, help="requests forwarded at once (>= 1)")
+    p.add_argument(
+        "--max-queue", type=int, default=1024, help="requests waiting for a slot; more are refused"
+    )
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="s a request may wait for a slot")
     p.add_argument(
         "--headroom-wait",
         type=float,
@@ -464,11 +467,24 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
     """
     if not a.backend and not a.service:
         raise SettingsError("give --backend ROLE=URL (repeat) or --service PDSERVICE (EndpointSlice watch)")
-    for flag in ("scrape_interval", "health_interval", "balance_interval"):
+    for flag in (
+        "scrape_interval",
+        "health_interval",
+        "balance_interval",
+        "queue_timeout",
+        "request_timeout",
+    ):
         value = getattr(a, flag)
         if not (math.isfinite(value) and value > 0):
             raise SettingsError(
                 f"--{flag.replace('_', '-')} must be a finite number of seconds above 0, got {value}"
+            )
+    if not (math.isfinite(a.headroom_wait) and a.headroom_wait >= 0):
+        raise SettingsError(f"--headroom-wait must be a finite number of seconds >= 0, got {a.headroom_wait}")
+    for flag, least in (("max_inflight", 1), ("max_queue", 0), ("retries", 0)):
+        if getattr(a, flag) < least:
+            raise SettingsError(
+                f"--{flag.replace('_', '-')} must be at least {least}, got {getattr(a, flag)}"
             )
     weights: dict[str, Any] = {}
     if a.weights:
