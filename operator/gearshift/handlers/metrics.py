@@ -27,7 +27,12 @@ RECONCILE_SECONDS = Histogram(
 APPLIED = Counter(
     "gearshift_operator_applied_objects_total", "Objects server-side applied by reconciles.", ["kind"]
 )
-SHIFTS = Counter("gearshift_operator_shifts_total", "Gear shifts, by role and outcome.", ["role", "outcome"])
+#: ``service_namespace``, not ``namespace``: Prometheus' pod job sets ``namespace`` to the operator pod's.
+SHIFTS = Counter(
+    "gearshift_operator_shifts_total",
+    "Gear shifts finished, by the PDService's namespace and name, role and outcome.",
+    ["service_namespace", "service", "role", "outcome"],
+)
 DECISION_SECONDS = Histogram(
     "gearshift_operator_decision_seconds",
     "Time of one gear-shift decision (signals to decision), s.",

@@ -313,7 +313,7 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
     )
     for a in done.actions:
         if isinstance(a, RecordShift) and a.outcome is not Outcome.IN_PROGRESS:
-            metrics.SHIFTS.labels(t.gs.spec.role, a.outcome.value).inc()
+            metrics.SHIFTS.labels(t.namespace, t.gs.spec.service_name, t.gs.spec.role, a.outcome.value).inc()
     signals = Signals(done.control.smoothed, seen.sample, seen.reading, t.gs.spec.replicas)
     patch = status_patch(
         done.state,
