@@ -793,3 +793,21 @@ async def test_held_requests_are_placed_in_arrival_order(make_router: Factory) -
     assert (await asyncio.wait_for(small, 5)).status == 200
     # The decode pod got the big one's prefill handoff first (placement order = arrival order).
     assert [len(r["prompt"]) for r in eng["p0"].requests] == [50, 10]
+
+
+async def test_a_request_larger_than_every_decode_kv_pool_is_refused_at_once(make_router: Factory) -> None:
+    # 1000-byte pool, 1 byte a token: 990 + 20 tokens can never be held, even by an empty pod
+    client, _router, eng = await _pd_router(make_router, decode_kv_usage=0.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    resp = await client.post("/v1/completions", json=_body(990, 20))
+    assert resp.status == 400 and loop.time() - t0 < 1.0  # no hold
+    err = (await resp.json())["error"]
+    assert (
+        err["param"] == "max_tokens" and "1010 tokens" in err["message"] and "1000 tokens" in err["message"]
+    )
+    metrics = await (await client.get("/metrics")).text()
+    assert _metric(metrics, "gearshift_router_no_decode_headroom_total") == 0.0  # no scale-up asked
+    assert eng["d0"].requests == [] and eng["p0"].requests == []
+    # one that fits an empty pod is served
+    assert (await client.post("/v1/completions", json=_body(700, 20))).status == 200

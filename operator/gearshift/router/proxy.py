@@ -495,6 +495,31 @@ class Proxy:
         self.metrics.picks.labels(self.pool.config.policy, "decode", b.info.name).inc()
         return b
 
+    def _refuse_if_never_fits(self, req: P.RequestView) -> None:
+        """Refuse at once (400, as the engine would) a request whose KV cache is larger than the whole KV
+        pool of every decode pod: no wait and no scale-up makes room for it. Unknown capacities pass.
+
+        Raises:
+            RequestError: 400 naming ``max_tokens`` and the prompt's and the largest pod's sizes in tokens.
+        """
+        caps = [b.view().kv_capacity_bytes for b in self.pool.members("decode")]
+        if not caps or any(c is None for c in caps) or req.kv_bytes_per_token <= 0:
+            return
+        largest = max(c for c in caps if c is not None)
+        if req.kv_bytes <= largest:
+            return
+        fits = int(largest // req.kv_bytes_per_token)
+        self.metrics.rejects.labels("too_long").inc()
+        raise RequestError(
+            400,
+            f"This request needs the KV cache of {req.prompt_tokens + req.max_tokens} tokens "
+            f"({req.prompt_tokens} in the prompt, max_tokens {req.max_tokens}), but the largest decode pod "
+            f"holds {fits} tokens: shorten the prompt or lower max_tokens.",
+            "BadRequestError",
+            "client_error",
+            "max_tokens",
+        )
+
     def _refuse_no_headroom(self, req: P.RequestView, why: str) -> RequestError:
         self.metrics.rejects.labels("no_kv_capacity").inc()
         return RequestError(
@@ -514,6 +539,7 @@ class Proxy:
             RequestError: 503 when no decode pod exists, when the hold passes ``headroom_wait_s``, or when
                 ``max_queue`` requests are held already.
         """
+        self._refuse_if_never_fits(req)
         if not self._headroom_q:
             b = self._try_decode(req)
             if b is not None:
