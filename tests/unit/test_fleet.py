@@ -112,3 +112,10 @@ def test_a_misspelled_field_is_an_error_not_a_silent_default():
         parse_fleet(doc)
     with pytest.raises(FleetError, match=r"nodePools\[0\]\.nodes must be an integer, got 'two'"):
         parse_fleet({"name": "t", "nodePools": [{"name": "a", "gpu": "A10-24GB", "nodes": "two"}]})
+
+
+def test_a_fleet_file_that_is_not_yaml_names_the_line(tmp_path):
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("nodes: [a\n  b: c\n")
+    with pytest.raises(FleetError, match=r"not valid YAML at line 2, column 4"):
+        load_fleet(bad)

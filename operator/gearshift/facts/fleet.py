@@ -147,9 +147,20 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
 
 
 def load_fleet(path: str | Path) -> Fleet:
-    """Read and parse a fleet YAML file. Raises FleetError (bad content) or OSError (unreadable)."""
+    """Read and parse a fleet YAML file.
+
+    Raises:
+        FleetError: the file is not YAML (with the line and column) or its content is wrong.
+        OSError: unreadable.
+    """
     with Path(path).open() as fh:
-        return parse_fleet(yaml.safe_load(fh))
+        try:
+            doc = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise FleetError(f"not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+    return parse_fleet(doc)
 
 
 def max_micro_batch(memory_gib: float) -> int:
