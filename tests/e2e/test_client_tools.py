@@ -54,11 +54,9 @@ from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,
-    pod_ready,
-    pods,
+    serving_router_url,
     teardown_run,
 )
-from gearshift.k8s.services import ROUTER_PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -489,24 +487,10 @@ def router(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         prefill, decode = gpus.add("A10-24GB", "p"), gpus.add("T4-16GB", "d")
         op = OperatorProcess(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
         sandbox.apply(manifests(ns, prefill, decode))
-        heads = f"gearshift.io/service={SERVICE},gearshift.io/stage=0"
-        sandbox.wait_for(
-            lambda: sum(pod_ready(p) for p in pods(sandbox, ns, heads)) == 2,
-            240,
-            "prefill and decode pods Ready",
+        running = op
+        url = serving_router_url(
+            sandbox, ns, SERVICE, 2, lambda: f"operator log (tail):\n{running.log_tail(3000)}"
         )
-        router_sel = f"gearshift.io/service={SERVICE},app.kubernetes.io/component=router"
-
-        def router_ip() -> str | None:
-            ready = [p for p in pods(sandbox, ns, router_sel) if pod_ready(p)]
-            return ready[0]["status"]["podIP"] if ready else None
-
-        try:
-            ip = sandbox.wait_for(router_ip, 180, "the router pod Ready")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\noperator log (tail):\n{op.log_tail(3000)}") from None
-        assert ip.startswith("127."), ip
-        url = f"http://{ip}:{ROUTER_PORT}"
 
         def routable() -> dict[str, int] | None:
             counts: dict[str, int] = json.loads(_get(url + "/health"))["routable"]

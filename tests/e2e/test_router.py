@@ -40,11 +40,10 @@ from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
     OperatorProcess,
-    pod_ready,
     pods,
+    serving_router_url,
     teardown_run,
 )
-from gearshift.k8s.services import ROUTER_PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -138,23 +137,10 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         op = OperatorProcess(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
         sandbox.apply(manifests(ns, nodes[:2], nodes[2:]))
         heads = f"gearshift.io/service={SERVICE},gearshift.io/stage=0"
-        sandbox.wait_for(
-            lambda: sum(pod_ready(p) for p in pods(sandbox, ns, heads)) == 3,
-            240,
-            "2 prefill + 1 decode pods Ready",
-        )
         router_sel = f"gearshift.io/service={SERVICE},app.kubernetes.io/component=router"
-
-        def router_ip() -> str | None:
-            ready = [p for p in pods(sandbox, ns, router_sel) if pod_ready(p)]
-            return ready[0]["status"]["podIP"] if ready else None
-
-        try:
-            ip = sandbox.wait_for(router_ip, 180, "the router pod Ready")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{_diagnose(sandbox, ns, router_sel, op.log)}") from None
-        assert ip.startswith("127."), ip
-        yield {"ns": ns, "router": f"http://{ip}:{ROUTER_PORT}", "heads": heads, "nodes": nodes}
+        log = op.log
+        url = serving_router_url(sandbox, ns, SERVICE, 3, lambda: _diagnose(sandbox, ns, router_sel, log))
+        yield {"ns": ns, "router": url, "heads": heads, "nodes": nodes}
     finally:
         left = teardown_run(sandbox, ns, op, gpus)
         assert left == [], f"teardown left {left}"

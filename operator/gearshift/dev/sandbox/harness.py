@@ -32,6 +32,7 @@ from gearshift.api.gpuprofile import GPUProfileStatus
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import FleetNode
 from gearshift.facts.gpus import gpu_spec
+from gearshift.k8s import names
 from gearshift.k8s.apply_text import apply_text
 from gearshift.planner.inputs import datasheet_gpuprofile
 from gearshift.profiling.lifecycle import window_step
@@ -353,6 +354,35 @@ def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str, i
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def serving_router_url(
+    cluster: Kubectl, namespace: str, service: str, heads: int, describe: Callable[[], str] = lambda: ""
+) -> str:
+    """Wait until ``heads`` pipeline heads (stage-0 pods) of PDService ``service`` and its router pod are
+    Ready; return the router's URL on its (loopback) pod IP.
+
+    Raises:
+        AssertionError: a wait timed out (heads 240 s, router 180 s) or the pod IP is not loopback; the
+            message ends with ``describe()`` (e.g. the operator's log).
+    """
+    from gearshift.k8s.services import ROUTER_PORT
+
+    head_sel = f"{names.LABEL_SERVICE}={service},{names.LABEL_STAGE}=0"
+    router_sel = f"{names.LABEL_SERVICE}={service},{names.LABEL_COMPONENT}={names.COMPONENT_ROUTER}"
+
+    def router_ip() -> str | None:
+        ready = [p for p in pods(cluster, namespace, router_sel) if pod_ready(p)]
+        return str(ready[0]["status"]["podIP"]) if ready else None
+
+    try:
+        wait_until(lambda: sum(map(pod_ready, pods(cluster, namespace, head_sel))) == heads, 240,
+                   f"{heads} pipeline heads Ready", interval_s=0.5)  # fmt: skip
+        ip = wait_until(router_ip, 180, "the router pod Ready", interval_s=0.5)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{describe()}") from None
+    assert ip.startswith("127."), f"router pod IP {ip} is not loopback"
+    return f"http://{ip}:{ROUTER_PORT}"
 
 
 def holds(predicate: Callable[[], object], duration_s: float, what: str, interval_s: float = 0.5) -> None:
