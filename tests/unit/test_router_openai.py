@@ -306,3 +306,28 @@ def test_router_flags_that_would_break_every_request_are_refused(flags: list[str
         settings_from_args(args)
     # the same flags with sane values pass
     settings_from_args(parser.parse_args(["--backend", "both=http://127.0.0.1:9"]))
+
+
+@dataclass
+class LimitEngine(FakeEngine):
+    """Advertises its own context limit, as each sim pod does from its KV pool."""
+
+    limit: int = 8192
+
+    async def models(self, _r: web.Request) -> web.Response:
+        card = {"id": "m", "object": "model", "max_model_len": self.limit}
+        return web.json_response({"object": "list", "data": [card]})
+
+
+async def test_the_service_advertises_one_context_limit_the_smallest_pods(make_router: Factory) -> None:  # noqa: F811
+    client, _router, _ = await make_router(
+        {
+            "p0": ("prefill", LimitEngine("p0", limit=54400)),
+            "d0": ("decode", LimitEngine("d0", limit=8192)),
+            "d1": ("decode", LimitEngine("d1", limit=467280)),
+        }
+    )
+    for _ in range(3):  # whichever pod answers first, the same limit
+        doc = await (await client.get("/v1/models")).json()
+        assert [c["max_model_len"] for c in doc["data"]] == [8192]
+    assert (await (await client.get("/v1/models/m")).json())["max_model_len"] == 8192

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,3 +103,28 @@ async def test_a_type_vllm_refuses_is_refused(sim: TestClient) -> None:
     assert not out["ok"]
     resp = await sim.post("/v1/completions", json={"prompt": "x", "stream": "maybe"})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "stream"
+
+
+def _llama8b_config() -> dict[str, Any]:
+    from test_sim_engine import LLAMA8B_PATH
+
+    return dict(json.loads(Path(LLAMA8B_PATH).read_text()))
+
+
+def test_the_model_arch_carries_the_models_context_limit() -> None:
+    from gearshift.facts.model import ModelArch, arch_from_hf_config
+
+    cfg = _llama8b_config()
+    arch = arch_from_hf_config(cfg)
+    assert arch.max_position_embeddings == cfg["max_position_embeddings"] == 8192
+    assert ModelArch(**arch.to_dict()) == arch
+    # a model without a limit keeps the JSON it had before the field existed (no pod template changes)
+    unset = ModelArch(**{**arch.to_dict(), "max_position_embeddings": None})
+    assert "max_position_embeddings" not in unset.to_dict()
+
+
+async def test_the_context_limit_is_the_models_own_as_in_vllm(sim: TestClient) -> None:
+    card = (await (await sim.get("/v1/models")).json())["data"][0]
+    assert card["max_model_len"] == 8192  # Llama-3-8B's own, not the A10's KV pool (54,400 tokens)
+    resp = await sim.post("/v1/completions", json={"prompt": [1] * (8192 - 10), "max_tokens": 20})
+    assert resp.status == 400 and "maximum context length is 8192" in (await resp.json())["error"]["message"]

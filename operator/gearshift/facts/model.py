@@ -56,6 +56,9 @@ class ModelArch:
     num_experts: int = 1
     experts_per_token: int = 1
     tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    """The model's own context limit, tokens (HF ``max_position_embeddings``): vLLM's default
+    ``max_model_len`` (vllm/config/model.py ``_get_and_verify_max_len``); None: not given."""
 
     # --- per layer ---------------------------------------------------------------------------
     @property
@@ -137,7 +140,12 @@ class ModelArch:
         return (end - start) * self.layer_weight_bytes + ends
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The fields as a dict (``ModelArch(**d)`` reads it back); an unset context limit is left out, so
+        the JSON of a model without one is what it was before the field existed."""
+        d = dict(self.__dict__)
+        if d.get("max_position_embeddings") is None:
+            d.pop("max_position_embeddings", None)
+        return d
 
 
 def arch_from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelArch:
@@ -145,8 +153,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelAr
 
     Reads ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``
     (defaults to the head count: multi-head attention), ``head_dim`` (defaults to hidden / heads),
-    ``intermediate_size``, ``vocab_size``, ``torch_dtype``, and for MoE ``num_local_experts`` and
-    ``num_experts_per_tok``.
+    ``intermediate_size``, ``vocab_size``, ``torch_dtype``, ``max_position_embeddings`` when given, and for
+    MoE ``num_local_experts`` and ``num_experts_per_tok``.
 
     Raises:
         ModelConfigError: a required field missing or not a positive integer, or an unknown dtype.
@@ -185,6 +193,7 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelAr
         num_experts=int(cfg.get("num_local_experts") or 1),
         experts_per_token=int(cfg.get("num_experts_per_tok") or 1),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=need("max_position_embeddings") if "max_position_embeddings" in cfg else None,
     )
 
 

@@ -27,7 +27,7 @@ import math
 import os
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,14 +201,27 @@ class Router:
         return error_response(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model")
 
     async def models(self, _request: web.Request) -> web.Response:
+        """``GET /v1/models``: the pods' model list, asked of every routable pod at once, with one
+        ``max_model_len`` for the service, the smallest any pod advertises (a request must fit whichever
+        pod it meets); else a card for ``--served-model-name``."""
         assert self.session is not None
-        for b in self.pool.candidates("decode", self.clock()) + self.pool.candidates("prefill", self.clock()):
+        session = self.session
+        backends = self.pool.candidates("decode", self.clock()) + self.pool.candidates(
+            "prefill", self.clock()
+        )
+
+        async def ask(url: str) -> Any:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                async with self.session.get(
-                    b.info.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)
-                ) as r:
+                async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
-                        return web.json_response(await r.json())
+                        return await r.json()
+            return None
+
+        answers = [
+            a for a in await asyncio.gather(*(ask(b.info.url) for b in backends)) if isinstance(a, dict)
+        ]
+        if answers:
+            return web.json_response(one_model_list(answers))
         if self.settings.served_model_name:
             name = self.settings.served_model_name
             return web.json_response(
@@ -288,6 +301,24 @@ class Router:
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
+
+
+def one_model_list(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The first pod's ``/v1/models`` list, each card's ``max_model_len`` the smallest any pod gave for
+    that id (pods of one service may hold different KV pools: the service serves what all of them can)."""
+    least: dict[str, int] = {}
+    for doc in answers:
+        for card in doc.get("data") or ():
+            if isinstance(card, Mapping) and isinstance(card.get("max_model_len"), int):
+                mid = str(card.get("id"))
+                least[mid] = min(least.get(mid, card["max_model_len"]), card["max_model_len"])
+    out = dict(answers[0])
+    out["data"] = [
+        {**card, "max_model_len": least[str(card.get("id"))]} if str(card.get("id")) in least else card
+        for card in answers[0].get("data") or ()
+        if isinstance(card, Mapping)
+    ]
+    return out
 
 
 @web.middleware

@@ -159,7 +159,10 @@ class Engine:
                 "give it fewer layers or more cards"
             )
         capacity_tokens = self.total_blocks * self.block_size
-        self.max_model_len = min(max_model_len or capacity_tokens, capacity_tokens)
+        # As vLLM: the model's own limit unless one is given, and never more than the KV pool holds (vLLM
+        # refuses to start then; the simulator serves the shorter limit so every pod still answers).
+        limit = max_model_len or model.arch.max_position_embeddings or capacity_tokens
+        self.max_model_len = min(limit, capacity_tokens)
         self.free_blocks = self.total_blocks
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
