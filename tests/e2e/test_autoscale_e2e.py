@@ -352,9 +352,11 @@ def test_decode_headroom_misses_scale_up(sandbox: Any, env: dict[str, Any]) -> N
             30,
             "the router to know two decode pods",
         )
+        # Read while the load still runs: with scaleDownS 6 a slow machine's next reads could already see
+        # the scale-down that a stopped load rightly starts (CI: lastDecision ScaleDown, drain started).
+        st = _gs(sandbox, ns)["status"]
     finally:
         load.stop()
-    st = _gs(sandbox, ns)["status"]
     assert st["scaling"]["lastDecision"] in ("ScaleUp", "Hold"), st["scaling"]
     events = sandbox.kubectl_json(
         "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={DECODE_GS}"
