@@ -17,6 +17,7 @@ from gearshift.control import scaling as sc
 from gearshift.control.signals import GearSelector
 from gearshift.handlers import autoscale as au
 from gearshift.k8s import names
+from gearshift.testing.daemons import OneTurn
 from gearshift.testing.kube import FakeKubeApi
 
 GS_NAME = "llama3-8b-decode"
@@ -230,24 +231,10 @@ class TestRouterSkipsDraining:
         assert [b.name for b in without_draining(infos, draining_pods(pods))] == ["b", "c"]
 
 
-class _OneTurn:
-    """Stands in for kopf.DaemonStopped: lets the loop run one turn, then stops it."""
-
-    def __init__(self) -> None:
-        self.checks = 0
-
-    def __bool__(self) -> bool:
-        self.checks += 1
-        return self.checks > 1
-
-    async def wait(self, seconds: float) -> None:
-        pass
-
-
 async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: FakeKubeApi) -> None:
     world.runtime.scale_signals = FakeSignals()
     assert "scaling" not in gs(world)["status"]
     await au.gearset_autoscale(
-        namespace=NS, name=GS_NAME, body=gs(world), stopped=_OneTurn(), memo=kopf.Memo(runtime=world.runtime)
+        namespace=NS, name=GS_NAME, body=gs(world), stopped=OneTurn(), memo=kopf.Memo(runtime=world.runtime)
     )  # type: ignore[arg-type]
     assert gs(world)["status"]["scaling"]["lastDecision"] == "Hold"

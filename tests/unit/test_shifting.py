@@ -34,6 +34,7 @@ from gearshift.control.triggers import Trigger
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh
 from gearshift.k8s import names
+from gearshift.testing.daemons import OneTurn
 from gearshift.testing.kube import FakeKubeApi
 
 GS_NAME = "llama3-8b-prefill"
@@ -809,27 +810,13 @@ def test_an_unknown_executor_action_fails_the_tick_before_anything_is_written(
     assert world.store == before  # no status patch, no Service selector change
 
 
-class _OneTurn:
-    """Stands in for kopf.DaemonStopped: lets the loop run one turn, then stops it."""
-
-    def __init__(self) -> None:
-        self.checks = 0
-
-    def __bool__(self) -> bool:
-        self.checks += 1
-        return self.checks > 1
-
-    async def wait(self, seconds: float) -> None:
-        pass
-
-
 async def test_the_daemon_ticks_with_the_runtime_and_signals_in_kopfs_memo(world: FakeKubeApi) -> None:
     sig = FakeSignals()
     world.runtime.shift_signals = sig
     body = world.get("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME)
     assert "SignalsAvailable" not in [c["type"] for c in body["status"].get("conditions") or []]
     await sh.gearset_shifting(
-        namespace=NS, name=GS_NAME, body=body, stopped=_OneTurn(), memo=kopf.Memo(runtime=world.runtime)
+        namespace=NS, name=GS_NAME, body=body, stopped=OneTurn(), memo=kopf.Memo(runtime=world.runtime)
     )  # type: ignore[arg-type]
     assert sig.asked  # sampled through the runtime's source
     types = [c["type"] for c in status(world)["conditions"]]
