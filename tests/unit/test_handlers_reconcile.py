@@ -324,6 +324,22 @@ class TestReconcile:
             == "balanced"
         )
 
+    def test_a_gearset_being_deleted_mid_shift_gets_no_shadow(self, api: FakeKubeApi) -> None:
+        """CI on a fresh clone (test_shifting_e2e): a GearSet deleted while Warming kept its shadow, since a
+        reconcile after the deletion handler freed it (or a tick that loaded the GearSet before) applied it
+        again, and nothing was left to free it."""
+        reconcile(api)
+        gsv = ("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        in_flight = {"executor": {"step": "Warming", "fromGear": "balanced", "toGear": "latency"}}
+        api.patch_status(*gsv, {**in_flight, "targetGear": "latency"})
+        api.patch(*gsv, {"metadata": {"deletionTimestamp": "2026-12-01T21:00:00Z"}})
+        reconcile(api)
+        pre = sorted(n for n in stateful_sets(api) if n.startswith("llama3-8b-prefill-"))
+        assert pre == [f"llama3-8b-prefill-balanced-s{k}" for k in range(4)]
+        with pytest.raises(rec.NotYet, match="being deleted"):
+            rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "latency")
+        assert not [n for n in stateful_sets(api) if "-latency-" in n and "prefill" in n]
+
     def test_gear_operations(self, api: FakeKubeApi) -> None:
         reconcile(api)
         made = rec.ensure_gear_sync(api.runtime, NS, "llama3-8b", "prefill", "latency")

@@ -670,7 +670,7 @@ def plan_roles(
 def pick_active(rs: RoleState) -> list[Gear]:
     """Set ``rs.active`` (the GearSet's active gear while it has it, else the initial gear) and
     ``rs.in_flight``; returns the gears that run (the active one, and while a shift is in flight its
-    ``from``/``to``/target), in ``rs.gears`` order."""
+    ``from``/``to``/target unless the GearSet is being deleted), in ``rs.gears`` order."""
     gnames = [g.name for g in rs.gears]
     rs.in_flight = _in_flight(rs.gs)
     st = rs.gs.status
@@ -678,7 +678,10 @@ def pick_active(rs: RoleState) -> list[Gear]:
         st.active_gear if st.active_gear in gnames else initial_gear(rs.gears, rs.gs.spec.initial_gear)
     )
     run = [rs.active]
-    if rs.in_flight and st.executor:
+    # A GearSet being deleted gets no shadow applied: its deletion handler frees the gears not serving,
+    # and a reconcile after that would start them again, with no GearSet left to free them.
+    deleting = bool(rs.gs.metadata.get("deletionTimestamp"))
+    if rs.in_flight and st.executor and not deleting:
         run += [g for g in (st.executor.from_gear, st.executor.to_gear, st.target_gear) if g in gnames]
     return [g for g in rs.gears if g.name in dict.fromkeys(run)]
 

@@ -366,11 +366,16 @@ def ensure_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear:
     """Apply the headless Service and StatefulSets of ``gear`` of ``role``; returns the StatefulSet names.
 
     Raises:
-        NotYet: the PDService or GearSet is missing; KeyError: no such gear in the GearSet.
+        NotYet: the PDService or GearSet is missing, or the GearSet is being deleted; KeyError: no such
+            gear in the GearSet.
     """
     api, settings = rt.api, rt.settings
     with rt.service_locks.hold((namespace, service)):
         body, pds, gs = _context(api, namespace, service, role)
+        # Read under the lock the deletion handler frees gears under: a tick that loaded the GearSet
+        # before its deletion must not start a shadow after the handler has run.
+        if gs.metadata.get("deletionTimestamp"):
+            raise NotYet(f"GearSet {namespace}/{gs.metadata['name']} is being deleted: no {role} gear {gear}")
         g = next((x for x in gs.gears() if x.name == gear), None)
         if g is None:
             raise KeyError(

@@ -118,6 +118,8 @@ log = logging.getLogger(__name__)
 PLURAL = "gearsets"
 #: The shortest loop period, s, whatever ``sampleIntervalS`` says (keeps a typo from spinning the loop).
 MIN_INTERVAL_S = 0.2
+#: Seconds before kopf retries a GearSet deletion handler that raised (kopf's default is 60 s).
+DELETE_RETRY_S = 5.0
 
 
 # --- one tick ------------------------------------------------------------------------------------------
@@ -482,7 +484,8 @@ def free_gears_of_deleted_gearset(rt: Runtime, namespace: str, body: Mapping[str
     return freed
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
+# A failed deletion handler retries soon: the shadows it frees hold GPUs meanwhile.
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, backoff=DELETE_RETRY_S)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def gearset_deleted(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """#20 row 6: a GearSet deleted mid-shift left its shadow StatefulSets (and their GPUs) behind. Its
     daemon has stopped: the loop's memory of it goes too."""
