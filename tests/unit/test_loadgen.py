@@ -19,6 +19,7 @@ from gearshift.dev.loadgen import (
     RequestRecord,
     TraceRequest,
     check_url,
+    clip_to_context,
     load_trace,
     run_load,
     summarize,
@@ -139,14 +140,29 @@ class TestSummary:
         assert res.errors == {"HTTP 500: x": 1}
 
 
-async def test_run_against_in_process_sims_measures_on_the_wire() -> None:
+class TestClipToContext:
+    def test_the_prompt_is_shortened_first(self) -> None:
+        assert clip_to_context(TraceRequest(1.5, 14_050, 30), 8192) == TraceRequest(1.5, 8162, 30)
+
+    def test_a_fitting_row_or_no_limit_is_kept_as_it_is(self) -> None:
+        tr = TraceRequest(0.0, 8000, 192)
+        assert (
+            clip_to_context(tr, 8192) is tr
+            and clip_to_context(TraceRequest(0, 9000, 9), None).prompt_tokens == 9000
+        )
+
+    def test_an_output_alone_over_the_limit_leaves_one_prompt_token(self) -> None:
+        assert clip_to_context(TraceRequest(0.0, 50, 9000), 8192) == TraceRequest(0.0, 1, 8191)
+
+
+async def _sims(n: int) -> tuple[list[web.AppRunner], list[str]]:
     env = {
         "GEARSHIFT_MODEL": str(LLAMA),
         "GEARSHIFT_SERVED_MODEL_NAME": "llama",
         "GEARSHIFT_PIPELINE": json.dumps({"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]}),
     }
     runners, urls = [], []
-    for _ in range(2):
+    for _ in range(n):
         runner = web.AppRunner(build_app(config_from_env(env)))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -154,6 +170,30 @@ async def test_run_against_in_process_sims_measures_on_the_wire() -> None:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         runners.append(runner)
         urls.append(f"http://127.0.0.1:{port}")
+    return runners, urls
+
+
+async def test_a_row_over_the_served_context_is_clipped_not_failed() -> None:
+    """The bundled trace's row 5442 (14,050 context tokens) is longer than Llama-3-8B's 8,192: the sim,
+    as vLLM, refuses it with a 400 unless the replay shortens it (the demo reported it as 1 failed)."""
+    runners, urls = await _sims(1)
+    trace = [TraceRequest(0.0, 100, 3), TraceRequest(0.01, 14_050, 3)]
+    try:
+        res = await run_load(urls, trace, max_requests=2, max_duration_s=5, drain_s=20, stream=True)
+        raw = await run_load(
+            urls, trace, max_requests=2, max_duration_s=5, drain_s=20, stream=True, clip=False
+        )
+    finally:
+        for r in runners:
+            await r.cleanup()
+    assert (res.completed, res.failed, res.clipped, res.max_model_len) == (2, 0, 1, 8192)
+    assert sorted(r.prompt_tokens for r in res.records) == [100, 8192 - 3]
+    assert (raw.completed, raw.failed, raw.clipped) == (1, 1, 0)
+    assert [r.status for r in raw.records if not r.ok] == [400]
+
+
+async def test_run_against_in_process_sims_measures_on_the_wire() -> None:
+    runners, urls = await _sims(2)
     try:
         trace = [TraceRequest(0.05 * i, 200, 4) for i in range(6)]
         res = await run_load(urls, trace, time_scale=1.0, max_requests=5, max_duration_s=5, drain_s=10,

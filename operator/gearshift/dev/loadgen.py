@@ -15,6 +15,11 @@ come from the final ``usage`` chunk when the server sends one, else from the num
 A request meets the SLO when TTFT ≤ ``slo_ttft_ms`` and TPOT ≤ ``slo_itl_ms`` (DistServe's goodput, Zhong
 et al. OSDI 2024); goodput = such requests per second of the run. Without streaming only E2E is measured.
 
+Context limit: a row whose context plus generated tokens exceed the ``max_model_len`` the server gives in
+``/v1/models`` (vLLM's field) is clipped to fit, its prompt shortened first, and counted as ``clipped``: a
+replay keeps every arrival, and vLLM refuses such a request with a 400 (the trace's longest conversation
+row, 14,050 tokens, does not fit Llama-3-8B's 8,192). ``clip=False`` sends the rows as they are.
+
 Bounds: at most ``max_requests`` requests, issued during at most ``max_duration_s`` seconds; requests
 still running ``drain_s`` seconds after issuing stops are cancelled and counted as ``incomplete``.
 By default only loopback URLs are accepted (the sandbox's network rule); ``allow_remote`` lifts that.
@@ -160,6 +165,9 @@ class LoadResult:
     slo_met: int | None
     goodput_rps: float | None
     errors: dict[str, int]
+    clipped: int = 0
+    """Requests shortened to the server's ``max_model_len`` (see the module docstring)."""
+    max_model_len: int | None = None
     records: list[RequestRecord] = field(default_factory=list, repr=False)
 
     def to_dict(self, with_records: bool = False) -> dict[str, Any]:
@@ -180,6 +188,8 @@ def summarize(
     slo_ttft_ms: float | None,
     slo_itl_ms: float | None,
     issue_s: float | None = None,
+    clipped: int = 0,
+    max_model_len: int | None = None,
 ) -> LoadResult:
     """Percentiles, throughput and SLO goodput of finished ``records`` over a run of ``duration_s`` s."""
     done = [r for r in records if r.ok]
@@ -222,6 +232,8 @@ def summarize(
         slo_met=met,
         goodput_rps=None if met is None else met / dur,
         errors=errors,
+        clipped=clipped,
+        max_model_len=max_model_len,
         records=list(records),
     )
 
@@ -326,15 +338,28 @@ async def _one(session: Any, url: str, tr: TraceRequest, model: str | None, chat
         rec.error = f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
-async def _discover_model(session: Any, url: str) -> str | None:
+async def _discover_model(session: Any, url: str) -> tuple[str | None, int | None]:
+    """The first model's id and ``max_model_len`` (vLLM's ``/v1/models`` field) at ``url``, None where
+    not given."""
     try:
         async with session.get(url + "/v1/models") as resp:
             if resp.status == 200:
                 data = (await resp.json()).get("data") or []
-                return str(data[0]["id"]) if data else None
+                if data:
+                    limit = data[0].get("max_model_len")
+                    return str(data[0]["id"]), int(limit) if isinstance(limit, int) and limit > 1 else None
     except Exception:  # a server without /v1/models still takes requests without a model name
-        return None
-    return None
+        return None, None
+    return None, None
+
+
+def clip_to_context(tr: TraceRequest, max_model_len: int | None) -> TraceRequest:
+    """``tr`` with context + generated tokens ≤ ``max_model_len`` (the prompt shortened first, each part
+    kept ≥ 1 token); ``tr`` itself when it fits or no limit is known."""
+    if max_model_len is None or tr.prompt_tokens + tr.output_tokens <= max_model_len:
+        return tr
+    output = min(tr.output_tokens, max_model_len - 1)
+    return TraceRequest(tr.offset_s, max(1, max_model_len - output), output)
 
 
 async def run_load(
@@ -351,8 +376,10 @@ async def run_load(
     slo_ttft_ms: float | None = None,
     slo_itl_ms: float | None = None,
     allow_remote: bool = False,
+    clip: bool = True,
 ) -> LoadResult:
-    """Replay ``trace`` against ``urls`` (round-robin) and return what was measured.
+    """Replay ``trace`` against ``urls`` (round-robin) and return what was measured; with ``clip``, rows
+    longer than the server's ``max_model_len`` are shortened to it (:func:`clip_to_context`).
 
     Bounded: at most ``max_requests`` requests issued within ``max_duration_s`` s; whatever still runs
     ``drain_s`` s later is cancelled (counted ``incomplete``). Total wall time ≤ max_duration_s + drain_s.
@@ -374,8 +401,10 @@ async def run_load(
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task[None]] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        if model is None:
-            model = await _discover_model(session, bases[0])
+        found, max_len = await _discover_model(session, bases[0])
+        model = found if model is None else model
+        max_len = max_len if clip else None
+        clipped = 0
         start = time.perf_counter()
         deadline = start + max_duration_s
         for i, tr in enumerate(trace[:max_requests]):
@@ -386,6 +415,9 @@ async def run_load(
             if delay > 0:
                 await asyncio.sleep(delay)
             url = bases[i % len(bases)]
+            fitted = clip_to_context(tr, max_len)
+            clipped += fitted is not tr
+            tr = fitted
             rec = RequestRecord(
                 url=url, prompt_tokens=tr.prompt_tokens, max_tokens=tr.output_tokens, sent_at=0.0
             )
@@ -409,6 +441,8 @@ async def run_load(
         slo_ttft_ms=slo_ttft_ms,
         slo_itl_ms=slo_itl_ms,
         issue_s=issue_s,
+        clipped=clipped,
+        max_model_len=max_len,
     )
 
 
@@ -432,6 +466,8 @@ def format_table(res: LoadResult) -> str:
             f"SLO (TTFT ≤ {res.slo_ttft_ms:g} ms, TPOT ≤ {res.slo_itl_ms:g} ms): "
             f"{res.slo_met}/{res.completed} met, goodput {res.goodput_rps:.2f} req/s"
         )
+    if res.clipped:
+        lines.append(f"clipped {res.clipped} request(s) to the server's max_model_len {res.max_model_len}")
     for err, n in res.errors.items():
         lines.append(f"error x{n}: {err}")
     return "\n".join(lines)
@@ -457,6 +493,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for goodput, ms")
     p.add_argument("--slo-itl-ms", type=float, help="per-token (TPOT) SLO for goodput, ms")
     p.add_argument("--allow-remote", action="store_true", help="allow non-loopback URLs")
+    p.add_argument("--no-clip", dest="clip", action="store_false",
+                   help="send rows longer than the server's max_model_len as they are (the server refuses "
+                   "them; default: shorten them to fit)")  # fmt: skip
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     p.set_defaults(func=_cli)
 
@@ -479,6 +518,7 @@ def _cli(args: argparse.Namespace) -> int:
                 slo_ttft_ms=args.slo_ttft_ms,
                 slo_itl_ms=args.slo_itl_ms,
                 allow_remote=args.allow_remote,
+                clip=args.clip,
             )
         )
     except (LoadgenError, OSError) as exc:

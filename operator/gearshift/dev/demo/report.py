@@ -93,6 +93,11 @@ def render(d: ReportData) -> str:
             f"{load.get('slo_met')}/{load.get('completed')} requests met it; goodput "
             f"{float(load['goodput_rps']):.2f} req/s"
         )
+    if load.get("clipped"):
+        out.append(
+            f"- {load['clipped']} trace row(s) longer than the service's max_model_len "
+            f"{load.get('max_model_len')} were shortened to fit (vLLM refuses them with a 400)"
+        )
     for err, n in (load.get("errors") or {}).items():
         out.append(f"- error ×{n}: `{err}`")
     out += [

@@ -98,6 +98,7 @@ def build(
             "failed": load.get("failed"),
             "incomplete": load.get("incomplete"),
             "errors": dict(load.get("errors") or {}),
+            "clipped_to_max_model_len": load.get("clipped", 0),
         },
         "offered_rps": _round(load.get("request_rate")),
         "throughput_rps": _round(load.get("throughput_rps")),
