@@ -15,14 +15,18 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 from test_router_proxy import Factory, FakeEngine, make_router  # noqa: F401  (the fixture)
 from vllm_ref import vllm_protocol
 
-from gearshift.router.proxy import error_body, scan_sse
+from gearshift.router.proxy import complete_events, error_body, scan_sse
+from gearshift.sim.config import config_from_env
+from gearshift.sim.server import build_app
 
+LLAMA = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json"
 ROLE_DELAY_S = 0.25
 """How long the chat engine below waits between its role-only chunk and its first token, s."""
 
@@ -331,3 +335,74 @@ async def test_the_service_advertises_one_context_limit_the_smallest_pods(make_r
         doc = await (await client.get("/v1/models")).json()
         assert [c["max_model_len"] for c in doc["data"]] == [8192]
     assert (await (await client.get("/v1/models/m")).json())["max_model_len"] == 8192
+
+
+# --- token counts for every stream ---------------------------------------------------------------------
+def test_complete_events_withhold_only_the_usage_chunk_wherever_the_stream_is_cut() -> None:
+    tok = b'data: {"choices": [{"index": 0, "text": " a"}]}\r\n\r\n'
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
+    done = b"data: [DONE]\n\n"
+    whole = tok + tok + usage + done
+    want = tok.replace(b"\r\n", b"\n") * 2 + done
+    for cut in range(1, len(whole)):
+        head, rest = complete_events(whole[:cut], drop_usage=b'"usage"' in whole[:cut])
+        tail, rest2 = complete_events(rest + whole[cut:], drop_usage=True)
+        assert (head + tail, rest2) == (want, b""), cut
+    # a token chunk that carries usage (continuous_usage_stats) is a token, not withheld
+    cont = b'data: {"choices": [{"text": " b"}], "usage": {"completion_tokens": 1}}\n\n'
+    assert complete_events(cont, drop_usage=True) == (cont, b"")
+
+
+class SimEngine(FakeEngine):
+    """The project's simulated engine (vLLM's OpenAI surface and its ``stream_options``), in-process."""
+
+    def app(self) -> web.Application:
+        pipeline = json.dumps({"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]})
+        env = {
+            "GEARSHIFT_MODEL": str(LLAMA),
+            "GEARSHIFT_SERVED_MODEL_NAME": "m",
+            "GEARSHIFT_PIPELINE": pipeline,
+        }
+        return build_app(config_from_env(env))
+
+
+async def _stream(client: object, body: dict[str, object]) -> list[dict[str, object]]:
+    resp = await client.post("/v1/completions", json=body)  # type: ignore[attr-defined]
+    assert resp.status == 200, await resp.text()
+    text = (await resp.read()).decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    return [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+
+
+@pytest.mark.parametrize("mode", ["both", "pd"])
+async def test_a_stream_without_include_usage_is_counted_and_gets_no_usage_chunk(
+    make_router: Factory,  # noqa: F811
+    mode: str,
+) -> None:
+    """The vLLM-named token series count every stream, not only those that ask for usage: the router asks
+    the engine for the usage chunk and keeps it from a client that did not ask (vLLM's own server sends
+    none then), and passes it to one that did, once."""
+    engines = {"b0": ("both", SimEngine("b0"))} if mode == "both" else {
+        "p0": ("prefill", SimEngine("p0")), "d0": ("decode", SimEngine("d0"))}  # fmt: skip
+    client, _router, _ = await make_router(engines)
+    body = {
+        "model": "m",
+        "prompt": [11, 12, 13, 14, 15, 16, 17],
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    plain = await _stream(client, body)
+    assert [e for e in plain if "usage" in e] == []
+    assert sum(1 for e in plain if e["choices"] and e["choices"][0].get("text")) == 5  # type: ignore[index]
+    cont = await _stream(
+        client, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+    )
+    assert [e for e in cont if "usage" in e] == []
+    asked = await _stream(client, {**body, "stream_options": {"include_usage": True}})
+    usages = [e["usage"] for e in asked if "usage" in e]
+    assert usages == [{"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}]
+    m = await _metrics(client)
+    assert _metric(m, "vllm:prompt_tokens_total") == 3 * 7
+    assert _metric(m, "vllm:generation_tokens_total") == 3 * 5
+    assert _metric(m, "vllm:request_generation_tokens_count") == 3

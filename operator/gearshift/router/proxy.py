@@ -253,6 +253,53 @@ def scan_sse(buffer: bytes) -> tuple[StreamScan, bytes]:
     return scan, rest
 
 
+def usage_withheld(body: Mapping[str, Any]) -> bool:
+    """Whether a streamed request asked for no usage chunk (no ``stream_options.include_usage``): the
+    router then asks the engine for one anyway (:func:`with_usage_requested`), counts its tokens, and keeps
+    it from the client (:func:`complete_events`), so the token series count every stream."""
+    if not body.get("stream"):
+        return False
+    opts = body.get("stream_options")
+    return not (isinstance(opts, Mapping) and opts.get("include_usage"))
+
+
+def with_usage_requested(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` with ``stream_options.include_usage: true`` (vLLM's ``should_include_usage``,
+    vllm/entrypoints/serve/utils/api_utils.py: one usage-only chunk before ``[DONE]``, no usage on the
+    others: ``continuous_usage_stats`` is dropped); ``body`` itself is not changed."""
+    given = body.get("stream_options")
+    opts = dict(given) if isinstance(given, Mapping) else {}
+    # Without include_usage the client's continuous_usage_stats did nothing; with it, every chunk would
+    # carry usage the client did not ask for.
+    opts.pop("continuous_usage_stats", None)
+    return {**body, "stream_options": {**opts, "include_usage": True}}
+
+
+def _usage_only(event: bytes) -> bool:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                doc = json.loads(line[5:])
+            except ValueError:
+                return False
+            return (
+                isinstance(doc, Mapping)
+                and doc.get("choices") == []
+                and isinstance(doc.get("usage"), Mapping)
+            )
+    return False
+
+
+def complete_events(buffer: bytes, drop_usage: bool) -> tuple[bytes, bytes]:
+    """Split ``buffer`` into its complete server-sent events (to write now) and the unfinished tail (to
+    prepend to the next chunk), as :func:`scan_sse` splits it; with ``drop_usage``, usage-only chunks
+    (``choices: []``) are left out of what is written."""
+    *events, rest = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+    if drop_usage:
+        events = [ev for ev in events if not _usage_only(ev)]
+    return b"".join(ev + b"\n\n" for ev in events), rest
+
+
 def _finish_reason(doc: Mapping[str, Any]) -> str | None:
     for choice in doc.get("choices") or ():
         if isinstance(choice, Mapping) and isinstance(choice.get("finish_reason"), str):
@@ -790,7 +837,8 @@ class Proxy:
         pd = self.pool.has_role("prefill") and self.pool.has_role("decode")
         # One X-Request-Id for both legs (and for a retry of either): see REQUEST_ID_HEADER.
         headers = leg_headers(rid, request.headers.get("Authorization"))
-        upstream_body = body
+        withhold = usage_withheld(body)
+        upstream_body = with_usage_requested(body) if withhold else body
         decode_peer: Backend | None = None
         decode_choice: Backend | None = None
         if pd:
@@ -824,7 +872,7 @@ class Proxy:
                     "upstream_error",
                     "upstream_error",
                 ) from None
-            upstream_body = decode_leg_body(body, pjson)
+            upstream_body = decode_leg_body(upstream_body, pjson)
             if upstream_body.get("kv_transfer_params") is body.get("kv_transfer_params"):
                 log.warning(
                     "prefill pod %s returned no kv_transfer_params (no KV connector?); "
@@ -843,8 +891,8 @@ class Proxy:
             timeout,
             headers,
             first=decode_choice if pd else None,
-            # Plain mode forwards the client's bytes unchanged: no re-encoding on the hot path.
-            raw=None if pd else await request.read(),
+            # Plain mode forwards the client's bytes unchanged unless the usage chunk is asked for.
+            raw=None if pd or withhold else await request.read(),
         )
         labels["decode"] = db.info.name
         if not pd:
@@ -852,7 +900,7 @@ class Proxy:
         try:
             model = body.get("model")
             return await self._relay(
-                request, dresp, t_in, policy, rid, relay, model if isinstance(model, str) else ""
+                request, dresp, t_in, policy, rid, relay, model if isinstance(model, str) else "", withhold
             )
         finally:
             dresp.release()
@@ -867,9 +915,12 @@ class Proxy:
         rid: str,
         relay: Relay,
         model: str = "",
+        withhold_usage: bool = False,
     ) -> web.StreamResponse:
         """Copy the upstream response to the client, streaming SSE as it arrives; observe TTFT and ITL
-        (the router's own series, and the client-facing ones under vLLM's names: :func:`_record_client`)."""
+        (the router's own series, and the client-facing ones under vLLM's names: :func:`_record_client`).
+        With ``withhold_usage`` (:func:`usage_withheld`) whole events are written, the usage-only one left
+        out; otherwise the engine's bytes are copied as they come."""
         ctype = resp.headers.get("Content-Type", "application/json")
         if not ctype.startswith("text/event-stream"):
             data = await resp.read()
@@ -892,12 +943,15 @@ class Proxy:
         ttft_h, itl_h = self.metrics.ttft.labels(policy), self.metrics.itl.labels(policy)
         c_itl = self.metrics.client.itl.labels(model)
         seen = StreamScan()
-        tail = b""
+        tail = pending = b""
         chunks = resp.content.iter_any()
         while True:
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
+                if pending:  # an engine's last event without its blank line goes out as it came
+                    with contextlib.suppress(ConnectionResetError):
+                        await out.write(pending)
                 break
             except (aiohttp.ClientError, ConnectionResetError) as exc:
                 await self._end_stream(out, f"the engine broke off the stream: {exc}")
@@ -923,8 +977,11 @@ class Proxy:
                         itl_h.observe(gap)
                         c_itl.observe(gap)
                 last = now
+            if withhold_usage:
+                chunk, pending = complete_events(pending + chunk, drop_usage=scan.usage is not None)
             try:
-                await out.write(chunk)
+                if chunk:
+                    await out.write(chunk)
             except ConnectionResetError as exc:
                 if relay.delivered:
                     return out
@@ -949,8 +1006,8 @@ class Proxy:
     def _record_client(self, model: str, e2e_s: float, ttft_s: float | None, scan: StreamScan) -> None:
         """One finished client request in the vLLM-named series (:class:`~.metrics.ClientMetrics`): E2E,
         TTFT (streams only: a whole answer's first token is not seen), success by finish reason, and the
-        token counts and time per output token when the answer carries ``usage`` (always unstreamed;
-        streamed with ``stream_options.include_usage``); a stream also counts in
+        token counts and time per output token from the answer's ``usage`` (an engine's whole answer has
+        it; a stream has it since the router asks for it, :func:`usage_withheld`); a stream also counts in
         ``gearshift_router_slo_requests_total`` against the PDService's SLO (``--target-ttft-ms``,
         ``--target-itl-ms``)."""
         c = self.metrics.client
