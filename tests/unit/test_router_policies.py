@@ -147,6 +147,22 @@ class TestDecodeScore:
         assert exp["x"] == pytest.approx(0.87655, abs=1e-4)
         assert P.best(scored).pod.name == "x-h100"
 
+    def test_a_request_between_the_pool_over_1_2_and_the_pool_takes_an_idle_pod(self) -> None:
+        cap = 2**30
+        req = P.RequestView(
+            prompt_tokens=0, max_tokens=int(0.9 * cap / KV_PER_TOKEN), kv_bytes_per_token=KV_PER_TOKEN
+        )
+        assert cap / 1.2 < req.kv_bytes <= cap  # fits the pool, not with the 1.2 margin
+        idle = pv("idle", role="decode", kv_capacity_bytes=cap, kv_usage=0.0)
+        busy = pv("busy", role="decode", kv_capacity_bytes=cap, kv_usage=0.05)
+        assert [s.pod.name for s in P.score_decode([idle, busy], req)] == ["idle"]
+        # below 1/1.2 of the pool the seed's margin holds as it was: 1.2 × kv, not the whole pool
+        half = P.RequestView(
+            prompt_tokens=0, max_tokens=int(0.5 * cap / KV_PER_TOKEN), kv_bytes_per_token=KV_PER_TOKEN
+        )
+        assert P.has_headroom(pv("a", role="decode", kv_capacity_bytes=cap, kv_usage=0.35), half.kv_bytes)
+        assert not P.has_headroom(pv("b", role="decode", kv_capacity_bytes=cap, kv_usage=0.45), half.kv_bytes)
+
     def test_no_headroom_anywhere_is_empty(self) -> None:
         big = P.RequestView(prompt_tokens=100_000, max_tokens=100_000, kv_bytes_per_token=KV_PER_TOKEN)
         assert P.score_decode(self.pods(), big) == []

@@ -418,9 +418,17 @@ def batch_score(current: float, max_batch: int) -> float:
 
 
 def has_headroom(pod: PodView, kv_bytes: float) -> bool:
-    """Seed 000's filter: free KV memory ≥ 1.2 × the request's KV cache (unknown capacity passes)."""
+    """Seed 000's filter: free KV memory ≥ 1.2 × the request's KV cache (unknown capacity passes), the
+    margin capped at the pod's whole pool: a request of more than 1/1.2 of the pool (which the engine
+    serves) takes an idle pod instead of never passing (held, then refused with 503, while its scale-up
+    request could not help)."""
     free = pod.free_kv_bytes
-    return free is None or free >= KV_HEADROOM * kv_bytes
+    if free is None:
+        return True
+    need = KV_HEADROOM * kv_bytes
+    if pod.kv_capacity_bytes is not None:
+        need = min(need, pod.kv_capacity_bytes)
+    return free >= need
 
 
 def score_decode(
