@@ -113,3 +113,24 @@ class TestErrors:
         p.write_text("activation_mb: 1\nlayers:\n  - {compute_ms: -1, weight_gb: 1}\n")
         with pytest.raises(PlanInputError, match=r"layers\[0\]\.compute_ms"):
             load_model_file(p, RooflineAssumptions())
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--qps", "nan", "finite load above 0"),
+        ("--qps", "inf", "finite load above 0"),
+        ("--qps", "-2", "finite load above 0"),
+        ("--qps", "ten", "not a number"),
+        ("--prompt-tokens", "0", "at least 1 token"),
+        ("--kv-context-tokens", "1.5", "whole number"),
+    ],
+)
+def test_bad_load_flags_are_named_before_planning(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, named: str
+) -> None:
+    """``--qps nan`` reached the simulator, which answered "no latency; raise sim_requests"."""
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--cluster", str(SEED_PROFILE), "--model", str(LLAMA_8B), flag, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {flag}" in err and named in err, err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,28 @@ if TYPE_CHECKING:
     from gearshift.planner.costs import CostModel, RooflineAssumptions
 
 FORMATS = ("table", "json", "yaml")
+
+
+def _positive_qps(text: str) -> float:
+    """``--qps``: a finite load > 0, req/s (NaN or infinity reached the simulator, which then reported
+    "no latency; raise sim_requests")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests per second") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite load above 0 req/s, e.g. --qps 10")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least 1 token")
+    return value
 
 
 def register(sub: Any) -> None:
@@ -31,12 +54,18 @@ def register(sub: Any) -> None:
         action="store_true",
         help="one pipeline, no replicas; with --gear throughput: the exact minimum-bottleneck pipeline",
     )
-    p.add_argument("--qps", type=float, default=None, help="load for latency predictions, req/s")
+    p.add_argument("--qps", type=_positive_qps, default=None, help="load for latency predictions, req/s")
     p.add_argument(
-        "--prompt-tokens", type=int, default=512, help="mean prompt tokens per request (HF config only)"
+        "--prompt-tokens",
+        type=_positive_int,
+        default=512,
+        help="mean prompt tokens per request (HF config only)",
     )
     p.add_argument(
-        "--output-tokens", type=int, default=128, help="mean output tokens per request (HF config only)"
+        "--output-tokens",
+        type=_positive_int,
+        default=128,
+        help="mean output tokens per request (HF config only)",
     )
     p.add_argument(
         "--role",
@@ -46,7 +75,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--kv-context-tokens",
-        type=int,
+        type=_positive_int,
         default=None,
         help="KV tokens reserved per sequence (HF config only; default: 1.2 x (prompt + output))",
     )
