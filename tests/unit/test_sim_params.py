@@ -128,3 +128,32 @@ async def test_the_context_limit_is_the_models_own_as_in_vllm(sim: TestClient) -
     assert card["max_model_len"] == 8192  # Llama-3-8B's own, not the A10's KV pool (54,400 tokens)
     resp = await sim.post("/v1/completions", json={"prompt": [1] * (8192 - 10), "max_tokens": 20})
     assert resp.status == 400 and "maximum context length is 8192" in (await resp.json())["error"]["message"]
+
+
+#: Sampling fields by the values vLLM's own request model and SamplingParams take or refuse.
+SAMPLING_CASES = [
+    {"temperature": "hot"}, {"temperature": "0.5"}, {"temperature": -1}, {"temperature": 3.0},
+    {"temperature": None},
+    {"top_p": 0}, {"top_p": 1.5}, {"top_p": "x"}, {"top_p": 1},
+    {"top_k": "many"}, {"top_k": 0}, {"top_k": -1}, {"top_k": -2}, {"top_k": 2.5}, {"top_k": "3"},
+    {"min_p": 2}, {"min_p": -0.1}, {"min_p": 0.2},
+    {"presence_penalty": 3}, {"frequency_penalty": -3}, {"frequency_penalty": 1.5},
+    {"repetition_penalty": 0}, {"repetition_penalty": "x"}, {"repetition_penalty": 1.1},
+    {"seed": 1.5}, {"seed": "7"}, {"seed": -1},
+    {"ignore_eos": "perhaps"}, {"ignore_eos": "yes"}, {"skip_special_tokens": "nah"},
+    {"min_tokens": -1}, {"min_tokens": "2"}, {"min_tokens": 5},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", SAMPLING_CASES, ids=lambda e: json.dumps(e))
+async def test_sampling_fields_are_refused_where_vllm_refuses_them(
+    sim: TestClient, extra: dict[str, Any]
+) -> None:
+    """``"temperature": "hot"`` was served (the simulator samples nothing); vLLM answers 400."""
+    body = {"prompt": "a b", "max_tokens": 3, **extra}
+    want = vllm_protocol().call("request", kind="completion", body=body)
+    resp = await sim.post("/v1/completions", json=body)
+    assert (resp.status == 200) == bool(want["ok"]), (await resp.text(), want)
+    if resp.status != 200:
+        err = (await resp.json())["error"]
+        assert resp.status == 400 and err["param"] == next(iter(extra)), err

@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -158,6 +158,43 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 INCLUDE_STOP = "include_stop_str_in_output"
 _LAX_BOOL: pydantic.TypeAdapter[bool] = pydantic.TypeAdapter(bool)
 _LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
+_LAX_FLOAT: pydantic.TypeAdapter[float] = pydantic.TypeAdapter(float)
+
+#: Sampling fields the simulator does not use but checks as vLLM does, so a request vLLM refuses is refused
+#: here too: name → (type, the range vLLM allows, that range in vLLM's words). Types from vLLM's request
+#: models (pydantic, lax), ranges from ``SamplingParams._verify_args`` (vllm/sampling_params.py, 0.32).
+SAMPLING_RULES: dict[str, tuple[pydantic.TypeAdapter[Any], Callable[[Any], bool], str]] = {
+    "temperature": (_LAX_FLOAT, lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "top_p": (_LAX_FLOAT, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (_LAX_INT, lambda v: v in (-1, 0) or v >= 1, "0 (disable), or at least 1"),
+    "min_p": (_LAX_FLOAT, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "presence_penalty": (_LAX_FLOAT, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (_LAX_FLOAT, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (_LAX_FLOAT, lambda v: v > 0, "greater than zero"),
+    "seed": (_LAX_INT, lambda _v: True, "an integer"),
+    "ignore_eos": (_LAX_BOOL, lambda _v: True, "a boolean"),
+    "skip_special_tokens": (_LAX_BOOL, lambda _v: True, "a boolean"),
+    "min_tokens": (_LAX_INT, lambda v: v >= 0, "greater than or equal to 0"),
+}
+
+
+def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
+    """Refuse what vLLM refuses among :data:`SAMPLING_RULES`' fields (None is vLLM's default: passes),
+    and a ``min_tokens`` above ``max_tokens``.
+
+    Raises:
+        BadRequest: naming the field, in vLLM's words.
+    """
+    for name, (adapter, allowed, rule) in SAMPLING_RULES.items():
+        if body.get(name) is None:
+            continue
+        value = _lax(adapter, body[name], name, "a number" if adapter is _LAX_FLOAT else rule)
+        if not allowed(value):
+            raise BadRequest(f"{name} must be {rule}, got {value}.", name)
+        if name == "min_tokens" and value > max_tokens:
+            raise BadRequest(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {value}.", name
+            )
 
 
 def _lax(adapter: pydantic.TypeAdapter[Any], value: Any, field: str, what: str) -> Any:
@@ -217,6 +254,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     max_tokens = default if max_tokens is None else _lax(_LAX_INT, max_tokens, key, "a positive integer")
     if max_tokens < 1:
         raise BadRequest(f"{key} must be a positive integer, got {max_tokens!r}", key)
+    check_sampling(body, max_tokens)
     if _lax(_LAX_INT, body.get("n", 1), "n", "an integer") != 1:
         raise BadRequest(
             "n: gearshift-sim returns one choice per request; send n=1 (or several requests)", "n"
