@@ -144,6 +144,13 @@ class TestModelSpec:
         assert from_numbers.layer_weight_bytes == from_file.layer_weight_bytes
         assert from_numbers.kv_bytes_per_token == from_file.kv_bytes_per_token
         assert from_numbers.total_weight_bytes == from_file.total_weight_bytes
+        # the context limit too: the demo's sim pods advertised their KV pool (54,400 tokens on an A10)
+        assert from_numbers.max_position_embeddings == from_file.max_position_embeddings == 8192
+
+    def test_the_context_limit_is_an_architecture_number_not_beside_hf_config(self) -> None:
+        cfg = json.loads(self.LLAMA.read_text())
+        with pytest.raises(ValueError, match="maxPositionEmbeddings"):
+            ModelSpec.model_validate({"name": "m", "hfConfig": cfg, "maxPositionEmbeddings": 4096})
 
     def test_inline_hf_config_keeps_unknown_keys_and_converts(self) -> None:
         cfg = json.loads(self.LLAMA.read_text())

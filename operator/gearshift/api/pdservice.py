@@ -248,6 +248,7 @@ _ARCH_FIELDS = (
     "head_dim",
     "intermediate_size",
     "vocab_size",
+    "max_position_embeddings",
 )
 
 
@@ -305,6 +306,11 @@ class ModelSpec(SpecModel):
     head_dim: int | None = _positive(65536, "Head dimension; unset: hiddenSize / numHeads.")
     intermediate_size: int | None = _positive(4194304, "MLP width, per expert for MoE.")
     vocab_size: int | None = _positive(16777216, "Vocabulary size.")
+    max_position_embeddings: int | None = _positive(
+        67108864,
+        "The model's context limit in tokens (HF max_position_embeddings): the service's max_model_len, "
+        "capped by each pod's KV pool; unset: the KV pool alone.",
+    )
     dtype: Dtype = Field(
         default="bfloat16", description="Weights and KV-cache dtype; hfConfig's torch_dtype wins when set."
     )
@@ -375,6 +381,7 @@ class ModelSpec(SpecModel):
             num_experts=self.num_experts,
             experts_per_token=self.experts_per_token,
             tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
         )
 
     @property
