@@ -83,7 +83,7 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
 
 
 def loadgen(url: str, trace: Path, *, time_scale: float, max_requests: int, seconds: float, stream: bool,
-            drain: float = 30.0, slo: bool = False) -> dict[str, Any]:  # fmt: skip
+            drain: float = 30.0, slo: bool = False, chat: bool = False) -> dict[str, Any]:  # fmt: skip
     args = [
         str(BIN / "gearshift"), "loadgen", "--url", url, "--trace", str(trace),
         "--time-scale", str(time_scale), "--max-requests", str(max_requests), "--max-duration", str(seconds),
@@ -93,6 +93,8 @@ def loadgen(url: str, trace: Path, *, time_scale: float, max_requests: int, seco
         args.append("--stream")
     if slo:
         args += ["--slo-ttft-ms", "200", "--slo-itl-ms", "50"]
+    if chat:
+        args.append("--chat")
     out = subprocess.run(args, capture_output=True, check=True, cwd=REPO, timeout=seconds + drain + 60)
     return json.loads(out.stdout)
 
@@ -222,14 +224,66 @@ def pool_capacity(mean_prompt: int) -> tuple[float, dict[str, float], dict[str, 
     return cap, ms, kv
 
 
-def policies(seconds: float, loads: list[float], names: list[str], max_out: int, tmp: Path) -> dict[str, Any]:
+def trace_rows(limit: int = 20000) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of the trace's first ``limit`` + 2 requests."""
     rows_all = []
     with TRACE.open() as fh:
         rd = csv.DictReader(fh)
         for i, row in enumerate(rd):
             rows_all.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-            if i > 20000:
+            if i > limit:
                 break
+    return rows_all
+
+
+def scaled_trace(rows_all: list[tuple[int, int]], rate: float, seconds: float, max_out: int,
+                 path: Path) -> tuple[int, float]:  # fmt: skip
+    """Write the trace's first ``rate × seconds`` requests to ``path`` with its own arrival pattern (bursts
+    kept) and output tokens clipped to ``max_out``; returns (requests, loadgen --time-scale for ``rate``)."""
+    from gearshift.dev.loadgen import _parse_ts
+
+    n = int(rate * seconds)
+    rows = rows_all[:n]
+    with TRACE.open() as fh2:
+        stamps = [r["TIMESTAMP"] for _, r in zip(range(n), csv.DictReader(fh2), strict=False)]
+    t = [_parse_ts(s, i).timestamp() for i, s in enumerate(stamps)]
+    native = (len(t) - 1) / max(t[-1] - t[0], 1e-9)
+    write_trace(path, [(t[i] - t[0], p, min(g, max_out)) for i, (p, g) in enumerate(rows)])
+    return n, rate / native
+
+
+def sim_pool(roles: list[tuple[str, list[str]]], kv_bytes: dict[str, int], procs: Procs, tmp: Path,
+             log: str = "sim.log") -> list[dict[str, Any]]:  # fmt: skip
+    """One gearshift-sim process serving a pod per (role, GPU) (Llama-3-8B, maxBatch 64, 100 Gb/s KV link),
+    started under ``procs`` and waited for; each pod's role, gpu, name, url and router ``--backend`` spec."""
+    pods, out = [], []
+    for role, gpus in roles:
+        for i, gpu in enumerate(gpus):
+            port = free_port()
+            pipe = {"stages": [{"layers": [0, 32], "gpu": gpu, "gpus": 1}], "maxBatch": 64}
+            link = {"gbps": 100, "latencyUs": 10}
+            env_pod = {"GEARSHIFT_ROLE": role, "GEARSHIFT_PIPELINE": pipe, "GEARSHIFT_KV_LINK": link}
+            pods.append({"listen": f"127.0.0.1:{port}", "env": env_pod})
+            name = f"{role}-{gpu.split('-')[0].lower()}-{i}"
+            url = f"http://127.0.0.1:{port}"
+            spec = f"{role}={url};gpu={gpu};name={name};maxbatch=64;nic=100"
+            if role in ("decode", "both"):
+                spec += f";kvbytes={kv_bytes[gpu]}"
+            out.append({"role": role, "gpu": gpu, "name": name, "url": url, "port": port, "backend": spec})
+    pods_file = tmp / f"{Path(log).stem}-pods.json"
+    pods_file.write_text(json.dumps(pods))
+    env = os.environ | {"GEARSHIFT_MODEL": str(MODEL), "GEARSHIFT_SERVED_MODEL_NAME": "m"}
+    fh = (tmp / log).open("wb")
+    sim = subprocess.Popen([str(BIN / "gearshift-sim"), "--pods", str(pods_file)], stdout=fh,
+                           stderr=subprocess.STDOUT, cwd=REPO, env=env)  # fmt: skip
+    procs.procs.append(sim)
+    for p in pods:
+        wait_http(f"http://{p['listen']}/health", 60)
+    return out
+
+
+def policies(seconds: float, loads: list[float], names: list[str], max_out: int, tmp: Path) -> dict[str, Any]:
+    rows_all = trace_rows()
     mean_prompt = round(sum(p for p, _ in rows_all) / len(rows_all))
     cap, prefill_ms, kv_bytes = pool_capacity(mean_prompt)
     out: dict[str, Any] = {
@@ -244,42 +298,12 @@ def policies(seconds: float, loads: list[float], names: list[str], max_out: int,
     }
     procs = Procs()
     try:
-        pods, backends = [], []
-        for role, gpus in (("prefill", PREFILL_GPUS), ("decode", DECODE_GPUS)):
-            for i, gpu in enumerate(gpus):
-                port = free_port()
-                pipe = {"stages": [{"layers": [0, 32], "gpu": gpu, "gpus": 1}], "maxBatch": 64}
-                link = {"gbps": 100, "latencyUs": 10}
-                env_pod = {"GEARSHIFT_ROLE": role, "GEARSHIFT_PIPELINE": pipe, "GEARSHIFT_KV_LINK": link}
-                pods.append({"listen": f"127.0.0.1:{port}", "env": env_pod})
-                name = f"{role}-{gpu.split('-')[0].lower()}-{i}"
-                spec = f"{role}=http://127.0.0.1:{port};gpu={gpu};name={name};maxbatch=64;nic=100"
-                if role == "decode":
-                    spec += f";kvbytes={kv_bytes[gpu]}"
-                backends.append(spec)
-        pods_file = tmp / "pods.json"
-        pods_file.write_text(json.dumps(pods))
-        env = os.environ | {"GEARSHIFT_MODEL": str(MODEL), "GEARSHIFT_SERVED_MODEL_NAME": "m"}
-        fh = (tmp / "sim.log").open("wb")
-        sim = subprocess.Popen([str(BIN / "gearshift-sim"), "--pods", str(pods_file)], stdout=fh,
-                               stderr=subprocess.STDOUT, cwd=REPO, env=env)  # fmt: skip
-        procs.procs.append(sim)
-        for p in pods:
-            wait_http(f"http://{p['listen']}/health", 60)
+        pool = sim_pool([("prefill", PREFILL_GPUS), ("decode", DECODE_GPUS)], kv_bytes, procs, tmp)
+        backends = [p["backend"] for p in pool]
         for load in loads:
             rate = load * cap
-            n = int(rate * seconds)
-            # the trace's own arrival pattern (bursts kept), scaled in time to the target mean rate
-            rows = rows_all[:n]
-            with TRACE.open() as fh2:
-                stamps = [r["TIMESTAMP"] for _, r in zip(range(n), csv.DictReader(fh2), strict=False)]
-            from gearshift.dev.loadgen import _parse_ts
-
-            t = [_parse_ts(s, i).timestamp() for i, s in enumerate(stamps)]
-            native = (len(t) - 1) / max(t[-1] - t[0], 1e-9)
             trace = tmp / f"trace-{load}.csv"
-            write_trace(trace, [(t[i] - t[0], p, min(g, max_out)) for i, (p, g) in enumerate(rows)])
-            scale = rate / native
+            n, scale = scaled_trace(rows_all, rate, seconds, max_out, trace)
             for name, flags in POLICY_RUNS:
                 if names and name not in names:
                     continue
