@@ -13,7 +13,8 @@ Each tool sends :data:`N_REQUESTS` streamed requests one at a time (concurrency 
 guidellm speaks ``/v1/chat/completions`` (its default), aiperf and inference-perf ``/v1/completions``.
 The test reads the tool's own result file and the router's ``/metrics`` before and after, and asserts:
 
-- the run completed :data:`N_REQUESTS` requests with 0 errors;
+- the run completed :data:`N_REQUESTS` requests with 0 errors (guidellm may leave its last one out of its
+  report, :attr:`ClientRun.unrecorded`; the router must still count it);
 - the router counted the same requests (``vllm:request_success_total``, and a first token for each in
   ``vllm:time_to_first_token_seconds``) and the same tokens as the tool (``vllm:prompt_tokens_total``,
   ``vllm:generation_tokens_total``; :data:`OUTPUT_TOKENS` per request). Token counts are the server's:
@@ -182,6 +183,10 @@ class ClientRun:
     e2e_mean_s: float
     prompt_tokens: int
     output_tokens: int
+    unrecorded: int = 0
+    """Requests the tool sent but left out of its report: guidellm's scheduler may end its benchmark with
+    its last request still ``processing`` (its ``scheduler_state``; seen once on 2 loaded cores, 29 of 30
+    reported while the router answered all 30 with 200)."""
 
 
 def guidellm_argv(bin_dir: Path, url: str, model: str, tokenizer: Path, out: Path) -> list[str]:
@@ -208,6 +213,7 @@ def read_guidellm(path: Path) -> ClientRun:
     assert len(bench) == 1, f"{path}: {len(bench)} benchmarks, expected one"
     m = bench[0]["metrics"]
     totals = m["request_totals"]
+    state = bench[0].get("scheduler_state") or {}
     return ClientRun(
         completed=int(totals["successful"]),
         errored=int(totals["errored"]) + int(totals["incomplete"]),
@@ -215,6 +221,7 @@ def read_guidellm(path: Path) -> ClientRun:
         e2e_mean_s=m["request_latency"]["successful"]["mean"],
         prompt_tokens=round(m["prompt_token_count"]["successful"]["total_sum"]),
         output_tokens=round(m["output_token_count"]["successful"]["total_sum"]),
+        unrecorded=int(state.get("processing_requests") or 0),
     )
 
 
@@ -384,15 +391,21 @@ def settled_counters(wait_for: Callable[..., Any], url: str, model: str) -> Rout
 
 def assert_agree(tool: str, run: ClientRun, router: RouterCounters) -> None:
     """The tool's run and the router's counts over the same run agree (module docstring)."""
-    assert (run.completed, run.errored) == (N_REQUESTS, 0), f"{tool}: {run}"
+    assert run.errored == 0 and run.unrecorded <= 1, f"{tool}: {run}"
+    assert run.completed + run.unrecorded == N_REQUESTS, f"{tool}: {run}"
     seen = f"{tool}: {run}; the router over the run: {router}"
-    assert router.success == run.completed, (
-        f"the router counted {router.success:g} of {tool}'s {run.completed} requests as successful; "
+    assert router.success == N_REQUESTS, (
+        f"the router counted {router.success:g} of {tool}'s {N_REQUESTS} requests as successful; "
         f"its requests by outcome: {router.outcomes}\n{seen}"
     )
-    assert router.ttft_count == run.completed and router.e2e_count == run.completed, seen
-    assert router.prompt_tokens == run.prompt_tokens, seen
-    assert router.generation_tokens == run.output_tokens == OUTPUT_TOKENS * N_REQUESTS, seen
+    assert router.ttft_count == N_REQUESTS and router.e2e_count == N_REQUESTS, seen
+    assert router.generation_tokens == OUTPUT_TOKENS * N_REQUESTS, seen
+    assert run.output_tokens == OUTPUT_TOKENS * run.completed, seen
+    if run.unrecorded:  # the router also counted the prompt the tool left out: about one request's worth
+        per_request = run.prompt_tokens / run.completed
+        assert 0 < router.prompt_tokens - run.prompt_tokens <= 2 * per_request * run.unrecorded, seen
+    else:
+        assert router.prompt_tokens == run.prompt_tokens, seen
     ttft = router.ttft_sum_s / router.ttft_count
     e2e = router.e2e_sum_s / router.e2e_count
     ttft_offset, e2e_offset = run.ttft_mean_s - ttft, run.e2e_mean_s - e2e

@@ -267,7 +267,10 @@ class TestServer_:
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert ttft_pred <= ttft < ttft_pred + 0.15
         assert len(gaps) == 3
-        assert sum(itls_pred) - 0.003 <= sum(gaps) < sum(itls_pred) + 0.15
+        # No token comes before the model's time; the gaps alone may sum to less when a loaded machine
+        # delivered the first token late and the engine's timeline caught up (CI: 104.5 ms of 107.5).
+        assert ttft_pred + sum(itls_pred) - 0.003 <= times[-1] - t0 < ttft_pred + sum(itls_pred) + 0.3
+        assert sum(gaps) < sum(itls_pred) + 0.15
         assert chunks[-1] == {"done": True}
         texts = "".join(c["choices"][0]["text"] for c in chunks[:-1] if c.get("choices"))
         assert len(texts.split()) == 4
