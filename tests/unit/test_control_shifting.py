@@ -98,6 +98,17 @@ class TestFreeGpus:
         assert cs.pod_gpus(pod) == 5
         assert cs.pod_gpus({}) == 0
 
+    def test_gpus_by_gear_counts_each_gears_live_pods(self) -> None:
+        def pod(gear: str, gpus: int, phase: str = "Running") -> dict[str, Any]:
+            return {
+                "metadata": {"labels": {names.LABEL_GEAR: gear}},
+                "spec": {"containers": [{"resources": {"limits": {GPU: str(gpus)}}}]},
+                "status": {"phase": phase},
+            }
+
+        pods = [pod("a", 2), pod("a", 1), pod("b", 4, "Failed"), pod("b", 1, "Pending"), pod("other", 8)]
+        assert cs.gpus_by_gear(["a", "b", "c"], pods) == {"a": 3, "b": 1, "c": 0}
+
 
 class TestShadowFits:
     def test_the_node_with_most_free_gpus_goes_first(self) -> None:

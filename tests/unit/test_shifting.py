@@ -578,6 +578,31 @@ class TestTicks:
         assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
         assert cs.gears_to_free([], None, "balanced") == []
 
+    def test_the_active_gear_and_the_gpus_of_each_gear_are_exported(self, world: FakeKubeApi) -> None:
+        """The dashboard's gear panels: gearshift_operator_active_gear and _gear_gpus per gear, the
+        shadow's GPUs counted while it warms, and gone with the GearSet."""
+        from prometheus_client import REGISTRY
+
+        def value(name: str, gear: str) -> float | None:
+            labels = {"service_namespace": NS, "service": "llama3-8b", "role": "prefill", "gear": gear}
+            return REGISTRY.get_sample_value(f"gearshift_operator_{name}", labels)
+
+        run(world, FakeSignals(), T0)
+        # gearset-explicit.yaml: balanced is 4 one-GPU stages; latency 2 + 1 pods (its H100 stage twice)
+        assert [value("active_gear", g) for g in ("latency", "balanced", "throughput")] == [0.0, 1.0, 0.0]
+        assert [value("gear_gpus", g) for g in ("latency", "balanced", "throughput")] == [0.0, 4.0, 0.0]
+        key = world.key("GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        run(world, FakeSignals(), T0 + 1)
+        kubelet(world, T0 + 1)
+        run(world, FakeSignals(), T0 + 2)
+        assert (value("gear_gpus", "latency"), value("gear_gpus", "balanced")) == (3.0, 4.0)
+        assert value("active_gear", "balanced") == 1.0
+        sh.gearset_deleted(
+            namespace=NS, name=GS_NAME, body=world.store[key], memo=kopf.Memo(runtime=world.runtime)
+        )
+        assert value("active_gear", "balanced") is None and value("gear_gpus", "latency") is None
+
     def test_p99_regression_rolls_back_then_drains_the_failed_gear(self, world: FakeKubeApi) -> None:
         """Baseline = balanced's smoothed TTFT P99 at the decision (150 ms): latency at 1000 ms exceeds
         2 × max(150, target 200) = 400 ms. The Service returns to balanced first; latency is deleted only

@@ -192,6 +192,17 @@ def pod_gpus(pod: Mapping[str, Any]) -> int:
     return total
 
 
+def gpus_by_gear(gears: Iterable[str], pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """GPUs the pods of each of ``gears`` ask for (:func:`pod_gpus`; pods labelled with the gear, finished
+    ones left out); 0 for a gear with no pods. Other gears' pods are not counted."""
+    out = dict.fromkeys(gears, 0)
+    for pod in pods:
+        gear = ((pod.get("metadata") or {}).get("labels") or {}).get(names.LABEL_GEAR)
+        if gear in out and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            out[gear] += pod_gpus(pod)
+    return out
+
+
 def free_gpus(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """Free GPUs per node name: allocatable ``nvidia.com/gpu`` − GPUs of its unfinished pods (not
     ``Succeeded``/``Failed``); negative when pods hold more than the node now advertises. Node order kept."""

@@ -6,6 +6,8 @@ The shift counters and the decision-latency histogram are filled by the gear-shi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter(
@@ -43,3 +45,37 @@ LEADER = Gauge(
     "gearshift_operator_leader",
     "1 while this replica holds the leader Lease and handles resources, 0 while it waits as a standby.",
 )
+#: Per gear of each GearSet (its PDService's namespace and name, role): what the dashboard's gear panels
+#: show. Set by every shifting tick; a deleted GearSet's series go (:func:`forget_gears`).
+GEAR_LABELS = ("service_namespace", "service", "role", "gear")
+ACTIVE_GEAR = Gauge(
+    "gearshift_operator_active_gear",
+    "1 for the gear of the role that serves (status.activeGear), 0 for its other gears.",
+    GEAR_LABELS,
+)
+GEAR_GPUS = Gauge(
+    "gearshift_operator_gear_gpus",
+    "GPUs (nvidia.com/gpu) the pods of the gear ask for now: the serving gear's, and a shadow's or a "
+    "draining gear's during a shift.",
+    GEAR_LABELS,
+)
+
+
+def record_gears(namespace: str, service: str, role: str, active: str, gpus: Mapping[str, int]) -> None:
+    """Set :data:`ACTIVE_GEAR` and :data:`GEAR_GPUS` for every gear in ``gpus`` (gear → GPUs held)."""
+    for gear, n in gpus.items():
+        ACTIVE_GEAR.labels(namespace, service, role, gear).set(1.0 if gear == active else 0.0)
+        GEAR_GPUS.labels(namespace, service, role, gear).set(n)
+
+
+def forget_gears(namespace: str, service: str, role: str) -> int:
+    """Remove every gear series of ``namespace/service``'s ``role``; returns how many went."""
+    gone = 0
+    for gauge in (ACTIVE_GEAR, GEAR_GPUS):
+        for metric in gauge.collect():
+            for sample in metric.samples:
+                lab = sample.labels
+                if (lab["service_namespace"], lab["service"], lab["role"]) == (namespace, service, role):
+                    gauge.remove(namespace, service, role, lab["gear"])
+                    gone += 1
+    return gone

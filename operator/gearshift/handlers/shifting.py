@@ -94,6 +94,7 @@ from gearshift.control.shifting import (
     executor_request,
     forced_shift_reverted,
     gears_to_free,
+    gpus_by_gear,
     observe_gears,
     pipeline_shape,
     selected_gear,
@@ -169,6 +170,8 @@ class _Seen:
     in_flight_old: int | None
     """Requests still on the gear being drained; ``None``: unknown, or no drain."""
     observations: dict[str, GearObservation]
+    gpus: dict[str, int]
+    """GPUs the pods of each spec gear ask for now (:func:`gpus_by_gear`)."""
 
     @property
     def sample(self) -> Sample | None:
@@ -257,7 +260,9 @@ def _observe(api: KubeApi, t: _Inputs, settings: Settings, signals: SignalSource
         sample_gear=sample_gear,
         metric=t.policy.latency_metric,
     )
-    return _Seen(by_gear, selected, url, reading, why, in_flight_old, observations)
+    return _Seen(
+        by_gear, selected, url, reading, why, in_flight_old, observations, gpus_by_gear(t.gears, pods)
+    )
 
 
 def _step(api: KubeApi, t: _Inputs, seen: _Seen, now: float) -> _Stepped:
@@ -368,6 +373,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: SignalS
     done = _step(api, t, seen, now)
     book = _write_status(rt, t, seen, done, now)
     _act(rt, t, done.operations)
+    metrics.record_gears(namespace, t.gs.spec.service_name, t.gs.spec.role, done.state.active, seen.gpus)
     for reason, message, warning in book.changes:
         emit(api, t.body, reason, message, warning)
     if done.window_warning is not None:
@@ -492,3 +498,6 @@ def gearset_deleted(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
     rt = runtime_of(memo)
     free_gears_of_deleted_gearset(rt, namespace, body)
     rt.gearsets.forget((namespace, name))
+    spec = body.get("spec") or {}
+    if spec.get("serviceName") and spec.get("role"):
+        metrics.forget_gears(namespace, spec["serviceName"], spec["role"])
