@@ -811,3 +811,35 @@ async def test_a_request_larger_than_every_decode_kv_pool_is_refused_at_once(mak
     assert eng["d0"].requests == [] and eng["p0"].requests == []
     # one that fits an empty pod is served
     assert (await client.post("/v1/completions", json=_body(700, 20))).status == 200
+
+
+async def test_a_connect_timeout_is_a_failed_connect_retried_elsewhere_not_a_504(
+    make_router: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp's connect timeout is a TimeoutError: it was answered as the router's own request timeout
+    (504 "no complete answer within 300 s", bench/router_peers at 95 % load) and not retried."""
+    client, router, eng = await make_router(
+        {"b-slow": ("both", FakeEngine("b-slow")), "b-ok": ("both", FakeEngine("b-ok"))}
+    )
+    slow_url = router.pool.backends["b-slow"].info.url
+    real_post = router.session.post
+
+    def post(url: str, **kw: Any) -> Any:
+        if url.startswith(slow_url):
+            raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host {slow_url}")
+        return real_post(url, **kw)
+
+    monkeypatch.setattr(router.session, "post", post)
+    # round-robin over sorted names ["b-ok", "b-slow"]: the second request meets the slow pod first
+    for _ in range(2):
+        resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert resp.status == 200, await resp.text()
+    assert len(eng["b-ok"].requests) == 2 and router.pool.backends["b-slow"].failures == 1
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_retries_total{pod="b-slow",role="both"} 1.0' in metrics
+    # no pod reachable: a 502 naming the connect failure, never the 504 of the router's own timeout
+    monkeypatch.setattr(router.session, "post", lambda url, **kw: (_ for _ in ()).throw(
+        aiohttp.ConnectionTimeoutError("Connection timeout to host")))  # fmt: skip
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    doc = await resp.json()
+    assert resp.status == 502 and "could not connect" in doc["error"]["message"], doc

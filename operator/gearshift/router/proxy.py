@@ -52,7 +52,15 @@ from gearshift.router.pool import Backend, Pool
 log = logging.getLogger(__name__)
 
 #: Retried on another pod: the connection never carried the request.
-CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
+#: Failures to reach a pod, retried on another one and counted for outlier detection. A connect that does
+#: not finish within ``connect_timeout_s`` is one too (Envoy's ``connect-failure`` retry covers connect
+#: timeouts): aiohttp raises ``ConnectionTimeoutError``, a ``TimeoutError``, which the handler otherwise
+#: answered as its own overall timeout (504 "no complete answer within 300 s", seen in bench/router_peers).
+CONNECT_ERRORS = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ConnectionTimeoutError,
+)
 #: Characters per token when the prompt is text (OpenAI's rule of thumb: ~4 characters per English token).
 CHARS_PER_TOKEN = 4.0
 
@@ -791,6 +799,11 @@ class Proxy:
             gone = request.transport is None or request.transport.is_closing()
             outcome = "ok" if relay.delivered else "client_disconnected" if gone else "cancelled"
             raise
+        except (aiohttp.ClientError, ConnectionResetError) as exc:
+            # before TimeoutError: aiohttp's socket timeouts are both, and are the upstream's, not ours
+            outcome = "upstream_error"
+            why = str(exc) or type(exc).__name__
+            return _with_id(error_response(502, f"upstream failed: {why}", "upstream_error"), rid)
         except TimeoutError:
             outcome = "timeout"
             if (started := relay.response) is not None:
@@ -800,9 +813,6 @@ class Proxy:
                 error_response(504, f"no complete answer within {self.cfg.request_timeout_s:g} s", "timeout"),
                 rid,
             )
-        except (aiohttp.ClientError, ConnectionResetError) as exc:
-            outcome = "upstream_error"
-            return _with_id(error_response(502, f"upstream failed: {exc}", "upstream_error"), rid)
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
