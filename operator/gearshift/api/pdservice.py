@@ -146,9 +146,10 @@ CEL: dict[str, list[dict[str, str]]] = {
         {
             "rule": "!has(self.hfConfig) || !(has(self.numLayers) || has(self.hiddenSize) "
             "|| has(self.numHeads) || has(self.numKvHeads) || has(self.headDim) "
-            "|| has(self.intermediateSize) || has(self.vocabSize))",
-            "message": "model: give hfConfig or the architecture numbers (numLayers, hiddenSize, ...), "
-            "not both",
+            "|| has(self.intermediateSize) || has(self.vocabSize) || has(self.maxPositionEmbeddings))",
+            "message": "model: give hfConfig or the architecture numbers (numLayers, hiddenSize, ..., "
+            "maxPositionEmbeddings), not both; with hfConfig the context limit is its "
+            "max_position_embeddings",
             "fieldPath": ".hfConfig",
             "reason": "FieldValueForbidden",
         },
@@ -277,6 +278,7 @@ class HFConfig(SpecModel):
     num_local_experts: int | None = _positive(4096, "MoE experts per layer (Mixtral).")
     num_experts_per_tok: int | None = _positive(4096, "MoE experts each token uses (Mixtral).")
     tie_word_embeddings: bool | None = Field(default=None, description="Embedding and LM head shared.")
+    max_position_embeddings: int | None = _positive(67108864, "The model's context limit, tokens.")
 
     @model_validator(mode="after")
     def _check_heads(self) -> HFConfig:
@@ -308,8 +310,9 @@ class ModelSpec(SpecModel):
     vocab_size: int | None = _positive(16777216, "Vocabulary size.")
     max_position_embeddings: int | None = _positive(
         67108864,
-        "The model's context limit in tokens (HF max_position_embeddings): the service's max_model_len, "
-        "capped by each pod's KV pool; unset: the KV pool alone.",
+        "The model's context limit in tokens (HF max_position_embeddings): what the simulated engine "
+        "serves (capped by its KV pool; unset: the KV pool alone) and the router advertises; vLLM reads "
+        "its model's own config.",
     )
     dtype: Dtype = Field(
         default="bfloat16", description="Weights and KV-cache dtype; hfConfig's torch_dtype wins when set."
@@ -335,7 +338,10 @@ class ModelSpec(SpecModel):
                 )
         elif given:
             names = ", ".join(str(type(self).model_fields[f].alias) for f in given)
-            raise ValueError(f"model: give hfConfig or the architecture numbers ({names}), not both")
+            raise ValueError(
+                f"model: give hfConfig or the architecture numbers ({names}), not both (with hfConfig, "
+                "the context limit is its max_position_embeddings)"
+            )
         if (
             self.num_heads is not None
             and self.num_kv_heads is not None
