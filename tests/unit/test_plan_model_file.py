@@ -124,6 +124,7 @@ class TestErrors:
         ("--qps", "ten", "not a number"),
         ("--prompt-tokens", "0", "at least 1 token"),
         ("--kv-context-tokens", "1.5", "whole number"),
+        ("--seed", "-1", "seed of 0 or more"),
     ],
 )
 def test_bad_load_flags_are_named_before_planning(

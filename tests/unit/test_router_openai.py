@@ -406,3 +406,24 @@ async def test_a_stream_without_include_usage_is_counted_and_gets_no_usage_chunk
     assert _metric(m, "vllm:prompt_tokens_total") == 3 * 7
     assert _metric(m, "vllm:generation_tokens_total") == 3 * 5
     assert _metric(m, "vllm:request_generation_tokens_count") == 3
+
+
+async def test_lax_types_as_vllm_reads_them_and_an_engine_refusal_is_a_client_error(
+    make_router: Factory,  # noqa: F811
+) -> None:
+    """``"stream": "false"`` is false to vLLM: the router must not add ``stream_options`` (vLLM refuses
+    them on an unstreamed request); ``"max_tokens": "3"`` is 3; a 400 the engine gives (min_tokens above
+    max_tokens) counts as ``client_error``, not ``ok``."""
+    client, _router, eng = await make_router({"b0": ("both", FakeEngine("b0"))})
+    assert (await client.post("/v1/completions", json={"prompt": "x", "stream": "false"})).status == 200
+    assert "stream_options" not in eng["b0"].requests[-1]
+    want = vllm_protocol().call("request", kind="completion", body={"prompt": "x", "stream": "false"})
+    assert want["ok"] and want["stream"] is False
+    client, _router, _ = await make_router({"s0": ("both", SimEngine("s0"))})
+    resp = await client.post("/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": "3"})
+    assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
+    bad = {"model": "m", "prompt": "a b", "max_tokens": 3, "min_tokens": 5}
+    assert (await client.post("/v1/completions", json=bad)).status == 400
+    m = await _metrics(client)
+    assert _metric(m, "gearshift_router_requests_total", "client_error") == 1
+    assert _metric(m, "gearshift_router_requests_total", "ok") == 1

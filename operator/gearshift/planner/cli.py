@@ -27,6 +27,17 @@ def _positive_qps(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    """``--seed``: numpy's generators take seeds ≥ 0 (a negative one raised from inside the simulator)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a seed of 0 or more")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -79,7 +90,7 @@ def register(sub: Any) -> None:
         default=None,
         help="KV tokens reserved per sequence (HF config only; default: 1.2 x (prompt + output))",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the simulated arrivals")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the simulated arrivals")
     p.add_argument("-o", "--output", default="table", choices=FORMATS)
     p.set_defaults(func=run)
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import pydantic
 from aiohttp import web
 
 from gearshift.router import policies as P
@@ -261,14 +262,29 @@ def scan_sse(buffer: bytes) -> tuple[StreamScan, bytes]:
     return scan, rest
 
 
+_LAX_BOOL: pydantic.TypeAdapter[bool] = pydantic.TypeAdapter(bool)
+_LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
+
+
+def lax(adapter: pydantic.TypeAdapter[Any], value: Any) -> Any:
+    """``value`` read as vLLM's request models read it (pydantic, lax: ``"false"`` is false, ``"3"`` is 3),
+    None when they would refuse it (the engine then answers the 400)."""
+    try:
+        return adapter.validate_python(value)
+    except pydantic.ValidationError:
+        return None
+
+
 def usage_withheld(body: Mapping[str, Any]) -> bool:
     """Whether a streamed request asked for no usage chunk (no ``stream_options.include_usage``): the
     router then asks the engine for one anyway (:func:`with_usage_requested`), counts its tokens, and keeps
     it from the client (:func:`complete_events`), so the token series count every stream."""
-    if not body.get("stream"):
+    if not lax(_LAX_BOOL, body.get("stream") or False):
         return False
     opts = body.get("stream_options")
-    return not (isinstance(opts, Mapping) and opts.get("include_usage"))
+    if opts is not None and not isinstance(opts, Mapping):
+        return False  # not vLLM's StreamOptions: the engine refuses the request, leave it as it came
+    return not (opts and lax(_LAX_BOOL, opts.get("include_usage") or False))
 
 
 def with_usage_requested(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -443,7 +459,8 @@ def validate_body(body: Any, path: str) -> dict[str, Any]:
             "prompt",
         )
     mt = body.get("max_tokens", body.get("max_completion_tokens"))
-    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+    n = None if mt is None or isinstance(mt, bool) else lax(_LAX_INT, mt)
+    if mt is not None and (n is None or n < 1):
         raise RequestError(
             400,
             f"'max_tokens' must be a positive integer, got {mt!r}",
@@ -786,7 +803,13 @@ class Proxy:
         try:
             # asyncio.timeout, unlike wait_for, runs the request in this task (no task per request).
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                return await self._forward(request, body, rid, labels, t_in, relay)
+                answer = await self._forward(request, body, rid, labels, t_in, relay)
+            # The engine's own refusal (a 400 for min_tokens > max_tokens) is the client's, not a success.
+            if answer.status >= 500:
+                outcome = "upstream_error"
+            elif answer.status >= 400:
+                outcome = "client_error"
+            return answer
         except RequestError as err:
             outcome = err.outcome
             return _with_id(error_response(err.status, err.message, err.err_type, err.param), rid)
