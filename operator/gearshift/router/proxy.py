@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import pydantic
 from aiohttp import web
 
+from gearshift.facts.lax import LAX_BOOL, LAX_INT, read_lax
 from gearshift.router import policies as P
 from gearshift.router.metrics import SLO_MET, SLO_MISSED, RouterMetrics, slo_met
 from gearshift.router.outlier import record_success
@@ -262,29 +262,16 @@ def scan_sse(buffer: bytes) -> tuple[StreamScan, bytes]:
     return scan, rest
 
 
-_LAX_BOOL: pydantic.TypeAdapter[bool] = pydantic.TypeAdapter(bool)
-_LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
-
-
-def lax(adapter: pydantic.TypeAdapter[Any], value: Any) -> Any:
-    """``value`` read as vLLM's request models read it (pydantic, lax: ``"false"`` is false, ``"3"`` is 3),
-    None when they would refuse it (the engine then answers the 400)."""
-    try:
-        return adapter.validate_python(value)
-    except pydantic.ValidationError:
-        return None
-
-
 def usage_withheld(body: Mapping[str, Any]) -> bool:
     """Whether a streamed request asked for no usage chunk (no ``stream_options.include_usage``): the
     router then asks the engine for one anyway (:func:`with_usage_requested`), counts its tokens, and keeps
     it from the client (:func:`complete_events`), so the token series count every stream."""
-    if not lax(_LAX_BOOL, body.get("stream") or False):
+    if not read_lax(LAX_BOOL, body.get("stream") or False):
         return False
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, Mapping):
         return False  # not vLLM's StreamOptions: the engine refuses the request, leave it as it came
-    return not (opts and lax(_LAX_BOOL, opts.get("include_usage") or False))
+    return not (opts and read_lax(LAX_BOOL, opts.get("include_usage") or False))
 
 
 def with_usage_requested(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -459,7 +446,7 @@ def validate_body(body: Any, path: str) -> dict[str, Any]:
             "prompt",
         )
     mt = body.get("max_tokens", body.get("max_completion_tokens"))
-    n = None if mt is None or isinstance(mt, bool) else lax(_LAX_INT, mt)
+    n = None if mt is None or isinstance(mt, bool) else read_lax(LAX_INT, mt)
     if mt is not None and (n is None or n < 1):
         raise RequestError(
             400,

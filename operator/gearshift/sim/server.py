@@ -47,6 +47,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from gearshift.facts.lax import LAX_BOOL, LAX_FLOAT, LAX_INT, read_lax
 from gearshift.sim.config import SimConfig, SimConfigError, config_from_env
 from gearshift.sim.engine import Engine, EngineConfigError, RequestRejected, SimRequest
 from gearshift.sim.metrics import LoopLagCollector
@@ -156,25 +157,22 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 INCLUDE_STOP = "include_stop_str_in_output"
-_LAX_BOOL: pydantic.TypeAdapter[bool] = pydantic.TypeAdapter(bool)
-_LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
-_LAX_FLOAT: pydantic.TypeAdapter[float] = pydantic.TypeAdapter(float)
 
 #: Sampling fields the simulator does not use but checks as vLLM does, so a request vLLM refuses is refused
 #: here too: name → (type, the range vLLM allows, that range in vLLM's words). Types from vLLM's request
 #: models (pydantic, lax), ranges from ``SamplingParams._verify_args`` (vllm/sampling_params.py, 0.32).
 SAMPLING_RULES: dict[str, tuple[pydantic.TypeAdapter[Any], Callable[[Any], bool], str]] = {
-    "temperature": (_LAX_FLOAT, lambda v: 0 <= v <= 2, "in [0, 2]"),
-    "top_p": (_LAX_FLOAT, lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (_LAX_INT, lambda v: v in (-1, 0) or v >= 1, "0 (disable), or at least 1"),
-    "min_p": (_LAX_FLOAT, lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "presence_penalty": (_LAX_FLOAT, lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "frequency_penalty": (_LAX_FLOAT, lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (_LAX_FLOAT, lambda v: v > 0, "greater than zero"),
-    "seed": (_LAX_INT, lambda _v: True, "an integer"),
-    "ignore_eos": (_LAX_BOOL, lambda _v: True, "a boolean"),
-    "skip_special_tokens": (_LAX_BOOL, lambda _v: True, "a boolean"),
-    "min_tokens": (_LAX_INT, lambda v: v >= 0, "greater than or equal to 0"),
+    "temperature": (LAX_FLOAT, lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "top_p": (LAX_FLOAT, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (LAX_INT, lambda v: v in (-1, 0) or v >= 1, "0 (disable), or at least 1"),
+    "min_p": (LAX_FLOAT, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "presence_penalty": (LAX_FLOAT, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (LAX_FLOAT, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (LAX_FLOAT, lambda v: v > 0, "greater than zero"),
+    "seed": (LAX_INT, lambda _v: True, "an integer"),
+    "ignore_eos": (LAX_BOOL, lambda _v: True, "a boolean"),
+    "skip_special_tokens": (LAX_BOOL, lambda _v: True, "a boolean"),
+    "min_tokens": (LAX_INT, lambda v: v >= 0, "greater than or equal to 0"),
 }
 
 
@@ -188,7 +186,7 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
     for name, (adapter, allowed, rule) in SAMPLING_RULES.items():
         if body.get(name) is None:
             continue
-        value = _lax(adapter, body[name], name, "a number" if adapter is _LAX_FLOAT else rule)
+        value = _lax(adapter, body[name], name, "a number" if adapter is LAX_FLOAT else rule)
         if not allowed(value):
             raise BadRequest(f"{name} must be {rule}, got {value}.", name)
         if name == "min_tokens" and value > max_tokens:
@@ -198,16 +196,15 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
 
 
 def _lax(adapter: pydantic.TypeAdapter[Any], value: Any, field: str, what: str) -> Any:
-    """``value`` read as vLLM reads it: pydantic's lax mode (vLLM's request models are pydantic), so
-    ``"stream": "yes"`` is true and ``"false"`` false, ``"max_tokens": "5"`` is 5.
+    """``value`` read as vLLM reads it (:func:`gearshift.facts.lax.read_lax`).
 
     Raises:
         BadRequest: naming ``field``.
     """
-    try:
-        return adapter.validate_python(value)
-    except pydantic.ValidationError:
-        raise BadRequest(f"{field} must be {what}, got {value!r}", field) from None
+    read = read_lax(adapter, value)
+    if read is None:
+        raise BadRequest(f"{field} must be {what}, got {value!r}", field)
+    return read
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -251,11 +248,11 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = DEFAULT_CHAT_MAX_TOKENS if chat else 16
     max_tokens = body.get(key)
-    max_tokens = default if max_tokens is None else _lax(_LAX_INT, max_tokens, key, "a positive integer")
+    max_tokens = default if max_tokens is None else _lax(LAX_INT, max_tokens, key, "a positive integer")
     if max_tokens < 1:
         raise BadRequest(f"{key} must be a positive integer, got {max_tokens!r}", key)
     check_sampling(body, max_tokens)
-    if _lax(_LAX_INT, body.get("n", 1), "n", "an integer") != 1:
+    if _lax(LAX_INT, body.get("n", 1), "n", "an integer") != 1:
         raise BadRequest(
             "n: gearshift-sim returns one choice per request; send n=1 (or several requests)", "n"
         )
@@ -276,14 +273,14 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     return ParsedRequest(
         prompt_tokens=prompt,
         max_tokens=max_tokens,
-        stream=_lax(_LAX_BOOL, body.get("stream") or False, "stream", "a boolean"),
+        stream=_lax(LAX_BOOL, body.get("stream") or False, "stream", "a boolean"),
         include_usage=bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False,
         model=model if isinstance(model, str) else None,
         kv_transfer_params=ktp,
         request_id=rid if isinstance(rid, str) and rid else None,
         stop=_stop_strings(body.get("stop")),
         include_stop=_lax(
-            _LAX_BOOL,
+            LAX_BOOL,
             body.get("include_stop_str_in_output") or False,
             "include_stop_str_in_output",
             "a boolean",
