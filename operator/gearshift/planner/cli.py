@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,25 +28,25 @@ def _positive_qps(text: str) -> float:
     return value
 
 
-def _seed(text: str) -> int:
-    """``--seed``: numpy's generators take seeds ≥ 0 (a negative one raised from inside the simulator)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a seed of 0 or more")
-    return value
+def _whole_number(minimum: int, of: str, fix: str) -> Callable[[str], int]:
+    """An argparse type: a whole number ≥ ``minimum``; the errors say ``is not a whole number{of}`` and,
+    below the minimum, ``fix``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number{of}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: {fix}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give at least 1 token")
-    return value
+#: ``--seed``: numpy's generators take seeds ≥ 0 (a negative one raised from inside the simulator).
+_seed = _whole_number(0, "", "give a seed of 0 or more")
+_positive_int = _whole_number(1, " of tokens", "give at least 1 token")
 
 
 def register(sub: Any) -> None:
