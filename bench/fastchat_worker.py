@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+from gearshift.dev.loadgen import sse_json_events
+
 #: FastChat's vllm_worker default (``--limit-worker-concurrency 1024``): the engine batches, FastChat only
 #: counts. (model_worker's default of 5 is for its one-request-at-a-time HF generate loop.)
 LIMIT_WORKER_CONCURRENCY = 1024
@@ -62,15 +64,8 @@ class SSEToFastChat:
 
     def feed(self, data: bytes) -> list[bytes]:
         out: list[bytes] = []
-        self._buf += data
-        while b"\n\n" in self._buf:
-            event, self._buf = self._buf.split(b"\n\n", 1)
-            if not event.startswith(b"data: "):
-                continue
-            payload = event[6:]
-            if payload == b"[DONE]":
-                continue
-            doc = json.loads(payload)
+        docs, self._buf = sse_json_events(self._buf + data)
+        for doc in docs:
             if doc.get("usage"):
                 self.usage_tokens = int(doc["usage"].get("completion_tokens", 0))
             for c in doc.get("choices") or []:

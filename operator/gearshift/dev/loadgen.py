@@ -302,15 +302,8 @@ async def _one(session: Any, url: str, tr: TraceRequest, model: str | None, chat
             buf = b""
             async for data in resp.content.iter_any():
                 now = time.perf_counter()
-                buf += data
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    if not event.startswith(b"data: "):
-                        continue
-                    payload = event[6:]
-                    if payload == b"[DONE]":
-                        continue
-                    doc = json.loads(payload)
+                docs, buf = sse_json_events(buf + data)
+                for doc in docs:
                     if doc.get("usage"):
                         usage_tokens = int(doc["usage"].get("completion_tokens", 0))
                     choices = doc.get("choices") or []
@@ -336,6 +329,18 @@ async def _one(session: Any, url: str, tr: TraceRequest, model: str | None, chat
         raise
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         rec.error = f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def sse_json_events(buffer: bytes) -> tuple[list[Any], bytes]:
+    """The JSON documents of the complete ``data: `` events in ``buffer`` (``[DONE]`` and other lines
+    left out) and the unfinished tail to prepend to the next chunk.
+
+    Raises:
+        json.JSONDecodeError: an event whose data is not JSON.
+    """
+    *events, rest = buffer.split(b"\n\n")
+    docs = [json.loads(ev[6:]) for ev in events if ev.startswith(b"data: ") and ev[6:] != b"[DONE]"]
+    return docs, rest
 
 
 async def _discover_model(session: Any, url: str) -> tuple[str | None, int | None]:
