@@ -505,6 +505,9 @@ def test_pydantic_and_api_server_agree(
         max_examples=examples * int(os.environ.get("GEARSHIFT_AGREEMENT_SCALE", "1")),
         deadline=None,
         database=None,
+        # One fixed sample per CI run: a random one of 60 GPUProfiles once held 6 invalid (the bound below
+        # needs 9); GEARSHIFT_AGREEMENT_SCALE still widens the hunt.
+        derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )
     @given(body=strategy)
