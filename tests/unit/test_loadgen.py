@@ -7,6 +7,7 @@ import itertools
 import json
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,10 +17,12 @@ import gearshift
 from gearshift.dev.loadgen import (
     DEFAULT_TRACE,
     LoadgenError,
+    LoadResult,
     RequestRecord,
     TraceRequest,
     check_url,
     clip_to_context,
+    format_table,
     load_trace,
     run_load,
     summarize,
@@ -40,13 +43,13 @@ class TestTrace:
             "TIMESTAMP,ContextTokens,GeneratedTokens\n"
             "2023-11-16 18:15:46.6805900,374,44\n"
             "2023-11-16 18:15:50.9951690,396,109\n"
-            "2023-11-16 18:15:51.2224670,879,0\n"
+            "2023-11-16 18:15:51.2224670,879,1\n"
         )
         tr = load_trace(p)
         assert [t.prompt_tokens for t in tr] == [374, 396, 879]
         assert tr[0].offset_s == 0.0
         assert tr[1].offset_s == pytest.approx(50.995169 - 46.68059, abs=1e-6)
-        assert tr[2].output_tokens == 1  # a zero-length answer still asks for one token
+        assert tr[2].output_tokens == 1
 
     def test_the_bundled_trace_loads(self) -> None:
         tr = load_trace(DEFAULT_TRACE, limit=50)
@@ -106,6 +109,186 @@ class TestTrace:
             load_trace(p)
 
 
+HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+class TestTraceRowsAreChecked:
+    """A bad row is refused naming the file and its line (the CLI prints it on one line, exit 2): a short
+    row and a non-UTF-8 file raised a traceback, token counts ≤ 0 were turned into 1, NaN timestamps
+    passed."""
+
+    def write(self, tmp_path: Path, body: str | bytes) -> Path:
+        p = tmp_path / "t.csv"
+        if isinstance(body, bytes):
+            p.write_bytes(HEADER.encode() + body)
+        else:
+            p.write_text(HEADER + body)
+        return p
+
+    @pytest.mark.parametrize(
+        ("rows", "match"),
+        [
+            ("1,10,5\n2,10\n", r"line 3: the row has 2 of the header's 3 cells, no GeneratedTokens"),
+            ("1,10,5\n2\n", r"line 3: .* no ContextTokens, GeneratedTokens"),
+            ("1,0,5\n", r"line 2: ContextTokens is 0; .*at least 1 token"),
+            ("1,-4,5\n", r"line 2: ContextTokens is -4"),
+            ("1,10,0\n", r"line 2: GeneratedTokens is 0; .*max_tokens 0"),
+            ("1,10,5\n2,10,-1\n", r"line 3: GeneratedTokens is -1"),
+            ("1,10,2.5\n", r"line 2: GeneratedTokens '2.5' is not a whole number"),
+            ("nan,10,5\n", r"line 2: TIMESTAMP 'nan' is not a finite number"),
+            ("1,10,5\ninf,10,5\n", r"line 3: TIMESTAMP 'inf' is not a finite number"),
+            ("1,10,5\n-Infinity,10,5\n", r"line 3: TIMESTAMP '-Infinity'"),
+            ("yesterday,10,5\n", r"line 2: TIMESTAMP 'yesterday' is neither an ISO date-time nor"),
+        ],
+    )
+    def test_a_bad_row_is_named(self, tmp_path: Path, rows: str, match: str) -> None:
+        p = self.write(tmp_path, rows)
+        with pytest.raises(LoadgenError, match=match) as info:
+            load_trace(p)
+        assert str(info.value).startswith(f"{p} line ")
+
+    def test_a_non_utf8_file_is_named_with_its_line(self, tmp_path: Path) -> None:
+        p = self.write(tmp_path, b"1,10,5\n2,1\xff0,5\n")
+        with pytest.raises(LoadgenError, match=r"line 3: not UTF-8 text \(byte 0xff\)"):
+            load_trace(p)
+
+    def test_a_byte_order_mark_is_not_part_of_the_header(self, tmp_path: Path) -> None:
+        p = tmp_path / "t.csv"
+        p.write_bytes(b"\xef\xbb\xbf" + HEADER.encode() + b"1,10,5\n")
+        assert load_trace(p) == [TraceRequest(0.0, 10, 5)]
+
+    @pytest.mark.parametrize(
+        ("rows", "line"),
+        [("1,10,5\n2,10\n", "line 3"), ("1,0,5\n", "line 2"), ("nan,1,1\n", "line 2")],
+    )
+    def test_the_cli_prints_one_line_and_exits_2(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: str, line: str
+    ) -> None:
+        from gearshift.cli import main
+
+        p = self.write(tmp_path, rows)
+        assert main(["loadgen", "--url", "http://127.0.0.1:1", "--trace", str(p)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"gearshift loadgen: {p} {line}: ") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+
+    def test_unsorted_rows_are_sorted_then_limited(self, tmp_path: Path) -> None:
+        """Offsets are from the earliest row, not the first, and ``limit`` keeps the earliest rows: the
+        limit was applied to the file's order before sorting, and offsets were relative to row 1."""
+        p = self.write(tmp_path, "10,1,1\n5,2,2\n20,3,3\n7,4,4\n")
+        assert load_trace(p) == [
+            TraceRequest(0.0, 2, 2),
+            TraceRequest(2.0, 4, 4),
+            TraceRequest(5.0, 1, 1),
+            TraceRequest(15.0, 3, 3),
+        ]
+        assert [t.prompt_tokens for t in load_trace(p, limit=2)] == [2, 4]
+        iso = self.write(tmp_path, "2023-11-16 18:15:50.5,1,1\n2023-11-16 18:15:46.5,2,2\n")
+        assert load_trace(iso, limit=1) == [TraceRequest(0.0, 2, 2)]
+
+
+class TestFlags:
+    """Numeric flags refuse NaN, infinity and out-of-range values naming the flag (argparse's exit 2)."""
+
+    @pytest.mark.parametrize(
+        ("flag", "value"),
+        [
+            ("--time-scale", "nan"), ("--time-scale", "inf"), ("--time-scale", "0"),
+            ("--max-duration", "inf"), ("--max-duration", "-1"), ("--max-duration", "NaN"),
+            ("--drain", "-1"), ("--drain", "nan"), ("--drain", "inf"),
+            ("--slo-ttft-ms", "nan"), ("--slo-ttft-ms", "0"), ("--slo-itl-ms", "inf"),
+            ("--max-requests", "0"), ("--max-requests", "1.5"), ("--time-scale", "fast"),
+        ],
+    )  # fmt: skip
+    def test_a_bad_value_is_refused_naming_the_flag(
+        self, capsys: pytest.CaptureFixture[str], flag: str, value: str
+    ) -> None:
+        from gearshift.cli import build_parser
+
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(["loadgen", "--url", "http://127.0.0.1:1", f"{flag}={value}"])
+        assert info.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"argument {flag}: {value!r}" in last, last
+
+    def test_drain_0_and_good_values_pass(self) -> None:
+        from gearshift.cli import build_parser
+
+        args = build_parser().parse_args(
+            ["loadgen", "--url", "http://127.0.0.1:1", "--drain", "0", "--time-scale", "2.5"]
+        )
+        assert (args.drain, args.time_scale) == (0.0, 2.5)
+
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [
+            ({"drain_s": -1.0}, r"--drain must be a finite number of seconds, 0 or more, got -1"),
+            ({"drain_s": float("inf")}, r"--drain"),
+            ({"time_scale": float("nan")}, r"--time-scale must be a finite number above 0, got nan"),
+            ({"max_duration_s": float("inf")}, r"--max-duration"),
+            ({"slo_ttft_ms": float("nan")}, r"--slo-ttft-ms"),
+            ({"max_requests": 0}, r"--max-requests must be at least 1"),
+        ],
+    )
+    async def test_run_load_names_the_bound(self, kwargs: dict[str, Any], match: str) -> None:
+        with pytest.raises(LoadgenError, match=match):
+            await run_load(["http://127.0.0.1:1"], [TraceRequest(0, 1, 1)], **kwargs)
+
+
+class TestExitStatus:
+    """``gearshift loadgen`` exited 0 whenever one request completed, however many failed."""
+
+    def result(self, ok: int, failed: int, incomplete: int = 0) -> LoadResult:
+        recs = [
+            RequestRecord(url="u", prompt_tokens=1, max_tokens=1, sent_at=0.0, ok=True) for _ in range(ok)
+        ]
+        recs += [
+            RequestRecord(url="u", prompt_tokens=1, max_tokens=1, sent_at=0.0, error="HTTP 500: x")
+            for _ in range(failed)
+        ]
+        recs += [
+            RequestRecord(url="u", prompt_tokens=1, max_tokens=1, sent_at=0.0, error="incomplete")
+            for _ in range(incomplete)
+        ]
+        return summarize(recs, urls=["u"], stream=False, time_scale=1, duration_s=1.0, issued=len(recs),
+                         slo_ttft_ms=None, slo_itl_ms=None)  # fmt: skip
+
+    @pytest.mark.parametrize(
+        ("ok", "failed", "incomplete", "extra", "code"),
+        [
+            (3, 0, 0, [], 0),
+            (3, 1, 0, [], 1),
+            (3, 0, 1, [], 1),
+            (0, 2, 0, [], 1),
+            (3, 1, 1, ["--exit-zero"], 0),
+        ],
+    )
+    def test_failures_exit_1_unless_exit_zero(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+        ok: int,
+        failed: int,
+        incomplete: int,
+        extra: list[str],
+        code: int,
+    ) -> None:
+        import gearshift.dev.loadgen as lg
+        from gearshift.cli import main
+
+        res = self.result(ok, failed, incomplete)
+
+        async def fake_run_load(*_a: Any, **_k: Any) -> LoadResult:
+            return res
+
+        monkeypatch.setattr(lg, "run_load", fake_run_load)
+        assert main(["loadgen", "--url", "http://127.0.0.1:1", "-o", "json", *extra]) == code
+        out = capsys.readouterr()
+        assert json.loads(out.out)["failed"] == failed  # the report is printed either way
+        if code:
+            assert out.err.count("\n") == 1 and f"of {ok + failed + incomplete} requests did not" in out.err
+
+
 class TestUrl:
     def test_loopback_only_unless_allowed(self) -> None:
         assert check_url("http://127.0.3.4:8000/v1/") == "http://127.0.3.4:8000"
@@ -139,6 +322,23 @@ class TestSummary:
         assert res.itl_ms["p99"] == pytest.approx(np.percentile([100] * 10 + [40] * 20, 99))
         assert res.errors == {"HTTP 500: x": 1}
 
+    def test_a_one_sided_slo_is_applied(self) -> None:
+        """Only a TTFT or only a TPOT bound: goodput counts the requests that meet it (it was None)."""
+        recs = [
+            self.rec(0.100, 1.100, 11, [0.1] * 10),  # TTFT 100 ms, TPOT 100 ms
+            self.rec(0.150, 0.550, 11, [0.04] * 10),  # TTFT 150 ms, TPOT 40 ms
+            self.rec(0.300, 0.700, 11, [0.04] * 10),  # TTFT 300 ms, TPOT 40 ms
+        ]
+        kw: dict[str, Any] = {"urls": ["u"], "stream": True, "time_scale": 1, "duration_s": 2.0, "issued": 3}
+        ttft = summarize(recs, slo_ttft_ms=200, slo_itl_ms=None, **kw)
+        tpot = summarize(recs, slo_ttft_ms=None, slo_itl_ms=50, **kw)
+        assert (ttft.slo_met, ttft.goodput_rps) == (2, pytest.approx(1.0))
+        assert (tpot.slo_met, tpot.goodput_rps) == (2, pytest.approx(1.0))
+        assert "SLO (TTFT ≤ 200 ms): 2/3 met" in format_table(ttft)
+        assert "SLO (TPOT ≤ 50 ms): 2/3 met" in format_table(tpot)
+        neither = summarize(recs, slo_ttft_ms=None, slo_itl_ms=None, **kw)
+        assert neither.slo_met is None and neither.goodput_rps is None
+
 
 class TestClipToContext:
     def test_the_prompt_is_shortened_first(self) -> None:
@@ -155,11 +355,12 @@ class TestClipToContext:
         assert clip_to_context(TraceRequest(0.0, 50, 9000), 8192) == TraceRequest(0.0, 1, 8191)
 
 
-async def _sims(n: int) -> tuple[list[web.AppRunner], list[str]]:
+async def _sims(n: int, **extra_env: str) -> tuple[list[web.AppRunner], list[str]]:
     env = {
         "GEARSHIFT_MODEL": str(LLAMA),
         "GEARSHIFT_SERVED_MODEL_NAME": "llama",
         "GEARSHIFT_PIPELINE": json.dumps({"stages": [{"layers": [0, 32], "gpu": "A10-24GB"}]}),
+        **extra_env,
     }
     runners, urls = [], []
     for _ in range(n):
@@ -190,6 +391,24 @@ async def test_a_row_over_the_served_context_is_clipped_not_failed() -> None:
     assert sorted(r.prompt_tokens for r in res.records) == [100, 8192 - 3]
     assert (raw.completed, raw.failed, raw.clipped) == (1, 1, 0)
     assert [r.status for r in raw.records if not r.ok] == [400]
+
+
+async def test_rows_are_clipped_to_the_smallest_max_model_len_of_the_urls() -> None:
+    """Two engines of different ``max_model_len``: only the first URL's (8192) was asked, so a 6,000-token
+    row sent round-robin to the 4096 one was refused with a 400."""
+    runners, urls = await _sims(1)
+    small, small_urls = await _sims(1, GEARSHIFT_MAX_MODEL_LEN="4096")
+    runners += small
+    urls += small_urls
+    trace = [TraceRequest(0.0, 6000, 3), TraceRequest(0.01, 6000, 3)]
+    try:
+        res = await run_load(urls, trace, max_requests=2, max_duration_s=5, drain_s=20, stream=True)
+    finally:
+        for r in runners:
+            await r.cleanup()
+    assert (res.completed, res.failed, res.clipped, res.max_model_len) == (2, 0, 2, 4096)
+    assert {r.url for r in res.records} == set(urls)
+    assert [r.prompt_tokens for r in res.records] == [4096 - 3] * 2
 
 
 async def test_run_against_in_process_sims_measures_on_the_wire() -> None:

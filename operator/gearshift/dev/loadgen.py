@@ -13,16 +13,25 @@ Measurements come from the client side only: TTFT = first content chunk - send t
 content chunks; TPOT = (E2E - TTFT) / (output tokens - 1); E2E = last byte - send time. Output tokens
 come from the final ``usage`` chunk when the server sends one, else from the number of content chunks.
 A request meets the SLO when TTFT ≤ ``slo_ttft_ms`` and TPOT ≤ ``slo_itl_ms`` (DistServe's goodput, Zhong
-et al. OSDI 2024); goodput = such requests per second of the run. Without streaming only E2E is measured.
+et al. OSDI 2024); goodput = such requests per second of the run. With only one of the two bounds given,
+goodput checks that one. Without streaming only E2E is measured (and no goodput).
 
-Context limit: a row whose context plus generated tokens exceed the ``max_model_len`` the server gives in
-``/v1/models`` (vLLM's field) is clipped to fit, its prompt shortened first, and counted as ``clipped``: a
-replay keeps every arrival, and vLLM refuses such a request with a 400 (the trace's longest conversation
-row, 14,050 tokens, does not fit Llama-3-8B's 8,192). ``clip=False`` sends the rows as they are.
+Trace rows: sorted by timestamp, offsets from the earliest; every row needs a finite timestamp and at
+least 1 context and 1 generated token (vLLM refuses ``max_tokens`` 0), else the trace is refused naming
+its line.
+
+Context limit: a row whose context plus generated tokens exceed the ``max_model_len`` the servers give in
+``/v1/models`` (vLLM's field; the smallest over the URLs, as any row may go to any of them) is clipped to
+fit, its prompt shortened first, and counted as ``clipped``: a replay keeps every arrival, and vLLM refuses
+such a request with a 400 (the trace's longest conversation row, 14,050 tokens, does not fit Llama-3-8B's
+8,192). ``clip=False`` sends the rows as they are.
 
 Bounds: at most ``max_requests`` requests, issued during at most ``max_duration_s`` seconds; requests
 still running ``drain_s`` seconds after issuing stops are cancelled and counted as ``incomplete``.
 By default only loopback URLs are accepted (the sandbox's network rule); ``allow_remote`` lifts that.
+
+Exit status of the command: 0 when every issued request completed, 1 when any failed or was incomplete
+(``--exit-zero``: 0 all the same), 2 on bad input (a flag, the trace, a URL).
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import io
 import ipaddress
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -73,39 +84,110 @@ def _parse_ts(value: str, line: int) -> datetime:
         raise LoadgenError(f"trace line {line}: TIMESTAMP {value!r} is not an ISO date-time") from None
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Read a trace CSV with columns ``TIMESTAMP`` (ISO date-time, or seconds as a number),
-    ``ContextTokens`` and ``GeneratedTokens``; rows sorted by time, offsets from the first row.
+TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def _trace_text(path: Path) -> str:
+    """The trace file's text (UTF-8, a byte-order mark allowed).
 
     Raises:
-        LoadgenError: a missing column or unparsable row, naming the line.
+        LoadgenError: not UTF-8, naming the line of the first bad byte.
     """
-    out: list[TraceRequest] = []
-    t0: float | None = None
-    with Path(path).open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-        if not reader.fieldnames or not need <= set(reader.fieldnames):
-            raise LoadgenError(f"{path}: the trace needs columns {sorted(need)}, got {reader.fieldnames}")
-        for i, row in enumerate(reader, start=2):
-            raw = row["TIMESTAMP"]
-            try:
-                ts = float(raw)
-            except ValueError:
-                ts = _parse_ts(raw, i).timestamp()
-            try:
-                ctx, gen = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-            except ValueError:
-                raise LoadgenError(
-                    f"{path} line {i}: ContextTokens/GeneratedTokens must be integers"
-                ) from None
-            if t0 is None:
-                t0 = ts
-            out.append(TraceRequest(ts - t0, max(1, ctx), max(1, gen)))
-            if limit is not None and len(out) >= limit:
-                break
-    out.sort(key=lambda r: r.offset_s)
-    return out
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise LoadgenError(
+            f"{path} line {line}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); the trace must be a "
+            "UTF-8 CSV"
+        ) from None
+
+
+def _row_timestamp(raw: str, where: str) -> float:
+    """A ``TIMESTAMP`` cell as seconds: a finite number, or an ISO date-time.
+
+    Raises:
+        LoadgenError: NaN, infinity or neither form, naming ``where``.
+    """
+    try:
+        ts = float(raw)
+    except ValueError:
+        try:
+            return _parse_ts(raw, 0).timestamp()
+        except LoadgenError:
+            raise LoadgenError(
+                f"{where}: TIMESTAMP {raw!r} is neither an ISO date-time nor a number of seconds"
+            ) from None
+    if not math.isfinite(ts):
+        raise LoadgenError(f"{where}: TIMESTAMP {raw!r} is not a finite number of seconds")
+    return ts
+
+
+def _row_tokens(raw: str, column: str, where: str) -> int:
+    """A token-count cell: a whole number ≥ 1.
+
+    Raises:
+        LoadgenError: not a whole number, or below 1 (vLLM refuses an empty prompt and ``max_tokens`` 0:
+        "max_tokens must be at least 1", vllm/sampling_params.py), naming ``where`` and ``column``.
+    """
+    try:
+        value = int(raw)
+    except ValueError:
+        raise LoadgenError(f"{where}: {column} {raw!r} is not a whole number of tokens") from None
+    if value < 1:
+        what = "an empty prompt" if column == "ContextTokens" else "max_tokens 0"
+        raise LoadgenError(
+            f"{where}: {column} is {value}; each request needs at least 1 token (vLLM refuses {what}): "
+            "fix or drop the row"
+        )
+    return value
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read a trace CSV with columns ``TIMESTAMP`` (ISO date-time, or seconds as a finite number),
+    ``ContextTokens`` and ``GeneratedTokens`` (whole numbers ≥ 1); rows sorted by time (a stable sort:
+    rows of one instant keep the file's order), offsets in s from the earliest row, then the first
+    ``limit`` rows of that order (the earliest ``limit`` requests, wherever they stand in the file).
+
+    Raises:
+        LoadgenError: a missing column, a non-UTF-8 file, or a bad row (too few cells, an unparsable,
+            NaN or infinite timestamp, a token count that is not a whole number ≥ 1), naming the file
+            and the line.
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    rows: list[tuple[float, int, int]] = []
+    reader = csv.DictReader(io.StringIO(_trace_text(path), newline=""))
+    if not reader.fieldnames or not set(TRACE_COLUMNS) <= set(reader.fieldnames):
+        raise LoadgenError(
+            f"{path}: the trace needs columns {sorted(TRACE_COLUMNS)}, got {reader.fieldnames}"
+        )
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            raise LoadgenError(f"{path} line {reader.line_num}: not a CSV row ({exc})") from None
+        where = f"{path} line {reader.line_num}"
+        # DictReader fills the cells a short row lacks with None.
+        missing = [c for c in TRACE_COLUMNS if row.get(c) is None]
+        if missing:
+            cells = sum(v is not None for k, v in row.items() if k is not None)
+            raise LoadgenError(
+                f"{where}: the row has {cells} of the header's {len(reader.fieldnames)} cells, no "
+                f"{', '.join(missing)}"
+            )
+        ts = _row_timestamp(row["TIMESTAMP"], where)
+        ctx = _row_tokens(row["ContextTokens"], "ContextTokens", where)
+        gen = _row_tokens(row["GeneratedTokens"], "GeneratedTokens", where)
+        rows.append((ts, ctx, gen))
+    rows.sort(key=lambda r: r[0])
+    if limit is not None:
+        rows = rows[: max(0, limit)]
+    t0 = rows[0][0] if rows else 0.0
+    return [TraceRequest(ts - t0, ctx, gen) for ts, ctx, gen in rows]
 
 
 @dataclass
@@ -191,7 +273,11 @@ def summarize(
     clipped: int = 0,
     max_model_len: int | None = None,
 ) -> LoadResult:
-    """Percentiles, throughput and SLO goodput of finished ``records`` over a run of ``duration_s`` s."""
+    """Percentiles, throughput and SLO goodput of finished ``records`` over a run of ``duration_s`` s.
+
+    Goodput needs streaming and at least one bound: a request meets the SLO when its TTFT ≤
+    ``slo_ttft_ms`` and its TPOT ≤ ``slo_itl_ms`` (ms); a bound left None is not checked (a request of one
+    output token has no TPOT and meets any TPOT bound)."""
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok and r.error != "incomplete"]
     errors: dict[str, int] = {}
@@ -200,16 +286,15 @@ def summarize(
         errors[key] = errors.get(key, 0) + 1
     dur = max(duration_s, 1e-9)
     met: int | None = None
-    if stream and slo_ttft_ms is not None and slo_itl_ms is not None:
+    if stream and (slo_ttft_ms is not None or slo_itl_ms is not None):
+        # A bound not given holds for every request: with only one of the two, goodput counts the
+        # requests that meet that one.
         met = 0
         for r in done:
             tpot = r.tpot_s
-            if (
-                r.ttft_s is not None
-                and r.ttft_s * 1e3 <= slo_ttft_ms
-                and (tpot is None or tpot * 1e3 <= slo_itl_ms)
-            ):
-                met += 1
+            ttft_ok = slo_ttft_ms is None or (r.ttft_s is not None and r.ttft_s * 1e3 <= slo_ttft_ms)
+            tpot_ok = slo_itl_ms is None or tpot is None or tpot * 1e3 <= slo_itl_ms
+            met += ttft_ok and tpot_ok
     return LoadResult(
         urls=list(urls),
         stream=stream,
@@ -236,6 +321,57 @@ def summarize(
         max_model_len=max_model_len,
         records=list(records),
     )
+
+
+def _check_bounds(
+    time_scale: float,
+    max_requests: int,
+    max_duration_s: float,
+    drain_s: float,
+    slo_ttft_ms: float | None,
+    slo_itl_ms: float | None,
+) -> None:
+    """Refuse a bound of :func:`run_load` outside its range, naming the flag that sets it.
+
+    Raises:
+        LoadgenError: NaN, infinity, or a value out of range.
+    """
+    positive: dict[str, float | None] = {"--time-scale": time_scale, "--max-duration": max_duration_s}
+    positive |= {"--slo-ttft-ms": slo_ttft_ms, "--slo-itl-ms": slo_itl_ms}
+    for flag, value in positive.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise LoadgenError(f"{flag} must be a finite number above 0, got {value}")
+    if not (math.isfinite(drain_s) and drain_s >= 0):
+        raise LoadgenError(f"--drain must be a finite number of seconds, 0 or more, got {drain_s}")
+    if max_requests < 1:
+        raise LoadgenError(f"--max-requests must be at least 1, got {max_requests}")
+
+
+def _number(minimum: float, inclusive: bool, unit: str) -> Any:
+    """An argparse type: a finite float above ``minimum`` (or equal to it with ``inclusive``); the
+    error names the range and ``unit``, and argparse puts the flag before it."""
+    low = f"{minimum:g} or more" if inclusive else f"above {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number ({unit})") from None
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a finite number {low} ({unit})")
+        return value
+
+    return parse
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of requests") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least 1 request")
+    return value
 
 
 def check_url(url: str, allow_remote: bool = False) -> str:
@@ -384,13 +520,15 @@ async def run_load(
     clip: bool = True,
 ) -> LoadResult:
     """Replay ``trace`` against ``urls`` (round-robin) and return what was measured; with ``clip``, rows
-    longer than the server's ``max_model_len`` are shortened to it (:func:`clip_to_context`).
+    longer than the smallest ``max_model_len`` the URLs give are shortened to it (:func:`clip_to_context`).
+    The model sent is ``model``, else the first id a URL's ``/v1/models`` gives.
 
     Bounded: at most ``max_requests`` requests issued within ``max_duration_s`` s; whatever still runs
     ``drain_s`` s later is cancelled (counted ``incomplete``). Total wall time ≤ max_duration_s + drain_s.
 
     Raises:
-        LoadgenError: empty URL list or trace, non-positive bounds, non-loopback URL.
+        LoadgenError: empty URL list or trace, a bound that is not a finite number in its range (naming
+            the flag), non-loopback URL.
     """
     import aiohttp
 
@@ -398,17 +536,18 @@ async def run_load(
         raise LoadgenError("give at least one --url")
     if not trace:
         raise LoadgenError("the trace holds no requests")
-    if time_scale <= 0 or max_requests < 1 or max_duration_s <= 0 or drain_s < 0:
-        raise LoadgenError("--time-scale, --max-requests and --max-duration must be positive")
+    _check_bounds(time_scale, max_requests, max_duration_s, drain_s, slo_ttft_ms, slo_itl_ms)
     bases = [check_url(u, allow_remote) for u in urls]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task[None]] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        found, max_len = await _discover_model(session, bases[0])
-        model = found if model is None else model
-        max_len = max_len if clip else None
+        found = [await _discover_model(session, b) for b in bases]
+        model = next((m for m, _ in found if m is not None), None) if model is None else model
+        # Round-robin sends any row to any URL, so a row must fit the smallest limit among them.
+        limits = [n for _, n in found if n is not None]
+        max_len = min(limits) if clip and limits else None
         clipped = 0
         start = time.perf_counter()
         deadline = start + max_duration_s
@@ -467,9 +606,11 @@ def format_table(res: LoadResult) -> str:
                 f"{name[:-3]:<8}{p['mean']:>10.1f}{p['p50']:>10.1f}{p['p90']:>10.1f}{p['p99']:>10.1f}"
             )
     if res.goodput_rps is not None:
+        bounds = [f"{name} ≤ {v:g} ms" for name, v in (("TTFT", res.slo_ttft_ms), ("TPOT", res.slo_itl_ms))
+                  if v is not None]  # fmt: skip
         lines.append(
-            f"SLO (TTFT ≤ {res.slo_ttft_ms:g} ms, TPOT ≤ {res.slo_itl_ms:g} ms): "
-            f"{res.slo_met}/{res.completed} met, goodput {res.goodput_rps:.2f} req/s"
+            f"SLO ({', '.join(bounds)}): {res.slo_met}/{res.completed} met, "
+            f"goodput {res.goodput_rps:.2f} req/s"
         )
     if res.clipped:
         lines.append(f"clipped {res.clipped} request(s) to the server's max_model_len {res.max_model_len}")
@@ -481,31 +622,49 @@ def format_table(res: LoadResult) -> str:
 def register(subparsers: Any) -> None:
     """Add ``gearshift loadgen``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "loadgen", help="replay a CSV trace against OpenAI-compatible URLs; report TTFT/ITL/E2E and goodput"
+        "loadgen",
+        help="replay a CSV trace against OpenAI-compatible URLs; report TTFT/ITL/E2E and goodput",
+        description="Replay a CSV trace against OpenAI-compatible URLs; report TTFT/ITL/E2E and goodput.",
+        epilog="Exit status: 0 when every issued request completed; 1 when any failed or was still "
+        "running after --drain (the report still counts them; --exit-zero makes this 0); 2 on bad input "
+        "(a flag, the trace, a URL).",
     )
     p.add_argument("--url", action="append", required=True,
                    help="base URL (repeat, or comma-separate, for several pods; round-robin)")  # fmt: skip
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                    help="CSV: TIMESTAMP,ContextTokens,GeneratedTokens (default: the bundled Azure LLM 2023 "
                    "conversation trace)")  # fmt: skip
-    p.add_argument("--time-scale", type=float, default=1.0, help="divide arrival offsets by this (default 1)")
-    p.add_argument("--max-requests", type=int, default=100, help="most requests to issue (default 100)")
-    p.add_argument("--max-duration", type=float, default=60.0, help="most seconds to issue for (default 60)")
-    p.add_argument("--drain", type=float, default=60.0, help="seconds to wait for in-flight requests (60)")
+    p.add_argument("--time-scale", type=_number(0, False, "a speed-up factor"), default=1.0,
+                   help="divide arrival offsets by this (default 1)")  # fmt: skip
+    p.add_argument("--max-requests", type=_at_least_one, default=100,
+                   help="most requests to issue (default 100)")  # fmt: skip
+    p.add_argument("--max-duration", type=_number(0, False, "seconds"), default=60.0,
+                   help="most seconds to issue for (default 60)")  # fmt: skip
+    p.add_argument("--drain", type=_number(0, True, "seconds"), default=60.0,
+                   help="seconds to wait for in-flight requests (60)")  # fmt: skip
     p.add_argument("--stream", action="store_true", help="stream (needed for TTFT/ITL)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions with word prompts")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for goodput, ms")
-    p.add_argument("--slo-itl-ms", type=float, help="per-token (TPOT) SLO for goodput, ms")
+    p.add_argument("--slo-ttft-ms", type=_number(0, False, "ms"),
+                   help="TTFT SLO for goodput, ms (with --stream; given alone, goodput checks TTFT "
+                   "only)")  # fmt: skip
+    p.add_argument("--slo-itl-ms", type=_number(0, False, "ms"),
+                   help="per-token (TPOT) SLO for goodput, ms (with --stream; given alone, goodput checks "
+                   "TPOT only)")  # fmt: skip
     p.add_argument("--allow-remote", action="store_true", help="allow non-loopback URLs")
     p.add_argument("--no-clip", dest="clip", action="store_false",
-                   help="send rows longer than the server's max_model_len as they are (the server refuses "
-                   "them; default: shorten them to fit)")  # fmt: skip
+                   help="send rows longer than the servers' max_model_len as they are (the server refuses "
+                   "them; default: shorten them to the smallest max_model_len of the URLs)")  # fmt: skip
+    p.add_argument("--exit-zero", action="store_true",
+                   help="exit 0 even when requests failed or were incomplete (for a benchmark that "
+                   "reports them)")  # fmt: skip
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     p.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
+    """Run ``gearshift loadgen``; exit status as its ``--help`` says (0 all completed, 1 some did not, 2
+    bad input)."""
     urls = [u for item in args.url for u in item.split(",") if u]
     try:
         trace = load_trace(args.trace, limit=args.max_requests)
@@ -530,4 +689,11 @@ def _cli(args: argparse.Namespace) -> int:
         print(f"gearshift loadgen: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(res.to_dict(), indent=2) if args.output == "json" else format_table(res))
-    return 0 if res.completed else 1
+    if res.completed == res.issued or args.exit_zero:
+        return 0
+    print(
+        f"gearshift loadgen: {res.issued - res.completed} of {res.issued} requests did not complete "
+        f"({res.failed} failed, {res.incomplete} incomplete); exit 1 (--exit-zero: 0)",
+        file=sys.stderr,
+    )
+    return 1
