@@ -8,6 +8,8 @@ read the fields they act on the same way, so a request means the same to them as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import pydantic
@@ -17,9 +19,17 @@ LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
 LAX_FLOAT: pydantic.TypeAdapter[float] = pydantic.TypeAdapter(float)
 
 
+#: The type each adapter above returns: a value of exactly that type is returned as it is (exactly: a bool,
+#: a subclass of int, still goes through pydantic).
+_EXACT: Mapping[int, type] = MappingProxyType({id(LAX_BOOL): bool, id(LAX_INT): int, id(LAX_FLOAT): float})
+
+
 def read_lax(adapter: pydantic.TypeAdapter[Any], value: Any) -> Any:
     """``value`` through ``adapter`` in lax mode; None when vLLM's models would refuse it (none of the
-    adapters above returns None for a value they take)."""
+    adapters above returns None for a value they take). A value already of the adapter's type is returned
+    as it is, without pydantic (the router reads ``stream`` of every request)."""
+    if type(value) is _EXACT.get(id(adapter)):
+        return value
     try:
         return adapter.validate_python(value)
     except pydantic.ValidationError:

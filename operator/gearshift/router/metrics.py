@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,6 +23,21 @@ VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 #: vLLM's 1-2-5 token-count buckets (``build_1_2_5_buckets``), up to a million tokens: the router does not
 #: know each pod's ``max_model_len``, which vLLM stops them at.
 VLLM_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+
+
+def observe_many(child: Histogram, amount: float, n: int) -> None:
+    """``n`` observations of ``amount`` in a labelled histogram ``child``, for the cost of one: the ITLs of
+    ``n`` token events read in one chunk share one gap, and each ``observe`` takes the lock and walks the
+    buckets. Reads the child's ``_sum``, ``_buckets`` and ``_upper_bounds``, which ``Histogram.observe``
+    updates (prometheus_client 0.20-0.26); tests/unit/test_router_metrics.py holds it equal to ``n``
+    ``observe`` calls, so a change there fails a test, not a dashboard."""
+    if n <= 1 or amount != amount:  # NaN falls in no bucket of observe(): leave it to observe
+        for _ in range(n):
+            child.observe(amount)
+        return
+    child._raise_if_not_observable()
+    child._sum.inc(amount * n)
+    child._buckets[bisect.bisect_left(child._upper_bounds, amount)].inc(n)
 
 
 @dataclass

@@ -69,6 +69,11 @@ class Backend:
         """Healthy by active checks and not ejected (panic mode may still route to it)."""
         return outlier.available(self, now)
 
+    @property
+    def kv_capacity(self) -> float | None:
+        """KV pool size, bytes: the scraped one, else the pod's declared one; None when neither is known."""
+        return self.kv_capacity_bytes if self.kv_capacity_bytes is not None else self.info.kv_capacity_bytes
+
     def view(self, kv_usage_unknown: float = 0.0) -> P.PodView:
         """The frozen view policies score; ``kv_usage_unknown`` stands in for a KV usage not reported."""
         i = self.info
@@ -90,9 +95,7 @@ class Backend:
             inflight=self.inflight,
             gpu_util=self.gpu_util,
             kv_usage=self.kv_usage if self.kv_usage is not None else kv_usage_unknown,
-            kv_capacity_bytes=self.kv_capacity_bytes
-            if self.kv_capacity_bytes is not None
-            else i.kv_capacity_bytes,
+            kv_capacity_bytes=self.kv_capacity,
             itl_ms=self.itl_ms,
             itl_prior_ms=i.itl_prior_ms,
             max_batch=i.max_batch,
