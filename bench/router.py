@@ -1,16 +1,13 @@
 """Router benchmarks → ``bench/results/router.json``. Loopback only; every process is ours.
 
-``overhead``: a null engine (bench/router_null.py, separate process) answers at once; ``gearshift loadgen``
-(separate process) sends a constant 500 requests/s for ``--seconds`` directly to it and then through a
-``gearshift-router`` (separate process). Added latency = router P50/P99 − direct P50/P99 (non-streamed
-E2E, the whole request). Run in plain mode (one ``both`` pod) and in PD mode (prefill + decode null
-pods: two upstream hops per request, so the PD figure includes the protocol's second round trip).
+The router's own cost (added latency and CPU per request at 500 requests/s) is bench/router_cost.py's, in
+``bench/results/router_peers.json``; this file holds the helpers it and bench/router_peers.py share.
 
-``policies``: a heterogeneous pool of gearshift-sim pods (Llama-3-8B; prefill: one H100 and two A10,
-decode: one H100 and two A10, one sim process), the shared Azure 2023 conversation trace time-scaled to
-50/80/95 % of the prefill pool's capacity (Σ 1 / prefill time of the mean prompt, from the sim's perf
-model), streamed; P50/P99 TTFT, ITL, E2E and SLO goodput (TTFT ≤ 200 ms, TPOT ≤ 50 ms: seed 000's
-targets) per policy, plus FastChat's shortest-queue with speed 1 as the baseline.
+``policies`` (the default part): a heterogeneous pool of gearshift-sim pods (Llama-3-8B; prefill: one H100
+and two A10, decode: one H100 and two A10, one sim process), the shared Azure 2023 conversation trace
+time-scaled to 50/80/95 % of the prefill pool's capacity (Σ 1 / prefill time of the mean prompt, from the
+sim's perf model), streamed; P50/P99 TTFT, ITL, E2E and SLO goodput (TTFT ≤ 200 ms, TPOT ≤ 50 ms: seed
+000's targets) per policy, plus FastChat's shortest-queue with speed 1 as the baseline.
 """
 
 from __future__ import annotations
@@ -88,6 +85,7 @@ def loadgen(url: str, trace: Path, *, time_scale: float, max_requests: int, seco
         str(BIN / "gearshift"), "loadgen", "--url", url, "--trace", str(trace),
         "--time-scale", str(time_scale), "--max-requests", str(max_requests), "--max-duration", str(seconds),
         "--drain", str(drain), "-o", "json", "--model", "m",
+        "--exit-zero",  # failed requests are figures of the run, in its JSON, not a failed command
     ]  # fmt: skip
     if stream:
         args.append("--stream")
@@ -134,64 +132,6 @@ def brief(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("issued", "completed", "failed", "incomplete", "request_rate", "throughput_rps", "goodput_rps",
             "slo_met", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "errors")  # fmt: skip
     return {k: r.get(k) for k in keys}
-
-
-# --- (a) overhead -----------------------------------------------------------------------------------
-
-
-def overhead(seconds: float, rate: float, tmp: Path) -> dict[str, Any]:
-    procs = Procs()
-    n = int(seconds * rate)
-    trace = tmp / "const.csv"
-    write_trace(trace, [(i / rate, 16, 1) for i in range(n)])
-    out: dict[str, Any] = {"rate_rps": rate, "seconds": seconds, "requests": n}
-    try:
-        ports = {k: free_port() for k in ("null", "pre", "dec", "r1", "r2")}
-        for k in ("null", "pre", "dec"):
-            procs.start([PY, "bench/router_null.py", "--port", str(ports[k])], tmp / f"{k}.log")
-        for k in ("null", "pre", "dec"):
-            wait_http(f"http://127.0.0.1:{ports[k]}/health")
-        common = ["--scrape-interval", "1", "--log-level", "WARNING", "--max-inflight", "2048"]
-        router = str(BIN / "gearshift-router")
-        r1 = procs.start([router, "--port", str(ports["r1"]), "--policy", "least-request",
-                          "--backend", f"both=http://127.0.0.1:{ports['null']}", *common],
-                         tmp / "r1.log")  # fmt: skip
-        r2 = procs.start([router, "--port", str(ports["r2"]), "--policy", "pd-score",
-                          "--backend", f"prefill=http://127.0.0.1:{ports['pre']};gpu=H100-80GB",
-                          "--backend", f"decode=http://127.0.0.1:{ports['dec']};gpu=H100-80GB", *common],
-                         tmp / "r2.log")  # fmt: skip
-        for k in ("r1", "r2"):
-            wait_http(f"http://127.0.0.1:{ports[k]}/health")
-        runs = {
-            "direct": f"http://127.0.0.1:{ports['null']}",
-            "router_plain": f"http://127.0.0.1:{ports['r1']}",
-            "router_pd": f"http://127.0.0.1:{ports['r2']}",
-        }
-        # warm-up (connections, code paths), then the measured runs
-        for url in runs.values():
-            loadgen(url, trace, time_scale=1.0, max_requests=200, seconds=2, stream=False, drain=10)
-        pids = {"router_plain": r1.pid, "router_pd": r2.pid}
-        for name, url in runs.items():
-            c0 = cpu_seconds(pids[name]) if name in pids else 0.0
-            r = loadgen(
-                url, trace, time_scale=1.0, max_requests=n, seconds=seconds + 1, stream=False, drain=10
-            )
-            out[name] = brief(r)
-            if name in pids:
-                # CPU the router process spent per request: independent of how busy the shared machine is.
-                cpu = cpu_seconds(pids[name]) - c0
-                out[name]["router_cpu_us_per_request"] = cpu / max(1, r["issued"]) * 1e6
-                out[name]["router_cpu_share_of_one_core"] = cpu / max(r["duration_s"], 1e-9)
-            print(name, json.dumps(out[name]["e2e_ms"]), "rate", round(r["request_rate"], 1), flush=True)
-        d = out["direct"]["e2e_ms"]
-        for name in ("router_plain", "router_pd"):
-            e = out[name]["e2e_ms"]
-            out[f"added_{name}_ms"] = {"p50": e["p50"] - d["p50"], "p99": e["p99"] - d["p99"]}
-        out["goal"] = "added P99 <= 2 ms at 500 requests/s (plain mode)"
-        out["goal_met"] = out["added_router_plain_ms"]["p99"] <= 2.0
-    finally:
-        procs.stop_all()
-    return out
 
 
 # --- (b) policies on a heterogeneous sim pool ----------------------------------------------------------
@@ -351,27 +291,20 @@ def policies(seconds: float, loads: list[float], names: list[str], max_out: int,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("part", choices=["overhead", "policies"])
-    p.add_argument("--seconds", type=float, default=10.0, help="seconds per run (overhead) or per point")
-    p.add_argument("--rate", type=float, default=500.0, help="overhead: requests/s")
+    p.add_argument("part", nargs="?", default="policies", choices=["policies"])
+    p.add_argument("--seconds", type=float, default=10.0, help="seconds per point")
     p.add_argument("--loads", default="0.5,0.8,0.95", help="policies: fractions of capacity")
     p.add_argument("--policies", default="", help="policies: comma-separated subset")
     p.add_argument("--max-output", type=int, default=32, help="policies: clip output tokens (CPU budget)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="gs-router-bench-") as d:
         tmp = Path(d)
-        if a.part == "overhead":
-            before = os.getloadavg()
-            res = overhead(a.seconds, a.rate, tmp)
-            res["loadavg_1_5_15"] = {"before": before, "after": os.getloadavg()}
-            merge_results("overhead", res)
-        else:
-            loads = [float(x) for x in a.loads.split(",")]
-            names = [x for x in a.policies.split(",") if x]
-            before = os.getloadavg()
-            res = policies(a.seconds, loads, names, a.max_output, tmp)
-            res["loadavg_1_5_15"] = {"before": before, "after": os.getloadavg()}
-            merge_results("policies", res)
+        loads = [float(x) for x in a.loads.split(",")]
+        names = [x for x in a.policies.split(",") if x]
+        before = os.getloadavg()
+        res = policies(a.seconds, loads, names, a.max_output, tmp)
+        res["loadavg_1_5_15"] = {"before": before, "after": os.getloadavg()}
+        merge_results("policies", res)
     print(f"wrote {RESULTS}")
     return 0
 

@@ -20,7 +20,7 @@ the KV crosses the 100 Gb/s link in the engine's transfer model) is sent and its
 held until the last token. The client's TTFT is the decode pod's first token − arrival; ITL are the gaps
 between the decode pod's tokens; TPOT = (last − first) / (tokens − 1). Scrapes every ``--scrape`` s
 (0.25, as the wall-clock bench) fold the engines' running/waiting/KV usage/stage utilisation/ITL into the
-pool. Not modelled: the router's own CPU time and the HTTP hops (measured by ``bench/router.py overhead``).
+pool. Not modelled: the router's own CPU time and the HTTP hops (measured by ``bench/router_cost.py``).
 
 Pool, trace and loads as ``bench/router.py policies``: prefill H100 + 2 × A10, decode H100 + 2 × A10
 (Llama-3-8B, max batch 64, 100 Gb/s), the Azure 2023 conversation trace's first requests (its own bursts)

@@ -1,8 +1,9 @@
 """A null OpenAI engine for the router overhead benchmark: answers every request at once (loopback only).
 
-``python bench/router_null.py --port 9100`` serves ``/v1/completions`` (non-streamed, or a two-event
-stream), ``/v1/models``, ``/health`` and an empty ``/metrics``; a ``kv_transfer_params.do_remote_decode``
-request gets PD ``kv_transfer_params`` back, so it also stands in for prefill and decode pods.
+``python bench/router_null.py --port 9100`` serves ``/v1/completions`` (non-streamed, or a stream of
+``max_tokens`` token events), ``/v1/models``, ``/health`` and an empty ``/metrics``; a
+``kv_transfer_params.do_remote_decode`` request gets PD ``kv_transfer_params`` back, so it also stands in
+for prefill and decode pods.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import uvloop
 from aiohttp import web
 
 ANSWER = {
@@ -21,16 +23,29 @@ ANSWER = {
 PREFILL_ANSWER = ANSWER | {
     "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False, "num_prompt_tokens": 1}
 }
+#: One token event of a stream, shaped as vLLM's completion chunks (a ~150-byte JSON document).
+TOKEN_EVENT = (
+    b'data: {"id":"cmpl-null","object":"text_completion","created":1733100000,"model":"null",'
+    b'"choices":[{"index":0,"text":" tok","logprobs":null,"finish_reason":null}]}\n\n'
+)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    """A whole answer, or a stream of ``max_tokens`` token events (written at once, in one chunk) then a
+    usage chunk when ``stream_options.include_usage`` asks for it, then ``[DONE]``."""
     body = await request.json()
     if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
         return web.json_response(PREFILL_ANSWER)
     if body.get("stream"):
+        n = max(1, int(body.get("max_tokens") or 1))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        await out.write(b"data: " + json.dumps(ANSWER).encode() + b"\n\ndata: [DONE]\n\n")
+        tail = b""
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            doc = {"id": "cmpl-null", "choices": [], "usage": usage}
+            tail = b"data: " + json.dumps(doc).encode() + b"\n\n"
+        await out.write(TOKEN_EVENT * n + tail + b"data: [DONE]\n\n")
         await out.write_eof()
         return out
     return web.json_response(ANSWER)
@@ -60,7 +75,9 @@ def main() -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    web.run_app(app, host=a.host, port=a.port, access_log=None, print=None)
+    # uvloop, as the router runs: the null pods share a core with the load generator in
+    # bench/router_cost.py's pinned layout, so their own cost is kept small.
+    web.run_app(app, host=a.host, port=a.port, access_log=None, print=None, loop=uvloop.new_event_loop())
 
 
 if __name__ == "__main__":
