@@ -157,3 +157,125 @@ async def test_sampling_fields_are_refused_where_vllm_refuses_them(
     if resp.status != 200:
         err = (await resp.json())["error"]
         assert resp.status == 400 and err["param"] == next(iter(extra)), err
+
+
+#: ``stream_options`` by what vLLM's request models make of them (the worker asks them): the string
+#: ``"false"`` is False (the sim read it as True and sent usage), a non-object is refused, options with a
+#: raw falsy ``stream`` are refused, ``continuous_usage_stats`` puts usage on every chunk.
+STREAM_OPTIONS_CASES = [
+    {"stream": True, "stream_options": {"include_usage": "false"}},
+    {"stream": True, "stream_options": {"include_usage": "true"}},
+    {"stream": True, "stream_options": {"include_usage": 1}},
+    {"stream": True, "stream_options": {"include_usage": "maybe"}},
+    {"stream": True, "stream_options": {"include_usage": 2}},
+    {"stream": True, "stream_options": {"include_usage": None}},
+    {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}},
+    {"stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+    {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "often"}},
+    {"stream": True, "stream_options": {"other": 1}},
+    {"stream": True, "stream_options": "x"},
+    {"stream": True, "stream_options": []},
+    {"stream": True, "stream_options": True},
+    {"stream": True, "stream_options": None},
+    {"stream": False, "stream_options": {"include_usage": True}},
+    {"stream_options": {"include_usage": False}},
+    {"stream": False, "stream_options": {}},
+    {"stream": False, "stream_options": "x"},
+    {"stream": False, "stream_options": 0},
+    {"stream": "false", "stream_options": {"include_usage": True}},
+]
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    payloads = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    return [json.loads(e) for e in payloads if e != "[DONE]"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("extra", STREAM_OPTIONS_CASES, ids=lambda e: json.dumps(e))
+async def test_stream_options_are_read_as_vllm_reads_them(
+    sim: TestClient, extra: dict[str, Any], chat: bool
+) -> None:
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}]}
+    else:
+        path, body = "/v1/completions", {"prompt": "a b"}
+    body = {**body, "max_tokens": 3, **extra}
+    want = vllm_protocol().call("request", kind="chat" if chat else "completion", body=body)
+    resp = await sim.post(path, json=body)
+    assert (resp.status == 200) == bool(want["ok"]), (await resp.text(), want)
+    if resp.status != 200:
+        err = (await resp.json())["error"]
+        assert resp.status == 400 and err["param"] == "stream_options", err
+        if "Stream options can only be defined" in want["error"]:
+            assert err["message"] == "Stream options can only be defined when `stream=True`."
+        return
+    if not want["stream"]:
+        assert not resp.headers["Content-Type"].startswith("text/event-stream")
+        return
+    opts = want["stream_options"] or {}
+    include = bool(opts.get("include_usage"))
+    continuous = include and bool(opts.get("continuous_usage_stats"))
+    chunks = _events(await resp.text())
+    tail = [c for c in chunks if not c["choices"]]
+    assert len(tail) == int(include), chunks
+    if include:
+        assert tail[0]["usage"]["completion_tokens"] == 3
+    with_choices = [c for c in chunks if c["choices"]]
+    assert all(("usage" in c) == continuous for c in with_choices), with_choices
+
+
+async def test_continuous_usage_stats_count_the_tokens_so_far(sim: TestClient) -> None:
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (
+        ("/v1/completions", {"prompt": "a b"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}]}),
+    ):
+        resp = await sim.post(path, json={**body, "max_tokens": 4, "stream": True, "stream_options": opts})
+        chunks = _events(await resp.text())
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 4, chunks
+        assert all(c["usage"]["prompt_tokens"] == 2 for c in chunks)
+        assert all(c["usage"]["total_tokens"] == 2 + c["usage"]["completion_tokens"] for c in chunks)
+        if "messages" in body:  # the role chunk comes before any token
+            assert counts[0] == 0
+        texts = [
+            c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")
+            for c in chunks[:-1]
+        ]
+        assert sum(t.count("tok") for t in texts if t) == 4
+
+
+class TestMaxModelLenAboveTheModels:
+    """``--max-model-len`` above the model's ``max_position_embeddings`` was served silently; vLLM refuses
+    it at start-up unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set."""
+
+    def test_refused_naming_the_flag_and_the_limit(self) -> None:
+        from gearshift.sim.config import SimConfigError
+
+        with pytest.raises(SimConfigError, match=r"--max-model-len\) 9000 .*max_position_embeddings=8192"):
+            config_from_env(a10_env(GEARSHIFT_MAX_MODEL_LEN="9000"))
+        assert config_from_env(a10_env(GEARSHIFT_MAX_MODEL_LEN="8192")).max_model_len == 8192
+        allowed = config_from_env(a10_env(GEARSHIFT_MAX_MODEL_LEN="9000", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"))
+        assert allowed.max_model_len == 9000
+
+    def test_the_command_exits_2_with_one_line(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import gearshift.sim.server as server
+        from gearshift.sim.server import main
+
+        async def served(_configs: Any) -> None:  # without the check the pod would start and serve
+            return None
+
+        monkeypatch.setattr(server, "serve", served)
+        monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+        env = a10_env()
+        argv = ["--model", env["GEARSHIFT_MODEL"], "--pipeline", env["GEARSHIFT_PIPELINE"]]
+        assert main([*argv, "--max-model-len", "100000", "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err.startswith("gearshift-sim: GEARSHIFT_MAX_MODEL_LEN (--max-model-len) 100000")
+            and err.count("\n") == 1
+        ), err

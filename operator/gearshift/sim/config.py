@@ -128,7 +128,8 @@ def config_from_env(env: Mapping[str, str]) -> SimConfig:
     """Read a :class:`SimConfig` from the ``GEARSHIFT_*`` variables of the pod contract.
 
     Besides the documented ones: ``GEARSHIFT_KV_LINK`` (JSON ``{"gbps": .., "latencyUs": ..}``, the link
-    KV caches arrive over on a decode pod; default 200 Gb/s), ``GEARSHIFT_MAX_MODEL_LEN``,
+    KV caches arrive over on a decode pod; default 200 Gb/s), ``GEARSHIFT_MAX_MODEL_LEN`` (tokens; at
+    most the model's ``max_position_embeddings`` unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``, as in vLLM),
     ``GEARSHIFT_SIM_MFU``, ``GEARSHIFT_SIM_MBU`` (efficiency constants, see :mod:`perfmodel`),
     ``GEARSHIFT_WORKER`` (``1``: a stage k>0 pod), ``GEARSHIFT_SANDBOX_GPU_MODEL`` (the card the pod runs
     on; see :func:`on_own_card`).
@@ -168,6 +169,16 @@ def config_from_env(env: Mapping[str, str]) -> SimConfig:
         mbu=_float(env, "GEARSHIFT_SIM_MBU", PerfParams.mbu),
     )
     max_len = _int(env, "GEARSHIFT_MAX_MODEL_LEN", 0)
+    limit = arch.max_position_embeddings
+    # vLLM refuses a max_model_len above the model's own unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set
+    # (_get_and_verify_max_len, vllm/config/model.py; the variable read as vllm/envs.py reads it).
+    allow_long = env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+    if limit and max_len > limit and not allow_long:
+        raise SimConfigError(
+            f"GEARSHIFT_MAX_MODEL_LEN (--max-model-len) {max_len} is above the model's context length, "
+            f"max_position_embeddings={limit} in its config: give at most {limit} (vLLM refuses it too "
+            "unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set)"
+        )
     return SimConfig(
         host=env.get("GEARSHIFT_HOST", "127.0.0.1"),
         port=_int(env, "GEARSHIFT_PORT", 8000, low=0),

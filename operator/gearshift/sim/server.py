@@ -1,7 +1,8 @@
 """The simulated engine's HTTP server (``gearshift-sim``): vLLM's OpenAI-compatible API over :class:`Engine`.
 
 Endpoints of a head pod: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming
-as vLLM does it: ``data: {json}`` chunks, ``data: [DONE]``, usage with ``stream_options.include_usage``),
+as vLLM does it: ``data: {json}`` chunks, ``data: [DONE]``, usage with ``stream_options.include_usage``,
+on every chunk too with ``continuous_usage_stats``),
 ``GET /v1/models``, ``/health``, ``/metrics`` and ``/sim/stats`` (the simulator's own step accounting).
 A worker pod (stage k>0, ``--worker``) has ``/health`` and ``/metrics`` only.
 
@@ -86,6 +87,9 @@ class ParsedRequest:
     """``stop`` strings: the output ends before the first one (after it with ``include_stop``)."""
     include_stop: bool = False
     """``include_stop_str_in_output`` (vLLM's extra field)."""
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats`` with ``include_usage``: every chunk carries the usage so
+    far (vLLM's ``should_include_usage``, vllm/entrypoints/serve/utils/api_utils.py)."""
 
 
 class BadRequest(ValueError):
@@ -207,6 +211,37 @@ def _lax(adapter: pydantic.TypeAdapter[Any], value: Any, field: str, what: str) 
     return read
 
 
+def stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage)`` of a request's ``stream_options``, read as vLLM reads them:
+    an object of lax booleans (``StreamOptions``, vllm/entrypoints/generate/base/protocol.py, 0.32; the
+    string ``"false"`` is False), continuous usage only with ``include_usage`` (``should_include_usage``).
+
+    Raises:
+        BadRequest: ``stream_options`` given (truthy) on a request whose raw ``stream`` is falsy, with
+            vLLM's message (its ``validate_stream_options`` before-validator tests the raw values, so
+            ``"stream": "false"`` lets options through and ``{}`` passes with ``stream: false``); not an
+            object; a value that is not a boolean.
+    """
+    opts = body.get("stream_options")
+    if opts and not body.get("stream"):
+        raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+    if opts is None:
+        return False, False
+    if not isinstance(opts, dict):
+        raise BadRequest(
+            f'stream_options must be an object such as {{"include_usage": true}}, got {opts!r}',
+            "stream_options",
+        )
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        raw = opts.get(name)
+        value = False if raw is None else read_lax(LAX_BOOL, raw)
+        if value is None:
+            raise BadRequest(f"stream_options.{name} must be a boolean, got {raw!r}", "stream_options")
+        flags.append(bool(value))
+    return flags[0], flags[0] and flags[1]
+
+
 def _stop_strings(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -264,7 +299,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
                 "and timing); leave it out, or serve the model with engine: vllm",
                 name,
             )
-    opts = body.get("stream_options") or {}
+    include_usage, continuous_usage = stream_options(body)
     ktp = body.get("kv_transfer_params")
     if ktp is not None and not isinstance(ktp, dict):
         raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
@@ -274,7 +309,8 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         prompt_tokens=prompt,
         max_tokens=max_tokens,
         stream=_lax(LAX_BOOL, body.get("stream") or False, "stream", "a boolean"),
-        include_usage=bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False,
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         model=model if isinstance(model, str) else None,
         kv_transfer_params=ktp,
         request_id=rid if isinstance(rid, str) and rid else None,
@@ -451,7 +487,17 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                 )
             return web.json_response(out)
         return await _stream(
-            request, engine, req, chat, rid, obj, created, pr.include_usage, cfg.served_model_name, stop_at
+            request,
+            engine,
+            req,
+            chat,
+            rid,
+            obj,
+            created,
+            pr.include_usage,
+            cfg.served_model_name,
+            stop_at,
+            continuous_usage=pr.continuous_usage,
         )
     except (asyncio.CancelledError, ConnectionResetError):
         engine.abort(req)
@@ -482,21 +528,34 @@ async def _stream(
     include_usage: bool,
     model: str,
     stop_at: tuple[int, int] | None = None,
+    *,
+    continuous_usage: bool = False,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     base = {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created, "model": model}
+
+    def so_far(tokens: int) -> dict[str, Any]:
+        # continuous_usage_stats: the usage up to this chunk on every chunk, as vLLM's serving layers do
+        # (openai/completion/serving.py and chat_completion/serving.py, 0.32; 0 tokens on chat's role chunk).
+        if not continuous_usage:
+            return {}
+        total = req.prompt_tokens + tokens
+        return {
+            "usage": {"prompt_tokens": req.prompt_tokens, "completion_tokens": tokens, "total_tokens": total}
+        }
+
     if chat:
         delta = {"role": "assistant", "content": ""}
         first = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-        await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+        await resp.write(b"data: " + json.dumps({**first, **so_far(0)}).encode() + b"\n\n")
     sent = 0
     try:
         async for n in req.token_batches():
             text = _text(sent, sent + n, stop_at)
             sent += n
             finish = _finish(req, stop_at) if req.finished and sent >= req.generated else None
-            chunk = {**base, "choices": [_choice(chat, text, finish, delta=True)]}
+            chunk = {**base, "choices": [_choice(chat, text, finish, delta=True)], **so_far(sent)}
             # One write per step: all the tokens this request got from the step go in one chunk.
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if include_usage:
