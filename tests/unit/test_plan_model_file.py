@@ -135,3 +135,34 @@ def test_bad_load_flags_are_named_before_planning(
         main(["plan", "--cluster", str(SEED_PROFILE), "--model", str(LLAMA_8B), flag, value])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"argument {flag}" in err and named in err, err
+
+
+class TestContextLengthWarning:
+    """Requests longer than the model's ``max_position_embeddings`` were planned for without a word; the
+    engine refuses them."""
+
+    def plan(self, capsys: pytest.CaptureFixture[str], model: Path, *flags: str) -> str:
+        argv = ["plan", "--cluster", str(SEED_PROFILE), "--model", str(model), "--gear", "latency", *flags]
+        assert main([*argv, "--single-pipeline", "-o", "json"]) == 0
+        out = capsys.readouterr()
+        json.loads(out.out)  # the plan is still printed, stdout untouched by the warning
+        return out.err
+
+    def test_prompt_plus_output_over_the_limit_warns_on_stderr(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        err = self.plan(capsys, LLAMA_8B, "--prompt-tokens", "8100", "--output-tokens", "200")
+        assert err.count("\n") == 1 and err.startswith("gearshift plan: warning: ")
+        assert (
+            "--prompt-tokens 8100 + --output-tokens 200 = 8300 exceeds the model's context length of 8192"
+            in err
+        )
+        assert "refuses" in err
+
+    def test_a_prompt_alone_over_the_limit_is_named(self, capsys: pytest.CaptureFixture[str]) -> None:
+        err = self.plan(capsys, LLAMA_8B, "--prompt-tokens", "9000")
+        assert "--prompt-tokens 9000 alone exceeds the model's context length of 8192" in err
+
+    def test_requests_that_fit_or_a_layer_file_do_not_warn(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert self.plan(capsys, LLAMA_8B, "--prompt-tokens", "8000", "--output-tokens", "192") == ""
+        assert self.plan(capsys, SEED_LAYERS, "--prompt-tokens", "9000") == ""

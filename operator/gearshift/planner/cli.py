@@ -143,8 +143,35 @@ def load_model_file(path: str | Path, assumptions: RooflineAssumptions) -> CostM
     return RooflineCostModel(arch, assumptions)
 
 
+def context_warnings(model: CostModel, prompt_tokens: int, output_tokens: int) -> list[str]:
+    """Warnings, one line each, when the request shape does not fit the model's context length (its
+    ``max_position_embeddings``, vLLM's default ``max_model_len``): such requests are planned for, but
+    an engine refuses them (vLLM answers 400 "maximum context length") unless a client shortens them
+    (``gearshift loadgen`` clips rows to the served ``max_model_len``). None for a layer-cost file, which
+    names no context length."""
+    arch = getattr(model, "arch", None)
+    limit = getattr(arch, "max_position_embeddings", None)
+    if not limit:
+        return []
+    total = prompt_tokens + output_tokens
+    if total <= limit:
+        return []
+    what = (
+        f"--prompt-tokens {prompt_tokens} alone"
+        if prompt_tokens >= limit
+        else f"--prompt-tokens {prompt_tokens} + --output-tokens {output_tokens} = {total}"
+    )
+    return [
+        f"gearshift plan: warning: {what} exceeds the model's context length of {limit} tokens "
+        f"(max_position_embeddings in {getattr(arch, 'name', 'its config')}); the engine refuses such "
+        "requests (vLLM: 400, maximum context length) or a client clips them, so the plan is for requests "
+        "that will not be served as given"
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``gearshift plan``; exit 0 on success, 1 when planning fails (message on stderr)."""
+    """Run ``gearshift plan``; exit 0 on success, 1 when planning fails (message on stderr). Requests
+    longer than the model's context length only warn on stderr (:func:`context_warnings`)."""
     from gearshift.planner import PlanError, load_cluster, plan
     from gearshift.planner.costs import RooflineAssumptions
     from gearshift.planner.render import to_json, to_table, to_yaml
@@ -158,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             kv_context_tokens=args.kv_context_tokens,
         )
         model = load_model_file(args.model, shape)
+        for line in context_warnings(model, args.prompt_tokens, args.output_tokens):
+            print(line, file=sys.stderr)
         intents = ("latency", "balanced", "throughput") if args.gear == "all" else (args.gear,)
         result = plan(
             profile,
