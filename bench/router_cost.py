@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -285,6 +286,10 @@ def main() -> int:
         p.error(f"--pinned-rates must be numbers separated by commas, got {a.pinned_rates!r}")
     if not (0 < a.seconds < 600 and all(0 < r <= 5000 for r in pinned_rates)):
         p.error("--seconds must be in (0, 600) and every rate in (0, 5000] requests/s")
+    # SIGTERM, and SIGINT even when started in the background (where it is ignored), unwind through the
+    # finally blocks that stop every process started here.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     load_before = os.getloadavg()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gs-router-cost-") as d:
