@@ -9,6 +9,7 @@ for prefill and decode pods.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
 import uvloop
@@ -31,8 +32,9 @@ TOKEN_EVENT = (
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """A whole answer, or a stream of ``max_tokens`` token events (written at once, in one chunk) then a
-    usage chunk when ``stream_options.include_usage`` asks for it, then ``[DONE]``."""
+    """A whole answer, or a stream of ``max_tokens`` token events (in one chunk, or with ``--event-gap-ms``
+    one chunk per event that far apart) then a usage chunk when ``stream_options.include_usage`` asks for
+    it, then ``[DONE]``."""
     body = await request.json()
     if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
         return web.json_response(PREFILL_ANSWER)
@@ -45,7 +47,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
             usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
             doc = {"id": "cmpl-null", "choices": [], "usage": usage}
             tail = b"data: " + json.dumps(doc).encode() + b"\n\n"
-        await out.write(TOKEN_EVENT * n + tail + b"data: [DONE]\n\n")
+        if gap_s := request.app["event_gap_s"]:
+            for _ in range(n):  # one chunk per token, as an engine streams them
+                await out.write(TOKEN_EVENT)
+                await asyncio.sleep(gap_s)
+            await out.write(tail + b"data: [DONE]\n\n")
+        else:
+            await out.write(TOKEN_EVENT * n + tail + b"data: [DONE]\n\n")
         await out.write_eof()
         return out
     return web.json_response(ANSWER)
@@ -67,10 +75,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--event-gap-ms", type=float, default=0.0, help="one chunk per token, ms apart")
     a = p.parse_args()
     if not a.host.startswith("127.") and a.host != "::1":
         raise SystemExit("--host must be a loopback address")
     app = web.Application()
+    app["event_gap_s"] = a.event_gap_ms / 1000
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
