@@ -427,3 +427,21 @@ async def test_lax_types_as_vllm_reads_them_and_an_engine_refusal_is_a_client_er
     m = await _metrics(client)
     assert _metric(m, "gearshift_router_requests_total", "client_error") == 1
     assert _metric(m, "gearshift_router_requests_total", "ok") == 1
+
+
+async def test_the_router_reads_max_tokens_and_include_usage_as_vllm_does(
+    make_router: Factory,  # noqa: F811
+) -> None:
+    """``"max_tokens": true`` is 1 to vLLM's lax int, so the router serves it; ``"include_usage": "maybe"`` is
+    refused by vLLM, so the router leaves the body as it came (no usage chunk asked for in its place) and the
+    engine's 400 reaches the client. Both checked against vLLM's own request models."""
+    proto = vllm_protocol()
+    assert proto.call("request", kind="completion", body={"prompt": "x", "max_tokens": True})["ok"]
+    maybe = {"prompt": "x", "stream": True, "stream_options": {"include_usage": "maybe"}}
+    assert not proto.call("request", kind="completion", body=maybe)["ok"]
+    client, _router, _ = await make_router({"s0": ("both", SimEngine("s0"))})
+    resp = await client.post("/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": True})
+    assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 1
+    resp = await client.post("/v1/completions", json={"model": "m", **maybe})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "stream_options"

@@ -311,15 +311,16 @@ VLLM_TOO_LONG = {
             400,
             VLLM_TOO_LONG,
             400,
-            "prefill pod p0 refused the request (HTTP 400): This model's maximum context length is 8 tokens. "
-            "However, you requested 12 tokens.",
+            "This model's maximum context length is 8 tokens. However, you requested 12 tokens. (from the "
+            "prefill leg of this PD request, which asks for 1 output token; this request's max_tokens is 7)",
             "BadRequestError",
         ),
         (
             400,
             {"object": "error", "message": "bad model", "type": "NotFoundError", "param": None, "code": 404},
             400,
-            "prefill pod p0 refused the request (HTTP 400): bad model",
+            "bad model (from the prefill leg of this PD request, which asks for 1 output token; this "
+            "request's max_tokens is 7)",
             "NotFoundError",
         ),
         (

@@ -306,9 +306,13 @@ def usage_withheld(body: Mapping[str, Any]) -> bool:
     if not read_lax(LAX_BOOL, body.get("stream") or False):
         return False
     opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, Mapping):
+    if opts is None:
+        return True
+    if not isinstance(opts, Mapping):
         return False  # not vLLM's StreamOptions: the engine refuses the request, leave it as it came
-    return not (opts and read_lax(LAX_BOOL, opts.get("include_usage") or False))
+    include = read_lax(LAX_BOOL, opts.get("include_usage") or False)
+    # None: a value vLLM refuses ("maybe"); the engine answers it with its 400, so the body goes as it came.
+    return include is False
 
 
 def with_usage_requested(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -404,14 +408,18 @@ def _upstream_error_text(text: str) -> tuple[str, str | None, str | None]:
     return text.strip()[:500], None, None
 
 
-def prefill_failed(pod: str, status: int, text: str) -> RequestError:
+def prefill_failed(pod: str, status: int, text: str, max_tokens: int | None = None) -> RequestError:
     """The error the client gets when the prefill leg fails: the engine's 4xx (the request itself is
-    wrong for the model, e.g. too long) keeps its status and type; anything else is a 502."""
+    wrong for the model, e.g. too long) keeps its status, type and message, with a note that the prefill leg
+    asked for one output token (an engine's context-length message counts that one, not the client's
+    ``max_tokens``); the pod is named in the router's log, not to the client. Anything else is a 502."""
     msg, typ, param = _upstream_error_text(text)
     if 400 <= status < 500:
+        log.info("prefill pod %s refused a request (HTTP %d): %s", pod, status, msg[:200])
+        asked = f"; this request's max_tokens is {max_tokens}" if max_tokens is not None else ""
         return RequestError(
             status,
-            f"prefill pod {pod} refused the request (HTTP {status}): {msg}",
+            f"{msg} (from the prefill leg of this PD request, which asks for 1 output token{asked})",
             typ or "BadRequestError",
             "client_error",
             param,
@@ -479,7 +487,8 @@ def validate_body(body: Any, path: str) -> dict[str, Any]:
             "prompt",
         )
     mt = body.get("max_tokens", body.get("max_completion_tokens"))
-    n = None if mt is None or isinstance(mt, bool) else read_lax(LAX_INT, mt)
+    # Lax as vLLM's models read it: "3" is 3 and true is 1 (measured on vLLM 0.32's CompletionRequest).
+    n = None if mt is None else read_lax(LAX_INT, mt)
     if mt is not None and (n is None or n < 1):
         raise RequestError(
             400,
@@ -938,7 +947,7 @@ class Proxy:
                 presp.release()
                 pb.inflight -= 1
             if presp.status != 200:
-                raise prefill_failed(pb.info.name, presp.status, text)
+                raise prefill_failed(pb.info.name, presp.status, text, req.max_tokens)
             try:
                 pjson = fastjson.loads(text)
             except ValueError:
