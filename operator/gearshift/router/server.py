@@ -616,7 +616,15 @@ def run(a: argparse.Namespace) -> int:
         loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux; stay correct without it
         loop = asyncio.new_event_loop()
-    web.run_app(router.app(), host=a.host, port=a.port, access_log=None, print=None, loop=loop)
+    try:
+        web.run_app(router.app(), host=a.host, port=a.port, access_log=None, print=None, loop=loop)
+    except OSError as exc:  # the listening socket: a port in use, an address not on this host
+        print(
+            f"gearshift-router: cannot listen on {a.host}:{a.port}: {exc.strerror or exc}; choose another "
+            "--port/--host",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

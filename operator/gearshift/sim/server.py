@@ -828,6 +828,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (SimConfigError, EngineConfigError) as exc:
         print(f"gearshift-sim: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the listening socket: a port in use, an address not on this host
+        print(
+            f"gearshift-sim: cannot listen: {exc.strerror or exc}; choose another --port/--host",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
