@@ -435,3 +435,22 @@ async def test_bounds_are_checked() -> None:
         await run_load([], [TraceRequest(0, 1, 1)])
     with pytest.raises(LoadgenError, match="loopback"):
         await run_load(["http://10.1.2.3:8000"], [TraceRequest(0, 1, 1)])
+
+
+def test_ctrl_c_is_one_line_and_exit_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interrupted run (Ctrl-C) says so in one line, exit 130 (128 + SIGINT), no traceback."""
+    import gearshift.dev.loadgen as lg
+    from gearshift.cli import main
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,10,5\n")
+
+    async def interrupted(*_a: object, **_k: object) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lg, "run_load", interrupted)
+    assert main(["loadgen", "--url", "http://127.0.0.1:1", "--trace", str(trace)]) == 130
+    err = capsys.readouterr().err
+    assert err == "gearshift loadgen: interrupted; the run was cut short, no report\n"

@@ -27,7 +27,8 @@ such a request with a 400 (the trace's longest conversation row, 14,050 tokens, 
 8,192). ``clip=False`` sends the rows as they are.
 
 Bounds: at most ``max_requests`` requests, issued during at most ``max_duration_s`` seconds; requests
-still running ``drain_s`` seconds after issuing stops are cancelled and counted as ``incomplete``.
+still running ``max_duration_s + drain_s`` seconds after the start (``drain_s`` after the issuing window,
+even when the trace ran out sooner) are cancelled and counted as ``incomplete``.
 By default only loopback URLs are accepted (the sandbox's network rule); ``allow_remote`` lifts that.
 
 Exit status of the command: 0 when every issued request completed, 1 when any failed or was incomplete
@@ -524,7 +525,8 @@ async def run_load(
     The model sent is ``model``, else the first id a URL's ``/v1/models`` gives.
 
     Bounded: at most ``max_requests`` requests issued within ``max_duration_s`` s; whatever still runs
-    ``drain_s`` s later is cancelled (counted ``incomplete``). Total wall time ≤ max_duration_s + drain_s.
+    ``drain_s`` s after the issuing window (``max_duration_s`` from the start, however soon the trace ran
+    out) is cancelled (counted ``incomplete``). Total wall time ≤ max_duration_s + drain_s.
 
     Raises:
         LoadgenError: empty URL list or trace, a bound that is not a finite number in its range (naming
@@ -641,7 +643,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-duration", type=_number(0, False, "seconds"), default=60.0,
                    help="most seconds to issue for (default 60)")  # fmt: skip
     p.add_argument("--drain", type=_number(0, True, "seconds"), default=60.0,
-                   help="seconds to wait for in-flight requests (60)")  # fmt: skip
+                   help="seconds to wait for requests after the --max-duration window (60)")  # fmt: skip
     p.add_argument("--stream", action="store_true", help="stream (needed for TTFT/ITL)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions with word prompts")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
@@ -688,6 +690,9 @@ def _cli(args: argparse.Namespace) -> int:
     except (LoadgenError, OSError) as exc:
         print(f"gearshift loadgen: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("gearshift loadgen: interrupted; the run was cut short, no report", file=sys.stderr)
+        return 130
     print(json.dumps(res.to_dict(), indent=2) if args.output == "json" else format_table(res))
     if res.completed == res.issued or args.exit_zero:
         return 0
