@@ -81,6 +81,19 @@ def added(front: dict[str, Any], direct: dict[str, Any]) -> dict[str, float]:
     return {"p50": round(f["p50"] - d["p50"], 3), "p99": round(f["p99"] - d["p99"], 3)}
 
 
+def noisy(layouts: dict[str, dict[str, Any]]) -> list[str]:
+    """The runs whose added P99 is negative: the direct run's own tail was larger than a front end's,
+    i.e. the machine, not the front end, set that P99 (seen on a busy machine: -268 ms)."""
+    return [
+        f"{layout} {key} {front}: added P99 {row['added_ms']['p99']} ms"
+        for layout, res in layouts.items()
+        for key, at in res.items()
+        if key.endswith("_rps")
+        for front, row in at.items()
+        if front != "direct" and row.get("added_ms", {}).get("p99", 0) < 0
+    ]
+
+
 def goals(layouts: dict[str, dict[str, Any]], rate: float) -> dict[str, Any]:
     """The issue's goals at ``rate`` requests/s (added P99 ≤ 2 ms plain, ≤ 5 ms PD), judged on the pinned
     layout, with the shared layout's figure beside it; ``met`` is False when the pinned figure is missing."""
@@ -284,8 +297,22 @@ def main() -> int:
         pinned_rates = sorted({float(x) for x in a.pinned_rates.split(",")} | {a.rate})
     except ValueError:
         p.error(f"--pinned-rates must be numbers separated by commas, got {a.pinned_rates!r}")
-    if not (0 < a.seconds < 600 and all(0 < r <= 5000 for r in pinned_rates)):
-        p.error("--seconds must be in (0, 600) and every rate in (0, 5000] requests/s")
+    if not 0 < a.seconds < 600:  # NaN fails too
+        p.error(f"--seconds must be in (0, 600), got {a.seconds}")
+    if not 0 < a.rate <= 5000:
+        p.error(f"--rate must be in (0, 5000] requests/s, got {a.rate}")
+    if not all(0 < r <= 5000 for r in pinned_rates):
+        p.error(f"every --pinned-rates value must be in (0, 5000] requests/s, got {a.pinned_rates!r}")
+    # The result file is checked before minutes of measuring, not after.
+    if a.output.is_dir():
+        p.error(f"-o {a.output} is a directory; give a file")
+    if a.output.exists():
+        try:
+            json.loads(a.output.read_text())
+        except (OSError, ValueError) as exc:
+            p.error(f"-o {a.output} exists and is not a JSON document this script can add to ({exc})")
+    elif not a.output.parent.is_dir():
+        p.error(f"-o {a.output}: no directory {a.output.parent}")
     # SIGTERM, and SIGINT even when started in the background (where it is ignored), unwind through the
     # finally blocks that stop every process started here.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -305,13 +332,13 @@ def main() -> int:
         "layouts": layouts,
         "goals": goals(layouts, a.rate),
         "cpu": cpu_per_request(layouts),
+        "noisy_runs": noisy(layouts),
         "wall_s": round(time.monotonic() - t0, 1),
         "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "machine": {"cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
     }
     doc = json.loads(a.output.read_text()) if a.output.exists() else {}
     doc["router_cost"] = entry
-    a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(entry["goals"], indent=2))
     print(

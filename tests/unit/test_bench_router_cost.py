@@ -80,3 +80,9 @@ def test_cpu_per_request_is_the_median_over_every_run(rc: ModuleType) -> None:
     assert cpu["gearshift-plain"] == {"cpu_us_per_request": 1100, "requests_per_s_per_core": 909}
     assert cpu["gearshift-pd"]["cpu_us_per_request"] == 1500
     assert cpu["vllm-toy-proxy"] == {"cpu_us_per_request": 9000.0, "requests_per_s_per_core": 111}
+
+
+def test_a_negative_added_p99_is_flagged_as_noise(rc: ModuleType) -> None:
+    layouts = {"pinned": _layout(500, plain_p99=1.5, pd_p99=8.0, cpus=(1100, 1400))}  # plain: 1.5 - 2.0 < 0
+    assert rc.noisy(layouts) == ["pinned 500_rps gearshift-plain: added P99 -0.5 ms"]
+    assert rc.noisy({"pinned": _layout(500, 3.0, 8.0, cpus=(1100, 1400))}) == []
