@@ -162,6 +162,9 @@ class TestContextLengthWarning:
     def test_a_prompt_alone_over_the_limit_is_named(self, capsys: pytest.CaptureFixture[str]) -> None:
         err = self.plan(capsys, LLAMA_8B, "--prompt-tokens", "9000")
         assert "--prompt-tokens 9000 alone exceeds the model's context length of 8192" in err
+        # equal to the limit: no room for one output token, and the message does not say "exceeds"
+        err = self.plan(capsys, LLAMA_8B, "--prompt-tokens", "8192")
+        assert "--prompt-tokens 8192 alone fills the model's context length of 8192" in err
 
     def test_requests_that_fit_or_a_layer_file_do_not_warn(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert self.plan(capsys, LLAMA_8B, "--prompt-tokens", "8000", "--output-tokens", "192") == ""

@@ -157,12 +157,12 @@ def context_warnings(model: CostModel, prompt_tokens: int, output_tokens: int) -
     if total <= limit:
         return []
     what = (
-        f"--prompt-tokens {prompt_tokens} alone"
+        f"--prompt-tokens {prompt_tokens} alone {'fills' if prompt_tokens == limit else 'exceeds'}"
         if prompt_tokens >= limit
-        else f"--prompt-tokens {prompt_tokens} + --output-tokens {output_tokens} = {total}"
+        else f"--prompt-tokens {prompt_tokens} + --output-tokens {output_tokens} = {total} exceeds"
     )
     return [
-        f"gearshift plan: warning: {what} exceeds the model's context length of {limit} tokens "
+        f"gearshift plan: warning: {what} the model's context length of {limit} tokens "
         f"(max_position_embeddings in {getattr(arch, 'name', 'its config')}); the engine refuses such "
         "requests (vLLM: 400, maximum context length) or a client clips them, so the plan is for requests "
         "that will not be served as given"
