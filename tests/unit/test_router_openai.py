@@ -228,6 +228,8 @@ async def test_an_unstreamed_answer_counts_its_usage_and_finish_reason(make_rout
     m = await _metrics(client)
     assert _metric(m, "vllm:e2e_request_latency_seconds_count") == 3
     assert _metric(m, "vllm:time_to_first_token_seconds_count") == 0  # not seen on a whole answer
+    # nor in the router's own series: a whole answer's E2E there inflated its TTFT (new-user review)
+    assert _metric(m, "gearshift_router_upstream_ttft_seconds_count") == 0
     assert _metric(m, "vllm:generation_tokens_total") == 3 * 3  # FakeEngine's usage.completion_tokens
     assert _metric(m, "vllm:request_success_total") == 3
 

@@ -190,7 +190,8 @@ def make_metrics() -> RouterMetrics:
         ),
         ttft=Histogram(
             "gearshift_router_upstream_ttft_seconds",
-            "Time from admission to the first output token from the upstream, s.",
+            "Time from admission to the first output token from the upstream, s (streamed answers: a whole "
+            "answer's first token is not seen).",
             ["policy"],
             buckets=LATENCY_BUCKETS,
             registry=reg,

@@ -1012,8 +1012,8 @@ class Proxy:
             data = await resp.read()
             t = self.clock()
             if resp.status == 200:
-                # Non-streamed: the first token reaches the client with the last; ITL is not observable here.
-                self._child("ttft", policy).observe(t - t_in)
+                # Non-streamed: the first token reaches the client with the last, so neither TTFT nor ITL
+                # is observable here (its E2E is; counting it as a TTFT inflated the TTFT series).
                 self._record_client(model, t - t_in, None, _body_scan(data))
             return web.Response(
                 status=resp.status, body=data, headers={"Content-Type": ctype, REQUEST_ID_HEADER: rid}
