@@ -447,3 +447,20 @@ async def test_the_router_reads_max_tokens_and_include_usage_as_vllm_does(
     resp = await client.post("/v1/completions", json={"model": "m", **maybe})
     assert resp.status == 400
     assert (await resp.json())["error"]["param"] == "stream_options"
+
+
+async def test_the_sim_answers_unknown_routes_as_vllm_fastapi_does() -> None:
+    """vLLM's server is FastAPI: an unknown route is JSON ``{"detail": "Not Found"}`` (404), a wrong method
+    ``{"detail": "Method Not Allowed"}`` (405) with ``Allow``; the sim said so in text/plain."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    client = TestClient(TestServer(SimEngine("s0").app(), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        resp = await client.get("/v1/embeddings")
+        assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+        resp = await client.get("/v1/completions")
+        assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
+        assert "POST" in resp.headers["Allow"]
+    finally:
+        await client.close()

@@ -632,13 +632,26 @@ class LoopLagMonitor:
             self._task = None
 
 
+@web.middleware
+async def fastapi_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown route or method answered as vLLM's server (FastAPI) answers it: JSON ``{"detail": ...}``
+    with 404 or 405, not aiohttp's ``text/plain``, so a client pointed at the sim sees what vLLM sends."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed as exc:
+        allow = ", ".join(sorted(exc.allowed_methods))
+        return web.json_response({"detail": "Method Not Allowed"}, status=405, headers={"Allow": allow})
+
+
 def build_app(cfg: SimConfig, lag: LoopLagMonitor | None = None) -> web.Application:
     """The aiohttp app of one simulated pod (head or worker); the engine runs while the app does.
 
     Raises:
         EngineConfigError: the pipeline leaves no KV-cache memory.
     """
-    app = web.Application()
+    app = web.Application(middlewares=[fastapi_errors])
     app[CONFIG_KEY] = cfg
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
