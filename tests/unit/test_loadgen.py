@@ -454,3 +454,25 @@ def test_ctrl_c_is_one_line_and_exit_130(
     assert main(["loadgen", "--url", "http://127.0.0.1:1", "--trace", str(trace)]) == 130
     err = capsys.readouterr().err
     assert err == "gearshift loadgen: interrupted; the run was cut short, no report\n"
+
+
+def test_an_slo_without_stream_is_warned_about(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--slo-ttft-ms`` without ``--stream`` counts nothing (no TTFT on a whole answer): one warning line."""
+    import gearshift.dev.loadgen as lg
+    from gearshift.cli import main
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,10,5\n")
+
+    async def nothing(*_a: object, **_k: object) -> object:
+        raise KeyboardInterrupt  # stop right after the flags are read
+
+    monkeypatch.setattr(lg, "run_load", nothing)
+    args = ["loadgen", "--url", "http://127.0.0.1:1", "--trace", str(trace), "--slo-ttft-ms", "200"]
+    main(args)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("gearshift loadgen: warning: --slo-ttft-ms/--slo-itl-ms count only with")
+    main([*args, "--stream"])
+    assert "warning" not in capsys.readouterr().err

@@ -668,6 +668,13 @@ def _cli(args: argparse.Namespace) -> int:
     """Run ``gearshift loadgen``; exit status as its ``--help`` says (0 all completed, 1 some did not, 2
     bad input)."""
     urls = [u for item in args.url for u in item.split(",") if u]
+    if not args.stream and (args.slo_ttft_ms is not None or args.slo_itl_ms is not None):
+        # TTFT and TPOT are measured on streams only; say so instead of printing no SLO line at all.
+        print(
+            "gearshift loadgen: warning: --slo-ttft-ms/--slo-itl-ms count only with --stream "
+            "(TTFT and TPOT are measured on streams); no SLO is counted in this run",
+            file=sys.stderr,
+        )
     try:
         trace = load_trace(args.trace, limit=args.max_requests)
         res = asyncio.run(
