@@ -163,8 +163,10 @@ def test_a_connection_error_is_retried_not_fatal(store: Store, caplog: pytest.Lo
 
 
 def test_a_lease_taken_by_another_stops_the_leader_at_once(store: Store, caplog: pytest.LogCaptureFixture):
-    # A renew deadline well beyond a retry period: the stop below cannot be the deadline's.
-    times = LeaseTimes(lease_duration_s=10, renew_deadline_s=6, retry_period_s=1)
+    # A renew deadline far beyond the wait below: the stop cannot be the deadline's (the message says why it
+    # stopped, too). With a 6 s deadline the wait had to be 3 s, and a loaded CI machine once took longer.
+    times = LeaseTimes(lease_duration_s=30, renew_deadline_s=20, retry_period_s=1)
+    at_once_s = 8 * times.retry_period_s
     a = Candidate(store, "a", times)
     a.elector.start()
     assert wait(lambda: a.elector.leading, 5)
@@ -178,7 +180,7 @@ def test_a_lease_taken_by_another_stops_the_leader_at_once(store: Store, caplog:
         assert wait(lambda: b.elector.leading, 3)
         del store.fail["a"]
         t0 = time.monotonic()
-        assert wait(lambda: a.lost_at, 2 * times.retry_period_s + 1)
-    assert a.lost_at is not None and a.lost_at - t0 < 2 * times.retry_period_s + 1
+        assert wait(lambda: a.lost_at, at_once_s)
+    assert a.lost_at is not None and a.lost_at - t0 < at_once_s < times.renew_deadline_s
     (msg,) = [r.getMessage() for r in caplog.records if "leader election lost" in r.getMessage()]
     assert msg.endswith("now held by b"), msg
