@@ -437,12 +437,11 @@ async def test_bounds_are_checked() -> None:
         await run_load(["http://10.1.2.3:8000"], [TraceRequest(0, 1, 1)])
 
 
-def test_ctrl_c_is_one_line_and_exit_130(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """An interrupted run (Ctrl-C) says so in one line, exit 130 (128 + SIGINT), no traceback."""
+@pytest.fixture
+def interrupted_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``gearshift loadgen`` arguments for a one-row trace, with ``run_load`` raising KeyboardInterrupt:
+    the command reads its flags, then stops as at a Ctrl-C."""
     import gearshift.dev.loadgen as lg
-    from gearshift.cli import main
 
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,10,5\n")
@@ -451,26 +450,27 @@ def test_ctrl_c_is_one_line_and_exit_130(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(lg, "run_load", interrupted)
-    assert main(["loadgen", "--url", "http://127.0.0.1:1", "--trace", str(trace)]) == 130
+    return ["loadgen", "--url", "http://127.0.0.1:1", "--trace", str(trace)]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(
+    interrupted_cli: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interrupted run (Ctrl-C) says so in one line, exit 130 (128 + SIGINT), no traceback."""
+    from gearshift.cli import main
+
+    assert main(interrupted_cli) == 130
     err = capsys.readouterr().err
     assert err == "gearshift loadgen: interrupted; the run was cut short, no report\n"
 
 
 def test_an_slo_without_stream_is_warned_about(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    interrupted_cli: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--slo-ttft-ms`` without ``--stream`` counts nothing (no TTFT on a whole answer): one warning line."""
-    import gearshift.dev.loadgen as lg
     from gearshift.cli import main
 
-    trace = tmp_path / "t.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,10,5\n")
-
-    async def nothing(*_a: object, **_k: object) -> object:
-        raise KeyboardInterrupt  # stop right after the flags are read
-
-    monkeypatch.setattr(lg, "run_load", nothing)
-    args = ["loadgen", "--url", "http://127.0.0.1:1", "--trace", str(trace), "--slo-ttft-ms", "200"]
+    args = [*interrupted_cli, "--slo-ttft-ms", "200"]
     main(args)
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("gearshift loadgen: warning: --slo-ttft-ms/--slo-itl-ms count only with")

@@ -530,6 +530,7 @@ class Proxy:
         # Requests held for decode KV headroom, oldest first; an event is set when its holder may try.
         self._headroom_q: deque[asyncio.Event] = deque()
         self._new_id = RequestIds()
+        # The legs' timeout, made once: a connect within connect_timeout_s, no overall bound (the handler's).
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
         # Labelled children of the per-request series, by label value: ``labels()`` validates and locks on
         # every call (~2.7 us of the ~5.4 us an observation costs here, measured).
@@ -811,12 +812,6 @@ class Proxy:
             self.metrics.retries.labels(role, b.info.name).inc()
         raise AssertionError("unreachable")
 
-    def _client_timeout(self) -> aiohttp.ClientTimeout:
-        """The legs' timeout: a connect within ``connect_timeout_s``, no overall bound (the handler's)."""
-        if self._timeout.sock_connect != self.cfg.connect_timeout_s:
-            self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
-        return self._timeout
-
     def _child(self, series: str, value: str) -> Any:
         """``self.metrics.<series>`` (or ``self.metrics.client.<series>`` for ``client.*``) labelled with
         ``value``, cached. A model name comes from the client: past 256 cached children, no more are kept."""
@@ -919,7 +914,7 @@ class Proxy:
             if self.cfg.prefill_ms_per_token > 0
             else None,
         )
-        timeout = self._client_timeout()
+        timeout = self._timeout
         pd = self.pool.has_role("prefill") and self.pool.has_role("decode")
         # One X-Request-Id for both legs (and for a retry of either): see REQUEST_ID_HEADER.
         headers = leg_headers(rid, request.headers.get("Authorization"))
