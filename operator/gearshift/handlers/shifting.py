@@ -26,7 +26,9 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
    sees either the old or the new executor step, never a half), *then* apply the actions through the
    reconciler's :func:`~gearshift.handlers.reconcile.ensure_gear_sync`, ``select_gear_sync`` and
    ``delete_gear_sync`` and record events. An action type the tick does not know fails the tick before
-   anything is written (:func:`gearshift.control.shifting.api_operations`).
+   anything is written (:func:`gearshift.control.shifting.api_operations`);
+6. mark the head pods of a ``Warming`` shadow for the router's mirrored warm-up traffic and unmark every
+   other pod of the role (:func:`_mark_warming`, :mod:`gearshift.k8s.warming`).
 
 What is decided in a tick is pure code: the observation, the shadow check, the request, the condition,
 the events and the mapping of actions to API operations in :mod:`gearshift.control.shifting`, the status
@@ -112,7 +114,7 @@ from gearshift.handlers.loop import every_sample_interval, load_gearset_and_serv
 from gearshift.handlers.reconcile import NotYet, delete_gear_sync, ensure_gear_sync, select_gear_sync
 from gearshift.handlers.runtime import GearSetMemory, Runtime, Settings, runtime_of
 from gearshift.handlers.signals import SignalSource
-from gearshift.k8s import names
+from gearshift.k8s import names, warming
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,8 @@ class _Seen:
     observations: dict[str, GearObservation]
     gpus: dict[str, int]
     """GPUs the pods of each spec gear ask for now (:func:`gpus_by_gear`)."""
+    pods: list[Mapping[str, Any]] = field(default_factory=list)
+    """The role's pods as read this tick (their warm-up marks are set from them)."""
 
     @property
     def sample(self) -> Sample | None:
@@ -261,7 +265,15 @@ def _observe(api: KubeApi, t: _Inputs, settings: Settings, signals: SignalSource
         metric=t.policy.latency_metric,
     )
     return _Seen(
-        by_gear, selected, url, reading, why, in_flight_old, observations, gpus_by_gear(t.gears, pods)
+        by_gear,
+        selected,
+        url,
+        reading,
+        why,
+        in_flight_old,
+        observations,
+        gpus_by_gear(t.gears, pods),
+        list(pods),
     )
 
 
@@ -356,6 +368,27 @@ def _act(rt: Runtime, t: _Inputs, operations: Sequence[ApiOperation]) -> None:
                 assert_never(op)
 
 
+def _mark_warming(api: KubeApi, t: _Inputs, pods: Sequence[Mapping[str, Any]], state: ShiftState) -> None:
+    """Label the head pods of the gear ``Warming`` now for mirrored warm-up traffic, with the mirror cap
+    (:func:`gearshift.k8s.warming.mirror_cap_rps`), and unmark every other pod of the role
+    (:mod:`gearshift.k8s.warming` says why on the pods, not in their template). After the actions: the
+    tick that switches to the shadow has just pointed the role Service at it, and the router mirrors to
+    no pod it routes to, so the unmarking that follows loses nothing."""
+    gear = state.to_gear if state.phase is Phase.WARMING else None
+    cap = warming.mirror_cap_rps(
+        t.policy.warmup_share,
+        t.gears.get(gear) if gear else None,
+        t.pds.spec.engine,
+        t.pds.spec.router.replicas,
+    )
+    for pod, patch in warming.warming_mark_patches(pods, gear, cap):
+        try:
+            api.patch("v1", "Pod", t.namespace, pod, patch)
+        except KubeApiError as exc:
+            if exc.status != 404:  # a pod gone since the list needs no mark
+                raise
+
+
 def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: SignalSource) -> ShiftTick:
     """One turn of the shifting loop for GearSet ``namespace/name`` (see the module docstring), with the
     runtime's API and settings, sampling ``signals``.
@@ -373,6 +406,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: SignalS
     done = _step(api, t, seen, now)
     book = _write_status(rt, t, seen, done, now)
     _act(rt, t, done.operations)
+    _mark_warming(api, t, seen.pods, done.state)
     metrics.record_gears(namespace, t.gs.spec.service_name, t.gs.spec.role, done.state.active, seen.gpus)
     for reason, message, warning in book.changes:
         emit(api, t.body, reason, message, warning)

@@ -40,6 +40,13 @@ ANNOTATION_AVAILABLE_UNTIL = f"{DOMAIN}/available-until"
 #: On a head pod: the autoscaler is draining it before a scale-down; the router stops picking it (``"true"``).
 LABEL_DRAINING = f"{DOMAIN}/draining"
 
+#: On a head pod of a warming shadow gear: the router mirrors a share of live requests to it (``"true"``);
+#: set and cleared on the pods by the shifting loop, never in the pod template (gearshift.k8s.warming).
+LABEL_WARMING = f"{DOMAIN}/warming"
+#: On a warming head pod: the most mirrored requests/s one router replica sends it, ``warmupShare`` of the
+#: gear's predicted throughput (gearshift.k8s.warming.mirror_cap_rps); ``"0"``: none predicted, no mirror.
+ANNOTATION_MIRROR_RPS = f"{DOMAIN}/mirror-rps"
+
 #: On a pod: run its container as a local process in the sandbox (the local pod runner).
 LABEL_SANDBOX_RUN = f"{DOMAIN}/sandbox-run"
 
