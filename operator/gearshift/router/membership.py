@@ -15,6 +15,11 @@ the slices lack: a role without endpoints has no Ready pod either.
 Pods labelled ``gearshift.io/draining: "true"`` (the autoscaler drains a pipeline replica before a
 scale-down, issue 12) are left out of the pod set whatever the slices say, so no new request goes to them
 while their in-flight requests finish; the same poll that feeds the fallback finds them.
+
+The same poll finds the pods of a warming shadow gear (labelled ``gearshift.io/warming: "true"`` by the
+shifting loop, outside the role Service) and hands them to ``on_warming``: the router mirrors a share of
+live requests to them (:mod:`gearshift.router.mirror`). It does so in a real cluster too, where the
+EndpointSlices hold the serving pods: only the poll sees pods no Service selects.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, cast
 from gearshift import GROUP, VERSION
 from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import LABEL_DRAINING, NODE_GPU_MODEL, role_service_name
+from gearshift.router.mirror import MirrorTarget, warming_targets
 from gearshift.router.policies import pipeline_speed
 from gearshift.router.pool import BackendInfo
 
@@ -327,8 +333,10 @@ class EndpointSliceMembership:
         on_change: Callable[[list[BackendInfo]], None],
         loop: asyncio.AbstractEventLoop,
         kubeconfig: str | None = None,
+        on_warming: Callable[[list[MirrorTarget]], None] | None = None,
     ) -> None:
         self.service, self.namespace = service, namespace
+        self.on_warming = on_warming
         self.on_change, self.loop = on_change, loop
         self.kubeconfig = kubeconfig
         self.role_of_service = {role_service_name(service, r): r for r in ("prefill", "decode")}
@@ -415,6 +423,7 @@ class EndpointSliceMembership:
             # POD_POLL_S; pushes only when the pod-built slices change.
             nonlocal from_pods, draining
             warned = False
+            warm_last: list[MirrorTarget] = []
             while not self._stop.wait(POD_POLL_S):
                 try:
                     svcs = [
@@ -422,6 +431,7 @@ class EndpointSliceMembership:
                     ]
                     pods = ser(core.list_namespaced_pod(self.namespace).items)
                     built = slices_from_pods(svcs, pods)
+                    warm = warming_targets(pods, self.service) if self.on_warming is not None else []
                     now_draining = draining_pods(pods)
                 except Exception as exc:  # RBAC without services/pods, or a Service not created yet
                     if not warned:
@@ -437,6 +447,9 @@ class EndpointSliceMembership:
                     changed = built != from_pods or now_draining != draining
                     from_pods = built
                     draining = now_draining
+                if self.on_warming is not None and warm != warm_last:
+                    warm_last = warm
+                    self.loop.call_soon_threadsafe(self.on_warming, warm)
                 if changed:
                     push()
 

@@ -40,7 +40,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -51,6 +51,9 @@ from gearshift.router import policies as P
 from gearshift.router.metrics import SLO_MET, SLO_MISSED, RouterMetrics, observe_many, slo_met
 from gearshift.router.outlier import record_success
 from gearshift.router.pool import Backend, Pool
+
+if TYPE_CHECKING:
+    from gearshift.router.mirror import Mirror
 
 log = logging.getLogger(__name__)
 
@@ -532,6 +535,8 @@ class Proxy:
         self._new_id = RequestIds()
         # The legs' timeout, made once: a connect within connect_timeout_s, no overall bound (the handler's).
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
+        self.mirror: Mirror | None = None
+        """Copies of live requests for warming shadow pods (gearshift.router.mirror); None: none."""
         # Labelled children of the per-request series, by label value: ``labels()`` validates and locks on
         # every call (~2.7 us of the ~5.4 us an observation costs here, measured).
         self._children: dict[tuple[str, str], Any] = {}
@@ -846,6 +851,9 @@ class Proxy:
             return _with_id(error_response(err.status, err.message, err.err_type, err.param), rid)
         self.inflight += 1
         self.metrics.inflight.inc()
+        mirror = self.mirror
+        if mirror is not None and mirror.active:  # a warming shadow: a copy, fire and forget
+            mirror.offer(request.path, body, rid, request.headers.get("Authorization"))
         outcome = "ok"
         relay = Relay()
         try:

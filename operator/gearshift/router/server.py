@@ -11,6 +11,8 @@ is not built yet).
 Membership: with ``--service`` the router watches the role Services' EndpointSlices; where those hold no
 endpoint (the sandbox: the API server refuses loopback pod IPs) it falls back to the Services' selectors
 and the Ready pods they select (router/membership.py; tests/e2e/test_router.py runs this path).
+The same poll finds a warming shadow's pods (``gearshift.io/warming``), to which the router mirrors a
+share of live requests, answers dropped (router/mirror.py; tests/e2e/test_warmup_mirror_e2e.py).
 
 Background loops: membership (EndpointSlice watch or static ``--backend`` list), signal scraping (pods'
 ``/metrics`` or ``--prometheus``), active health checks, and the 5 s balance round.
@@ -43,6 +45,7 @@ from gearshift.router import outlier
 from gearshift.router import policies as P
 from gearshift.router.membership import EndpointSliceMembership, parse_backend
 from gearshift.router.metrics import RouterMetrics, make_metrics
+from gearshift.router.mirror import Mirror, make_mirror_metrics
 from gearshift.router.outlier import OutlierConfig, OutlierConfigError
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool
 from gearshift.router.proxy import Proxy, ProxyConfig, error_response
@@ -116,6 +119,8 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics: RouterMetrics = make_metrics()
+        self.mirror_metrics = make_mirror_metrics(self.metrics.registry)
+        self.mirror: Mirror | None = None
         self.pool = Pool(settings.policy, random.Random(settings.seed), settings.outlier)
         self.pool.set_members(settings.backends)
         self.session: aiohttp.ClientSession | None = None
@@ -139,8 +144,21 @@ class Router:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.proxy = Proxy(self.pool, self.session, self.metrics, s.proxy, self.clock)
         if s.service:
+            self.mirror = Mirror(
+                self.session,
+                self.mirror_metrics,
+                self.clock,
+                routed=lambda pod: pod in self.pool.backends,
+                timeout_s=s.proxy.request_timeout_s,
+            )
+            self.proxy.mirror = self.mirror
             self._membership = EndpointSliceMembership(
-                s.service, s.namespace, self.pool.set_members, asyncio.get_running_loop(), s.kubeconfig
+                s.service,
+                s.namespace,
+                self.pool.set_members,
+                asyncio.get_running_loop(),
+                s.kubeconfig,
+                on_warming=self.mirror.set_targets,
             )
             self._membership.start()
         if s.prometheus_url:
@@ -175,6 +193,8 @@ class Router:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self.mirror is not None:
+            await self.mirror.close()
         if self.session:
             await self.session.close()
 
