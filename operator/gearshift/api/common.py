@@ -154,6 +154,8 @@ COND_STALE = "Stale"
 COND_WINDOWED = "Windowed"
 #: The autoscaler could act within its limits (PDService).
 COND_SCALING_ACTIVE = "ScalingActive"
+#: The router caps the active gear's head pods below the gear's planned max batch (GearSet, decode).
+COND_BATCH_ADAPTED = "BatchAdapted"
 
 CONDITION_TYPES: tuple[str, ...] = (
     COND_READY,
@@ -166,6 +168,7 @@ CONDITION_TYPES: tuple[str, ...] = (
     COND_STALE,
     COND_WINDOWED,
     COND_SCALING_ACTIVE,
+    COND_BATCH_ADAPTED,
 )
 
 # --- event (and condition) reasons, CamelCase as Kubernetes wants them -----------------------------

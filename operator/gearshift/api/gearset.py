@@ -878,6 +878,43 @@ class ScalingStatus(StatusModel):
     placement: Message = Field(default="", description="Nodes the last scale-up expects its new pods on.")
 
 
+class MaxBatchChange(StatusModel):
+    """One change of the serving gear's effective max batch."""
+
+    time: AwareDatetime = Field(description="When it changed.")
+    from_value: int | None = Field(
+        default=None, alias="from", ge=1, description="Effective max batch before (none: a new gear)."
+    )
+    to_value: int = Field(alias="to", ge=1, description="Effective max batch after.")
+    reason: str = Field(max_length=128, description="CamelCase reason (ItlOverTarget, GearChanged, ...).")
+    message: Message = Field(default="", description="Details: the router's proposal and its ITL.")
+
+
+class AdaptiveBatchStatus(StatusModel):
+    """Seed 000's adaptive batch on the active gear (decode role; gearshift.control.adaptive_batch): the
+    router caps each head pod's concurrent requests at ``effective`` (annotation ``gearshift.io/max-batch``,
+    divided among router replicas); the engines keep their ``--max-num-seqs`` (``planned``), so no pod
+    restarts and no request is dropped."""
+
+    gear: str = Field(max_length=63, description="Gear the values are for (the active gear).")
+    planned: int = Field(ge=1, description="The gear's maxBatch, the engine's own limit: the ceiling.")
+    effective: int = Field(ge=1, description="Max batch in force: what the router lets each head pod run.")
+    floor: int = Field(ge=1, description="Least effective value: max(1, microBatch, ceil(planned / 4)).")
+    per_router: int = Field(
+        ge=1, description="Requests each router replica keeps on a head pod at once (the annotation)."
+    )
+    last_decision: Literal["Lower", "Raise", "Hold", "Reset"] = Field(description="The latest decision.")
+    last_reason: str = Field(max_length=128, description="CamelCase reason of it (Cooldown, AtFloor, ...).")
+    last_message: Message = Field(default="", description="Details of it.")
+    last_decision_time: AwareDatetime | None = Field(default=None, description="When it was taken.")
+    last_change_time: AwareDatetime | None = Field(
+        default=None, description="When the effective value last changed (the cooldown counts from it)."
+    )
+    history: list[MaxBatchChange] = Field(
+        default_factory=list, max_length=10, description="Recent changes, oldest first; at most 10."
+    )
+
+
 class WindowedNode(StatusModel):
     """A time-limited node of this role (issue 13): its deadline, what runs on it, when work leaves it."""
 
@@ -959,6 +996,9 @@ class GearSetStatus(StatusModel):
     executor: ExecutorState | None = Field(default=None, description="Persisted executor state.")
     control: ControlState | None = Field(default=None, description="Persisted decision-loop state.")
     scaling: ScalingStatus | None = Field(default=None, description="Pipeline-replica autoscaler (issue 12).")
+    adaptive_batch: AdaptiveBatchStatus | None = Field(
+        default=None, description="Adaptive max batch of the active gear (seed 000; decode role)."
+    )
     autoscaled: bool | None = Field(
         default=None,
         description="Whether the PDService has a scaling section for this role (written by the reconciler; "

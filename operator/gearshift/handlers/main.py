@@ -49,6 +49,7 @@ HANDLER_MODULES: tuple[str, ...] = (
     "gearshift.handlers.gpuprofile",
     "gearshift.handlers.shifting",
     "gearshift.handlers.autoscale",
+    "gearshift.handlers.adaptive_batch",
     "gearshift.handlers.replicas",
 )
 

@@ -47,6 +47,13 @@ LABEL_WARMING = f"{DOMAIN}/warming"
 #: gear's predicted throughput (gearshift.k8s.warming.mirror_cap_rps); ``"0"``: none predicted, no mirror.
 ANNOTATION_MIRROR_RPS = f"{DOMAIN}/mirror-rps"
 
+#: On a serving (decode) head pod: the most requests one router replica keeps on it at once, the operator's
+#: adaptive max batch (``status.adaptiveBatch.effective`` of its GearSet / router replicas, at least 1;
+#: gearshift.control.adaptive_batch). Absent: no router-side cap (the engine's own max batch applies).
+ANNOTATION_MAX_BATCH = f"{DOMAIN}/max-batch"
+#: On a GearSet: ``"off"`` keeps the operator's adaptive max batch off (the pods' caps are removed).
+ANNOTATION_ADAPTIVE_BATCH = f"{DOMAIN}/adaptive-batch"
+
 #: On a pod: run its container as a local process in the sandbox (the local pod runner).
 LABEL_SANDBOX_RUN = f"{DOMAIN}/sandbox-run"
 

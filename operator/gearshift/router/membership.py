@@ -20,6 +20,10 @@ The same poll finds the pods of a warming shadow gear (labelled ``gearshift.io/w
 shifting loop, outside the role Service) and hands them to ``on_warming``: the router mirrors a share of
 live requests to them (:mod:`gearshift.router.mirror`). It does so in a real cluster too, where the
 EndpointSlices hold the serving pods: only the poll sees pods no Service selects.
+
+The same poll reads each pod's ``gearshift.io/max-batch`` annotation: the operator's adaptive max batch
+(:mod:`gearshift.control.adaptive_batch`), the most requests this router keeps on that pod at once
+(:attr:`BackendInfo.batch_cap`); a head pod's ``GEARSHIFT_PIPELINE`` gives the engine's own max batch.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any, cast
 
 from gearshift import GROUP, VERSION
 from gearshift.facts.gpus import GPU_SPECS, compute_score
-from gearshift.k8s.names import LABEL_DRAINING, NODE_GPU_MODEL, role_service_name
+from gearshift.k8s.names import ANNOTATION_MAX_BATCH, LABEL_DRAINING, NODE_GPU_MODEL, role_service_name
 from gearshift.router.mirror import MirrorTarget, warming_targets
 from gearshift.router.policies import pipeline_speed
 from gearshift.router.pool import BackendInfo
@@ -178,10 +183,12 @@ def infos_from_slices(
             gpus = facts.get("gpuCount")
             env = pod_envs.get(pod, {})
             speed = None
+            max_batch = 256
             if "GEARSHIFT_PIPELINE" in env:
                 with contextlib.suppress(ValueError, TypeError, KeyError, IndexError, AttributeError):
                     pipeline = json.loads(env["GEARSHIFT_PIPELINE"])
                     speed = speed_from_pipeline(pipeline, role)
+                    max_batch = max(1, int(pipeline.get("maxBatch", max_batch)))
                     if gpu is None:
                         # The node unreadable (the router's namespaced Role cannot grant nodes): the head
                         # stage's card as the engine itself was told (docs/ARCHITECTURE.md).
@@ -200,8 +207,26 @@ def infos_from_slices(
                 compute_score=facts.get("computeScore"),
                 hbm_gbps=facts.get("hbmGBps"),
                 speed=speed,
+                max_batch=max_batch,
             )
     return list(out.values())
+
+
+def batch_caps(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Pod name → its ``gearshift.io/max-batch`` annotation (a whole number >= 1, others ignored). Pure."""
+    out: dict[str, int] = {}
+    for p in pods:
+        meta = p.get("metadata") or {}
+        raw = (meta.get("annotations") or {}).get(ANNOTATION_MAX_BATCH)
+        with contextlib.suppress(TypeError, ValueError):
+            if raw is not None and int(raw) >= 1:
+                out[str(meta.get("name"))] = int(raw)
+    return out
+
+
+def with_caps(infos: Iterable[BackendInfo], caps: Mapping[str, int]) -> list[BackendInfo]:
+    """``infos`` with each pod's batch cap from ``caps`` (None where it has none). Pure."""
+    return [replace(b, batch_cap=caps.get(b.name)) for b in infos]
 
 
 def draining_pods(pods: Iterable[Mapping[str, Any]]) -> frozenset[str]:
@@ -401,6 +426,7 @@ class EndpointSliceMembership:
         lock = threading.Lock()
         from_pods: list[dict[str, Any]] = []
         draining: frozenset[str] = frozenset()
+        caps: dict[str, int] = {}
 
         def push() -> None:
             with lock:
@@ -413,15 +439,16 @@ class EndpointSliceMembership:
                         pod = (ep.get("targetRef") or {}).get("name")
                         if pod:
                             envs[pod] = env_for(pod)
-                infos = without_draining(
-                    infos_from_slices(merged, self.role_of_service, nodes, envs), draining
+                infos = with_caps(
+                    without_draining(infos_from_slices(merged, self.role_of_service, nodes, envs), draining),
+                    caps,
                 )
             self.loop.call_soon_threadsafe(self.on_change, infos)
 
         def poll_pods() -> None:
             # The loopback fallback (module docstring): Services' selectors and their pods, every
             # POD_POLL_S; pushes only when the pod-built slices change.
-            nonlocal from_pods, draining
+            nonlocal from_pods, draining, caps
             warned = False
             warm_last: list[MirrorTarget] = []
             while not self._stop.wait(POD_POLL_S):
@@ -433,6 +460,7 @@ class EndpointSliceMembership:
                     built = slices_from_pods(svcs, pods)
                     warm = warming_targets(pods, self.service) if self.on_warming is not None else []
                     now_draining = draining_pods(pods)
+                    now_caps = batch_caps(pods)
                 except Exception as exc:  # RBAC without services/pods, or a Service not created yet
                     if not warned:
                         log.info(
@@ -444,9 +472,10 @@ class EndpointSliceMembership:
                         warned = True
                     continue
                 with lock:
-                    changed = built != from_pods or now_draining != draining
+                    changed = built != from_pods or now_draining != draining or now_caps != caps
                     from_pods = built
                     draining = now_draining
+                    caps = now_caps
                 if self.on_warming is not None and warm != warm_last:
                     warm_last = warm
                     self.loop.call_soon_threadsafe(self.on_warming, warm)

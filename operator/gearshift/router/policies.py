@@ -117,6 +117,14 @@ class NoPodError(RuntimeError):
         self.reason = reason
 
 
+class BatchFullError(NoPodError):
+    """Every routable pod of the role holds as many requests as its batch cap allows (the operator's
+    adaptive max batch): the request waits in the router for one to finish."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role, "every pod is at its max batch (gearshift.io/max-batch)")
+
+
 class NoDecodeCapacityError(NoPodError):
     """Every healthy decode pod lacks 1.2 × the request's KV cache in free memory (seed 000: scale up)."""
 

@@ -36,6 +36,10 @@ class BackendInfo:
     max_queue: int = 16
     kv_capacity_bytes: float | None = None
     itl_prior_ms: float | None = None
+    batch_cap: int | None = None
+    """Most requests this router keeps on the pod at once, when it serves (decode or both): the operator's
+    adaptive max batch (pod annotation ``gearshift.io/max-batch``, :mod:`gearshift.control.adaptive_batch`).
+    None: no cap here (the engine's own ``max_batch`` queues what is beyond it)."""
 
 
 @dataclass
@@ -53,6 +57,9 @@ class Backend:
     fc_queue: float = 0.0
     """FastChat queue length: overwritten by each scrape, +1 at each pick."""
     inflight: int = 0
+    held: int = 0
+    """Requests placed on this pod as their serving (decode or both) pod and not finished: counted from
+    the pick, before a PD request's prefill leg, so requests still prefilling count against the cap."""
     # Health and ejection state, kept by gearshift.router.outlier (Envoy's semantics).
     healthy: bool = True
     check_failures: int = 0
@@ -64,6 +71,11 @@ class Backend:
     returned_at: float = 0.0
     last_scrape: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def has_room(self) -> bool:
+        """Below its :attr:`BackendInfo.batch_cap` (always, without one)."""
+        cap = self.info.batch_cap
+        return cap is None or self.held < cap
 
     def available(self, now: float) -> bool:
         """Healthy by active checks and not ejected (panic mode may still route to it)."""
@@ -160,16 +172,26 @@ class Pool:
         """Pods serving ``role`` (``both`` pods serve either), sorted by name."""
         return [b for _, b in sorted(self.backends.items()) if b.info.role == role or b.info.role == "both"]
 
-    def candidates(self, role: str, now: float, exclude: Iterable[str] = ()) -> list[Backend]:
+    def candidates(
+        self, role: str, now: float, exclude: Iterable[str] = (), capped: bool = False
+    ) -> list[Backend]:
         """Routable pods serving ``role`` (:func:`gearshift.router.outlier.routable`: the available ones,
-        or all of them in panic mode), sorted by name, minus ``exclude``."""
+        or all of them in panic mode), sorted by name, minus ``exclude``; with ``capped``, minus the pods
+        at their batch cap. Pods the rebalancer spares are left out while others remain."""
         skip = set(exclude)
         members = self.members(role)
         outlier.release_expired(members, now)
         idx, self.panic[role] = outlier.routable(members, now, self.outlier)
         out = [members[i] for i in idx if members[i].info.name not in skip]
+        if capped:
+            out = [b for b in out if b.has_room()]
         spared = [b for b in out if b.info.name not in self.avoid]
         return spared or out
+
+    def has_room(self, role: str, now: float) -> bool:
+        """Whether a routable pod serving ``role`` is below its batch cap (no pod at all: True, so the
+        caller's pick reports the missing pod rather than waiting for one)."""
+        return bool(self.candidates(role, now, capped=True)) or not self.candidates(role, now)
 
     def record_error(self, b: Backend, now: float) -> bool:
         """Count an error of ``b``'s leg; True when that ejected ``b`` (:func:`outlier.record_error`)."""
@@ -190,11 +212,16 @@ class Pool:
     ) -> Backend:
         """Choose one pod of ``role`` by the configured policy and count the pick.
 
+        A serving pick (``decode``, ``both``) skips pods at their batch cap (:meth:`Backend.has_room`).
+
         Raises:
-            NoPodError: no available pod; NoDecodeCapacityError: pd-score's headroom filter emptied the set.
+            NoPodError: no available pod; BatchFullError: every one is at its batch cap;
+                NoDecodeCapacityError: pd-score's headroom filter emptied the set.
         """
-        cands = self.candidates(role, now, exclude)
+        cands = self.candidates(role, now, exclude, capped=role != "prefill")
         if not cands:
+            if role != "prefill" and self.candidates(role, now, exclude):
+                raise P.BatchFullError(role)
             raise P.NoPodError(
                 role, "no pod in the set" if not self.members(role) else "every pod was tried already"
             )
@@ -247,6 +274,9 @@ class Pool:
                     "available": b.available(now),
                     "healthy": b.healthy,
                     "inflight": b.inflight,
+                    "held": b.held,
+                    "maxBatch": b.info.max_batch,
+                    "batchCap": b.info.batch_cap,
                     "running": b.running,
                     "waiting": b.waiting,
                     "gpuUtil": b.gpu_util,

@@ -511,6 +511,8 @@ class Relay:
 
     response: web.StreamResponse | None = None
     delivered: bool = False
+    held: Backend | None = None
+    """The serving pod whose batch slot (:attr:`Backend.held`) this request holds until it ends."""
 
 
 class Proxy:
@@ -532,6 +534,9 @@ class Proxy:
         self.last_scale_up_kv_bytes: float | None = None
         # Requests held for decode KV headroom, oldest first; an event is set when its holder may try.
         self._headroom_q: deque[asyncio.Event] = deque()
+        # Requests waiting for a serving pod below its batch cap, per role; set when a slot frees.
+        self.batch_waiting: dict[str, int] = {}
+        self._batch_freed = asyncio.Event()
         self._new_id = RequestIds()
         # The legs' timeout, made once: a connect within connect_timeout_s, no overall bound (the handler's).
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
@@ -585,6 +590,53 @@ class Proxy:
     def release(self) -> None:
         self._slots.release()
 
+    # --- the operator's batch cap (adaptive max batch) ------------------------------------------------
+    async def _batch_room(self, role: P.Role) -> None:
+        """Wait until a ``role`` pod is below its batch cap (``BackendInfo.batch_cap``), at most
+        ``queue_timeout_s``. A newcomer waits behind requests already waiting; woken waiters re-check in
+        the order they began to wait, and the pick that follows takes the slot without yielding in between.
+
+        Raises:
+            RequestError: 503 when no slot freed in time.
+        """
+        if not self.batch_waiting.get(role) and self.pool.has_room(role, self.clock()):
+            return
+        deadline = self.clock() + self.cfg.queue_timeout_s
+        self.batch_waiting[role] = self.batch_waiting.get(role, 0) + 1
+        try:
+            while not self.pool.has_room(role, self.clock()):
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    self.metrics.rejects.labels("batch_full").inc()
+                    raise RequestError(
+                        503,
+                        f"every {role} pod held its max batch for {self.cfg.queue_timeout_s:g} s; "
+                        "the service is overloaded",
+                        "service_unavailable",
+                        "rejected",
+                    )
+                self._batch_freed.clear()
+                # A cap raised by membership frees room without a request ending: poll as well.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._batch_freed.wait(), min(remaining, 0.25))
+        finally:
+            self.batch_waiting[role] -= 1
+
+    async def _place_serving(self, role: P.Role, req: P.RequestView, relay: Relay) -> Backend:
+        """The serving pod of a request (decode under PD, else a ``both`` pod) below its batch cap; the
+        request holds one of its slots until :meth:`_unhold`."""
+        await self._batch_room(role)
+        b = await self._place_decode(req) if role == "decode" else self._pick(role, req, None, set())
+        b.held += 1
+        relay.held = b
+        return b
+
+    def _unhold(self, relay: Relay) -> None:
+        if relay.held is not None:
+            relay.held.held -= 1
+            relay.held = None
+            self._batch_freed.set()
+
     # --- decode placement with a hold for KV headroom ----------------------------------------------
     @property
     def headroom_held(self) -> int:
@@ -599,7 +651,8 @@ class Proxy:
         """
         try:
             b = self.pool.pick("decode", req, self.clock(), None, ())
-        except P.NoDecodeCapacityError:
+        except (P.NoDecodeCapacityError, P.BatchFullError):
+            # BatchFullError only while held for headroom (placement waits for batch room first).
             return None
         except P.NoPodError as exc:
             self.metrics.rejects.labels("no_decode_pod").inc()
@@ -893,6 +946,7 @@ class Proxy:
                 rid,
             )
         finally:
+            self._unhold(relay)
             self.inflight -= 1
             self.metrics.inflight.dec()
             self.release()
@@ -930,8 +984,9 @@ class Proxy:
         upstream_body = with_usage_requested(body) if withhold else body
         decode_peer: Backend | None = None
         decode_choice: Backend | None = None
+        serving = await self._place_serving("decode" if pd else "both", req, relay)
         if pd:
-            decode_choice = await self._place_decode(req)
+            decode_choice = serving
             prefill_body = prefill_leg_body(body, is_chat(request.path))
             pb, presp = await self._open(
                 "prefill", req, decode_choice, request.path, prefill_body, timeout, headers, retry_5xx=True
@@ -979,7 +1034,7 @@ class Proxy:
             upstream_body,
             timeout,
             headers,
-            first=decode_choice if pd else None,
+            first=serving,
             # Plain mode forwards the client's bytes unchanged unless the usage chunk is asked for.
             raw=None if pd or withhold else await request.read(),
         )

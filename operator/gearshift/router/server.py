@@ -3,10 +3,12 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming passed through),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the router's own, prometheus_client),
 ``GET /debug/pods`` (every pod's signals and counters), ``GET /debug/decisions`` (the latest
-:mod:`gearshift.control.pd_balance` round: what rebalancing and adaptive batching would change; the
-operator reads it, or calls :func:`balance_round` itself, and applies it through the Kubernetes API —
-the JSON contract is in docs/ARCHITECTURE.md, "Router decisions → operator"; the operator-side reader
-is not built yet).
+:mod:`gearshift.control.pd_balance` round). The router applies the round's rebalancing itself (new
+requests spare the pods it names, unless ``--no-apply-rebalance``); the adaptive-batch proposals are the
+operator's to apply (:mod:`gearshift.handlers.adaptive_batch` reads this endpoint and writes each decode
+head pod's ``gearshift.io/max-batch``, which the router then enforces as a per-pod cap: requests beyond
+it wait here, none reaches the engine's queue). The JSON contract is in docs/ARCHITECTURE.md, "Router
+decisions → operator".
 
 Membership: with ``--service`` the router watches the role Services' EndpointSlices; where those hold no
 endpoint (the sandbox: the API server refuses loopback pod IPs) it falls back to the Services' selectors
@@ -70,7 +72,9 @@ class RouterSettings:
     health_interval_s: float = 2.0
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     balance_interval_s: float = pd_balance.INTERVAL_S
-    apply_rebalance: bool = False
+    apply_rebalance: bool = True
+    """Seed 000's rebalancing applied: new requests spare the pods a round names (``--no-apply-rebalance``
+    turns it off)."""
     seed: int | None = None
 
 
@@ -81,12 +85,20 @@ def _report_crash(task: asyncio.Task[Any]) -> None:
         log.error("router background task %s died", task.get_coro(), exc_info=task.exception())
 
 
-def balance_round(pool: Pool, now: float, target_itl_ms: float) -> pd_balance.Decisions:
+def balance_round(
+    pool: Pool, now: float, target_itl_ms: float, waiting: Mapping[str, int] | None = None
+) -> pd_balance.Decisions:
     """One :mod:`gearshift.control.pd_balance` round over the pool's live signals (the operator's hook).
 
-    ITL P99 per pod comes from the ITL histogram delta since the previous round (kept in ``extra``).
+    ITL P99 per pod comes from the ITL histogram delta since the previous round (kept in ``extra``). A pod's
+    max batch is its batch cap where the operator set one (the value the adaptive rule steps from), its
+    hard max the engine's own (``GEARSHIFT_PIPELINE`` ``maxBatch``): a router-side cap cannot exceed what
+    the engine was started with. ``waiting``: requests the router holds per role for batch room, shared
+    equally among the role's pods in their queue depth (with a cap, the backlog waits here, not in the
+    engine, and the seed's grow rule reads a queue).
     """
     loads = []
+    waiting = waiting or {}
     for b in pool.backends.values():
         hist = b.extra.get("itl_hist")
         prev = b.extra.get("itl_hist_balance")
@@ -103,11 +115,11 @@ def balance_round(pool: Pool, now: float, target_itl_ms: float) -> pd_balance.De
                 # Unknown KV usage: judged by GPU load alone rather than as an empty cache.
                 memory_util=b.kv_usage if b.kv_usage is not None else b.gpu_util,
                 itl_p99_ms=p99,
-                queue_depth=b.waiting + b.running,
-                max_batch=b.info.max_batch,
-                hard_max_batch=max(
-                    b.info.max_batch, int(b.extra.get("hard_max_batch", b.info.max_batch * 2))
-                ),
+                queue_depth=b.waiting
+                + b.running
+                + waiting.get(b.info.role, 0) / max(1, len(pool.members(b.info.role))),
+                max_batch=b.info.batch_cap if b.info.batch_cap is not None else b.info.max_batch,
+                hard_max_batch=b.info.max_batch,
             )
         )
     return pd_balance.evaluate(loads, now, target_itl_ms)
@@ -201,7 +213,10 @@ class Router:
     async def _balance_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.balance_interval_s)
-            self.decisions = balance_round(self.pool, self.clock(), self.settings.policy.target_itl_ms)
+            waiting = self.proxy.batch_waiting if self.proxy is not None else None
+            self.decisions = balance_round(
+                self.pool, self.clock(), self.settings.policy.target_itl_ms, waiting
+            )
             if self.settings.apply_rebalance:
                 self.pool.avoid = set(self.decisions.avoid)
             for d in self.decisions.rebalance:
@@ -305,7 +320,15 @@ class Router:
         body: dict[str, Any] = (
             self.decisions.to_dict() if self.decisions else {"at": None, "rebalance": [], "batch": []}
         )
-        body["applied"] = {"avoid": sorted(self.pool.avoid)} if self.settings.apply_rebalance else None
+        body["applied"] = {
+            "avoid": sorted(self.pool.avoid) if self.settings.apply_rebalance else None,
+            "batchCap": {
+                b.info.name: b.info.batch_cap
+                for b in self.pool.backends.values()
+                if b.info.batch_cap is not None
+            },
+            "batchWaiting": dict(self.proxy.batch_waiting),
+        }
         body["scaleUp"] = {
             "requests": self.proxy.scale_up_requests,
             "lastKvBytes": self.proxy.last_scale_up_kv_bytes,
@@ -422,7 +445,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape-interval", type=float, default=0.5, help="pod /metrics scrape period, s")
     p.add_argument("--health-interval", type=float, default=2.0, help="pod /health check period, s")
     p.add_argument("--balance-interval", type=float, default=pd_balance.INTERVAL_S, help="s")
-    p.add_argument("--apply-rebalance", action="store_true", help="spare the pods the rebalancer names")
+    p.add_argument(
+        "--apply-rebalance",
+        action=argparse.BooleanOptionalAction,
+        default=env("GEARSHIFT_APPLY_REBALANCE", "true").lower() not in ("0", "false", "no", "off"),
+        help="new requests spare the pods seed 000's rebalancer names, every --balance-interval (default on; "
+        "--no-apply-rebalance only reports them at /debug/decisions) [GEARSHIFT_APPLY_REBALANCE]",
+    )
     p.add_argument("--max-inflight", type=int, default=512, help="requests forwarded at once (>= 1)")
     p.add_argument(
         "--max-queue", type=int, default=1024, help="requests waiting for a slot; more are refused"

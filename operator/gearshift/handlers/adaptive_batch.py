@@ -1,0 +1,231 @@
+"""Seed 000's adaptive batch, applied: per decode GearSet, every 5 s (the router's balance round), the
+routers' proposals → :func:`gearshift.control.adaptive_batch.decide` → the active gear's head pods.
+
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+
+1. read the GearSet and its PDService; skip unless the role is ``decode`` with an active gear;
+2. the router pods' ``GET /debug/decisions`` (their pod IPs, port 8000: the same seam the autoscaler
+   reads the router's ``/metrics`` through), the proposals for the active gear's head pods;
+3. decide (bounded step, cooldown, never while the executor's shift is in flight: the pure module says
+   why a router-side cap, not a restart, is what "apply" means);
+4. write each head pod's ``gearshift.io/max-batch`` (the per-router-replica cap; removed when the GearSet
+   is annotated ``gearshift.io/adaptive-batch: "off"``), where it differs;
+5. ``status.adaptiveBatch`` (planned, effective, floor, the decision and the change history) and the
+   ``BatchAdapted`` condition, under the per-service lock on a fresh read; an event for every change
+   (``MaxBatchLowered``, ``MaxBatchRaised``, ``MaxBatchReset``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import kopf
+import requests
+
+from gearshift.api.common import COND_BATCH_ADAPTED, GROUP, VERSION
+from gearshift.control import adaptive_batch as rules
+from gearshift.control.autoscale import head_pods
+from gearshift.control.executor_status import executor_from_status
+from gearshift.control.pd_balance import INTERVAL_S
+from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
+from gearshift.handlers.kubeapi import GS, POD, KubeApi, KubeApiError
+from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
+from gearshift.handlers.reconcile import NotYet
+from gearshift.handlers.runtime import Runtime, runtime_of
+from gearshift.k8s import names
+from gearshift.k8s.services import ROUTER_PORT
+
+log = logging.getLogger(__name__)
+
+PLURAL = "gearsets"
+
+
+class RouterDecisionSource(Protocol):
+    """Where a tick reads the routers' balance rounds (HTTP in the operator, a fake in unit tests)."""
+
+    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+        """``(router pod name, its /debug/decisions JSON)`` for each router pod that answered."""
+        ...
+
+
+class HttpRouterDecisions:
+    """:class:`RouterDecisionSource` over the router pods' ``/debug/decisions`` (pod IPs)."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.timeout_s = timeout_s
+
+    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+        out: list[tuple[str, Mapping[str, Any]]] = []
+        for p in pods:
+            ip = (p.get("status") or {}).get("podIP")
+            if not ip or (p.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            try:
+                r = requests.get(f"http://{ip}:{ROUTER_PORT}/debug/decisions", timeout=self.timeout_s)
+                doc = r.json() if r.status_code == 200 else None
+            except (requests.RequestException, ValueError):
+                continue
+            if isinstance(doc, dict):
+                out.append((str(p["metadata"]["name"]), doc))
+        return out
+
+
+@dataclass
+class BatchTick:
+    """What one tick did (logs and tests)."""
+
+    skipped: str = ""
+    idle: bool = False
+    step: rules.BatchStep | None = None
+    annotated: list[str] = field(default_factory=list)
+    """Head pods whose ``gearshift.io/max-batch`` was written (or removed) this tick."""
+
+
+def _annotate(
+    api: KubeApi, namespace: str, heads: Sequence[Mapping[str, Any]], value: str | None
+) -> list[str]:
+    done = []
+    for p in heads:
+        meta = p.get("metadata") or {}
+        if (meta.get("annotations") or {}).get(names.ANNOTATION_MAX_BATCH) == value:
+            continue
+        try:
+            api.patch(
+                "v1",
+                "Pod",
+                namespace,
+                meta["name"],
+                {"metadata": {"annotations": {names.ANNOTATION_MAX_BATCH: value}}},
+            )
+        except KubeApiError as exc:
+            if exc.status != 404:
+                raise
+            continue
+        done.append(str(meta["name"]))
+    return done
+
+
+def _votes(
+    api: KubeApi,
+    source: RouterDecisionSource,
+    namespace: str,
+    service: str,
+    heads: Sequence[Mapping[str, Any]],
+) -> list[rules.Vote]:
+    """Every router replica's proposals for ``heads``."""
+    router_pods = api.list(
+        *POD, namespace, {names.LABEL_SERVICE: service, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
+    )
+    head_names = {str(p["metadata"]["name"]) for p in heads}
+    return [v for router, doc in source.fetch(router_pods) for v in rules.votes_from(doc, router, head_names)]
+
+
+def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDecisionSource) -> BatchTick:
+    """One turn for GearSet ``namespace/name`` (module docstring).
+
+    Raises:
+        KubeApiError: the API server refused a read or write (the loop retries next turn).
+    """
+    api = rt.api
+    loaded = load_gearset_and_service(api, namespace, name)
+    if isinstance(loaded, str):
+        return BatchTick(skipped=loaded)
+    gs_body, gs, pds = loaded
+    if gs.spec.role != "decode":
+        return BatchTick(skipped="adaptive batch is a decode-role rule (seed 000)", idle=True)
+    gear = {g.name: g for g in gs.gears()}.get(gs.status.active_gear or "")
+    if gear is None:
+        return BatchTick(skipped="no active gear yet")
+    service = gs.spec.service_name
+    enabled = (gs.metadata.get("annotations") or {}).get(names.ANNOTATION_ADAPTIVE_BATCH) != "off"
+    shift = executor_from_status(gear.name, gs.status.executor).busy
+    routers = max(1, pds.spec.router.replicas)
+    labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: "decode", names.LABEL_GEAR: gear.name}
+    pods = api.list(*POD, namespace, labels)
+    heads = [p for p in head_pods(pods) if not p["metadata"].get("deletionTimestamp")]
+    votes = _votes(api, source, namespace, service, heads) if enabled and not shift else []
+    old = rules.state_from_status(gs.status.adaptive_batch)
+    step = rules.decide(
+        old,
+        gear=gear.name,
+        planned=gear.max_batch,
+        micro_batch=gear.micro_batch,
+        votes=votes,
+        now=now,
+        shift_in_flight=shift,
+        routers=routers,
+        enabled=enabled,
+    )
+    new = rules.advance(old, step, gear.name, now)
+    annotated: list[str] = []
+    if not shift:
+        cap = rules.per_router_cap(new.effective or step.effective, routers)
+        annotated = _annotate(api, namespace, heads, str(cap) if enabled else None)
+    doc = rules.status_json(new, step, routers, now)
+    if rules.status_changed(gs.status.adaptive_batch, doc):
+        _write_status(rt, namespace, name, service, doc, rules.condition(step, new), now)
+    ev = rules.event(step, old.effective if old.gear == gear.name else None)
+    if ev is not None and new != old:
+        emit(api, gs_body, *ev)
+    return BatchTick(step=step, annotated=annotated)
+
+
+def _write_status(
+    rt: Runtime,
+    namespace: str,
+    name: str,
+    service: str,
+    doc: Mapping[str, Any],
+    cond: tuple[str, str, str],
+    now: float,
+) -> None:
+    """``status.adaptiveBatch`` and the BatchAdapted condition (fresh read, under the service lock)."""
+    api = rt.api
+    with rt.service_locks.hold((namespace, service)):
+        fresh = api.get(*GS, namespace, name)
+        if fresh is None:
+            return
+        raw = (fresh.get("status") or {}).get("conditions")
+        book = ConditionBook(
+            conditions_from(raw),
+            fresh["metadata"].get("generation"),
+            datetime.fromtimestamp(now, UTC).replace(microsecond=0),
+        )
+        book.set(COND_BATCH_ADAPTED, *cond)  # type: ignore[arg-type]  # "True" | "False"
+        patch_status(
+            api, *GS, namespace, name, {"adaptiveBatch": doc, "conditions": book.as_json()}, rt.pruned
+        )
+
+
+# --- kopf ----------------------------------------------------------------------------------------------
+def run_tick(rt: Runtime, namespace: str, name: str) -> BatchTick:
+    """One tick now, reading the routers over HTTP (see :func:`tick`)."""
+    return tick(rt, namespace, name, now=time.time(), source=HttpRouterDecisions())
+
+
+def _decode(body: kopf.Body, **_: Any) -> bool:
+    """Only decode GearSets run the loop (seed 000's batch rule is a decode-node rule)."""
+    return (body.get("spec") or {}).get("role") == "decode"
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_decode)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
+async def gearset_adaptive_batch(
+    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
+) -> None:
+    """Every router balance round (5 s, or ``spec.policy.sampleIntervalS`` when longer): one :func:`tick`."""
+    await every_sample_interval(
+        namespace,
+        name,
+        body,
+        stopped,
+        functools.partial(run_tick, runtime_of(memo)),
+        what="adaptive batch tick",
+        floor_s=INTERVAL_S,
+        expected=(KubeApiError, NotYet, KeyError),
+    )
