@@ -9,9 +9,10 @@ Phases (``GearSet.status.phase``)::
       └── RollingBack ◀── new gear failed: OOM/crash loop, not Ready and warm in time, P99 regression
 
 - ``Warming``: the target gear's StatefulSets run as *shadows*; the role Service still selects the old
-  gear, so they get no traffic (seed 002 lets a shadow take up to ``warmupShare`` of mirrored traffic;
-  the router does not mirror yet, and the share is carried in :class:`EnsureGear` for when it does).
-  It moves on once every target pod has been Ready
+  gear, so no client request reaches them. They warm on mirrored traffic (seed 002): while the phase is
+  ``Warming`` the shifting loop marks their head pods (:mod:`gearshift.k8s.warming`) and the router
+  sends them copies of live requests, answers dropped, at most ``warmupShare`` of the gear's predicted
+  throughput (:mod:`gearshift.router.mirror`). It moves on once every target pod has been Ready
   for ``warmSeconds``; after ``warmupTimeoutSeconds`` it rolls back.
 - ``Draining``: the role Service selects the new gear, the old gear takes no new requests; wait for its
   in-flight requests to reach 0 (or ``drainTimeoutSeconds``).
@@ -96,9 +97,12 @@ FAIL_P99 = "P99Regression"
 class EnsureGear:
     """Create (or update) the gear's StatefulSets and headless Service.
 
-    ``shadow``: the pods run beside the serving gear, outside the role Service (no traffic);
-    ``warm_share`` is seed 002's cap on the share of mirrored traffic and of a card's compute a shadow
-    may use, not acted on yet. ``kv_pool`` false: weights only, no KV-cache pool yet (degraded mode).
+    ``shadow``: the pods run beside the serving gear, outside the role Service (no client traffic);
+    ``warm_share`` is seed 002's cap on the share a shadow may take: the router mirrors it at most
+    ``warm_share`` of its predicted throughput (the shifting loop's marks, :mod:`gearshift.k8s.warming`,
+    carry the cap while the phase is ``Warming``); its share of a card's compute is not enforced (the
+    sandbox's time-sliced cards give none). ``kv_pool`` false: weights only, no KV-cache pool yet
+    (degraded mode).
     """
 
     gear: str
