@@ -132,18 +132,19 @@ class TestRollback:
 
     def test_p99_regression_in_the_window(self):
         # No baseline (the request has none, bal reports no P99): limit 2 × target 200 = 400 ms. P99 500 ms
-        # is seen at the first Switching step (54): traffic back to bal; thr holds nothing, deleted at 56.
+        # is judged once Switching (from 52) is MIN_WINDOW_S = 10 s old, at 62 (before, the sample's window
+        # still covers the drain): traffic back to bal; thr holds nothing, deleted at 64.
         w = world(new=GearScript(ready_after_s=20, p99_ms=500.0))
         records = run(w)
         assert transitions(records) == [
             (0, "Warming"),
             (50, "Draining"),
             (52, "Switching"),
-            (54, "RollingBack"),
-            (56, "Stable"),
+            (62, "RollingBack"),
+            (64, "Stable"),
         ]
-        assert of(records, SelectGear) == [(50, SelectGear("thr")), (54, SelectGear("bal"))]
-        assert of(records, DeleteGear) == [(56, DeleteGear("thr"))]
+        assert of(records, SelectGear) == [(50, SelectGear("thr")), (62, SelectGear("bal"))]
+        assert of(records, DeleteGear) == [(64, DeleteGear("thr"))]
         assert w.unhealthy == {"thr": FAIL_P99} and w.selected == "bal" and w.lost == {}
 
     def test_p99_within_ratio_keeps_the_new_gear(self):
@@ -158,31 +159,31 @@ class TestRollback:
         assert w.selected == "bal" and w.unhealthy == {"thr": "CrashLoopBackOff"}
 
     def test_rollback_drains_the_failed_gear_before_deleting_it(self):
-        # thr serves 8 requests when its P99 (500 > 400) rolls it back at 54: bal is selected again at 54,
-        # thr finishes 2/s (8 − 2·2 = 4 at 56, 0 at 58) and is deleted at 58 with nothing in flight.
+        # thr serves 8 requests when its P99 (500 > 400) rolls it back at 62 (Switching from 52 + 10 s):
+        # bal is selected again at 62, thr finishes 2/s (8 − 2·2 = 4 at 64, 0 at 66) and is deleted at 66.
         w = world(new=GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=2.0))
         records = run(w)
         assert transitions(records) == [
             (0, "Warming"),
             (50, "Draining"),
             (52, "Switching"),
-            (54, "RollingBack"),
-            (58, "Stable"),
+            (62, "RollingBack"),
+            (66, "Stable"),
         ]
-        assert of(records, SelectGear) == [(50, SelectGear("thr")), (54, SelectGear("bal"))]
-        assert of(records, DeleteGear) == [(58, DeleteGear("thr"))]
-        assert [r.world.gear("thr").in_flight for r in records if 54 <= r.now <= 58] == [8, 4, 0]
+        assert of(records, SelectGear) == [(50, SelectGear("thr")), (62, SelectGear("bal"))]
+        assert of(records, DeleteGear) == [(66, DeleteGear("thr"))]
+        assert [r.world.gear("thr").in_flight for r in records if 62 <= r.now <= 66] == [8, 4, 0]
         assert w.lost == {} and w.selected == "bal"
         assert [e.reason for e in w.events][-3:] == ["GearUnhealthy", "DrainStarted", "RolledBack"]
         t, rec = of(records, RecordShift)[-1]
-        assert (t, rec.outcome, rec.started_at, rec.finished_at) == (58, Outcome.ROLLED_BACK, 0.0, 58.0)
+        assert (t, rec.outcome, rec.started_at, rec.finished_at) == (66, Outcome.ROLLED_BACK, 0.0, 66.0)
 
     def test_rollback_drain_timeout_deletes_with_a_warning(self):
-        # 8 requests that never finish: the drain deadline is 54 + 120 = 174; deleted then, 8 lost.
+        # 8 requests that never finish: the drain deadline is 62 + 120 = 182; deleted then, 8 lost.
         w = world(new=GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=0.0))
         records = run(w)
-        assert transitions(records)[-2:] == [(54, "RollingBack"), (174, "Stable")]
-        assert of(records, DeleteGear) == [(174, DeleteGear("thr"))]
+        assert transitions(records)[-2:] == [(62, "RollingBack"), (182, "Stable")]
+        assert of(records, DeleteGear) == [(182, DeleteGear("thr"))]
         assert w.lost == {"thr": 8}
         timeouts = [e for e in w.events if e.reason == "DrainTimeout"]
         assert len(timeouts) == 1 and timeouts[0].warning and "'thr'" in timeouts[0].message
@@ -195,13 +196,13 @@ class TestRollback:
             if state.phase is not Phase.ROLLING_BACK:
                 w.apply(actions, now)  # the rollback step's actions are lost (operator killed)
             now += 2
-        assert now == 56 and w.selected == "thr" and state.deadline == 54 + 120
+        assert now == 64 and w.selected == "thr" and state.deadline == 62 + 120
         state, actions = step(state, w.observe(now), POLICY)
         assert actions == [SelectGear("bal")] and state.phase is Phase.ROLLING_BACK
         w.apply(actions, now)
         rest = simulate_steps(state, w, POLICY, request=None, start=now + 2)
-        # deselected at 56: 8 − 2·(t − 56) → 0 at 60
-        assert transitions(rest)[-1] == (60, "Stable") and w.lost == {} and w.selected == "bal"
+        # deselected at 64: 8 − 2·(t − 64) → 0 at 68
+        assert transitions(rest)[-1] == (68, "Stable") and w.lost == {} and w.selected == "bal"
 
 
 class TestRollbackBaseline:

@@ -45,14 +45,21 @@ class TestQueries:
         q = signal_queries(SEL, engine="vllm")
         assert q.stage_utilization is None and q.concurrency == concurrency_query(SEL)
         assert not any("gearshift:" in x for x in q.all())
-        assert q.all()[0] == q.concurrency and len(q.all()) == 1 + 3 + 6
+        assert q.all()[0] == q.concurrency and len(q.all()) == 1 + 1 + 3 + 6  # + the arrival rate
 
     def test_sim_queries_unchanged(self) -> None:
         sim = signal_queries(SEL)
         assert sim == signal_queries(SEL, engine="sim")
         assert sim.concurrency is None
         assert sim.stage_utilization == f"avg by (stage) (gearshift:stage_utilization{M})"
-        assert sim.all() == [sim.stage_utilization, sim.queue, sim.running, sim.qps, *sim.quantiles.values()]
+        assert sim.all() == [
+            sim.stage_utilization,
+            sim.arrivals,
+            sim.queue,
+            sim.running,
+            sim.qps,
+            *sim.quantiles.values(),
+        ]
 
     def test_unknown_engine(self) -> None:
         with pytest.raises(ValueError, match="engine must be one of"):

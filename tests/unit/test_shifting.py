@@ -17,6 +17,7 @@ from gearshift.api.gearset import ControlState, ExecutorState, Gear
 from gearshift.control import executor_status as es
 from gearshift.control import shift_status as ss
 from gearshift.control import shifting as cs
+from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Phase, SelectGear, ShiftState
 from gearshift.control.policy import ShiftRules
@@ -53,13 +54,22 @@ class FakeSignals:
         self.asked: list[str] = []
         self.engines: list[str] = []
         self.shapes: list[PipelineShape | None] = []
+        self.windows: list[str] = []
 
     def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
         return Sample(at=at, stage_utilization=(0.5, 0.5), qps=3.0, ttft_p99_ms=150.0, itl_p99_ms=20.0)
 
     def sample(
-        self, url: str, sel: GearSelector, at: float, *, engine: str, shape: PipelineShape | None
+        self,
+        url: str,
+        sel: GearSelector,
+        at: float,
+        *,
+        engine: str,
+        shape: PipelineShape | None,
+        window: str = "1m",
     ) -> Reading:
+        self.windows.append(window)
         self.asked.append(sel.gear)
         self.engines.append(engine)
         self.shapes.append(shape)
@@ -194,15 +204,28 @@ class TestStateRoundTrip:
 
     def test_control(self) -> None:
         d = DecisionState(
-            smoothed=Sample(at=T0, stage_utilization=(0.95, 0.2, 0.1), qps=7.5, queue=2.0, ttft_p99_ms=250.0),
+            smoothed=Sample(
+                at=T0,
+                stage_utilization=(0.95, 0.2, 0.1),
+                qps=7.5,
+                arrival_rps=8.25,
+                queue=2.0,
+                ttft_p99_ms=250.0,
+            ),
             tracks={
                 Trigger.IMBALANCE: TriggerTrack(on=2, off=0, latched=False, level=1),
                 Trigger.SATURATION: TriggerTrack(on=4, off=0, latched=True, level=3),
                 Trigger.LATENCY_HIGH: TriggerTrack(on=3, off=0, latched=True, level=0),
                 Trigger.LATENCY_LOW: TriggerTrack(on=0, off=5, latched=False, level=2),
+                Trigger.LOAD_HIGH: TriggerTrack(on=1, off=0, latched=False, level=0),
+                Trigger.LOAD_LOW: TriggerTrack(on=0, off=4, latched=True, level=0),
             },
             last_shift_at=T0 - 30,
             last_retrigger_at=T0 - 10,
+            capacity={
+                "latency": CapacityEstimate(23.0, 18.5, 26.25, T0 - 5, 24.0, T0 - 20),
+                "throughput": CapacityEstimate(30.4),
+            },
         )
         raw = ss.control_to_status(d, ShiftRules(dwell_s=600))
         assert raw["dwellUntil"] == es.to_time(T0 + 570)
@@ -612,22 +635,24 @@ class TestTicks:
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = PerGearSignals({"balanced": 150.0, "latency": 1000.0})
         phases = []
-        for i in range(4):  # T0 Warming, +2 Draining, +4 Switching, +6 RollingBack
-            r = run(world, sig, T0 + 2 * i)
+        # T0 Warming, +2 Draining, +4 Switching; the P99 is judged from +14 (Switching + MIN_WINDOW_S):
+        # +6 still Switching, +14 RollingBack.
+        for t in (T0, T0 + 2, T0 + 4, T0 + 6, T0 + 14):
+            r = run(world, sig, t)
             phases.append(r.phase)
-            kubelet(world, T0 + 2 * i)
-        assert phases == [Phase.WARMING, Phase.DRAINING, Phase.SWITCHING, Phase.ROLLING_BACK]
+            kubelet(world, t)
+        assert phases == [Phase.WARMING, Phase.DRAINING, Phase.SWITCHING, Phase.SWITCHING, Phase.ROLLING_BACK]
         st = status(world)
         assert st["executor"]["baselineP99Ms"] == 150.0
         assert st["executor"]["baselineQps"] == 3.0  # balanced's (smoothed) served rate at the decision
         assert selected(world) == "balanced" and prefill_gears(world) == {"balanced", "latency"}
         sig.in_flight_by_gear["latency"] = 3
-        run(world, sig, T0 + 8)
+        run(world, sig, T0 + 16)
         st = status(world)
         assert st["phase"] == "RollingBack" and st["executor"]["inFlight"] == 3
         assert "latency" in prefill_gears(world) and sig.drained[-1] == "latency"
         sig.in_flight_by_gear["latency"] = 0
-        run(world, sig, T0 + 10)
+        run(world, sig, T0 + 18)
         st = status(world)
         assert st["phase"] == "Stable" and st["activeGear"] == "balanced"
         assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
@@ -654,7 +679,7 @@ class TestTicks:
         st = status(world)
         assert st["phase"] == "Switching" and st["executor"]["baselineQps"] == 3.0
         world.store[key]["status"]["executor"]["trigger"] = "saturation"
-        r = run(world, sig, T0 + 6)
+        r = run(world, sig, T0 + 14)  # Switching (from +4) + MIN_WINDOW_S: the P99 is judged
         assert r.phase is phase
         assert selected(world) == ("latency" if phase is Phase.SWITCHING else "balanced")
         assert status(world)["executor"]["trigger"] == "saturation"
@@ -681,8 +706,16 @@ class VllmProm(FakeSignals):
         self.concurrency, self.ttft_p99_s, self.waiting = concurrency, ttft_p99_s, waiting
 
     def sample(
-        self, url: str, sel: GearSelector, at: float, *, engine: str, shape: PipelineShape | None
+        self,
+        url: str,
+        sel: GearSelector,
+        at: float,
+        *,
+        engine: str,
+        shape: PipelineShape | None,
+        window: str = "1m",
     ) -> Reading:
+        self.windows.append(window)
         self.asked.append(sel.gear)
         self.engines.append(engine)
         self.shapes.append(shape)

@@ -42,7 +42,17 @@ GearSetMode = Literal["auto", "explicit"]
 #: ``Pending``: no gear serves yet. The six others are seed 002's executor states.
 GearPhase = Literal["Pending", "Stable", "Warming", "Draining", "Switching", "RollingBack", "Degraded"]
 ShiftTrigger = Literal[
-    "imbalance", "saturation", "p99-high", "p99-low", "forced", "initial", "replan", "window", "rollback"
+    "imbalance",
+    "saturation",
+    "p99-high",
+    "p99-low",
+    "load-high",
+    "load-low",
+    "forced",
+    "initial",
+    "replan",
+    "window",
+    "rollback",
 ]
 ShiftOutcome = Literal["InProgress", "Succeeded", "RolledBack", "Failed", "Aborted"]
 #: Where ``status.signals.stageUtilization`` comes from (``gearshift.control.signals.UtilizationSource``).
@@ -452,9 +462,10 @@ class ShiftPolicy(SpecModel):
         default=0.2,
         gt=0,
         le=1,
-        description="Most of a card's compute (and of mirrored traffic) a warming shadow may use "
-        "(seed 002: 20%). Not acted on yet: shadows get no traffic (the role Service selects the active "
-        "gear) and warm by being Ready for warmS.",
+        description="Share of live requests' load a warming shadow gets (seed 002: 20%): the router mirrors "
+        "requests to its head pods at up to warmupShare x the gear's predicted throughput (answers dropped; "
+        "clients never see them) while it is Ready for warmS. The card-time share is not enforced on the "
+        "GPU (the benchmark models it).",
     )
     warm_s: float = Field(
         default=30.0,
@@ -505,6 +516,35 @@ class ShiftPolicy(SpecModel):
         le=100,
         description="Within the rollback window, the new gear's measured P99 above this x max(the old "
         "gear's measured P99 when the shift started, the target P99) rolls back.",
+    )
+    expected_arrival_rps: float = Field(
+        default=0.0,
+        ge=0,
+        le=1e6,
+        description="Arrival rate the role expects when it starts, req/s: with initialGear unset it starts "
+        "on the gear with the fewest GPUs predicted to meet the P99 target at this rate.",
+    )
+    capacity_headroom: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="A gear is predicted to meet the P99 target up to this x its predicted throughput "
+        "(req/s) until it has measured its own capacity; the load-high/load-low triggers compare the "
+        "smoothed arrival rate with that capacity (status.control.capacity).",
+    )
+    downshift_ratio: float = Field(
+        default=0.75,
+        gt=0,
+        le=1,
+        description="load-low shifts to a gear with fewer GPUs only while the arrival rate is below this x "
+        "that gear's capacity (a margin against shifting back up at the next bump).",
+    )
+    upshift_dwell_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86400,
+        description="Least seconds after a shift ends before a shift to a gear with more capacity (as the "
+        "HPA scales up at once and down after a stabilization window, dwellS governs the way down).",
     )
     allow_degraded: bool = Field(
         default=True,
@@ -642,7 +682,8 @@ class GearSetSpec(SpecModel):
     plan: AutoPlan | None = Field(default=None, description="Planner settings (mode auto).")
     initial_gear: GearName | None = Field(
         default=None,
-        description="Gear to start in; unset: the first gear (explicit) or the balanced one (auto).",
+        description="Gear to start in; unset: the gear with the fewest GPUs predicted to meet the P99 "
+        "target at policy.expectedArrivalRps, else the first whose qpsRange contains 0, else the first.",
     )
     force_gear: GearName | None = Field(
         default=None,
@@ -818,8 +859,58 @@ class ExecutorState(StatusModel):
     )
 
 
+class GearCapacity(StatusModel):
+    """One gear's SLO capacity (issue 19): what the planner predicted and what the gear measured while it
+    served (gearshift.control.capacity)."""
+
+    gear: str = Field(max_length=63, description="Gear name.")
+    predicted_rps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="policy.capacityHeadroom x the planner's predicted throughput, requests/s (0: its "
+        "predicted P99 misses the target).",
+    )
+    measured_low_rps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="Highest smoothed arrival rate it served within the P99 target with no backlog, req/s.",
+    )
+    measured_high_rps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="Lowest smoothed arrival (or, saturated, completion) rate at which a saturation or "
+        "p99-high trigger latched on it, req/s.",
+    )
+    capacity_rps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="The estimate the controller uses: predictedRps clamped into the measured bounds, "
+        "req/s (informational; recomputed from the three above).",
+    )
+    updated_time: AwareDatetime | None = Field(default=None, description="When a bound last changed.")
+    pending_low_rps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="Least arrival rate of the current run of within-target samples above measuredLowRps; "
+        "it becomes measuredLowRps after 60 s (the P99's window).",
+    )
+    pending_since: AwareDatetime | None = Field(default=None, description="When that run started.")
+
+
 class ControlState(StatusModel):
     """The decision loop's persisted memory: EMA values, hysteresis streaks, raised thresholds."""
+
+    capacity: list[GearCapacity] = Field(
+        default_factory=list,
+        max_length=MAX_GEARS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["gear"]},
+        description="Per gear: predicted and measured SLO capacity (the load-high / load-low triggers).",
+    )
 
     ema: dict[str, float] = Field(
         default_factory=dict, max_length=64, description="Smoothed value per signal name."

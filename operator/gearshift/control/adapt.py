@@ -40,7 +40,7 @@ def gear_view(gear: Gear, health: GearHealth | None = None) -> GearView:
     return GearView(
         name=gear.name,
         intent=Intent(gear.intent),
-        stages=tuple(StageView(s.start, s.end, s.replicas) for s in gear.stages),
+        stages=tuple(StageView(s.start, s.end, s.replicas, s.gpus) for s in gear.stages),
         predicted_throughput_rps=None if predicted is None else predicted.throughput_qps,
         predicted_p99_ms=None if predicted is None else predicted.p99_ms,
         healthy=True if health is None else health.healthy,

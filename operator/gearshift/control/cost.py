@@ -9,7 +9,9 @@ Both sides are in *seconds of full service*:
   - gain = relative improvement × ``dwellSeconds``, the least time the new gear will serve:
     throughput gears (``imbalance``, ``saturation``, ``p99-low``): ``(thr_new − thr_old) / thr_old``
     from the gears' predicted throughput; the latency gear (``p99-high``): ``(p99_now − p99_new) /
-    p99_now`` with the measured (smoothed) P99 and the new gear's predicted P99.
+    p99_now`` with the measured (smoothed) P99 and the new gear's predicted P99; ``load-low`` (a gear
+    with fewer GPUs, issue 19): ``(gpus_old − gpus_new) / gpus_old``, the share of the cards it frees;
+    ``load-high`` as the throughput gears.
 The shift is vetoed when ``gain < minBenefitCostRatio × cost``.
 """
 
@@ -59,6 +61,9 @@ def improvement(
     trigger: Trigger, old: GearView, new: GearView, smoothed: Sample, policy: ShiftRules
 ) -> float | None:
     """Relative improvement of ``new`` over ``old`` for what ``trigger`` asks; ``None`` if unknown."""
+    if trigger is Trigger.LOAD_LOW:
+        # A shift down gains GPU time, not speed: the share of the cards it frees.
+        return (old.gpus - new.gpus) / old.gpus if old.gpus > 0 else None
     if trigger is Trigger.LATENCY_HIGH:
         now = smoothed.p99_ms(policy.latency_metric)
         if now is None or now <= 0 or new.predicted_p99_ms is None:

@@ -30,10 +30,13 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from gearshift.control import capacity
+from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.cost import CostBenefit, cost_benefit
 from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules
 from gearshift.control.smoothing import Sample, smooth
 from gearshift.control.triggers import (
+    LOAD_TRIGGERS,
     TRIGGER_INTENT,
     TRIGGER_REASON,
     TRIGGERS,
@@ -72,6 +75,7 @@ REASON_FORCED = "ForcedGear"
 REASON_FORCE_UNKNOWN = "ForceGearUnknown"
 REASON_FORCE_UNHEALTHY = "ForceGearUnhealthy"
 REASON_NO_HEALTHY_GEAR = "NoHealthyGear"
+REASON_DWELL = "DwellNotOver"
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ class DecisionState:
     tracks: dict[Trigger, TriggerTrack] = field(default_factory=lambda: {t: TriggerTrack() for t in TRIGGERS})
     last_shift_at: float | None = None
     last_retrigger_at: float | None = None
+    capacity: dict[str, CapacityEstimate] = field(default_factory=dict)
+    """Each gear's SLO capacity, predicted and measured (:mod:`gearshift.control.capacity`)."""
 
     def levels(self) -> dict[Trigger, int]:
         return {t: self.tracks[t].level for t in TRIGGERS}
@@ -132,6 +138,7 @@ class DecisionState:
             "tracks": {t.value: vars(tr).copy() for t, tr in self.tracks.items()},
             "lastShiftAt": self.last_shift_at,
             "lastRetriggerAt": self.last_retrigger_at,
+            "capacity": {g: e.to_dict() for g, e in self.capacity.items()},
         }
 
     @classmethod
@@ -146,6 +153,7 @@ class DecisionState:
             tracks=tracks,
             last_shift_at=data.get("lastShiftAt"),
             last_retrigger_at=data.get("lastRetriggerAt"),
+            capacity={g: CapacityEstimate.from_dict(e) for g, e in (data.get("capacity") or {}).items()},
         )
 
 
@@ -271,9 +279,30 @@ def decide(
         last_retrigger = None
     met = conditions(smoothed, policy, {t: tr.level for t, tr in tracks.items()}, active.pipelines)
     overloaded = saturated(smoothed, policy, active.pipelines)
-    tracks = {t: _hysteresis(tracks[t], met[t], policy) for t in TRIGGERS}
-    new = replace(state, smoothed=smoothed, tracks=tracks, last_retrigger_at=last_retrigger)
     measured = smoothed.p99_ms(policy.latency_metric)
+    before = tracks
+    tracks = {t: _hysteresis(before[t], met[t], policy) for t in TRIGGERS}
+    estimates = capacity.estimates_for(table.gears, state.capacity, policy)
+    load = smoothed.arrival_rps
+    capacity_mode = load is not None and estimates[active.name].capacity_rps is not None
+    if capacity_mode and load is not None:
+        if not busy:
+            # Only a settled active gear measures its own capacity: while a shift runs, the samples mix
+            # the old gear's, the new one's and the transition's.
+            estimates[active.name] = capacity.observe(
+                estimates[active.name],
+                arrival_rps=load,
+                completed_rps=smoothed.qps,
+                within_slo=measured is not None and measured <= policy.target_p99_ms and not overloaded,
+                overloaded=tracks[Trigger.SATURATION].latched or tracks[Trigger.LATENCY_HIGH].latched,
+                saturated=overloaded,
+                now=now,
+            )
+        load_met = _load_conditions(load, active, table, estimates, policy, measured, overloaded)
+        tracks |= {t: _hysteresis(before[t], load_met[t], policy) for t in LOAD_TRIGGERS}
+    new = replace(
+        state, smoothed=smoothed, tracks=tracks, last_retrigger_at=last_retrigger, capacity=estimates
+    )
 
     def hold(reason: str, message: str, skipped: tuple[str, ...] = ()) -> tuple[DecisionState, Decision]:
         return new, Decision(DecisionKind.HOLD, reason, message, skipped=skipped)
@@ -294,14 +323,32 @@ def decide(
     for trigger in TRIGGERS:
         if not tracks[trigger].latched:
             continue
-        target, passed = _target(trigger, table, active, overloaded)
+        if capacity_mode and load is not None:
+            target, passed = _capacity_target(trigger, table, active, estimates, load, policy)
+        elif trigger in LOAD_TRIGGERS:
+            continue
+        else:
+            target, passed = _target(trigger, table, active, overloaded)
         skipped += passed
         if target is None:
             continue
-        if new.last_shift_at is not None and now - new.last_shift_at < policy.dwell_s:
+        upshift = capacity_mode and _more_capacity(target, active, estimates)
+        dwell = policy.upshift_dwell_s if upshift else policy.dwell_s
+        why = _load_reason(load, active, target, estimates) if capacity_mode else ""
+        if new.last_shift_at is not None and now - new.last_shift_at < dwell:
+            left = dwell - (now - new.last_shift_at)
+            if trigger in LOAD_TRIGGERS:
+                # The capacity triggers wait out the dwell latched: the load, not a noisy signal, is
+                # what they read, so a higher threshold would only delay the move the load needs.
+                return new, Decision(
+                    DecisionKind.HOLD,
+                    REASON_DWELL,
+                    f"{trigger.value} wants gear {target.name!r} in {left:.0f} s, when the dwell ends{why}",
+                    target=target.name,
+                    trigger=trigger.value,
+                )
             level = min(tracks[trigger].level + 1, policy.max_retrigger_steps)
             tracks[trigger] = _unlatched(tracks[trigger], level)
-            left = policy.dwell_s - (now - new.last_shift_at)
             return replace(new, tracks=tracks, last_retrigger_at=now), Decision(
                 DecisionKind.THRESHOLD_RAISED,
                 TRIGGER_REASON[trigger],
@@ -324,7 +371,7 @@ def decide(
         return _shifted(new, now), Decision(
             DecisionKind.SHIFT,
             TRIGGER_REASON[trigger],
-            f"{trigger.value}: shift {active.name!r} → {target.name!r}; it {cb.describe()}",
+            f"{trigger.value}: shift {active.name!r} → {target.name!r}{why}; it {cb.describe()}",
             target=target.name,
             trigger=trigger.value,
             cost=cb,
@@ -337,6 +384,78 @@ def decide(
             REASON_NO_HEALTHY_GEAR, f"wanted gears are unhealthy: {names}", tuple(sorted(set(skipped)))
         )
     return hold(REASON_STEADY, "no trigger latched")
+
+
+def _cap(estimates: dict[str, CapacityEstimate], gear: GearView) -> float:
+    value = estimates.get(gear.name, CapacityEstimate()).capacity_rps
+    return 0.0 if value is None else value
+
+
+def _more_capacity(target: GearView, active: GearView, estimates: dict[str, CapacityEstimate]) -> bool:
+    return _cap(estimates, target) > _cap(estimates, active)
+
+
+def _load_conditions(
+    load: float,
+    active: GearView,
+    table: GearTable,
+    estimates: dict[str, CapacityEstimate],
+    policy: ShiftRules,
+    p99_ms: float | None,
+    overloaded: bool,
+) -> dict[Trigger, bool]:
+    """``load-high``: the arrival rate is above the active gear's capacity and some healthy gear has more;
+    ``load-low``: a healthy gear with fewer GPUs fits it within ``downshiftRatio``, while the P99 is
+    within target (or unmeasured: no traffic) and nothing waits."""
+    others = [g for g in table.gears if g.name != active.name and g.healthy]
+    high = not capacity.fits(estimates[active.name], load) and any(
+        _more_capacity(g, active, estimates) for g in others
+    )
+    calm = (p99_ms is None or p99_ms <= policy.target_p99_ms) and not overloaded
+    cheaper = [g for g in others if g.gpus < active.gpus]
+    low = calm and capacity.cheapest(cheaper, estimates, load, policy.downshift_ratio) is not None
+    return {Trigger.LOAD_HIGH: high, Trigger.LOAD_LOW: low}
+
+
+def _capacity_target(
+    trigger: Trigger,
+    table: GearTable,
+    active: GearView,
+    estimates: dict[str, CapacityEstimate],
+    load: float,
+    policy: ShiftRules,
+) -> tuple[GearView | None, list[str]]:
+    """The gear a latched trigger asks for when capacities are known (issue 19): every trigger that says
+    the active gear cannot keep up (``load-high``, ``saturation``, ``p99-high``, ``imbalance``) wants the
+    gear with the fewest GPUs among those with more capacity than the active one that fit ``load``
+    (requests/s), else the one with the most capacity; ``load-low`` the gear with the fewest GPUs that
+    fits ``load`` within ``downshiftRatio``; ``p99-low`` nothing (``load-low`` decides the way down)."""
+    if trigger is Trigger.LATENCY_LOW:
+        return None, []
+    others = [g for g in table.gears if g.name != active.name]
+    if trigger is Trigger.LOAD_LOW:
+        cheaper = [g for g in others if g.gpus < active.gpus]
+        skipped = [g.name for g in cheaper if not g.healthy]
+        return capacity.cheapest(cheaper, estimates, load, policy.downshift_ratio), skipped
+    bigger = [g for g in others if _more_capacity(g, active, estimates)]
+    skipped = [g.name for g in bigger if not g.healthy]
+    pick = capacity.cheapest(bigger, estimates, load) or capacity.largest(bigger, estimates)
+    return pick, skipped
+
+
+def _load_reason(
+    load: float | None,
+    active: GearView,
+    target: GearView,
+    estimates: dict[str, CapacityEstimate],
+) -> str:
+    """`` (31.2 req/s arriving; 'latency' 23.0 req/s on 2 GPUs, 'throughput' 30.4 req/s on 4)``."""
+    if load is None:
+        return ""
+    return (
+        f" ({load:.1f} req/s arriving; {active.name!r} {_cap(estimates, active):.1f} req/s on "
+        f"{active.gpus} GPUs, {target.name!r} {_cap(estimates, target):.1f} req/s on {target.gpus})"
+    )
 
 
 def _shifted(state: DecisionState, now: float) -> DecisionState:

@@ -49,6 +49,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from gearshift.control.policy import ShiftRules
+from gearshift.control.signals import MIN_WINDOW_S
 from gearshift.control.triggers import Trigger
 
 
@@ -494,7 +495,11 @@ def _switching(state: ShiftState, world: World, policy: ShiftRules) -> tuple[Shi
             state, world, policy, reason, f"gear {target!r} failed after the switch: {reason}"
         )
     limit = rollback_p99_limit(state, policy)
-    if obs.p99_ms is not None and obs.p99_ms > limit and not relieves_saturation(state, obs):
+    # The P99 is judged only once the sample's window (gearshift.control.signals.sample_window, at least
+    # MIN_WINDOW_S) lies inside the rollback window: before, it still covers the drain, when the old gear
+    # shared the cards and the new gear's first requests queued behind it.
+    settled = state.step_started_at is None or now - state.step_started_at >= MIN_WINDOW_S
+    if settled and obs.p99_ms is not None and obs.p99_ms > limit and not relieves_saturation(state, obs):
         before = "unknown" if state.baseline_p99_ms is None else f"{state.baseline_p99_ms:.0f} ms"
         served = ""
         if state.trigger == Trigger.SATURATION.value:

@@ -96,6 +96,21 @@ class ShiftRules:
     """The new gear is rolled back when its measured P99 in the rollback window exceeds this × the larger
     of the old gear's measured P99 when the shift started and ``targetP99Ms`` (a gearshift choice: the
     planner's predicted P99 assumes its own request shape, not the trace's, so it is no yardstick)."""
+    expected_arrival_rps: float = 0.0
+    """The arrival rate a role expects when it starts, requests/s: with ``spec.initialGear`` unset it
+    starts on the gear with the fewest GPUs predicted to meet the SLO at this rate."""
+    capacity_headroom: float = 0.8
+    """A gear is predicted to meet the SLO up to this × its predicted throughput (requests/s); measured
+    bounds then correct it (:mod:`gearshift.control.capacity`). Our default: the utilisation at which
+    M/M/1 queueing delay is 4 × the service time."""
+    downshift_ratio: float = 0.75
+    """``load-low`` shifts to a gear with fewer GPUs only while the smoothed arrival rate is below this ×
+    that gear's capacity (a margin against shifting back up at the next bump)."""
+    upshift_dwell_s: float = 60.0
+    """``load-high``: least time since the last shift ended before a shift to a gear with more capacity.
+    Shorter than ``dwellS`` on purpose, as Kubernetes' HPA scales up at once and down only after a
+    stabilization window (``behavior.scaleDown.stabilizationWindowSeconds``, 300 s): too little capacity
+    loses requests now, too much only costs GPU time."""
     allow_degraded: bool = True
     """Memory short for full shadows: load weights first, grow the KV pool after the switch (seed 002)."""
 
@@ -138,6 +153,10 @@ class ShiftRules:
         need(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0 s")
         need(self.rollback_window_s >= 0, "rollback_window_s", "must be >= 0 s")
         need(self.rollback_p99_ratio > 1, "rollback_p99_ratio", "must be > 1")
+        need(self.expected_arrival_rps >= 0, "expected_arrival_rps", "must be >= 0 requests/s")
+        need(0 < self.capacity_headroom <= 1, "capacity_headroom", "must be in (0, 1]")
+        need(0 < self.downshift_ratio <= 1, "downshift_ratio", "must be in (0, 1]")
+        need(self.upshift_dwell_s >= 0, "upshift_dwell_s", "must be >= 0 s")
 
 
 def _camel(snake: str) -> str:
@@ -152,6 +171,8 @@ class StageView:
     start: int
     end: int
     replicas: int = 1
+    gpus: int = 1
+    """GPUs of one replica of the stage (tensor parallel)."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +190,11 @@ class GearView:
     predicted_p99_ms: float | None = None
     healthy: bool = True
     unhealthy_reason: str = ""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the gear holds: every replica of every stage."""
+        return sum(s.replicas * s.gpus for s in self.stages)
 
     @property
     def pipelines(self) -> int:

@@ -52,6 +52,9 @@ from gearshift.api.common import (
 )
 from gearshift.api.gearset import Gear, GearSet, Workload
 from gearshift.api.pdservice import PDService
+from gearshift.control import capacity
+from gearshift.control.adapt import gear_views, policy_from_api
+from gearshift.control.policy import ShiftRules
 from gearshift.control.windows import (
     WindowTiming,
     next_leave_by,
@@ -667,16 +670,24 @@ def plan_roles(
 
 
 # --- what to run ------------------------------------------------------------------------------------
-def pick_active(rs: RoleState) -> list[Gear]:
+def pick_active(rs: RoleState, rules: ShiftRules | None = None) -> list[Gear]:
     """Set ``rs.active`` (the GearSet's active gear while it has it, else the initial gear) and
     ``rs.in_flight``; returns the gears that run (the active one, and while a shift is in flight its
-    ``from``/``to``/target unless the GearSet is being deleted), in ``rs.gears`` order."""
+    ``from``/``to``/target unless the GearSet is being deleted), in ``rs.gears`` order.
+
+    ``rules``: the role's shifting policy; with it and ``spec.initialGear`` unset, the initial gear is the
+    one with the fewest GPUs predicted to meet the SLO at the expected load
+    (:func:`gearshift.control.capacity.initial_gear`), else the planner's :func:`initial_gear`."""
     gnames = [g.name for g in rs.gears]
     rs.in_flight = _in_flight(rs.gs)
     st = rs.gs.status
-    rs.active = (
-        st.active_gear if st.active_gear in gnames else initial_gear(rs.gears, rs.gs.spec.initial_gear)
-    )
+    if st.active_gear in gnames:
+        rs.active = st.active_gear
+    else:
+        cheapest = None
+        if rules is not None and rs.gs.spec.initial_gear not in gnames:
+            cheapest = capacity.initial_gear(gear_views(rs.gears), rules)
+        rs.active = cheapest or initial_gear(rs.gears, rs.gs.spec.initial_gear)
     run = [rs.active]
     # A GearSet being deleted gets no shadow applied: its deletion handler frees the gears not serving,
     # and a reconcile after that would start them again, with no GearSet left to free them.
@@ -684,6 +695,16 @@ def pick_active(rs: RoleState) -> list[Gear]:
     if rs.in_flight and st.executor and not deleting:
         run += [g for g in (st.executor.from_gear, st.executor.to_gear, st.target_gear) if g in gnames]
     return [g for g in rs.gears if g.name in dict.fromkeys(run)]
+
+
+def _rules(pds: PDService, rs: RoleState) -> ShiftRules | None:
+    """The role's shifting policy, or ``None`` when it cannot be built (the shifting loop reports why)."""
+    try:
+        return policy_from_api(
+            rs.gs.spec.policy, role=rs.role, ttft_slo_ms=pds.spec.slo.ttft_ms, itl_slo_ms=pds.spec.slo.itl_ms
+        )
+    except ValueError:
+        return None
 
 
 def role_desire(rs: RoleState, gears: Sequence[Gear]) -> RoleDesire:
@@ -725,7 +746,7 @@ def desired_state(
         if not rs.gears:
             want.problems.append(f"{role}: GearSet {rs.gs.metadata['name']!r} has no gears yet")
             continue
-        run_gears = pick_active(rs)
+        run_gears = pick_active(rs, _rules(pds, rs))
         for g in run_gears:
             p, lo = placement_problems(role, g, nodes, bound)
             want.problems += p

@@ -16,6 +16,7 @@ from typing import Any
 
 from gearshift.api.common import MAX_HISTORY, inputs_hash
 from gearshift.api.gearset import ControlState, Gear, GearHealth, GearSignals
+from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Action, MarkUnhealthy, RecordShift, ShiftState
 from gearshift.control.executor_status import executor_to_status, from_time, to_time
@@ -33,6 +34,7 @@ _SAMPLE_KEYS = {
     "queue": "queue",
     "running": "running",
     "qps": "qps",
+    "arrival_rps": "arrivalRps",
     "ttft_p50_ms": "ttftP50Ms",
     "ttft_p99_ms": "ttftP99Ms",
     "itl_p50_ms": "itlP50Ms",
@@ -97,6 +99,17 @@ def control_from_status(c: ControlState | None) -> DecisionState:
         tracks=tracks,
         last_shift_at=from_time(c.last_shift_time),
         last_retrigger_at=from_time(c.last_retrigger_time),
+        capacity={
+            e.gear: CapacityEstimate(
+                e.predicted_rps,
+                e.measured_low_rps,
+                e.measured_high_rps,
+                from_time(e.updated_time),
+                e.pending_low_rps,
+                from_time(e.pending_since),
+            )
+            for e in c.capacity
+        },
     )
 
 
@@ -112,6 +125,19 @@ def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
         "lastShiftTime": to_time(d.last_shift_at),
         "dwellUntil": None if d.last_shift_at is None else to_time(d.last_shift_at + policy.dwell_s),
         "lastRetriggerTime": to_time(d.last_retrigger_at),
+        "capacity": [
+            {
+                "gear": g,
+                "predictedRps": _finite(e.predicted_rps),
+                "measuredLowRps": _finite(e.measured_low_rps),
+                "measuredHighRps": _finite(e.measured_high_rps),
+                "capacityRps": _finite(e.capacity_rps),
+                "updatedTime": to_time(e.updated_at),
+                "pendingLowRps": _finite(e.pending_low_rps),
+                "pendingSince": to_time(e.pending_since),
+            }
+            for g, e in d.capacity.items()
+        ],
     }
 
 

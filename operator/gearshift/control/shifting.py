@@ -22,19 +22,21 @@ from gearshift.api.gearset import Gear, GearHealth, GearSet
 from gearshift.control.adapt import shift_request
 from gearshift.control.decide import MANUAL, Decision, DecisionKind
 from gearshift.control.executor import (
+    FAIL_P99,
     Action,
     DeleteGear,
     EnsureGear,
     Event,
     GearObservation,
     MarkUnhealthy,
+    Phase,
     RecordShift,
     SelectGear,
     ShiftRequest,
     ShiftState,
 )
 from gearshift.control.executor_status import from_time
-from gearshift.control.policy import GearTable, LatencyMetric
+from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules
 from gearshift.control.scaling import NodeRank, NodeView, StageNeed, place_replicas
 from gearshift.control.shift_status import gear_fingerprint
 from gearshift.control.signals import E2E, ITL, TTFT, Engine, PipelineShape, Reading, UtilizationSource
@@ -169,6 +171,16 @@ def selected_gear(role_service: Mapping[str, Any] | None) -> str | None:
     return ((role_service.get("spec") or {}).get("selector") or {}).get(names.LABEL_GEAR)
 
 
+def serving_since(state: ShiftState) -> float | None:
+    """When the selected gear started taking traffic in the shift in progress, s, or ``None`` (Stable, or
+    a gear that served before: Warming, Degraded and RollingBack select the old gear). Draining starts at
+    the switch; Switching starts after the drain, so its start is a later bound, which only shortens the
+    window of :func:`gearshift.control.signals.sample_window`: every sample in it is the new gear's."""
+    if state.phase in (Phase.DRAINING, Phase.SWITCHING):
+        return state.step_started_at
+    return None
+
+
 def pipeline_shape(gear: Gear) -> PipelineShape:
     """What vLLM's derived stage utilisation needs of ``gear``: the planner's per-stage times
     (``predictedTimeMs``, ms; ``None`` where not given), per-stage replicas and ``maxBatch``
@@ -288,6 +300,21 @@ def current_marks(gs: GearSet) -> list[GearHealth]:
         for h in st.gear_health
         if h.profiles_hash in (None, st.profiles_hash) and h.gear_hash in (None, gears.get(h.gear))
     ]
+
+
+def lasting_marks(marks: Iterable[GearHealth], now: float, policy: ShiftRules) -> list[GearHealth]:
+    """The marks that bar a gear now: a ``P99Regression`` mark lasts one ``dwellS`` (issue 19), every other
+    one until the model or the profiles change (:func:`current_marks`). A P99 regression is a judgement
+    under one load and one transition (the drain shares the cards): a gear that regressed at one peak may
+    be the one the next peak needs, whereas OOM, crash loops and timeouts (seed 002's list) say the gear
+    cannot run here at all."""
+    out = []
+    for h in marks:
+        since = from_time(h.since)
+        if h.reason == FAIL_P99 and since is not None and now - since >= policy.dwell_s:
+            continue
+        out.append(h)
+    return out
 
 
 def window_request(gs: GearSet, table: GearTable, state: ShiftState) -> ShiftRequest | str | None:

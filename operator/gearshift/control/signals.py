@@ -179,6 +179,34 @@ def quantile_query(histogram: str, q: float, sel: GearSelector, window: str = "1
     return f"histogram_quantile({q:g}, sum by (le) (rate({histogram}_bucket{sel.matchers()}[{window}])))"
 
 
+def arrival_query(sel: GearSelector, window: str = "1m") -> str:
+    """Requests arriving per second at the gear's head pods over ``window``: completions plus the growth
+    of the requests in flight, ``rate(success) + deriv(running) + deriv(waiting)`` (neither vLLM nor the
+    sim counts arrivals; a request that arrives either finishes or is still running or waiting)."""
+    m = sel.matchers()
+    return (
+        f"sum(rate({SUCCESS_TOTAL}{m}[{window}])) + sum(deriv({RUNNING}{m}[{window}])) "
+        f"+ sum(deriv({WAITING}{m}[{window}]))"
+    )
+
+
+#: The longest and the shortest range of a sample's rates and quantiles, s. 60 s is the queries' usual
+#: ``[1m]``; 10 s keeps two scrapes in range at a 5 s scrape interval (rate() needs two).
+WINDOW_S, MIN_WINDOW_S = 60.0, 10.0
+
+
+def sample_window(serving_since: float | None, now: float) -> str:
+    """The PromQL range of a sample taken at ``now`` (s) of a gear that took traffic at ``serving_since``
+    (``None``: long ago): the last minute, shortened to the time since the gear took traffic, at least
+    :data:`MIN_WINDOW_S`. Right after a switch the new gear's histograms still hold its warm-up, whose
+    mirrored requests ran on at most ``warmupShare`` of a card beside the serving gear and were slow on
+    purpose: a minute-long window would judge (and roll back) the new gear on them."""
+    if serving_since is None:
+        return "1m"
+    span = max(MIN_WINDOW_S, min(WINDOW_S, now - serving_since))
+    return "1m" if span >= WINDOW_S else f"{math.ceil(span)}s"
+
+
 @dataclass(frozen=True)
 class SignalQueries:
     """Every query of one sample, by the :class:`~gearshift.control.smoothing.Sample` field it fills."""
@@ -193,10 +221,12 @@ class SignalQueries:
     concurrency: str | None = None
     """vLLM: :func:`concurrency_query` (the head's seat occupancy is derived from it); ``None`` for sim."""
     engine: Engine = "sim"
+    arrivals: str | None = None
+    """:func:`arrival_query` (optional: without it the capacity triggers stay off)."""
 
     def all(self) -> list[str]:
         """Every query to run, in a stable order."""
-        extra = [q for q in (self.stage_utilization, self.concurrency) if q is not None]
+        extra = [q for q in (self.stage_utilization, self.concurrency, self.arrivals) if q is not None]
         return [*extra, self.queue, self.running, self.qps, *self.quantiles.values()]
 
 
@@ -222,6 +252,7 @@ def signal_queries(sel: GearSelector, window: str = "1m", engine: Engine = "sim"
         quantiles=quantiles,
         concurrency=concurrency_query(sel, window) if vllm else None,
         engine=engine,
+        arrivals=arrival_query(sel, window),
     )
 
 
@@ -385,6 +416,12 @@ def sample_from_results(at: float, queries: SignalQueries, results: Mapping[str,
     return reading_from_results(at, queries, results).sample
 
 
+def _rate(result: Sequence[Any], query: str) -> float | None:
+    """A non-negative rate or ``None`` (no data); ``deriv`` can dip a sum below 0 on a draining gear."""
+    v = scalar(result, query, required=False)
+    return None if v is None else max(0.0, v)
+
+
 def reading_from_results(
     at: float,
     queries: SignalQueries,
@@ -414,6 +451,9 @@ def reading_from_results(
         queue=scalar(results.get(queries.queue, []), queries.queue, required=True) or 0.0,
         running=scalar(results.get(queries.running, []), queries.running, required=True) or 0.0,
         qps=scalar(results.get(queries.qps, []), queries.qps, required=True) or 0.0,
+        arrival_rps=None
+        if queries.arrivals is None
+        else _rate(results.get(queries.arrivals, []), queries.arrivals),
         **quantiles,
     )
     if queries.stage_utilization is not None:

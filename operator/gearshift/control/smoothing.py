@@ -26,6 +26,10 @@ class Sample:
     """Requests running, summed over the head pods (``vllm:num_requests_running``)."""
     qps: float = 0.0
     """Completed requests per second over the last minute."""
+    arrival_rps: float | None = None
+    """Requests arriving per second over the last minute: completions plus the growth of the requests
+    in flight (``running + waiting``); ``None`` when not measured (the capacity controller then stays
+    off, :mod:`gearshift.control.capacity`)."""
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     itl_p50_ms: float | None = None
@@ -57,7 +61,15 @@ class Sample:
 
 
 _SCALARS = ("queue", "running", "qps")
-_OPTIONALS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+_OPTIONALS = (
+    "arrival_rps",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+)
 
 
 def ema(previous: float | None, value: float | None, alpha: float) -> float | None:

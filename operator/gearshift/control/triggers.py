@@ -17,10 +17,15 @@ step per re-trigger in a dwell.
   - ``p99-low``: P99 < ``p99LowRatio`` (0.7) × target → the balanced gear (seed 002), but not while more
     than ``saturationQueue`` requests wait per pipeline replica (gearshift: a low P99 of the requests
     the engines admitted says nothing about those still queued).
-The order above is the priority when several hold at once (seed 002's decision pseudo-code checks its
-three in that order; saturation goes before p99-high because both hold under overload and only the
-capacity move helps). A threshold *level* n makes a trigger harder to meet: the high thresholds move up
-and the low ones down by n steps.
+  - ``load-high`` (issue 19, with the arrival rate known): the smoothed arrival rate is above the active
+    gear's SLO capacity (:mod:`gearshift.control.capacity`) → the gear with the fewest GPUs that fits it;
+  - ``load-low`` (issue 19): a gear with fewer GPUs fits the smoothed arrival rate within
+    ``downshiftRatio`` of its capacity, and the P99 is within target with no backlog → that gear.
+Priority when several hold at once (:data:`TRIGGERS`): ``load-high`` first (the arrival rate leads every
+latency signal: it asks for capacity before the queue grows), then seed 002's three in its order with
+saturation before p99-high (both hold under overload and only the capacity move helps), ``load-low``
+last (saving GPUs waits for everything else). A threshold *level* n makes a trigger harder to meet: the
+high thresholds move up and the low ones down by n steps.
 """
 
 from __future__ import annotations
@@ -40,15 +45,23 @@ class Trigger(StrEnum):
     SATURATION = "saturation"
     LATENCY_HIGH = "p99-high"
     LATENCY_LOW = "p99-low"
+    LOAD_HIGH = "load-high"
+    LOAD_LOW = "load-low"
 
 
-#: Priority order (seed 002).
+#: Priority order (seed 002's three in its order; the capacity triggers around them: more capacity
+#: first, fewer GPUs last).
 TRIGGERS: tuple[Trigger, ...] = (
+    Trigger.LOAD_HIGH,
     Trigger.IMBALANCE,
     Trigger.SATURATION,
     Trigger.LATENCY_HIGH,
     Trigger.LATENCY_LOW,
+    Trigger.LOAD_LOW,
 )
+#: The triggers of the capacity controller (:mod:`gearshift.control.capacity`): they need the arrival
+#: rate and each gear's capacity, so :func:`conditions` leaves them to :func:`gearshift.control.decide`.
+LOAD_TRIGGERS = (Trigger.LOAD_HIGH, Trigger.LOAD_LOW)
 
 #: CamelCase event reasons of the triggers.
 TRIGGER_REASON: dict[Trigger, str] = {
@@ -56,6 +69,8 @@ TRIGGER_REASON: dict[Trigger, str] = {
     Trigger.SATURATION: "Saturation",
     Trigger.LATENCY_HIGH: "P99High",
     Trigger.LATENCY_LOW: "P99Low",
+    Trigger.LOAD_HIGH: "LoadHigh",
+    Trigger.LOAD_LOW: "LoadLow",
 }
 
 #: The intent of the gear each trigger asks for (saturation asks for capacity, whatever the intent).
@@ -64,6 +79,8 @@ TRIGGER_INTENT: dict[Trigger, Intent | None] = {
     Trigger.SATURATION: None,
     Trigger.LATENCY_HIGH: Intent.LATENCY,
     Trigger.LATENCY_LOW: Intent.BALANCED,
+    Trigger.LOAD_HIGH: None,
+    Trigger.LOAD_LOW: None,
 }
 
 
@@ -133,4 +150,6 @@ def conditions(
         Trigger.LATENCY_LOW: p99 is not None
         and p99 < th.p99_low_ratio * target
         and not saturated(smoothed, policy, pipelines),
+        Trigger.LOAD_HIGH: False,
+        Trigger.LOAD_LOW: False,
     }

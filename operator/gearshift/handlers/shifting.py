@@ -97,15 +97,17 @@ from gearshift.control.shifting import (
     forced_shift_reverted,
     gears_to_free,
     gpus_by_gear,
+    lasting_marks,
     observe_gears,
     pipeline_shape,
     selected_gear,
+    serving_since,
     shadow_fits,
     shadow_to_check,
     signals_condition,
     statefulsets_by_gear,
 )
-from gearshift.control.signals import GearSelector, Reading, SignalsUnavailable
+from gearshift.control.signals import GearSelector, Reading, SignalsUnavailable, sample_window
 from gearshift.control.smoothing import Sample
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
@@ -243,7 +245,12 @@ def _observe(api: KubeApi, t: _Inputs, settings: Settings, signals: SignalSource
         shape = pipeline_shape(t.gears[sample_gear]) if sample_gear in t.gears else None
         try:
             reading = signals.sample(
-                url, GearSelector(ns, service, role, sample_gear), now, engine=t.pds.spec.engine, shape=shape
+                url,
+                GearSelector(ns, service, role, sample_gear),
+                now,
+                engine=t.pds.spec.engine,
+                shape=shape,
+                window=sample_window(serving_since(t.state), now),
             )
         except SignalsUnavailable as exc:
             why = str(exc)
@@ -284,7 +291,7 @@ def _step(api: KubeApi, t: _Inputs, seen: _Seen, now: float) -> _Stepped:
         UnknownActionError: the executor returned an action the tick cannot carry out (before any write).
     """
     gs, state = t.gs, t.state
-    views = gear_views(list(t.gears.values()), t.marks)
+    views = gear_views(list(t.gears.values()), lasting_marks(t.marks, now, t.policy))
     table = GearTable(views, active=state.active, arch=t.pds.spec.model.to_model_arch())
     t0 = time.perf_counter()
     overrides = Overrides(force_gear=gs.spec.force_gear, paused=gs.spec.paused)

@@ -23,10 +23,17 @@ class SignalSource(Protocol):
     """Where a shifting tick gets its numbers (Prometheus in the operator, a fake in unit tests)."""
 
     def sample(
-        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
+        self,
+        url: str,
+        sel: GearSelector,
+        at: float,
+        *,
+        engine: Engine,
+        shape: PipelineShape | None,
+        window: str = "1m",
     ) -> Reading:
         """One raw reading of ``sel``'s gear served by ``engine`` (``shape``: its stages, for vLLM's
-        derived stage utilisation); raises SignalsUnavailable."""
+        derived stage utilisation; ``window``: the PromQL range of its rates); raises SignalsUnavailable."""
         ...
 
     def in_flight(self, url: str, sel: GearSelector) -> int:
@@ -41,9 +48,18 @@ class PrometheusSignals:
         self.timeout_s = timeout_s
 
     def sample(
-        self, url: str, sel: GearSelector, at: float, *, engine: Engine, shape: PipelineShape | None
+        self,
+        url: str,
+        sel: GearSelector,
+        at: float,
+        *,
+        engine: Engine,
+        shape: PipelineShape | None,
+        window: str = "1m",
     ) -> Reading:
-        return prometheus.fetch_reading(url, sel, at, engine=engine, shape=shape, timeout_s=self.timeout_s)
+        return prometheus.fetch_reading(
+            url, sel, at, engine=engine, shape=shape, window=window, timeout_s=self.timeout_s
+        )
 
     def in_flight(self, url: str, sel: GearSelector) -> int:
         return prometheus.in_flight(url, sel, self.timeout_s)

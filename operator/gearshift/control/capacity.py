@@ -1,0 +1,222 @@
+"""Which gear the load needs: each gear's SLO capacity, predicted and then corrected online (issue 19).
+
+A gear's **SLO capacity** is the highest arrival rate (requests/s) at which it still meets the role's
+P99 target. Before a gear has served, it is predicted as ``capacityHeadroom`` × the planner's predicted
+throughput (``GearView.predicted_throughput_rps``, the rate at which the simulated pipeline is busy all
+the time): queueing delay grows without bound as utilisation nears 1 (M/M/1 waiting time ∝ ρ/(1 − ρ),
+Kleinrock, *Queueing Systems* vol. 1 §3.2), so a latency SLO is met only some way below the busy rate;
+0.8 is our default, the utilisation at which that factor is 4. A gear whose planner-predicted P99 is
+above the target already at the planner's own load is not predicted to meet it at any rate.
+
+While a gear serves, what it measures corrects the prediction (seed 002: the simulator's times are only a
+start; online measurements correct them). Each sample of the active gear, after its shift has settled,
+gives a bound:
+
+  - the smoothed P99 within the target and no backlog (``saturationQueue`` per replica) at a smoothed
+    arrival rate of at least λ for ``CONFIRM_S`` (one Prometheus window: the P99 of the last minute
+    lags a rise in load by up to that long): the gear can serve λ, so the capacity is at least λ
+    (``measured_low_rps``);
+  - a latched ``saturation`` or ``p99-high`` trigger at λ: it cannot, so the capacity is below λ, and
+    under saturation below what it completed per second, too (``measured_high_rps``).
+
+The estimate is the prediction clamped into ``[low, high]``; a new bound that contradicts the other one
+(a low above the high, or the reverse) replaces it: load and request shapes drift, and the newest
+evidence wins.
+
+Pure: no clock, no I/O; times are the caller's (s).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gearshift.control.policy import GearView, ShiftRules
+
+#: How long a higher arrival rate must be served within the SLO before it counts as a lower bound, s: the
+#: 1-minute window of the latency queries (gearshift.control.signals), so the P99 covers that load.
+CONFIRM_S = 60.0
+
+
+@dataclass(frozen=True)
+class CapacityEstimate:
+    """One gear's SLO capacity: the prediction and the bounds it measured while active, requests/s."""
+
+    predicted_rps: float | None = None
+    """``capacityHeadroom`` × predicted throughput; 0 when the predicted P99 misses the target; ``None``
+    when the planner predicted nothing."""
+    measured_low_rps: float | None = None
+    """Highest smoothed arrival rate served within the SLO with no backlog."""
+    measured_high_rps: float | None = None
+    """Lowest smoothed arrival rate (or completion rate, under saturation) at which it missed the SLO."""
+    updated_at: float | None = None
+    """When a bound last changed, s (the caller's clock)."""
+    pending_low_rps: float | None = None
+    """Least arrival rate of the current run of within-SLO samples above ``measured_low_rps``."""
+    pending_since: float | None = None
+    """When that run started, s; it becomes the low bound after ``CONFIRM_S``."""
+
+    @property
+    def capacity_rps(self) -> float | None:
+        """The estimate: the prediction clamped into the measured bounds; ``None`` when nothing is known."""
+        value = self.predicted_rps
+        if self.measured_low_rps is not None:
+            value = self.measured_low_rps if value is None else max(value, self.measured_low_rps)
+        if self.measured_high_rps is not None:
+            value = self.measured_high_rps if value is None else min(value, self.measured_high_rps)
+        return value
+
+    @property
+    def measured(self) -> bool:
+        """Whether any bound was measured."""
+        return self.measured_low_rps is not None or self.measured_high_rps is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (``GearSet.status``); :meth:`from_dict` restores it."""
+        return {
+            "predictedRps": self.predicted_rps,
+            "measuredLowRps": self.measured_low_rps,
+            "measuredHighRps": self.measured_high_rps,
+            "updatedAt": self.updated_at,
+            "pendingLowRps": self.pending_low_rps,
+            "pendingSince": self.pending_since,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CapacityEstimate:
+        """Inverse of :meth:`to_dict` (unknown keys ignored)."""
+
+        def num(key: str) -> float | None:
+            v = data.get(key)
+            return None if v is None or not math.isfinite(float(v)) else float(v)
+
+        return cls(
+            num("predictedRps"),
+            num("measuredLowRps"),
+            num("measuredHighRps"),
+            num("updatedAt"),
+            num("pendingLowRps"),
+            num("pendingSince"),
+        )
+
+
+def predicted_capacity(gear: GearView, policy: ShiftRules) -> float | None:
+    """``capacityHeadroom`` × the gear's predicted throughput, requests/s; 0 when its predicted P99 is above
+    ``targetP99Ms`` (ms); ``None`` without a throughput prediction."""
+    if gear.predicted_throughput_rps is None:
+        return None
+    if gear.predicted_p99_ms is not None and gear.predicted_p99_ms > policy.target_p99_ms:
+        return 0.0
+    return policy.capacity_headroom * gear.predicted_throughput_rps
+
+
+def estimates_for(
+    gears: Iterable[GearView], known: Mapping[str, CapacityEstimate], policy: ShiftRules
+) -> dict[str, CapacityEstimate]:
+    """Every gear's estimate: the measured bounds kept from ``known``, the prediction from the gear now (a
+    re-planned gear gets its new prediction; gears no longer listed are dropped)."""
+    out = {}
+    for g in gears:
+        old = known.get(g.name, CapacityEstimate())
+        out[g.name] = replace(old, predicted_rps=predicted_capacity(g, policy))
+    return out
+
+
+def observe(
+    est: CapacityEstimate,
+    *,
+    arrival_rps: float | None,
+    completed_rps: float,
+    within_slo: bool,
+    overloaded: bool,
+    saturated: bool = False,
+    now: float,
+) -> CapacityEstimate:
+    """Fold one settled sample of the *active* gear into its estimate (see the module docstring).
+
+    Args:
+        est: the gear's estimate so far.
+        arrival_rps: smoothed arrival rate, requests/s (``None``: not known; nothing changes).
+        completed_rps: smoothed completions, requests/s.
+        within_slo: smoothed P99 ≤ target and no backlog.
+        overloaded: a ``saturation`` or ``p99-high`` trigger is latched.
+        saturated: requests are backing up (the saturation trigger's queue condition): the completion rate
+            is then what the gear can serve, a tighter bound than the arrival rate.
+        now: the sample's time, s.
+    """
+    if arrival_rps is None or not math.isfinite(arrival_rps) or arrival_rps <= 0:
+        return est
+    low, high = est.measured_low_rps, est.measured_high_rps
+    pending, since = est.pending_low_rps, est.pending_since
+    changed = False
+    if overloaded:
+        pending = since = None
+        bound = min(arrival_rps, completed_rps) if saturated and completed_rps > 0 else arrival_rps
+        if high is None or bound < high:
+            high, changed = bound, True
+            if low is not None and low >= high:
+                low = None
+    elif within_slo and (low is None or arrival_rps > low):
+        pending = arrival_rps if pending is None else min(pending, arrival_rps)
+        since = now if since is None else since
+        if now - since >= CONFIRM_S:
+            low, changed = pending, True
+            pending = since = None
+            if high is not None and high <= low:
+                high = None
+    else:
+        pending = since = None
+    if not changed and (pending, since) == (est.pending_low_rps, est.pending_since):
+        return est
+    return CapacityEstimate(est.predicted_rps, low, high, now if changed else est.updated_at, pending, since)
+
+
+def fits(est: CapacityEstimate | None, arrival_rps: float, ratio: float = 1.0) -> bool:
+    """Whether the gear is expected to meet the SLO at ``arrival_rps`` (requests/s) using at most ``ratio``
+    of its capacity; a gear without an estimate never fits."""
+    cap = None if est is None else est.capacity_rps
+    return cap is not None and cap > 0 and arrival_rps <= ratio * cap
+
+
+def cheapest(
+    gears: Iterable[GearView],
+    estimates: Mapping[str, CapacityEstimate],
+    arrival_rps: float,
+    ratio: float = 1.0,
+) -> GearView | None:
+    """The healthy gear with the fewest GPUs that fits ``arrival_rps`` at ``ratio`` of its capacity; among
+    equally many GPUs the one with the most capacity, then spec order. ``None`` when none fits."""
+    best: tuple[int, float, int] | None = None
+    pick = None
+    for i, g in enumerate(gears):
+        est = estimates.get(g.name)
+        if not g.healthy or not fits(est, arrival_rps, ratio):
+            continue
+        assert est is not None and est.capacity_rps is not None
+        key = (g.gpus, -est.capacity_rps, i)
+        if best is None or key < best:
+            best, pick = key, g
+    return pick
+
+
+def largest(gears: Iterable[GearView], estimates: Mapping[str, CapacityEstimate]) -> GearView | None:
+    """The healthy gear with the most estimated capacity (fewest GPUs on a tie), or ``None``."""
+    pick, best = None, None
+    for g in gears:
+        cap = estimates.get(g.name, CapacityEstimate()).capacity_rps
+        if not g.healthy or cap is None:
+            continue
+        key = (cap, -g.gpus)
+        if best is None or key > best:
+            pick, best = g, key
+    return pick
+
+
+def initial_gear(gears: Sequence[GearView], policy: ShiftRules) -> str | None:
+    """The gear a role starts in when ``spec.initialGear`` is unset: the healthy one with the fewest GPUs
+    predicted to meet the SLO at ``policy.expectedArrivalRps`` (requests/s); ``None`` when none is
+    (no predictions, or every prediction misses): the caller falls back to the planner's choice."""
+    pick = cheapest(gears, estimates_for(gears, {}, policy), policy.expected_arrival_rps)
+    return None if pick is None else pick.name
