@@ -341,3 +341,23 @@ async def test_a_request_that_finds_no_room_in_time_is_refused(make_router: Fact
     assert dec.most == 1
     (err,) = [await a.json() for a in answers if a.status == 503]
     assert "max batch" in err["error"]["message"]
+
+
+def test_with_signals_from_prometheus_the_round_reads_its_itl_p99() -> None:
+    # The router of a PDService reads Prometheus when the operator knows one (the sandbox, a cluster):
+    # without this quantile every proposal said "no ITL samples" and the operator never stepped.
+    from gearshift.router.pool import PolicyConfig, Pool
+    from gearshift.router.signals import PrometheusSource
+
+    pool = Pool(PolicyConfig())
+    pool.set_members([BackendInfo("d-0", "http://127.0.0.1:1", "decode", max_batch=16, batch_cap=16)])
+
+    def query(qs: list[str]) -> dict[str, list[dict[str, Any]]]:
+        row = {"metric": {"pod": "d-0"}, "value": [0, "0.08"]}
+        return {q: [row] if "inter_token_latency_seconds_bucket" in q else [] for q in qs}
+
+    PrometheusSource(pool, "http://127.0.0.1:9", query=query).poll()
+    (d,) = balance_round(pool, 0.0, 50.0).batch
+    assert (d.current, d.proposed) == (16, 14) and "ITL P99 80.0 ms" in d.reason
+    (d,) = balance_round(pool, 5.0, 50.0).batch  # taken once: no fresh quantile, no samples
+    assert d.proposed == 16 and d.reason == "no ITL samples"

@@ -90,7 +90,8 @@ def balance_round(
 ) -> pd_balance.Decisions:
     """One :mod:`gearshift.control.pd_balance` round over the pool's live signals (the operator's hook).
 
-    ITL P99 per pod comes from the ITL histogram delta since the previous round (kept in ``extra``). A pod's
+    ITL P99 per pod comes from the ITL histogram delta since the previous round (kept in ``extra``), or,
+    with signals from Prometheus, from its 30 s ``histogram_quantile`` (``extra["itl_p99_ms"]``). A pod's
     max batch is its batch cap where the operator set one (the value the adaptive rule steps from), its
     hard max the engine's own (``GEARSHIFT_PIPELINE`` ``maxBatch``): a router-side cap cannot exceed what
     the engine was started with. ``waiting``: requests the router holds per role for batch room, shared
@@ -107,6 +108,9 @@ def balance_round(
             q = (hist.minus(prev) if prev is not None else hist).quantile(0.99)
             p99 = q * 1000 if q is not None else None
             b.extra["itl_hist_balance"] = hist
+        elif "itl_p99_ms" in b.extra:
+            # Signals from Prometheus (--prometheus): its 30 s histogram_quantile, taken once per round.
+            p99 = b.extra.pop("itl_p99_ms")
         loads.append(
             pd_balance.PodLoad(
                 name=b.info.name,

@@ -238,6 +238,10 @@ class PrometheusSource:
         "itl_s": 'sum by (pod) (rate(vllm:inter_token_latency_seconds_sum{pod=~"%s"}[30s])) / '
         'sum by (pod) (rate(vllm:inter_token_latency_seconds_count{pod=~"%s"}[30s]))',
         "util": 'max by (pod) (gearshift:stage_utilization{pod=~"%s"})',
+        # The balance round's ITL P99 per pod (seed 000's adaptive batch rule), over the last 30 s: the
+        # scraper's histogram deltas have no Prometheus counterpart finer than a rate window.
+        "itl_p99_s": "histogram_quantile(0.99, sum by (pod, le) "
+        '(rate(vllm:inter_token_latency_seconds_bucket{pod=~"%s"}[30s])))',
     }
 
     #: The KV pool of each pod from vLLM's info gauge (its labels carry the numbers), as the scraper reads it.
@@ -284,6 +288,8 @@ class PrometheusSource:
                     continue
                 if key == "itl_s":
                     b.itl_ms = value * 1000
+                elif key == "itl_p99_s":
+                    b.extra["itl_p99_ms"] = value * 1000
                 elif key == "util":
                     b.gpu_util = value
                 else:
