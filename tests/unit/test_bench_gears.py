@@ -1,0 +1,178 @@
+"""bench/gears.py's parts that decide its figures: scenarios, the densified trace, card contention, the
+oracle's schedule and the goals. Expected values are worked out by hand in each test."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from array import array
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gearshift.control.policy import ShiftRules
+from gearshift.facts.model import load_hf_config
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+ARCH = load_hf_config(BENCH.parent / "examples" / "models" / "llama-3-8b.json")
+
+
+@pytest.fixture(scope="module")
+def g() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("gears_bench", BENCH / "gears.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gears_bench"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class TestScenarios:
+    def test_compressed_and_own_pace(self, g: ModuleType) -> None:
+        s = g.parse_scenario("x4")
+        assert (s.name, s.speed, s.density, s.limit_s) == ("x4-first-450s", 4.0, 1.0, 450.0)
+        s = g.parse_scenario("x4-own-pace")
+        assert (s.name, s.speed, s.density, s.limit_s) == ("x4-own-pace", 1.0, 4.0, None)
+        s = g.parse_scenario("x2.5-own-pace:600")
+        assert (s.name, s.density, s.limit_s) == ("x2.5-own-pace-first-600s", 2.5, 600.0)
+        assert g.parse_scenario("x4-own-pace", limit_s=120.0).limit_s == 120.0
+
+    @pytest.mark.parametrize("bad", ["y4", "x", "x0", "x-1-own-pace", "x4:abc", "x4:-5"])
+    def test_bad_scenarios_name_the_forms(self, g: ModuleType, bad: str) -> None:
+        with pytest.raises(ValueError, match="x<k>-own-pace"):
+            g.parse_scenario(bad)
+
+    def test_densify_keeps_the_pace_and_multiplies_the_load(self, g: ModuleType) -> None:
+        n = 1200  # one request a second for 20 minutes
+        base = g.Trace(np.arange(n, dtype=float), np.full(n, 100), np.full(n, 10))
+        d = g.densify(base, 3.0)
+        assert len(d.t) == 3 * n and np.all(np.diff(d.t) >= 0)
+        assert d.t[0] == 0.0 and d.t[-1] <= base.duration_s
+        per_min = np.bincount((d.t // 60).astype(int))[1:-1]  # inner minutes: 180 ± jitter noise
+        assert np.all(np.abs(per_min - 180) <= 180 * 0.15), per_min
+        half = g.densify(base, 1.5)
+        assert abs(len(half.t) - 1.5 * n) < 0.1 * n  # the fraction drawn at random
+
+    def test_trace_option_rejects_a_missing_file(self, g: ModuleType, tmp_path: Path) -> None:
+        with pytest.raises(SystemExit) as exc:
+            g.main(["--trace", str(tmp_path / "nope.csv"), "--out", str(tmp_path / "o.json")])
+        assert exc.value.code == 2
+
+
+def _spec(g: ModuleType, name: str, cards: int, rps: float, load_s: float = 10.0) -> Any:
+    api = SimpleNamespace(predicted=SimpleNamespace(throughput_qps=rps))
+    return g.GearSpec(name, api, {}, 1, frozenset(), load_s, cards={f"{name}-n": cards})
+
+
+class TestOracle:
+    def test_the_cheapest_gear_per_window_under_the_dwell(self, g: ModuleType) -> None:
+        policy = ShiftRules(dwell_s=600, upshift_dwell_s=60, rollback_window_s=60, warm_s=30)
+        specs = {"a": _spec(g, "a", 2, 20.0), "b": _spec(g, "b", 4, 40.0)}
+        # a meets as much as b except in windows 10-14; b costs twice the cards.
+        a = [100] * 30
+        a[10:15] = [20] * 5
+        first, plan = g.oracle_schedule({"a": a, "b": [100] * 30}, specs, policy)
+        # Up to b for window 10. Back down needs dwell 600 + rollback 60 + 10 + lead (10 + 30 + 4) = 714 s
+        # = 12 windows after that shift: window 22 (1320 s).
+        assert (first, plan) == ("a", [(600.0, "b"), (1320.0, "a")])
+
+    def test_no_shift_when_one_gear_is_best_everywhere(self, g: ModuleType) -> None:
+        specs = {"a": _spec(g, "a", 2, 20.0), "b": _spec(g, "b", 4, 40.0)}
+        assert g.oracle_schedule({"a": [50] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("a", [])
+        assert g.oracle_schedule({"a": [10] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("b", [])
+
+
+class _Engine:
+    def __init__(self, busy: int) -> None:
+        self.busy = busy
+
+    def num_running(self) -> int:
+        return self.busy
+
+    def num_waiting(self) -> int:
+        return 0
+
+
+class TestContention:
+    def _sim(self, g: ModuleType, share: float = 0.2) -> Any:
+        trace = g.Trace(np.array([0.0, 1.0]), np.array([10, 10]), np.array([5, 5]))
+        return g.Sim(ARCH, trace, ShiftRules(warmup_share=share), array("d"))
+
+    def _gear(
+        self, g: ModuleType, sim: Any, name: str, busy: int, shadow: bool, nodes: tuple[str, ...]
+    ) -> Any:
+        head = g.Head(_Engine(busy), nodes=nodes, gear=name)  # type: ignore[arg-type]
+        sim.gears[name] = g.LiveGear(_spec(g, name, 1, 10.0), [head], 0.0, 0.0, shadow=shadow)
+        return head
+
+    def test_alone_on_its_card(self, g: ModuleType) -> None:
+        sim = self._sim(g)
+        a = self._gear(g, sim, "a", 3, False, ("n1",))
+        self._gear(g, sim, "b", 3, True, ("n2",))  # another card
+        assert sim.share(a) == 1.0
+
+    def test_a_busy_shadow_takes_at_most_warmup_share(self, g: ModuleType) -> None:
+        sim = self._sim(g, share=0.2)
+        a = self._gear(g, sim, "a", 3, False, ("n1", "n2"))
+        s = self._gear(g, sim, "s", 1, True, ("n2",))
+        assert sim.share(a) == pytest.approx(0.8) and sim.share(s) == pytest.approx(0.2)
+
+    def test_an_idle_shadow_costs_nothing(self, g: ModuleType) -> None:
+        sim = self._sim(g)
+        a = self._gear(g, sim, "a", 3, False, ("n1",))
+        self._gear(g, sim, "s", 0, True, ("n1",))
+        assert sim.share(a) == 1.0
+
+    def test_serving_and_draining_split_the_card(self, g: ModuleType) -> None:
+        sim = self._sim(g)
+        new = self._gear(g, sim, "new", 4, False, ("n1",))
+        old = self._gear(g, sim, "old", 2, False, ("n1",))
+        assert sim.share(new) == 0.5 and sim.share(old) == 0.5
+
+
+def _result(
+    variant: str, met: list[int], gpu_hours: float, shifts: float = 0.0, failed: int = 0
+) -> dict[str, Any]:
+    total = sum(met)
+    return {
+        "variant": variant,
+        "slo_met": total,
+        "goodput_rps": total / 600.0,
+        "gpu_hours": gpu_hours,
+        "slo_met_per_gpu_hour": total / gpu_hours,
+        "windows": [{"start_s": 60 * i, "slo_met": m} for i, m in enumerate(met)],
+        "shifts_per_trace_hour": shifts,
+        "failed": failed,
+    }
+
+
+class TestGoals:
+    def test_every_goal_with_its_value(self, g: ModuleType) -> None:
+        lat = _result("static-latency", [100] * 10, 1.0 / 3)
+        thr = _result("static-throughput", [100] * 5 + [120] * 5, 2.0 / 3)
+        dyn = _result("dynamic", [100] * 5 + [118, 110, 120, 120, 120], 0.5, shifts=6.0)
+        ora = _result("oracle", [100] * 5 + [120] * 5, 0.45)
+        goals = g._goals([lat, thr, dyn, ora])
+        # best static by goodput: throughput (1100 met); dynamic 1088 -> 0.989
+        assert goals["goodput_vs_best_static"]["best"] == "static-throughput"
+        assert goals["goodput_vs_best_static"]["value"] == pytest.approx(1088 / 1100, abs=1e-4)
+        assert goals["goodput_vs_best_static"]["met"]
+        # per GPU-hour: 1088 / 0.5 = 2176 vs 1100 / (2/3) = 1650 -> 1.3188
+        assert goals["slo_met_per_gpu_hour_vs_best_static"]["value"] == pytest.approx(2176 / 1650, abs=1e-4)
+        w = goals["windows_vs_best_static_of_window"]
+        # window 6 (110 vs 120 = 0.917) is the only one below 0.95 (window 5: 118/120 = 0.983)
+        assert not w["met"] and w["windows_below"] == [{"start_s": 360, "ratio": 0.917, "best_static": 120}]
+        assert w["value"] == pytest.approx(110 / 120, abs=1e-4)
+        assert goals["slo_met_vs_oracle"]["value"] == pytest.approx(1088 / 1100, abs=1e-4)
+        assert goals["shifts_per_trace_hour"]["met"] and goals["failed_requests"]["met"]
+
+    def test_the_first_two_windows_are_not_judged(self, g: ModuleType) -> None:
+        lat = _result("static-latency", [100] * 4, 1.0)
+        dyn = _result("dynamic", [0, 10, 100, 100], 1.0)
+        w = g._goals([lat, dyn])["windows_vs_best_static_of_window"]
+        assert w["met"] and w["value"] == 1.0 and not math.isnan(w["value"])
