@@ -176,8 +176,10 @@ class TestChoice:
     def test_initial_gear_is_the_cheapest_that_meets_the_slo_at_the_expected_load(self) -> None:
         assert cap.initial_gear((SLOW, BIG, THR, LAT), RULES) == "lat"  # SLOW has 1 card but misses the SLO
         assert cap.initial_gear((LAT, THR, BIG), ShiftRules(expected_arrival_rps=28.0)) == "thr"
-        assert cap.initial_gear((LAT, THR), ShiftRules(expected_arrival_rps=80.0)) is None
+        # A load above every gear: the one with the most capacity.
+        assert cap.initial_gear((LAT, THR), ShiftRules(expected_arrival_rps=80.0)) == "thr"
         assert cap.initial_gear((gear("a", 2, None),), RULES) is None
+        assert cap.initial_gear((SLOW,), RULES) is None
 
     def test_estimates_keep_measurements_and_take_new_predictions(self) -> None:
         known = {"lat": CapacityEstimate(99.0, 20.0, 24.0, 3.0), "gone": CapacityEstimate(1.0)}
@@ -216,13 +218,26 @@ class TestDecide:
         _, out = run("thr", [smp(t, 15.0, p99=230.0) for t in range(2, 20, 2)])
         assert {k for k, _, _ in out} == {DecisionKind.HOLD}
 
-    def test_p99_high_measures_the_capacity_and_the_shift_uses_it(self) -> None:
-        # lat is predicted to serve 23.0 but breaches the P99 (> 1.2 × 200 ms) at 20 req/s: its capacity is
-        # measured below 20, so the p99-high trigger wants thr, the cheapest gear that fits 20.
-        st, out = run("lat", [smp(t, 20.0, p99=300.0) for t in (2, 4, 6)])
-        assert out[-1][:3] == (DecisionKind.SHIFT, "thr", "P99High")
-        assert st.capacity["lat"].measured_high_rps == pytest.approx(20.0)
-        assert st.capacity["lat"].capacity_rps == pytest.approx(20.0)
+    def test_saturation_measures_the_capacity_and_the_shift_uses_it(self) -> None:
+        # lat is predicted to keep up with 23.0 but backs up (3 waiting per replica, P99 400 ms) at 20 req/s
+        # arriving, completing 18.5: its capacity is measured as 18.5, and saturation wants thr, the
+        # cheapest gear that fits 20.
+        st, out = run("lat", [smp(t, 20.0, p99=400.0, queue=6.0, qps=18.5) for t in (2, 4, 6)])
+        assert out[-1][:3] == (DecisionKind.SHIFT, "thr", "Saturation")
+        assert st.capacity["lat"].measured_high_rps == pytest.approx(18.5)
+        assert st.capacity["lat"].capacity_rps == pytest.approx(18.5)
+
+    def test_p99_high_without_backlog_wants_a_lower_predicted_p99_that_fits_not_more_cards(self) -> None:
+        # thr (predicted P99 300 ms) over the alarm at 15 req/s with no queue: lat (90 ms, fits 15 < 23) is
+        # the answer; its capacity is not lowered (no backlog: a latency, not a capacity, problem).
+        thr = gear("thr", 4, 38.0, p99=150.0)
+        lat = gear("lat", 2, 28.75, p99=90.0)
+        st, out = run("thr", [smp(t, 15.0, p99=300.0) for t in (2, 4, 6)], gs=(lat, thr))
+        assert out[-1][:3] == (DecisionKind.SHIFT, "lat", "P99High")
+        assert not st.capacity["thr"].measured
+        # On lat itself (the lowest predicted P99) the alarm has nowhere to go: it holds.
+        st, out = run("lat", [smp(t, 15.0, p99=300.0) for t in (2, 4, 6, 8)], gs=(lat, thr))
+        assert {k for k, _, _ in out} == {DecisionKind.HOLD}
 
     def test_measured_low_bound_lets_a_gear_take_more_than_predicted(self) -> None:
         known = {"lat": CapacityEstimate(23.0, measured_low_rps=26.0)}
@@ -257,19 +272,21 @@ class TestSampleWindow:
         assert sample_window(1000.0, 1060.0) == "1m"
         assert sample_window(1000.0, 1500.0) == "1m"
 
-    def test_serving_since_is_the_switch_while_draining_and_switching_only(self) -> None:
+    def test_serving_since_is_the_switch_while_draining_and_the_check_start_while_switching(self) -> None:
         from gearshift.control.executor import Phase, ShiftState
         from gearshift.control.shifting import serving_since
 
+        rules = ShiftRules(rollback_window_s=60.0)
         for phase, since in (
             (Phase.STABLE, None),
             (Phase.WARMING, None),
             (Phase.DEGRADED, None),
             (Phase.DRAINING, 50.0),
-            (Phase.SWITCHING, 50.0),
+            (Phase.SWITCHING, 80.0),  # halfway through the rollback window: the check's initial delay
             (Phase.ROLLING_BACK, None),
         ):
-            assert serving_since(ShiftState(active="a", phase=phase, step_started_at=50.0)) == since, phase
+            st = ShiftState(active="a", phase=phase, step_started_at=50.0)
+            assert serving_since(st, rules) == since, phase
 
     def test_arrival_query_adds_the_growth_in_flight_to_completions(self) -> None:
         from gearshift.control.signals import (

@@ -132,19 +132,20 @@ class TestRollback:
 
     def test_p99_regression_in_the_window(self):
         # No baseline (the request has none, bal reports no P99): limit 2 × target 200 = 400 ms. P99 500 ms
-        # is judged once Switching (from 52) is MIN_WINDOW_S = 10 s old, at 62 (before, the sample's window
-        # still covers the drain): traffic back to bal; thr holds nothing, deleted at 64.
+        # is judged from halfway through the rollback window (52 + 30 = 82, the check's initial delay) once
+        # a MIN_WINDOW_S = 10 s window fits after it, at 92: traffic back to bal; thr holds nothing, deleted
+        # at 94.
         w = world(new=GearScript(ready_after_s=20, p99_ms=500.0))
         records = run(w)
         assert transitions(records) == [
             (0, "Warming"),
             (50, "Draining"),
             (52, "Switching"),
-            (62, "RollingBack"),
-            (64, "Stable"),
+            (92, "RollingBack"),
+            (94, "Stable"),
         ]
-        assert of(records, SelectGear) == [(50, SelectGear("thr")), (62, SelectGear("bal"))]
-        assert of(records, DeleteGear) == [(64, DeleteGear("thr"))]
+        assert of(records, SelectGear) == [(50, SelectGear("thr")), (92, SelectGear("bal"))]
+        assert of(records, DeleteGear) == [(94, DeleteGear("thr"))]
         assert w.unhealthy == {"thr": FAIL_P99} and w.selected == "bal" and w.lost == {}
 
     def test_p99_within_ratio_keeps_the_new_gear(self):
@@ -159,31 +160,32 @@ class TestRollback:
         assert w.selected == "bal" and w.unhealthy == {"thr": "CrashLoopBackOff"}
 
     def test_rollback_drains_the_failed_gear_before_deleting_it(self):
-        # thr serves 8 requests when its P99 (500 > 400) rolls it back at 62 (Switching from 52 + 10 s):
-        # bal is selected again at 62, thr finishes 2/s (8 − 2·2 = 4 at 64, 0 at 66) and is deleted at 66.
+        # thr serves 8 requests when its P99 (500 > 400) rolls it back at 92 (Switching from 52, +30 s
+        # initial delay, +10 s window): bal is selected again at 92, thr finishes 2/s (8 − 2·2 = 4 at 94, 0 at
+        # 96) and is deleted at 96.
         w = world(new=GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=2.0))
         records = run(w)
         assert transitions(records) == [
             (0, "Warming"),
             (50, "Draining"),
             (52, "Switching"),
-            (62, "RollingBack"),
-            (66, "Stable"),
+            (92, "RollingBack"),
+            (96, "Stable"),
         ]
-        assert of(records, SelectGear) == [(50, SelectGear("thr")), (62, SelectGear("bal"))]
-        assert of(records, DeleteGear) == [(66, DeleteGear("thr"))]
-        assert [r.world.gear("thr").in_flight for r in records if 62 <= r.now <= 66] == [8, 4, 0]
+        assert of(records, SelectGear) == [(50, SelectGear("thr")), (92, SelectGear("bal"))]
+        assert of(records, DeleteGear) == [(96, DeleteGear("thr"))]
+        assert [r.world.gear("thr").in_flight for r in records if 92 <= r.now <= 96] == [8, 4, 0]
         assert w.lost == {} and w.selected == "bal"
         assert [e.reason for e in w.events][-3:] == ["GearUnhealthy", "DrainStarted", "RolledBack"]
         t, rec = of(records, RecordShift)[-1]
-        assert (t, rec.outcome, rec.started_at, rec.finished_at) == (66, Outcome.ROLLED_BACK, 0.0, 66.0)
+        assert (t, rec.outcome, rec.started_at, rec.finished_at) == (96, Outcome.ROLLED_BACK, 0.0, 96.0)
 
     def test_rollback_drain_timeout_deletes_with_a_warning(self):
-        # 8 requests that never finish: the drain deadline is 62 + 120 = 182; deleted then, 8 lost.
+        # 8 requests that never finish: the drain deadline is 92 + 120 = 212; deleted then, 8 lost.
         w = world(new=GearScript(ready_after_s=20, p99_ms=500.0, in_flight=8, drain_per_s=0.0))
         records = run(w)
-        assert transitions(records)[-2:] == [(62, "RollingBack"), (182, "Stable")]
-        assert of(records, DeleteGear) == [(182, DeleteGear("thr"))]
+        assert transitions(records)[-2:] == [(92, "RollingBack"), (212, "Stable")]
+        assert of(records, DeleteGear) == [(212, DeleteGear("thr"))]
         assert w.lost == {"thr": 8}
         timeouts = [e for e in w.events if e.reason == "DrainTimeout"]
         assert len(timeouts) == 1 and timeouts[0].warning and "'thr'" in timeouts[0].message
@@ -196,13 +198,13 @@ class TestRollback:
             if state.phase is not Phase.ROLLING_BACK:
                 w.apply(actions, now)  # the rollback step's actions are lost (operator killed)
             now += 2
-        assert now == 64 and w.selected == "thr" and state.deadline == 62 + 120
+        assert now == 94 and w.selected == "thr" and state.deadline == 92 + 120
         state, actions = step(state, w.observe(now), POLICY)
         assert actions == [SelectGear("bal")] and state.phase is Phase.ROLLING_BACK
         w.apply(actions, now)
         rest = simulate_steps(state, w, POLICY, request=None, start=now + 2)
-        # deselected at 64: 8 − 2·(t − 64) → 0 at 68
-        assert transitions(rest)[-1] == (68, "Stable") and w.lost == {} and w.selected == "bal"
+        # deselected at 94: 8 − 2·(t − 94) → 0 at 98
+        assert transitions(rest)[-1] == (98, "Stable") and w.lost == {} and w.selected == "bal"
 
 
 class TestRollbackBaseline:
@@ -242,7 +244,7 @@ class TestRollbackBaseline:
 
 
 class TestSaturationShiftServedRate:
-    """A ``saturation`` (capacity) shift is not rolled back on P99 while the new gear serves at least the
+    """A capacity shift (``saturation``, ``load-high``) is not rolled back on P99 while the new gear serves at least the
     completions/s the old gear served at the decision; other triggers keep the P99 rule alone.
 
     The x8 bench's numbers: balanced served 11.5 req/s with a TTFT P99 of 3365 ms when the shift was
@@ -267,6 +269,9 @@ class TestSaturationShiftServedRate:
             ("saturation", None, 11.5, 10.0, None, (94, "RollingBack", "bal", FAIL_P99)),
             # no baseline rate at all: the P99 rule alone
             ("saturation", None, None, 40.0, None, (94, "RollingBack", "bal", FAIL_P99)),
+            # load-high is a capacity shift too (issue 19): the same rule
+            ("load-high", 11.5, None, 40.0, None, (112, "Stable", "thr", None)),
+            ("load-high", 11.5, None, 10.0, None, (94, "RollingBack", "bal", FAIL_P99)),
             # other triggers unchanged: 40 req/s does not save a P99 regression
             ("p99-high", 11.5, None, 40.0, None, (94, "RollingBack", "bal", FAIL_P99)),
             ("imbalance", 11.5, None, 40.0, None, (94, "RollingBack", "bal", FAIL_P99)),

@@ -635,9 +635,9 @@ class TestTicks:
         world.store[key]["spec"]["forceGear"] = "latency"
         sig = PerGearSignals({"balanced": 150.0, "latency": 1000.0})
         phases = []
-        # T0 Warming, +2 Draining, +4 Switching; the P99 is judged from +14 (Switching + MIN_WINDOW_S):
-        # +6 still Switching, +14 RollingBack.
-        for t in (T0, T0 + 2, T0 + 4, T0 + 6, T0 + 14):
+        # T0 Warming, +2 Draining, +4 Switching; the P99 is judged from +29 (Switching + half the 30 s
+        # rollback window + MIN_WINDOW_S): +6 still Switching, +30 RollingBack.
+        for t in (T0, T0 + 2, T0 + 4, T0 + 6, T0 + 30):
             r = run(world, sig, t)
             phases.append(r.phase)
             kubelet(world, t)
@@ -647,12 +647,12 @@ class TestTicks:
         assert st["executor"]["baselineQps"] == 3.0  # balanced's (smoothed) served rate at the decision
         assert selected(world) == "balanced" and prefill_gears(world) == {"balanced", "latency"}
         sig.in_flight_by_gear["latency"] = 3
-        run(world, sig, T0 + 16)
+        run(world, sig, T0 + 32)
         st = status(world)
         assert st["phase"] == "RollingBack" and st["executor"]["inFlight"] == 3
         assert "latency" in prefill_gears(world) and sig.drained[-1] == "latency"
         sig.in_flight_by_gear["latency"] = 0
-        run(world, sig, T0 + 18)
+        run(world, sig, T0 + 34)
         st = status(world)
         assert st["phase"] == "Stable" and st["activeGear"] == "balanced"
         assert prefill_gears(world) == {"balanced"} and selected(world) == "balanced"
@@ -679,7 +679,7 @@ class TestTicks:
         st = status(world)
         assert st["phase"] == "Switching" and st["executor"]["baselineQps"] == 3.0
         world.store[key]["status"]["executor"]["trigger"] = "saturation"
-        r = run(world, sig, T0 + 14)  # Switching (from +4) + MIN_WINDOW_S: the P99 is judged
+        r = run(world, sig, T0 + 30)  # Switching (+4) + 15 s initial delay + MIN_WINDOW_S: judged
         assert r.phase is phase
         assert selected(world) == ("latency" if phase is Phase.SWITCHING else "balanced")
         assert status(world)["executor"]["trigger"] == "saturation"

@@ -1,7 +1,11 @@
 """Which gear the load needs: each gear's SLO capacity, predicted and then corrected online (issue 19).
 
-A gear's **SLO capacity** is the highest arrival rate (requests/s) at which it still meets the role's
-P99 target. Before a gear has served, it is predicted as ``capacityHeadroom`` × the planner's predicted
+A gear's **SLO capacity** is the highest arrival rate (requests/s) it keeps up with: no backlog building
+and the P99 under the ``p99-high`` alarm (``p99HighRatio`` × target). It is a capacity, not a latency
+verdict: a P99 a little over target at a load far below saturation comes from the request mix (long
+prompts), and a gear with more cards need not lower it (on the benchmark's fleet the 4-card gear has a
+*higher* TTFT P99 than the 2-card one until the latter saturates); the ``p99-high`` trigger, not the
+capacity, answers it (:mod:`gearshift.control.decide`). Before a gear has served, it is predicted as ``capacityHeadroom`` × the planner's predicted
 throughput (``GearView.predicted_throughput_rps``, the rate at which the simulated pipeline is busy all
 the time): queueing delay grows without bound as utilisation nears 1 (M/M/1 waiting time ∝ ρ/(1 − ρ),
 Kleinrock, *Queueing Systems* vol. 1 §3.2), so a latency SLO is met only some way below the busy rate;
@@ -12,12 +16,12 @@ While a gear serves, what it measures corrects the prediction (seed 002: the sim
 start; online measurements correct them). Each sample of the active gear, after its shift has settled,
 gives a bound:
 
-  - the smoothed P99 within the target and no backlog (``saturationQueue`` per replica) at a smoothed
+  - the smoothed P99 under the alarm and no backlog (``saturationQueue`` per replica) at a smoothed
     arrival rate of at least λ for ``CONFIRM_S`` (one Prometheus window: the P99 of the last minute
-    lags a rise in load by up to that long): the gear can serve λ, so the capacity is at least λ
+    lags a rise in load by up to that long): the gear keeps up with λ, so the capacity is at least λ
     (``measured_low_rps``);
-  - a latched ``saturation`` or ``p99-high`` trigger at λ: it cannot, so the capacity is below λ, and
-    under saturation below what it completed per second, too (``measured_high_rps``).
+  - a latched ``saturation`` trigger at λ: it does not, so the capacity is below λ and below what it
+    completed per second (``measured_high_rps``).
 
 The estimate is the prediction clamped into ``[low, high]``; a new bound that contradicts the other one
 (a low above the high, or the reverse) replaces it: load and request shapes drift, and the newest
@@ -140,8 +144,8 @@ def observe(
         est: the gear's estimate so far.
         arrival_rps: smoothed arrival rate, requests/s (``None``: not known; nothing changes).
         completed_rps: smoothed completions, requests/s.
-        within_slo: smoothed P99 ≤ target and no backlog.
-        overloaded: a ``saturation`` or ``p99-high`` trigger is latched.
+        within_slo: smoothed P99 ≤ ``p99HighRatio`` × target and no backlog.
+        overloaded: the capacity is exceeded: the ``saturation`` trigger is latched.
         saturated: requests are backing up (the saturation trigger's queue condition): the completion rate
             is then what the gear can serve, a tighter bound than the arrival rate.
         now: the sample's time, s.
@@ -216,7 +220,9 @@ def largest(gears: Iterable[GearView], estimates: Mapping[str, CapacityEstimate]
 
 def initial_gear(gears: Sequence[GearView], policy: ShiftRules) -> str | None:
     """The gear a role starts in when ``spec.initialGear`` is unset: the healthy one with the fewest GPUs
-    predicted to meet the SLO at ``policy.expectedArrivalRps`` (requests/s); ``None`` when none is
-    (no predictions, or every prediction misses): the caller falls back to the planner's choice."""
-    pick = cheapest(gears, estimates_for(gears, {}, policy), policy.expected_arrival_rps)
-    return None if pick is None else pick.name
+    predicted to meet the SLO at ``policy.expectedArrivalRps`` (requests/s), else (a load above every
+    gear) the one with the most capacity; ``None`` when no gear has a prediction (or every predicted P99
+    misses the target): the caller falls back to the planner's choice."""
+    est = estimates_for(gears, {}, policy)
+    pick = cheapest(gears, est, policy.expected_arrival_rps) or largest(gears, est)
+    return None if pick is None or not est[pick.name].capacity_rps else pick.name

@@ -293,8 +293,10 @@ def decide(
                 estimates[active.name],
                 arrival_rps=load,
                 completed_rps=smoothed.qps,
-                within_slo=measured is not None and measured <= policy.target_p99_ms and not overloaded,
-                overloaded=tracks[Trigger.SATURATION].latched or tracks[Trigger.LATENCY_HIGH].latched,
+                within_slo=measured is not None
+                and measured <= policy.p99_high_ratio * policy.target_p99_ms
+                and not overloaded,
+                overloaded=tracks[Trigger.SATURATION].latched,
                 saturated=overloaded,
                 now=now,
             )
@@ -426,13 +428,27 @@ def _capacity_target(
     policy: ShiftRules,
 ) -> tuple[GearView | None, list[str]]:
     """The gear a latched trigger asks for when capacities are known (issue 19): every trigger that says
-    the active gear cannot keep up (``load-high``, ``saturation``, ``p99-high``, ``imbalance``) wants the
-    gear with the fewest GPUs among those with more capacity than the active one that fit ``load``
-    (requests/s), else the one with the most capacity; ``load-low`` the gear with the fewest GPUs that
-    fits ``load`` within ``downshiftRatio``; ``p99-low`` nothing (``load-low`` decides the way down)."""
+    the active gear cannot keep up (``load-high``, ``saturation``, ``imbalance``) wants the gear with the
+    fewest GPUs among those with more capacity than the active one that fit ``load`` (requests/s), else
+    the one with the most capacity; ``p99-high`` (seed 002: the latency gear) the gear with the lowest
+    predicted P99, below the active gear's, among those that fit ``load``; ``load-low`` the gear with
+    the fewest GPUs that fits ``load`` within ``downshiftRatio``; ``p99-low`` nothing (``load-low``
+    decides the way down)."""
     if trigger is Trigger.LATENCY_LOW:
         return None, []
     others = [g for g in table.gears if g.name != active.name]
+    if trigger is Trigger.LATENCY_HIGH:
+        mine = active.predicted_p99_ms
+        faster = [
+            g
+            for g in others
+            if g.predicted_p99_ms is not None
+            and (mine is None or g.predicted_p99_ms < mine)
+            and capacity.fits(estimates.get(g.name), load)
+        ]
+        skipped = [g.name for g in faster if not g.healthy]
+        healthy = [g for g in faster if g.healthy]
+        return min(healthy, key=lambda g: (g.predicted_p99_ms or 0.0, g.gpus), default=None), skipped
     if trigger is Trigger.LOAD_LOW:
         cheaper = [g for g in others if g.gpus < active.gpus]
         skipped = [g.name for g in cheaper if not g.healthy]

@@ -325,11 +325,12 @@ def rollback_p99_limit(state: ShiftState, policy: ShiftRules) -> float:
 
 
 def relieves_saturation(state: ShiftState, obs: GearObservation) -> bool:
-    """A ``saturation`` shift whose new gear serves at least the completions/s the old gear served at the
-    decision: its P99 does not roll it back (under overload the P99 grows on any gear; the served rate
-    says whether the shift helps). False for other triggers and when either rate is unknown."""
+    """A capacity shift (``saturation`` or ``load-high``) whose new gear serves at least the completions/s
+    the old gear served at the decision: its P99 does not roll it back (under overload the P99 grows on
+    any gear, and the new gear first works off the queue it inherits; the served rate says whether the
+    shift helps). False for other triggers and when either rate is unknown."""
     return (
-        state.trigger == Trigger.SATURATION.value
+        state.trigger in (Trigger.SATURATION.value, Trigger.LOAD_HIGH.value)
         and state.baseline_qps is not None
         and obs.qps is not None
         and obs.qps >= state.baseline_qps
@@ -485,6 +486,18 @@ def _draining(state: ShiftState, world: World, policy: ShiftRules) -> tuple[Shif
     ), actions
 
 
+def judged_since(state: ShiftState, policy: ShiftRules) -> float | None:
+    """Switching: from when the new gear's P99 is measured for the rollback check, s: halfway through the
+    rollback window. The first half is an initial delay, as Argo Rollouts' analysis ``initialDelay``: it
+    holds the switch's transient (the drain shared the cards with the old gear, and requests queued
+    then are still being served), which any gear shows and which says nothing about the gear. The check
+    itself starts once a sample's window (:func:`gearshift.control.signals.sample_window`, at least
+    ``MIN_WINDOW_S``) fits after that point. ``None`` outside Switching."""
+    if state.phase is not Phase.SWITCHING or state.step_started_at is None:
+        return None
+    return state.step_started_at + policy.rollback_window_s / 2
+
+
 def _switching(state: ShiftState, world: World, policy: ShiftRules) -> tuple[ShiftState, list[Action]]:
     now, target, old = world.now, state.to_gear, state.from_gear
     assert target is not None and old is not None
@@ -495,14 +508,12 @@ def _switching(state: ShiftState, world: World, policy: ShiftRules) -> tuple[Shi
             state, world, policy, reason, f"gear {target!r} failed after the switch: {reason}"
         )
     limit = rollback_p99_limit(state, policy)
-    # The P99 is judged only once the sample's window (gearshift.control.signals.sample_window, at least
-    # MIN_WINDOW_S) lies inside the rollback window: before, it still covers the drain, when the old gear
-    # shared the cards and the new gear's first requests queued behind it.
-    settled = state.step_started_at is None or now - state.step_started_at >= MIN_WINDOW_S
+    since = judged_since(state, policy)
+    settled = since is None or now - since >= MIN_WINDOW_S
     if settled and obs.p99_ms is not None and obs.p99_ms > limit and not relieves_saturation(state, obs):
         before = "unknown" if state.baseline_p99_ms is None else f"{state.baseline_p99_ms:.0f} ms"
         served = ""
-        if state.trigger == Trigger.SATURATION.value:
+        if state.trigger in (Trigger.SATURATION.value, Trigger.LOAD_HIGH.value):
             now_qps = "unknown" if obs.qps is None else f"{obs.qps:.2f}"
             then_qps = "unknown" if state.baseline_qps is None else f"{state.baseline_qps:.2f}"
             served = f", serving {now_qps} req/s vs {old!r}'s {then_qps} before the shift"

@@ -34,6 +34,7 @@ from gearshift.control.executor import (
     SelectGear,
     ShiftRequest,
     ShiftState,
+    judged_since,
 )
 from gearshift.control.executor_status import from_time
 from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules
@@ -171,14 +172,14 @@ def selected_gear(role_service: Mapping[str, Any] | None) -> str | None:
     return ((role_service.get("spec") or {}).get("selector") or {}).get(names.LABEL_GEAR)
 
 
-def serving_since(state: ShiftState) -> float | None:
-    """When the selected gear started taking traffic in the shift in progress, s, or ``None`` (Stable, or
-    a gear that served before: Warming, Degraded and RollingBack select the old gear). Draining starts at
-    the switch; Switching starts after the drain, so its start is a later bound, which only shortens the
-    window of :func:`gearshift.control.signals.sample_window`: every sample in it is the new gear's."""
-    if state.phase in (Phase.DRAINING, Phase.SWITCHING):
+def serving_since(state: ShiftState, policy: ShiftRules) -> float | None:
+    """Since when the selected gear's samples count, s, or ``None`` (Stable, or a gear that served before:
+    Warming, Degraded and RollingBack select the old gear): Draining from the switch; Switching from the
+    rollback check's start (:func:`gearshift.control.executor.judged_since`), so the window of
+    :func:`gearshift.control.signals.sample_window` holds neither the warm-up nor the switch's transient."""
+    if state.phase is Phase.DRAINING:
         return state.step_started_at
-    return None
+    return judged_since(state, policy)
 
 
 def pipeline_shape(gear: Gear) -> PipelineShape:

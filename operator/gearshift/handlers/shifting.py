@@ -250,7 +250,7 @@ def _observe(api: KubeApi, t: _Inputs, settings: Settings, signals: SignalSource
                 now,
                 engine=t.pds.spec.engine,
                 shape=shape,
-                window=sample_window(serving_since(t.state), now),
+                window=sample_window(serving_since(t.state, t.policy), now),
             )
         except SignalsUnavailable as exc:
             why = str(exc)
