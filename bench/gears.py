@@ -45,7 +45,7 @@ requests meeting the SLO / trace duration (requests/s).
 
 Run: ``PYTHONPATH=operator .venv/bin/python bench/gears.py`` (writes ``bench/results/gears.json``; about
 15 CPU-minutes); ``--scenarios x4-own-pace:600 --variants dynamic,latency,throughput`` for a quick look,
-``--trace`` for another CSV of the same columns, ``--policy '{"capacityHeadroom": 0.9}'`` for a what-if.
+``--trace`` for another CSV of the same columns, ``--policy '{"capacityHeadroom": 0.8}'`` for a what-if.
 """
 
 from __future__ import annotations
@@ -781,7 +781,7 @@ def run_variant(
         itl,
         trace,
         log,
-        dynamic or bool(plan),
+        dynamic or bool(schedule),
         time.perf_counter() - wall0,
         time.process_time() - cpu0,
     )
@@ -1071,7 +1071,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--policy",
         default="{}",
-        help="GearSet spec.policy overrides as JSON, e.g. '{\"capacityHeadroom\": 0.9}' (default: the API's)",
+        help="GearSet spec.policy overrides as JSON, e.g. '{\"capacityHeadroom\": 0.8}' (default: the API's)",
     )
     args = ap.parse_args(argv)
     try:

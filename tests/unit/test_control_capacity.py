@@ -1,7 +1,8 @@
 """The capacity controller (issue 19): SLO capacity predicted, corrected online, and the load triggers.
 
 Gears like the benchmark's: ``lat`` the whole model on 2 cards, ``thr`` on 4, ``big`` on 8. Capacities
-are worked out by hand from the rules (headroom 0.8 × predicted throughput), not by the code under test.
+are worked out by hand from the rules (headroom 0.8 × predicted throughput, set here; the default is 0.9),
+not by the code under test.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from gearshift.control.triggers import Trigger
 from gearshift.facts.model import load_hf_config
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")
-RULES = ShiftRules(target_p99_ms=200.0)
+RULES = ShiftRules(target_p99_ms=200.0, capacity_headroom=0.8)
 
 
 def gear(name: str, cards: int, thr: float | None, p99: float | None = 90.0, **kw: object) -> GearView:
@@ -176,6 +177,7 @@ class TestChoice:
     def test_initial_gear_is_the_cheapest_that_meets_the_slo_at_the_expected_load(self) -> None:
         assert cap.initial_gear((SLOW, BIG, THR, LAT), RULES) == "lat"  # SLOW has 1 card but misses the SLO
         assert cap.initial_gear((LAT, THR, BIG), ShiftRules(expected_arrival_rps=28.0)) == "thr"
+        assert ShiftRules().capacity_headroom == 0.9  # lat: 0.9 × 28.75 = 25.9 < 28
         # A load above every gear: the one with the most capacity.
         assert cap.initial_gear((LAT, THR), ShiftRules(expected_arrival_rps=80.0)) == "thr"
         assert cap.initial_gear((gear("a", 2, None),), RULES) is None
@@ -214,8 +216,8 @@ class TestDecide:
         # 18 req/s fits lat (23.0) but not within 0.75 of it: stay.
         _, out = run("thr", [smp(t, 18.0) for t in range(2, 20, 2)])
         assert {k for k, _, _ in out} == {DecisionKind.HOLD}
-        # 15 req/s but a P99 over target: no way down while the gear struggles.
-        _, out = run("thr", [smp(t, 15.0, p99=230.0) for t in range(2, 20, 2)])
+        # 15 req/s but a P99 over the p99-high alarm (1.2 × 200 ms): no way down while the gear struggles.
+        _, out = run("thr", [smp(t, 15.0, p99=250.0) for t in range(2, 20, 2)])
         assert {k for k, _, _ in out} == {DecisionKind.HOLD}
 
     def test_saturation_measures_the_capacity_and_the_shift_uses_it(self) -> None:

@@ -244,8 +244,8 @@ class TestRollbackBaseline:
 
 
 class TestSaturationShiftServedRate:
-    """A capacity shift (``saturation``, ``load-high``) is not rolled back on P99 while the new gear serves at least the
-    completions/s the old gear served at the decision; other triggers keep the P99 rule alone.
+    """A capacity shift (``saturation``, ``load-high``) is not rolled back on P99 while the new gear serves
+    at least the completions/s the old gear served at the decision; other triggers keep the P99 rule alone.
 
     The x8 bench's numbers: balanced served 11.5 req/s with a TTFT P99 of 3365 ms when the shift was
     decided, so the P99 limit is 2 × max(3365, 200) = 6730 ms. The new gear's P99 keeps rising under the

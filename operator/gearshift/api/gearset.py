@@ -525,7 +525,7 @@ class ShiftPolicy(SpecModel):
         "on the gear with the fewest GPUs predicted to meet the P99 target at this rate.",
     )
     capacity_headroom: float = Field(
-        default=0.8,
+        default=0.9,
         gt=0,
         le=1,
         description="A gear is predicted to meet the P99 target up to this x its predicted throughput "

@@ -5,12 +5,16 @@ and the P99 under the ``p99-high`` alarm (``p99HighRatio`` × target). It is a c
 verdict: a P99 a little over target at a load far below saturation comes from the request mix (long
 prompts), and a gear with more cards need not lower it (on the benchmark's fleet the 4-card gear has a
 *higher* TTFT P99 than the 2-card one until the latter saturates); the ``p99-high`` trigger, not the
-capacity, answers it (:mod:`gearshift.control.decide`). Before a gear has served, it is predicted as ``capacityHeadroom`` × the planner's predicted
+capacity, answers it (:mod:`gearshift.control.decide`).
+
+Before a gear has served, its capacity is predicted as ``capacityHeadroom`` × the planner's predicted
 throughput (``GearView.predicted_throughput_rps``, the rate at which the simulated pipeline is busy all
 the time): queueing delay grows without bound as utilisation nears 1 (M/M/1 waiting time ∝ ρ/(1 − ρ),
-Kleinrock, *Queueing Systems* vol. 1 §3.2), so a latency SLO is met only some way below the busy rate;
-0.8 is our default, the utilisation at which that factor is 4. A gear whose planner-predicted P99 is
-above the target already at the planner's own load is not predicted to meet it at any rate.
+Kleinrock, *Queueing Systems* vol. 1 §3.2), so a latency SLO is met only some way below the busy rate.
+Continuous batching keeps the delay flat until close to that rate, so the default is 0.9 (measured on
+``bench/gears.py``: see :attr:`gearshift.control.policy.ShiftRules.capacity_headroom`). A gear whose
+planner-predicted P99 is above the target already at the planner's own load is not predicted to meet it
+at any rate.
 
 While a gear serves, what it measures corrects the prediction (seed 002: the simulator's times are only a
 start; online measurements correct them). Each sample of the active gear, after its shift has settled,

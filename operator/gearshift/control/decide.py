@@ -408,12 +408,14 @@ def _load_conditions(
 ) -> dict[Trigger, bool]:
     """``load-high``: the arrival rate is above the active gear's capacity and some healthy gear has more;
     ``load-low``: a healthy gear with fewer GPUs fits it within ``downshiftRatio``, while the P99 is
-    within target (or unmeasured: no traffic) and nothing waits."""
+    under the p99-high alarm (or unmeasured: no traffic) and nothing waits."""
     others = [g for g in table.gears if g.name != active.name and g.healthy]
     high = not capacity.fits(estimates[active.name], load) and any(
         _more_capacity(g, active, estimates) for g in others
     )
-    calm = (p99_ms is None or p99_ms <= policy.target_p99_ms) and not overloaded
+    # Keeping up, as the capacity reads it: no backlog and the P99 under the p99-high alarm (a bigger gear
+    # can sit a little over target at any load, e.g. the benchmark's 4-card gear with A100 heads).
+    calm = (p99_ms is None or p99_ms <= policy.p99_high_ratio * policy.target_p99_ms) and not overloaded
     cheaper = [g for g in others if g.gpus < active.gpus]
     low = calm and capacity.cheapest(cheaper, estimates, load, policy.downshift_ratio) is not None
     return {Trigger.LOAD_HIGH: high, Trigger.LOAD_LOW: low}
