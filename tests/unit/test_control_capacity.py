@@ -22,6 +22,8 @@ from gearshift.facts.model import load_hf_config
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")
 RULES = ShiftRules(target_p99_ms=200.0, capacity_headroom=0.8)
+#: A role that has served long past any dwell (a fresh DecisionState starts one at its first sample).
+SETTLED = DecisionState(last_shift_at=-10_000.0)
 
 
 def gear(name: str, cards: int, thr: float | None, p99: float | None = 90.0, **kw: object) -> GearView:
@@ -193,7 +195,7 @@ class TestChoice:
 class TestDecide:
     def test_load_high_picks_the_cheapest_gear_that_fits_not_the_biggest(self) -> None:
         # 26 req/s > lat's 23.0: thr (30.4 on 4 cards) fits; big (40 on 8) fits too but costs more.
-        _, out = run("lat", [smp(t, 26.0) for t in (2, 4, 6)])
+        _, out = run("lat", [smp(t, 26.0) for t in (2, 4, 6)], SETTLED)
         assert [k for k, _, _ in out] == [DecisionKind.HOLD, DecisionKind.HOLD, DecisionKind.SHIFT]
         assert out[-1][1:] == ("thr", "LoadHigh")
 
@@ -224,7 +226,7 @@ class TestDecide:
         # lat is predicted to keep up with 23.0 but backs up (3 waiting per replica, P99 400 ms) at 20 req/s
         # arriving, completing 18.5: its capacity is measured as 18.5, and saturation wants thr, the
         # cheapest gear that fits 20.
-        st, out = run("lat", [smp(t, 20.0, p99=400.0, queue=6.0, qps=18.5) for t in (2, 4, 6)])
+        st, out = run("lat", [smp(t, 20.0, p99=400.0, queue=6.0, qps=18.5) for t in (2, 4, 6)], SETTLED)
         assert out[-1][:3] == (DecisionKind.SHIFT, "thr", "Saturation")
         assert st.capacity["lat"].measured_high_rps == pytest.approx(18.5)
         assert st.capacity["lat"].capacity_rps == pytest.approx(18.5)
@@ -234,12 +236,26 @@ class TestDecide:
         # the answer; its capacity is not lowered (no backlog: a latency, not a capacity, problem).
         thr = gear("thr", 4, 38.0, p99=150.0)
         lat = gear("lat", 2, 28.75, p99=90.0)
-        st, out = run("thr", [smp(t, 15.0, p99=300.0) for t in (2, 4, 6)], gs=(lat, thr))
+        st, out = run("thr", [smp(t, 15.0, p99=300.0) for t in (2, 4, 6)], SETTLED, gs=(lat, thr))
         assert out[-1][:3] == (DecisionKind.SHIFT, "lat", "P99High")
         assert not st.capacity["thr"].measured
         # On lat itself (the lowest predicted P99) the alarm has nowhere to go: it holds.
         st, out = run("lat", [smp(t, 15.0, p99=300.0) for t in (2, 4, 6, 8)], gs=(lat, thr))
         assert {k for k, _, _ in out} == {DecisionKind.HOLD}
+
+    def test_the_first_gear_gets_a_dwell_from_its_first_sample(self) -> None:
+        # Fresh state: the first sample with an arrival rate starts the dwell, so early, short-window rates
+        # move nothing for upshiftDwellS (up) or dwellS (down).
+        st, out = run("lat", [smp(t, 26.0) for t in (2, 4, 6)])
+        assert st.last_shift_at == 2 and out[-1] == (DecisionKind.HOLD, "thr", REASON_DWELL)
+        # lat served 26 req/s within target for 60 s meanwhile (its capacity is measured >= 26, above the
+        # predicted 23); at 30 req/s arriving (smoothed 27.2 > 26) load-high, still latched, goes at 62 s.
+        st, out = run("lat", [smp(62, 30.0)], st)
+        assert st.capacity["lat"].measured_low_rps == 26.0
+        assert out[0][:2] == (DecisionKind.SHIFT, "thr")
+        # Without an arrival rate (seed 002's triggers alone) nothing changes: no dwell is started.
+        st, _ = run("lat", [smp(2, None)])
+        assert st.last_shift_at is None
 
     def test_measured_low_bound_lets_a_gear_take_more_than_predicted(self) -> None:
         known = {"lat": CapacityEstimate(23.0, measured_low_rps=26.0)}

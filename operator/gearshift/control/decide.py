@@ -302,8 +302,19 @@ def decide(
             )
         load_met = _load_conditions(load, active, table, estimates, policy, measured, overloaded)
         tracks |= {t: _hysteresis(before[t], load_met[t], policy) for t in LOAD_TRIGGERS}
+    last_shift = state.last_shift_at
+    if capacity_mode and last_shift is None:
+        # The first gear counts as shifted to at the first sample with an arrival rate, so the dwell
+        # guards it too: the first samples' rates span a few seconds and can be far off (the x8 bench
+        # read 25 req/s of 47 at 8 s and moved to a gear with half the capacity).
+        last_shift = now
     new = replace(
-        state, smoothed=smoothed, tracks=tracks, last_retrigger_at=last_retrigger, capacity=estimates
+        state,
+        smoothed=smoothed,
+        tracks=tracks,
+        last_retrigger_at=last_retrigger,
+        capacity=estimates,
+        last_shift_at=last_shift,
     )
 
     def hold(reason: str, message: str, skipped: tuple[str, ...] = ()) -> tuple[DecisionState, Decision]:
