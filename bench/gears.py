@@ -31,7 +31,7 @@ What is real and what is modelled:
 - **Modelled since issue 19** (see :class:`Sim`): engines sharing a card split its time (a warming
   shadow gets at most ``warmupShare``), warm-up traffic mirrored to a Ready shadow as the router does,
   the cards every live gear holds over time, and the signal window the operator uses after a switch
-  (:func:`gearshift.control.signals.sample_window`).
+  (:func:`gearshift.control.signals.sample_window_s`).
 - **Not modelled**: prefill/decode disaggregation (the engines run the combined ``both`` role on the
   whole fleet), weight loading contending with serving, network between client and router.
 
@@ -94,7 +94,8 @@ from gearshift.control.executor import (  # noqa: E402
 )
 from gearshift.control.policy import GearTable, ShiftRules  # noqa: E402
 from gearshift.control.shifting import lasting_marks, serving_since  # noqa: E402
-from gearshift.control.signals import sample_window  # noqa: E402
+from gearshift.control.signals import WINDOW_S as PROM_WINDOW_S  # noqa: E402
+from gearshift.control.signals import sample_window_s  # noqa: E402
 from gearshift.control.smoothing import Sample  # noqa: E402
 from gearshift.control.triggers import Trigger  # noqa: E402
 from gearshift.dev.demo.series import histogram_quantile  # noqa: E402
@@ -120,8 +121,6 @@ CLIENT_TIMEOUT_S = 60.0
 MEMORY_UTILIZATION = 0.9
 #: The reconciler's planner setting (gearshift.handlers.reconcile.Settings.sim_requests).
 PLAN_SIM_REQUESTS = 500
-#: Window of the QPS and quantile queries (gearshift.control.signals: ``[1m]``), s.
-PROM_WINDOW_S = 60.0
 #: How long an engine that has waiting requests but could schedule nothing retries (Engine.run's poll), s.
 RETRY_S = 0.005
 #: Most virtual seconds simulated after the last arrival, to let in-flight requests finish.
@@ -604,9 +603,9 @@ class Sim:
             self.out.fail(i, f"first token later than {CLIENT_TIMEOUT_S:g} s")
 
     # signals
-    def sample(self, name: str, now: float, window: str = "1m") -> Sample | None:
-        """What the operator's Prometheus queries would return for gear ``name`` now over ``window`` (the
-        PromQL range :func:`gearshift.control.signals.sample_window` gives); the arrival rate as
+    def sample(self, name: str, now: float, span: float = PROM_WINDOW_S) -> Sample | None:
+        """What the operator's Prometheus queries would return for gear ``name`` now over the last ``span``
+        s (:func:`gearshift.control.signals.sample_window_s`); the arrival rate as
         :func:`gearshift.control.signals.arrival_query` computes it (completions plus the growth of the
         requests in flight over the window)."""
         live = self.gears.get(name)
@@ -618,7 +617,6 @@ class Sim:
         live.snapshots.append((now, hist, done, inflight))
         while len(live.snapshots) > 1 and live.snapshots[1][0] <= now - PROM_WINDOW_S:
             live.snapshots.popleft()
-        span = 60.0 if window == "1m" else float(window.removesuffix("s"))
         t0, old, done0, inflight0 = next(x for x in live.snapshots if x[0] >= now - span - 1e-9)
         window = max(now - t0, self.policy.sample_interval_s)
         utils = [e.stage_utilization() for e in engines]
@@ -711,7 +709,7 @@ def run_variant(
             views = gear_views(api_gears, lasting_marks(health.values(), t, policy))
             table = GearTable(views, active=xstate.active, arch=arch)
             sample_gear = sim.selected if sim.selected in sim.gears else xstate.active
-            sample = sim.sample(sample_gear, t, sample_window(serving_since(xstate, policy), t))
+            sample = sim.sample(sample_gear, t, sample_window_s(serving_since(xstate, policy), t))
             if plan:
                 decision = _scheduled(plan, t, xstate, specs, policy)
             else:
@@ -808,6 +806,11 @@ def shift_lead_s(spec: GearSpec, policy: ShiftRules) -> float:
     return spec.load_s + policy.warm_s + 2 * policy.sample_interval_s
 
 
+def _upshift(old: GearSpec, new: GearSpec) -> bool:
+    """Whether the oracle's shift ``old`` → ``new`` goes up (more predicted throughput)."""
+    return (new.predicted_rps or 0.0) > (old.predicted_rps or 0.0)
+
+
 def _scheduled(
     plan: list[tuple[float, str]],
     now: float,
@@ -824,7 +827,7 @@ def _scheduled(
     if plan and not xstate.busy:
         at, gear = plan[0]
         if now >= at - shift_lead_s(specs[gear], policy):
-            up = (specs[gear].predicted_rps or 0.0) > (specs[xstate.active].predicted_rps or 0.0)
+            up = _upshift(specs[xstate.active], specs[gear])
             trigger = (Trigger.LOAD_HIGH if up else Trigger.LOAD_LOW).value
             return Decision(
                 DecisionKind.SHIFT,
@@ -996,8 +999,7 @@ def oracle_schedule(
         return specs[g].gpus + 100.0 * short
 
     def gap(a: str, b: str) -> int:
-        up = (specs[b].predicted_rps or 0.0) > (specs[a].predicted_rps or 0.0)
-        dwell = policy.upshift_dwell_s if up else policy.dwell_s
+        dwell = policy.upshift_dwell_s if _upshift(specs[a], specs[b]) else policy.dwell_s
         need = dwell + policy.rollback_window_s + 10.0 + shift_lead_s(specs[b], policy)
         return math.ceil(need / WINDOW_S)
 

@@ -100,20 +100,20 @@ class TestEstimate:
     def test_observe_within_slo_raises_the_low_bound_after_a_whole_window(self) -> None:
         e = CapacityEstimate(23.0)
         for t, rate in ((0, 21.0), (30, 20.0), (58, 22.0)):
-            e = cap.observe(e, arrival_rps=rate, completed_rps=rate, within_slo=True, overloaded=False, now=t)
+            e = cap.observe(e, arrival_rps=rate, completed_rps=rate, keeping_up=True, overloaded=False, now=t)
         assert e.measured_low_rps is None and (e.pending_low_rps, e.pending_since) == (20.0, 0)
-        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, within_slo=True, overloaded=False, now=60)
+        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, keeping_up=True, overloaded=False, now=60)
         # The least rate of the 60 s run is what it served throughout.
         assert (e.measured_low_rps, e.measured_high_rps, e.updated_at) == (20.0, None, 60)
         assert e.pending_low_rps is None
-        same = cap.observe(e, arrival_rps=15.0, completed_rps=15.0, within_slo=True, overloaded=False, now=62)
+        same = cap.observe(e, arrival_rps=15.0, completed_rps=15.0, keeping_up=True, overloaded=False, now=62)
         assert same is e
 
     def test_a_breach_ends_the_run(self) -> None:
         e = CapacityEstimate(23.0)
-        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, within_slo=True, overloaded=False, now=0)
-        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, within_slo=False, overloaded=False, now=30)
-        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, within_slo=True, overloaded=False, now=61)
+        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, keeping_up=True, overloaded=False, now=0)
+        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, keeping_up=False, overloaded=False, now=30)
+        e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, keeping_up=True, overloaded=False, now=61)
         assert e.measured_low_rps is None and e.pending_since == 61
 
     def test_observe_overload_sets_the_high_bound(self) -> None:
@@ -121,7 +121,7 @@ class TestEstimate:
             CapacityEstimate(23.0),
             arrival_rps=19.0,
             completed_rps=17.0,
-            within_slo=False,
+            keeping_up=False,
             overloaded=True,
             now=1,
         )
@@ -130,7 +130,7 @@ class TestEstimate:
             CapacityEstimate(23.0),
             arrival_rps=30.0,
             completed_rps=26.5,
-            within_slo=False,
+            keeping_up=False,
             overloaded=True,
             saturated=True,
             now=1,
@@ -139,17 +139,17 @@ class TestEstimate:
 
     def test_a_contradicting_bound_replaces_the_other(self) -> None:
         e = CapacityEstimate(23.0, 20.0, None)
-        e = cap.observe(e, arrival_rps=18.0, completed_rps=18.0, within_slo=False, overloaded=True, now=2)
+        e = cap.observe(e, arrival_rps=18.0, completed_rps=18.0, keeping_up=False, overloaded=True, now=2)
         assert (e.measured_low_rps, e.measured_high_rps) == (None, 18.0)
         for t in (3, 63):
-            e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, within_slo=True, overloaded=False, now=t)
+            e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, keeping_up=True, overloaded=False, now=t)
         assert (e.measured_low_rps, e.measured_high_rps) == (21.0, None)
 
     def test_unknown_arrivals_change_nothing(self) -> None:
         e = CapacityEstimate(23.0)
         for a in (None, math.nan, 0.0):
             assert (
-                cap.observe(e, arrival_rps=a, completed_rps=1, within_slo=True, overloaded=False, now=1) is e
+                cap.observe(e, arrival_rps=a, completed_rps=1, keeping_up=True, overloaded=False, now=1) is e
             )
 
     def test_round_trip(self) -> None:
@@ -289,6 +289,9 @@ class TestSampleWindow:
         assert sample_window(1000.0, 1037.2) == "38s"
         assert sample_window(1000.0, 1060.0) == "1m"
         assert sample_window(1000.0, 1500.0) == "1m"
+        from gearshift.control.signals import sample_window_s
+
+        assert (sample_window_s(None, 5.0), sample_window_s(1000.0, 1037.2)) == (60.0, 38.0)
 
     def test_serving_since_is_the_switch_while_draining_and_the_check_start_while_switching(self) -> None:
         from gearshift.control.executor import Phase, ShiftState

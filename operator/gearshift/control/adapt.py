@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields
 
-from gearshift.api.gearset import Gear, GearHealth, ShiftPolicy
+from gearshift.api.gearset import Gear, GearHealth, GearSet, ShiftPolicy
+from gearshift.api.pdservice import PDService
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.executor import ShiftRequest
 from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
@@ -32,6 +33,17 @@ def policy_from_api(policy: ShiftPolicy, *, role: str, ttft_slo_ms: float, itl_s
     shared.setdefault("target_p99_ms", ttft_slo_ms if role == "prefill" else itl_slo_ms)
     shared["latency_metric"] = ROLE_METRIC[role]
     return ShiftRules(**shared)
+
+
+def gearset_rules(gs: GearSet, pds: PDService) -> ShiftRules:
+    """The rules of ``gs``'s role: its ``spec.policy`` with the PDService's SLO as the default target.
+
+    Raises:
+        PolicyError: a combination of values the control code cannot use, naming the field.
+    """
+    return policy_from_api(
+        gs.spec.policy, role=gs.spec.role, ttft_slo_ms=pds.spec.slo.ttft_ms, itl_slo_ms=pds.spec.slo.itl_ms
+    )
 
 
 def gear_view(gear: Gear, health: GearHealth | None = None) -> GearView:

@@ -137,7 +137,7 @@ def observe(
     *,
     arrival_rps: float | None,
     completed_rps: float,
-    within_slo: bool,
+    keeping_up: bool,
     overloaded: bool,
     saturated: bool = False,
     now: float,
@@ -148,7 +148,7 @@ def observe(
         est: the gear's estimate so far.
         arrival_rps: smoothed arrival rate, requests/s (``None``: not known; nothing changes).
         completed_rps: smoothed completions, requests/s.
-        within_slo: smoothed P99 ≤ ``p99HighRatio`` × target and no backlog.
+        keeping_up: smoothed P99 ≤ ``p99HighRatio`` × target and no backlog.
         overloaded: the capacity is exceeded: the ``saturation`` trigger is latched.
         saturated: requests are backing up (the saturation trigger's queue condition): the completion rate
             is then what the gear can serve, a tighter bound than the arrival rate.
@@ -166,7 +166,7 @@ def observe(
             high, changed = bound, True
             if low is not None and low >= high:
                 low = None
-    elif within_slo and (low is None or arrival_rps > low):
+    elif keeping_up and (low is None or arrival_rps > low):
         pending = arrival_rps if pending is None else min(pending, arrival_rps)
         since = now if since is None else since
         if now - since >= CONFIRM_S:

@@ -293,7 +293,7 @@ def decide(
                 estimates[active.name],
                 arrival_rps=load,
                 completed_rps=smoothed.qps,
-                within_slo=measured is not None
+                keeping_up=measured is not None
                 and measured <= policy.p99_high_ratio * policy.target_p99_ms
                 and not overloaded,
                 overloaded=tracks[Trigger.SATURATION].latched,

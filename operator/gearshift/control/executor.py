@@ -324,13 +324,17 @@ def rollback_p99_limit(state: ShiftState, policy: ShiftRules) -> float:
     return policy.rollback_p99_ratio * max(state.baseline_p99_ms or 0.0, policy.target_p99_ms)
 
 
+#: Shifts made for capacity: the served rate, not the P99, says whether they help.
+CAPACITY_SHIFTS = (Trigger.SATURATION.value, Trigger.LOAD_HIGH.value)
+
+
 def relieves_saturation(state: ShiftState, obs: GearObservation) -> bool:
     """A capacity shift (``saturation`` or ``load-high``) whose new gear serves at least the completions/s
     the old gear served at the decision: its P99 does not roll it back (under overload the P99 grows on
     any gear, and the new gear first works off the queue it inherits; the served rate says whether the
     shift helps). False for other triggers and when either rate is unknown."""
     return (
-        state.trigger in (Trigger.SATURATION.value, Trigger.LOAD_HIGH.value)
+        state.trigger in CAPACITY_SHIFTS
         and state.baseline_qps is not None
         and obs.qps is not None
         and obs.qps >= state.baseline_qps
@@ -513,7 +517,7 @@ def _switching(state: ShiftState, world: World, policy: ShiftRules) -> tuple[Shi
     if settled and obs.p99_ms is not None and obs.p99_ms > limit and not relieves_saturation(state, obs):
         before = "unknown" if state.baseline_p99_ms is None else f"{state.baseline_p99_ms:.0f} ms"
         served = ""
-        if state.trigger in (Trigger.SATURATION.value, Trigger.LOAD_HIGH.value):
+        if state.trigger in CAPACITY_SHIFTS:
             now_qps = "unknown" if obs.qps is None else f"{obs.qps:.2f}"
             then_qps = "unknown" if state.baseline_qps is None else f"{state.baseline_qps:.2f}"
             served = f", serving {now_qps} req/s vs {old!r}'s {then_qps} before the shift"

@@ -53,7 +53,7 @@ from gearshift.api.common import (
 from gearshift.api.gearset import Gear, GearSet, Workload
 from gearshift.api.pdservice import PDService
 from gearshift.control import capacity
-from gearshift.control.adapt import gear_views, policy_from_api
+from gearshift.control.adapt import gear_views, gearset_rules
 from gearshift.control.policy import ShiftRules
 from gearshift.control.windows import (
     WindowTiming,
@@ -700,9 +700,7 @@ def pick_active(rs: RoleState, rules: ShiftRules | None = None) -> list[Gear]:
 def _rules(pds: PDService, rs: RoleState) -> ShiftRules | None:
     """The role's shifting policy, or ``None`` when it cannot be built (the shifting loop reports why)."""
     try:
-        return policy_from_api(
-            rs.gs.spec.policy, role=rs.role, ttft_slo_ms=pds.spec.slo.ttft_ms, itl_slo_ms=pds.spec.slo.itl_ms
-        )
+        return gearset_rules(rs.gs, pds)
     except ValueError:
         return None
 

@@ -195,16 +195,21 @@ def arrival_query(sel: GearSelector, window: str = "1m") -> str:
 WINDOW_S, MIN_WINDOW_S = 60.0, 10.0
 
 
-def sample_window(serving_since: float | None, now: float) -> str:
-    """The PromQL range of a sample taken at ``now`` (s) of a gear that took traffic at ``serving_since``
-    (``None``: long ago): the last minute, shortened to the time since the gear took traffic, at least
-    :data:`MIN_WINDOW_S`. Right after a switch the new gear's histograms still hold its warm-up, whose
-    mirrored requests ran on at most ``warmupShare`` of a card beside the serving gear and were slow on
-    purpose: a minute-long window would judge (and roll back) the new gear on them."""
+def sample_window_s(serving_since: float | None, now: float) -> float:
+    """The range of a sample taken at ``now`` (s) of a gear that took traffic at ``serving_since``
+    (``None``: long ago), s: the last minute, shortened to the time since the gear took traffic, at least
+    :data:`MIN_WINDOW_S`, in whole seconds. Right after a switch the new gear's histograms still hold its
+    warm-up, whose mirrored requests ran on at most ``warmupShare`` of a card beside the serving gear and
+    were slow on purpose: a minute-long window would judge (and roll back) the new gear on them."""
     if serving_since is None:
-        return "1m"
-    span = max(MIN_WINDOW_S, min(WINDOW_S, now - serving_since))
-    return "1m" if span >= WINDOW_S else f"{math.ceil(span)}s"
+        return WINDOW_S
+    return float(math.ceil(max(MIN_WINDOW_S, min(WINDOW_S, now - serving_since))))
+
+
+def sample_window(serving_since: float | None, now: float) -> str:
+    """:func:`sample_window_s` as a PromQL range: ``1m`` for the whole minute, else ``<s>s``."""
+    span = sample_window_s(serving_since, now)
+    return "1m" if span >= WINDOW_S else f"{span:.0f}s"
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ import kopf
 from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
 from gearshift.api.gearset import Gear, GearHealth, GearSet
 from gearshift.api.pdservice import PDService
-from gearshift.control.adapt import gear_views, policy_from_api
+from gearshift.control.adapt import gear_views, gearset_rules
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, decide
 from gearshift.control.executor import (
     Action,
@@ -214,8 +214,7 @@ def _load(api: KubeApi, namespace: str, name: str) -> _Inputs | ShiftTick:
     if gs.spec.replicas == 0 and _settled(gs_body):
         return ShiftTick(skipped="scaled to zero: no signals", idle=True)
     try:
-        policy = policy_from_api(gs.spec.policy, role=gs.spec.role, ttft_slo_ms=pds.spec.slo.ttft_ms,
-                                 itl_slo_ms=pds.spec.slo.itl_ms)  # fmt: skip
+        policy = gearset_rules(gs, pds)
     except PolicyError as exc:
         emit(api, gs_body, "InvalidPolicy", str(exc), True)
         return ShiftTick(skipped=str(exc))
