@@ -1,12 +1,12 @@
-"""bench/gears.py's parts that decide its figures: scenarios, the densified trace, card contention, the
-oracle's schedule and the goals. Expected values are worked out by hand in each test."""
+"""bench/gears.py's parts that decide its figures: scenarios, the densified trace, the oracle's schedule and
+the goals (card contention is the twin's: tests/unit/test_twin.py). Expected values are worked out by hand
+in each test."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 import sys
-from array import array
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -85,54 +85,6 @@ class TestOracle:
         specs = {"a": _spec(g, "a", 2, 20.0), "b": _spec(g, "b", 4, 40.0)}
         assert g.oracle_schedule({"a": [50] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("a", [])
         assert g.oracle_schedule({"a": [10] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("b", [])
-
-
-class _Engine:
-    def __init__(self, busy: int) -> None:
-        self.busy = busy
-
-    def num_running(self) -> int:
-        return self.busy
-
-    def num_waiting(self) -> int:
-        return 0
-
-
-class TestContention:
-    def _sim(self, g: ModuleType, share: float = 0.2) -> Any:
-        trace = g.Trace(np.array([0.0, 1.0]), np.array([10, 10]), np.array([5, 5]))
-        return g.Sim(ARCH, trace, ShiftRules(warmup_share=share), array("d"))
-
-    def _gear(
-        self, g: ModuleType, sim: Any, name: str, busy: int, shadow: bool, nodes: tuple[str, ...]
-    ) -> Any:
-        head = g.Head(_Engine(busy), nodes=nodes, gear=name)  # type: ignore[arg-type]
-        sim.gears[name] = g.LiveGear(_spec(g, name, 1, 10.0), [head], 0.0, 0.0, shadow=shadow)
-        return head
-
-    def test_alone_on_its_card(self, g: ModuleType) -> None:
-        sim = self._sim(g)
-        a = self._gear(g, sim, "a", 3, False, ("n1",))
-        self._gear(g, sim, "b", 3, True, ("n2",))  # another card
-        assert sim.share(a) == 1.0
-
-    def test_a_busy_shadow_takes_at_most_warmup_share(self, g: ModuleType) -> None:
-        sim = self._sim(g, share=0.2)
-        a = self._gear(g, sim, "a", 3, False, ("n1", "n2"))
-        s = self._gear(g, sim, "s", 1, True, ("n2",))
-        assert sim.share(a) == pytest.approx(0.8) and sim.share(s) == pytest.approx(0.2)
-
-    def test_an_idle_shadow_costs_nothing(self, g: ModuleType) -> None:
-        sim = self._sim(g)
-        a = self._gear(g, sim, "a", 3, False, ("n1",))
-        self._gear(g, sim, "s", 0, True, ("n1",))
-        assert sim.share(a) == 1.0
-
-    def test_serving_and_draining_split_the_card(self, g: ModuleType) -> None:
-        sim = self._sim(g)
-        new = self._gear(g, sim, "new", 4, False, ("n1",))
-        old = self._gear(g, sim, "old", 2, False, ("n1",))
-        assert sim.share(new) == 0.5 and sim.share(old) == 0.5
 
 
 def _result(

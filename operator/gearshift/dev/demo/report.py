@@ -50,6 +50,9 @@ class ReportData:
     plots: Mapping[str, str]
     """Caption → file name."""
     explore: Sequence[str]
+    cost: Mapping[str, Any] = field(default_factory=dict)
+    """``{"run": gearshift.dev.demo.cost.run_cost(...), "span_s": s, "twin": cost.twin_static(...)}``
+    (each part absent when it could not be measured)."""
     notes: Sequence[str] = field(default_factory=list)
 
 
@@ -65,6 +68,69 @@ def _pct_row(name: str, p: Mapping[str, float] | None) -> str:
     return (
         f"| {name} | {_ms(p.get('mean'))} | {_ms(p.get('p50'))} | {_ms(p.get('p90'))} | {_ms(p.get('p99'))} |"
     )
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "–" if v is None else format(float(v), fmt)
+
+
+def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> list[str]:
+    """The report's "Cost" lines: the run's GPU-hours and SLO-met per GPU-hour, and the twin's static gears
+    on the same window beside them (``cost`` as :class:`ReportData` holds it; empty: nothing)."""
+    run, twin = cost.get("run"), cost.get("twin")
+    if not run and not twin:
+        return []
+    span = float(cost.get("span_s") or (twin or {}).get("span_s") or 0.0)
+    out = ["", "## Cost", ""]
+    if run:
+        out += [
+            "GPU time the service held, measured: its engine pods' `nvidia.com/gpu` (every gear's: active, "
+            "shadows and draining; time-sliced slices rounded up to physical cards), polled "
+            f"{run['samples']} times over the {span:.0f} s of issuing: **{run['gpu_hours']:.4f} "
+            f"GPU-hours** (mean {_num(run['mean_gpus'], '.2f')} cards, peak {run['peak_gpus']}); "
+            f"{run['slo_met']} requests met the SLO: "
+            f"**{_num(run['slo_met_per_gpu_hour'], ',.0f')} SLO-met per GPU-hour**.",
+        ]
+    if twin:
+        w = twin.get("workload") or ["?", "?"]
+        out += [
+            "",
+            f"The twin (`gearshift.dev.twin`, virtual time) replayed the same {twin['requests']} requests at "
+            f"the same {time_scale:g}× on each static gear the planner makes of the whole fleet (planned for "
+            f"the window's mean {w[0]} prompt / {w[1]} output tokens). Its engines run prefill and decode "
+            "together (the twin does not model disaggregation): a row is what one static gear of this "
+            "fleet would have cost for this traffic.",
+            "",
+            "| serving | cards | SLO met | goodput (req/s) | GPU-hours | SLO-met per GPU-hour | "
+            "run ÷ row, per GPU-hour |",
+            "| --- " * 7 + "|",
+        ]
+        mine = run.get("slo_met_per_gpu_hour") if run else None
+        if run:
+            met = run["slo_met"]
+            good = None if met is None or span <= 0 else met / span
+            share = "–" if met is None or not requests else f"{met} ({met / requests:.0%})"
+            out.append(
+                f"| this run (measured) | mean {_num(run['mean_gpus'], '.2f')} | {share} | "
+                f"{_num(good, '.2f')} | {run['gpu_hours']:.4f} | {_num(mine, ',.0f')} | 1.00× |"
+            )
+        for g in twin.get("gears") or []:
+            theirs = g.get("slo_met_per_gpu_hour")
+            ratio = f"{mine / theirs:.2f}×" if mine and theirs else "–"
+            out.append(
+                f"| twin: static `{g['gear']}` | {g['gpus']} | {g['slo_met']} ({g['slo_attainment']:.0%}) | "
+                f"{g['goodput_rps']:.2f} | {g['gpu_hours']:.4f} | {_num(theirs, ',.0f')} | {ratio} |"
+            )
+        gears = twin.get("gears") or []
+        if gears:
+            best = max(gears, key=lambda g: (g["goodput_rps"], -g["gpus"]))
+            line = f"The best static gear by goodput is `{best['gear']}` ({best['gpus']} cards)"
+            if run and run.get("slo_met") is not None and span > 0 and best["goodput_rps"] > 0:
+                ratio_g = run["slo_met"] / span / best["goodput_rps"]
+                ratio_h = run["gpu_hours"] / best["gpu_hours"] if best["gpu_hours"] else math.nan
+                line += f": this run reached {ratio_g:.2f}× its goodput on {ratio_h:.2f}× its GPU-hours"
+            out += ["", line + "."]
+    return out
 
 
 def render(d: ReportData) -> str:
@@ -117,6 +183,7 @@ def render(d: ReportData) -> str:
     if d.engine:
         parts = ", ".join(f"{k.replace('_', ' ')} {_ms(v)}" for k, v in d.engine.items())
         out += ["", f"From Prometheus (the engines' vLLM histograms, over the run): {parts}."]
+    out += cost_section(d.cost, d.time_scale, d.requests)
     out += ["", "## Gear shifts", ""]
     if d.marks:
         out += [

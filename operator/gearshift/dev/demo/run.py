@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from gearshift.dev.demo import live, plots, report, series, summary
+from gearshift.dev.demo import cost, live, plots, report, series, summary
 from gearshift.dev.demo import trace as tracewin
 from gearshift.dev.demo.gears import gearset_table, stage_nodes
 from gearshift.dev.demo.kube import DemoError, Kube, Prometheus, http_get, wait_until
@@ -436,6 +436,15 @@ class Replay:
     result: Any
     scrapes: list[series.RouterScrape]
     first_gears: dict[str, str]
+    cards: list[cost.CardSample] = field(default_factory=list)
+    """The physical cards the service's engine pods held, polled through the run."""
+
+
+def _card_sample(ctx: Ctx, nodes: dict[str, cost.NodeCards], t: float) -> cost.CardSample:
+    """The cards the service's engine pods hold now (every gear's: active, shadow and draining)."""
+    sel = f"{names.LABEL_SERVICE}={ctx.service},{names.LABEL_COMPONENT}={names.COMPONENT_ENGINE}"
+    pods = ctx.kube.json("get", "pods", "-n", ctx.args.namespace, "-l", sel)["items"]
+    return cost.CardSample(t, cost.cards_held(pods, nodes))
 
 
 def _gear_states(ctx: Ctx, refs: dict[str, str]) -> dict[str, live.GearState]:
@@ -464,6 +473,8 @@ def _replay(ctx: Ctx, url: str, gearsets: dict[str, dict[str, Any]]) -> tuple[Re
     refs = {role: gs["metadata"]["name"] for role, gs in gearsets.items()}
     first = {role: str(gs["status"]["activeGear"]) for role, gs in gearsets.items()}
     box: dict[str, Any] = {}
+    nodes = cost.node_cards(ctx.kube.json("get", "nodes")["items"])
+    cards: list[cost.CardSample] = []
     perf0 = time.perf_counter()
     t0 = time.time()
 
@@ -500,6 +511,9 @@ def _replay(ctx: Ctx, url: str, gearsets: dict[str, dict[str, Any]]) -> tuple[Re
         if tick % 2 == 0:
             with contextlib.suppress(DemoError, ValueError):
                 gears = _gear_states(ctx, refs)
+            # A missed poll leaves the previous sample standing until the next one.
+            with contextlib.suppress(DemoError, ValueError, subprocess.TimeoutExpired):
+                cards.append(_card_sample(ctx, nodes, time.perf_counter() - perf0))
         tick += 1
         recent = [s for s in scrapes if s.t >= now - LIVE_WINDOW_S]
         w = series.router_window(recent[0], recent[-1]) if len(recent) >= 2 else {}
@@ -532,7 +546,7 @@ def _replay(ctx: Ctx, url: str, gearsets: dict[str, dict[str, Any]]) -> tuple[Re
 
     ctx.say("replay: done; the load generator measured on the wire:")
     ctx.say.block(format_table(res))
-    return Replay(t0, perf0, res.duration_s, res, scrapes, first), win
+    return Replay(t0, perf0, res.duration_s, res, scrapes, first, cards), win
 
 
 # ------------------------------------------------------------------------------------- 4. report
@@ -578,6 +592,30 @@ def _prom_engine(ctx: Ctx, rep: Replay) -> dict[str, float]:
                     out[key] = v
         except (DemoError, OSError, ValueError, KeyError, IndexError):
             continue
+    return out
+
+
+def _twin(ctx: Ctx, rep: Replay, win: tracewin.Window) -> dict[str, Any] | None:
+    """The twin's static gears on the replayed window (virtual time; CPU only), or None with a note."""
+    from gearshift.dev import twin
+    from gearshift.facts.model import load_hf_config
+
+    ctx.say(f"twin: replaying the same {len(win.requests)} requests on each static gear (virtual time)")
+    t = time.monotonic()
+    try:
+        out = cost.twin_static(
+            win.requests,
+            win.time_scale,
+            arch=load_hf_config(ctx.args.model or twin.MODEL),
+            fleet=ctx.args.fleet,
+            slo_ttft_ms=float(ctx.slo.get("ttftMs") or twin.SLO_TTFT_S * 1000),
+            slo_itl_ms=float(ctx.slo.get("itlMs") or twin.SLO_ITL_S * 1000),
+            max_model_len=rep.result.max_model_len,
+        )
+    except (ValueError, OSError) as exc:  # a bad --model or --fleet (ModelConfigError is a ValueError)
+        ctx.notes.append(f"The twin's static gears could not be replayed: {exc}")
+        return None
+    ctx.say(f"twin: {len(out['gears'])} gears in {time.monotonic() - t:.0f} s")
     return out
 
 
@@ -668,6 +706,21 @@ def _write_report(
         role: {s.name: sum(s.finite()) / len(s.finite()) for s in ss if s.finite()}
         for role, ss in util.items()
     }
+    spend: dict[str, Any] = {}
+    if rep.cards:
+        spend = {
+            "run": cost.run_cost(rep.cards, win.run_s, rep.result.slo_met),
+            "span_s": round(win.run_s, 1),
+        }
+        ctx.say(
+            f"cost: {spend['run']['gpu_hours']:.4f} GPU-hours over {win.run_s:.0f} s "
+            f"(mean {spend['run']['mean_gpus']} cards, peak {spend['run']['peak_gpus']})"
+        )
+    else:
+        ctx.notes.append("No poll of the service's pods succeeded: the run's GPU-hours are not known.")
+    twin_rows = _twin(ctx, rep, win)
+    if twin_rows is not None:
+        spend["twin"] = twin_rows
     for role, gs in gearsets_end.items():
         times = summary.policy_times(gs["spec"].get("policy") or {}, win.time_scale)
         if times:
@@ -711,6 +764,7 @@ def _write_report(
         spans=spans,
         utilization=mean_util,
         engine=_prom_engine(ctx, rep),
+        cost=spend,
         plots=files,
         explore=explore,
         notes=ctx.notes,
@@ -734,6 +788,7 @@ def _write_report(
         policies={role: gs["spec"].get("policy") or {} for role, gs in gearsets_end.items()},
         first_gears=rep.first_gears,
         final_gears={role: (gs.get("status") or {}).get("activeGear") for role, gs in gearsets_end.items()},
+        cost=spend,
         notes=ctx.notes,
     )
     text = json.dumps(doc, indent=2) + "\n"

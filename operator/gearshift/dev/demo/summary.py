@@ -80,10 +80,14 @@ def build(
     policies: Mapping[str, Mapping[str, Any]],
     first_gears: Mapping[str, str],
     final_gears: Mapping[str, str | None],
+    cost: Mapping[str, Any] | None = None,
     notes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The summary document: what ran, the load generator's figures, the router's totals, the engines'
-    P99s from Prometheus, the shifts and their outcomes, and the policy times (run and trace seconds)."""
+    P99s from Prometheus, the shifts and their outcomes, the policy times (run and trace seconds), and
+    ``cost``: the run's GPU-hours and SLO-met per GPU-hour (``run``, measured from the pods' GPUs) beside
+    the twin's static gears on the same window (``twin``), as :mod:`gearshift.dev.demo.cost` computes
+    them."""
     issued = int(load.get("issued") or 0)
     return {
         "command": command,
@@ -114,7 +118,9 @@ def build(
         "shifts": list(shift_list),
         "shift_outcomes": outcome_counts(shift_list),
         "policy_times": {role: policy_times(p, time_scale) for role, p in policies.items()},
-        "source": "load generator (load.json), router /metrics, Prometheus, GearSet status.history",
+        "cost": dict(cost or {}),
+        "source": "load generator (load.json), router /metrics, Prometheus, GearSet status.history, the "
+        "service's pods (GPU time), the twin (gearshift.dev.twin, virtual time: cost.twin)",
         "notes": list(notes),
     }
 

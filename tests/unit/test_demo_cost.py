@@ -1,0 +1,223 @@
+"""The demo's cost figures (gearshift.dev.demo.cost, the report's Cost section, summary.json's cost) and the
+twin's arrivals from a replay's requests. Expected values are worked out by hand in each test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gearshift.dev import twin
+from gearshift.dev.demo import cost, report, summary
+from gearshift.dev.loadgen import TraceRequest
+from gearshift.facts.model import load_hf_config
+
+
+def _node(name: str, slices: int, replicas: int | None) -> dict[str, Any]:
+    labels = {} if replicas is None else {"nvidia.com/gpu.replicas": str(replicas)}
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "status": {"capacity": {"nvidia.com/gpu": str(slices)}},
+    }
+
+
+def _pod(node: str | None, *gpus: int, phase: str = "Running", init: int = 0) -> dict[str, Any]:
+    containers = [
+        {"name": f"c{i}", "resources": {"limits": {"nvidia.com/gpu": str(g)}}} for i, g in enumerate(gpus)
+    ]
+    spec: dict[str, Any] = {"containers": containers}
+    if node:
+        spec["nodeName"] = node
+    if init:
+        spec["initContainers"] = [{"name": "i", "resources": {"requests": {"nvidia.com/gpu": str(init)}}}]
+    return {"spec": spec, "status": {"phase": phase}}
+
+
+class TestCardsHeld:
+    def test_node_cards_divides_time_sliced_capacity(self) -> None:
+        nodes = cost.node_cards([_node("h100", 2, 2), _node("a10", 1, None), _node("cpu", 0, None)])
+        assert nodes == {"h100": cost.NodeCards(1, 2), "a10": cost.NodeCards(1, 1)}
+
+    def test_pod_slices_sum_containers_and_take_the_larger_init(self) -> None:
+        assert cost.pod_slices(_pod("n", 1, 2)) == 3
+        assert cost.pod_slices(_pod("n", 1, init=4)) == 4
+        assert cost.pod_slices({"spec": {"containers": [{"name": "router"}]}}) == 0
+
+    def test_two_slices_of_one_card_are_one_card(self) -> None:
+        nodes = {"h100": cost.NodeCards(1, 2), "a100": cost.NodeCards(2, 2)}
+        pods = [
+            _pod("h100", 1),  # the active pod
+            _pod("h100", 1),  # a shadow on the same card
+            _pod("a100", 1),
+            _pod("a100", 1),
+            _pod("a100", 1),  # three slices of a two-card node: two cards
+            _pod(None, 1),  # not bound yet: holds nothing
+            _pod("a100", 1, phase="Succeeded"),  # ended: released
+            _pod("unknown", 2),  # a node not listed: one card per slice
+        ]
+        assert cost.cards_held(pods, nodes) == {"h100": 1, "a100": 2, "unknown": 2}
+
+    def test_a_node_never_holds_more_cards_than_it_has(self) -> None:
+        assert cost.cards_held([_pod("n", 1)] * 5, {"n": cost.NodeCards(1, 2)}) == {"n": 1}
+
+
+class TestGpuSeconds:
+    def test_step_integral_from_zero_to_the_end(self) -> None:
+        s = [
+            cost.CardSample(4.0, {"a": 2}),
+            cost.CardSample(10.0, {"a": 2, "b": 1}),
+            cost.CardSample(30.0, {"a": 2}),
+        ]
+        # 2 cards over [0, 10) (the first sample counts from 0), 3 over [10, 30), 2 over [30, 40].
+        assert cost.gpu_seconds(s, 40.0) == pytest.approx(2 * 10 + 3 * 20 + 2 * 10)
+
+    def test_samples_past_the_end_count_nothing(self) -> None:
+        s = [cost.CardSample(0.0, {"a": 1}), cost.CardSample(50.0, {"a": 9})]
+        assert cost.gpu_seconds(s, 40.0) == pytest.approx(40.0)
+
+    def test_no_sample_is_an_error(self) -> None:
+        with pytest.raises(ValueError, match="at least one sample"):
+            cost.gpu_seconds([], 10.0)
+
+    def test_run_cost(self) -> None:
+        s = [cost.CardSample(0.0, {"a": 1}), cost.CardSample(50.0, {"a": 1, "b": 2})]
+        got = cost.run_cost(s, 100.0, slo_met=600)
+        gs = 1 * 50 + 3 * 50
+        assert got["gpu_hours"] == pytest.approx(gs / 3600, abs=1e-4)
+        assert got["mean_gpus"] == pytest.approx(2.0)
+        assert got["peak_gpus"] == 3
+        assert got["slo_met_per_gpu_hour"] == pytest.approx(600 / (gs / 3600), rel=1e-3)
+        assert cost.run_cost(s, 100.0, slo_met=None)["slo_met_per_gpu_hour"] is None
+
+
+class TestTraceFromRequests:
+    def test_scaled_sorted_and_at_least_one_token(self) -> None:
+        reqs = [TraceRequest(6.0, 100, 0), TraceRequest(0.0, 0, 5), TraceRequest(3.0, 7, 8)]
+        tr = twin.trace_from_requests(reqs, time_scale=3.0)
+        assert tr.t.tolist() == [0.0, 1.0, 2.0]
+        assert tr.prompt.tolist() == [1, 7, 100]
+        assert tr.output.tolist() == [5, 8, 1]
+        assert tr.speed == 3.0 and tr.trace_hours == pytest.approx(2.0 * 3.0 / 3600)
+
+    def test_empty_or_bad_scale(self) -> None:
+        with pytest.raises(ValueError):
+            twin.trace_from_requests([], 1.0)
+        with pytest.raises(ValueError):
+            twin.trace_from_requests([TraceRequest(0.0, 1, 1)], 0.0)
+
+
+class TestTwinStatic:
+    def test_every_gear_holds_its_cards_for_the_whole_span(self) -> None:
+        # 40 short requests over 39 s at 2x: light enough for every gear; the planner's gears of the mixed
+        # fleet, each replayed alone.
+        reqs = [TraceRequest(2.0 * i, 64, 8) for i in range(40)]
+        out = cost.twin_static(
+            reqs, 2.0, arch=load_hf_config(twin.MODEL), fleet=twin.FLEET, slo_ttft_ms=200, slo_itl_ms=50
+        )
+        assert out["requests"] == 40 and out["span_s"] == pytest.approx(39.0)
+        assert out["workload"] == [64, 8]
+        names = [g["gear"] for g in out["gears"]]
+        assert sorted(names) == sorted(set(names)) and len(names) >= 2
+        for g in out["gears"]:
+            # A static gear holds its cards from 0 to the last arrival and nothing else.
+            assert g["gpu_hours"] == pytest.approx(g["gpus"] * 39.0 / 3600, abs=1e-4)
+            assert g["failed"] == 0 and 0 <= g["slo_met"] <= 40
+            if g["slo_met"]:
+                assert g["slo_met_per_gpu_hour"] == pytest.approx(
+                    g["slo_met"] / (g["gpus"] * 39.0 / 3600), rel=2e-3
+                )
+
+    def test_rows_longer_than_the_context_are_clipped_as_the_load_generator_clips_them(self) -> None:
+        reqs = [TraceRequest(0.0, 20_000, 10), TraceRequest(1.0, 64, 8)]
+        arch = load_hf_config(twin.MODEL)
+        args = {"arch": arch, "fleet": twin.FLEET, "slo_ttft_ms": 200, "slo_itl_ms": 50}
+        unclipped = cost.twin_static(reqs, 1.0, **args)
+        clipped = cost.twin_static(reqs, 1.0, max_model_len=8192, **args)
+        assert all(g["rejected_too_long"] == 1 for g in unclipped["gears"])
+        assert all(g["rejected_too_long"] == 0 for g in clipped["gears"])
+
+
+def _cost_doc() -> dict[str, Any]:
+    return {
+        "span_s": 100.0,
+        "run": {
+            "gpu_hours": 0.1,
+            "mean_gpus": 3.6,
+            "peak_gpus": 5,
+            "slo_met": 900,
+            "slo_met_per_gpu_hour": 9000.0,
+            "samples": 25,
+        },
+        "twin": {
+            "workload": [1179, 242],
+            "requests": 1000,
+            "span_s": 99.5,
+            "gears": [
+                {
+                    "gear": "latency",
+                    "gpus": 2,
+                    "slo_met": 950,
+                    "slo_attainment": 0.95,
+                    "goodput_rps": 9.5,
+                    "gpu_hours": 0.05,
+                    "slo_met_per_gpu_hour": 19000.0,
+                    "failed": 0,
+                    "rejected_too_long": 0,
+                },
+                {
+                    "gear": "throughput",
+                    "gpus": 4,
+                    "slo_met": 600,
+                    "slo_attainment": 0.6,
+                    "goodput_rps": 6.0,
+                    "gpu_hours": 0.1,
+                    "slo_met_per_gpu_hour": 6000.0,
+                    "failed": 0,
+                    "rejected_too_long": 0,
+                },
+            ],
+        },
+    }
+
+
+class TestReport:
+    def test_cost_section_puts_the_run_beside_each_static_gear(self) -> None:
+        text = "\n".join(report.cost_section(_cost_doc(), 3.0, 1000))
+        assert "**0.1000 GPU-hours** (mean 3.60 cards, peak 5)" in text
+        assert "**9,000 SLO-met per GPU-hour**" in text
+        # run 9,000 per GPU-hour against latency's 19,000 and throughput's 6,000.
+        assert "| twin: static `latency` | 2 | 950 (95%) | 9.50 | 0.0500 | 19,000 | 0.47× |" in text
+        assert "| twin: static `throughput` | 4 | 600 (60%) | 6.00 | 0.1000 | 6,000 | 1.50× |" in text
+        assert "| this run (measured) | mean 3.60 | 900 (90%) | 9.00 | 0.1000 | 9,000 | 1.00× |" in text
+        # Best by goodput: latency (9.5 req/s); the run's 900 / 100 s = 9.0 req/s is 0.95x, on 2x its
+        # GPU-hours.
+        assert "`latency` (2 cards): this run reached 0.95× its goodput on 2.00× its GPU-hours." in text
+
+    def test_nothing_measured_no_section(self) -> None:
+        assert report.cost_section({}, 3.0, 10) == []
+
+    def test_twin_only(self) -> None:
+        doc = _cost_doc()
+        del doc["run"]
+        text = "\n".join(report.cost_section(doc, 3.0, 1000))
+        assert "this run" not in text and "| twin: static `latency` | 2 |" in text and "| – |" in text
+
+    def test_summary_carries_the_cost(self) -> None:
+        doc = summary.build(
+            command="gearshift demo",
+            started="2026-12-02T00:00:00+00:00",
+            wall_s=1.0,
+            time_scale=3.0,
+            window_start_s=0.0,
+            window_span_s=300.0,
+            load={"issued": 1000},
+            router_totals={},
+            engine={},
+            shift_list=[],
+            policies={},
+            first_gears={},
+            final_gears={},
+            cost=_cost_doc(),
+        )
+        assert doc["cost"]["run"]["slo_met_per_gpu_hour"] == 9000.0
+        assert [g["gear"] for g in doc["cost"]["twin"]["gears"]] == ["latency", "throughput"]
