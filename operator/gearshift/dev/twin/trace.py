@@ -7,10 +7,9 @@ import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
-
-from gearshift.dev.loadgen import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,18 @@ def load_trace(path: Path, limit_s: float | None = None, speed: float = 1.0) -> 
 # --- gears -------------------------------------------------------------------------------------------
 
 
-def trace_from_requests(requests: Iterable[TraceRequest], time_scale: float = 1.0) -> Trace:
+class TraceRow(Protocol):
+    """A trace request as the load generator reads it (``gearshift.dev.loadgen.TraceRequest``)."""
+
+    @property
+    def offset_s(self) -> float: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+
+
+def trace_from_requests(requests: Iterable[TraceRow], time_scale: float = 1.0) -> Trace:
     """The twin's :class:`Trace` of requests a replay picked (``gearshift.dev.loadgen.TraceRequest``:
     ``offset_s`` in trace seconds from the window's start), arriving ``time_scale`` times faster than
     recorded, as the demo's load generator sends them (token counts of 0 count as 1).
