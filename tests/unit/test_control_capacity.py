@@ -344,3 +344,25 @@ class TestSampleWindow:
         assert lasting_marks([p99, oom], 1599.0, rules) == [p99, oom]
         assert lasting_marks([p99, oom], 1600.0, rules) == [oom]
         assert lasting_marks([p99, oom], 1e9, rules) == [oom]
+
+    def test_an_expired_p99_mark_leaves_status_gear_health(self) -> None:
+        # What the shifting handler writes: status.gearHealth keeps only the marks that still bar a gear.
+        from datetime import UTC, datetime
+
+        from gearshift.api.gearset import GearHealth
+        from gearshift.control.shift_status import records_to_status
+        from gearshift.control.shifting import lasting_marks
+
+        at = datetime.fromtimestamp(1000.0, UTC)
+        stored = [
+            {"gear": "thr", "healthy": False, "reason": "P99Regression", "since": "1970-01-01T00:16:40Z"},
+            {"gear": "big", "healthy": False, "reason": "OOMKilled", "since": "1970-01-01T00:16:40Z"},
+        ]
+        marks = [GearHealth.model_validate(h) for h in stored]
+        assert marks[0].since == at
+        rules = ShiftRules(dwell_s=600.0)
+        for now, kept in ((1599.0, ["thr", "big"]), (1600.0, ["big"])):
+            _, health = records_to_status(
+                [], stored, [], marks=lasting_marks(marks, now, rules), gears={}, now=now, profiles_hash=None
+            )
+            assert [h["gear"] for h in health] == kept

@@ -331,7 +331,7 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
         raw.get("history") or [],
         raw.get("gearHealth") or [],
         done.actions,
-        marks=t.marks,
+        marks=lasting_marks(t.marks, now, t.policy),  # an expired P99Regression mark leaves the status
         gears=t.gears,
         now=now,
         profiles_hash=st.profiles_hash,
