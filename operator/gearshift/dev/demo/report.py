@@ -99,7 +99,9 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
             f"the same {time_scale:g}× on each static gear the planner makes of the whole fleet (planned for "
             f"the window's mean {w[0]} prompt / {w[1]} output tokens). Its engines run prefill and decode "
             "together (the twin does not model disaggregation): a row is what one static gear of this "
-            "fleet would have cost for this traffic.",
+            "fleet would have cost for this traffic. The run's simulated engines keep wall-clock time on "
+            "the sandbox's shared cores beside the control plane, the router and the load generator, the "
+            "twin's keep virtual time: part of a gap in SLO met is this machine's, not the gears'.",
             "",
             "| serving | cards | SLO met | goodput (req/s) | GPU-hours | SLO-met per GPU-hour | "
             "run ÷ row, per GPU-hour |",
