@@ -115,6 +115,8 @@ class GpuNodeView:
     product: str
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
+    slices_per_card: int = 1
+    """``nvidia.com/gpu`` advertised per physical card (NVIDIA time-slicing ``replicas``; 1: whole cards)."""
 
     @property
     def gpu_key(self) -> str:
@@ -132,7 +134,8 @@ class GpuNodeView:
         return self.annotations.get(ANNOTATION_AVAILABLE_UNTIL)
 
 
-def _quantity_int(value: Any) -> int:
+def quantity_int(value: Any) -> int:
+    """An integer Kubernetes quantity or label value (``"2"``), 0 when it is not one."""
     try:
         return int(str(value))
     except (TypeError, ValueError):
@@ -147,10 +150,10 @@ def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> 
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     labels = dict(meta.get("labels") or {})
-    slots = _quantity_int((status.get("capacity") or {}).get(GPU_RESOURCE))
+    slots = quantity_int((status.get("capacity") or {}).get(GPU_RESOURCE))
     # With NVIDIA time-slicing each card is advertised ``nvidia.com/gpu.replicas`` times; the profile
     # describes physical cards (GPU feature discovery's own convention for nvidia.com/gpu.count).
-    replicas = max(1, _quantity_int(labels.get(GFD_REPLICAS_LABEL, "1")))
+    replicas = max(1, quantity_int(labels.get(GFD_REPLICAS_LABEL, "1")))
     count = slots // replicas
     if count < 1 or not all(r.matches(labels) for r in selector):
         return None
@@ -163,6 +166,7 @@ def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> 
         product=labels.get(GFD_PRODUCT_LABEL, ""),
         labels=labels,
         annotations=annotations,
+        slices_per_card=replicas,
     )
 
 

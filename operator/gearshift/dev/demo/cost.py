@@ -27,7 +27,7 @@ from gearshift.control.adapt import policy_from_api
 from gearshift.dev.loadgen import TraceRequest, clip_to_context
 from gearshift.dev.twin import Slo, plan_gears, run_variant, trace_from_requests
 from gearshift.facts.model import ModelArch
-from gearshift.profiling.profiles import GFD_REPLICAS_LABEL, GPU_RESOURCE, node_view
+from gearshift.profiling.profiles import GPU_RESOURCE, node_view, quantity_int
 
 #: Pod phases whose containers have ended: the kubelet has released their resources.
 _ENDED = ("Succeeded", "Failed")
@@ -45,24 +45,8 @@ def node_cards(nodes: Iterable[Mapping[str, Any]]) -> dict[str, NodeCards]:
     """Node name → :class:`NodeCards` for every GPU node of a ``kubectl get nodes -o json`` list's ``items``
     (physical cards as :func:`gearshift.profiling.profiles.node_view` counts them: capacity divided by GPU
     feature discovery's ``nvidia.com/gpu.replicas``)."""
-    out = {}
-    for body in nodes:
-        view = node_view(body)
-        if view is None:
-            continue
-        try:
-            replicas = max(1, int(view.labels.get(GFD_REPLICAS_LABEL, "1")))
-        except ValueError:
-            replicas = 1
-        out[view.name] = NodeCards(view.gpu_count, replicas)
-    return out
-
-
-def _quantity(value: Any) -> int:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return 0
+    views = (node_view(body) for body in nodes)
+    return {v.name: NodeCards(v.gpu_count, v.slices_per_card) for v in views if v is not None}
 
 
 def pod_slices(pod: Mapping[str, Any]) -> int:
@@ -75,7 +59,7 @@ def pod_slices(pod: Mapping[str, Any]) -> int:
         for c in containers:
             res = c.get("resources") or {}
             v = (res.get("limits") or {}).get(GPU_RESOURCE, (res.get("requests") or {}).get(GPU_RESOURCE))
-            out.append(_quantity(v))
+            out.append(quantity_int(v))
         return out
 
     return max(

@@ -53,9 +53,6 @@ def load_trace(path: Path, limit_s: float | None = None, speed: float = 1.0) -> 
     return Trace(t, p, o, speed)
 
 
-# --- gears -------------------------------------------------------------------------------------------
-
-
 class TraceRow(Protocol):
     """A trace request as the load generator reads it (``gearshift.dev.loadgen.TraceRequest``)."""
 
