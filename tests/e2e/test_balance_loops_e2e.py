@@ -335,9 +335,16 @@ def test_itl_over_target_lowers_the_max_batch_in_bounded_steps_and_the_cap_holds
     assert len(changes) >= 2
     for c in changes:
         assert c["reason"] == ab.REASON_ITL_HIGH and c["to"] == ab.lowered(c["from"], lowered["floor"]), c
-    times = [c["time"] for c in changes]
-    gaps = [(from_time(b) or 0) - (from_time(a) or 0) for a, b in itertools.pairwise(times)]
+    # Each head pod steps from its own proposals, at most once per cooldown.
+    assert all(c.get("pod") for c in changes), changes
+    gaps = [
+        (from_time(b["time"]) or 0) - (from_time(a["time"]) or 0)
+        for pod in {c["pod"] for c in changes}
+        for a, b in itertools.pairwise([c for c in changes if c["pod"] == pod])
+    ]
     assert all(g >= ab.COOLDOWN_S - 1 for g in gaps), gaps
+    assert {p["pod"] for p in lowered["pods"]} == {p["metadata"]["name"] for p in env["decode"]}
+    assert lowered["effective"] == min(p["effective"] for p in lowered["pods"])
     gs = sandbox.kubectl_json("get", "gearset", f"{SERVICE}-decode", "-n", ns)
     cond = next(c for c in gs["status"]["conditions"] if c["type"] == "BatchAdapted")
     assert cond["status"] == "True" and cond["reason"] == ab.REASON_ITL_HIGH, cond

@@ -34,13 +34,30 @@ def vote(direction: int, current: int = 100, pod: str = "d0", router: str = "r0"
     return ab.Vote(router, pod, current, proposed, "ITL P99 80.0 ms > 1.2 × 50 ms" if direction < 0 else "x")
 
 
-def started(planned: int = 100, effective: int = 100, changed_at: float | None = T0 - 3600) -> ab.BatchState:
-    return ab.BatchState(gear="g", planned=planned, effective=effective, last_change_at=changed_at)
+def started(
+    planned: int = 100,
+    effective: int = 100,
+    changed_at: float | None = T0 - 3600,
+    pods: tuple[str, ...] = ("d0", "d1"),
+) -> ab.BatchState:
+    return ab.BatchState(
+        gear="g", planned=planned, pods={p: ab.PodBatch(effective, changed_at) for p in pods}
+    )
 
 
 def decide(state: ab.BatchState, votes: list[ab.Vote], now: float = T0, **kw: Any) -> ab.BatchStep:
-    args: dict[str, Any] = {"gear": "g", "planned": 100, "micro_batch": 1, "shift_in_flight": False} | kw
+    args: dict[str, Any] = {
+        "gear": "g",
+        "planned": 100,
+        "micro_batch": 1,
+        "shift_in_flight": False,
+        "heads": ("d0", "d1"),
+    } | kw
     return ab.decide(state, votes=votes, now=now, **args)
+
+
+def caps(step: ab.BatchStep) -> dict[str, int]:
+    return {p.pod: p.effective for p in step.pods}
 
 
 class TestSteps:
@@ -51,69 +68,121 @@ class TestSteps:
         assert ab.floor_of(3, micro_batch=8) == 3  # never above the planned value
         assert ab.per_router_cap(100, 3) == 33 and ab.per_router_cap(2, 4) == 1
 
-    def test_a_new_gear_starts_at_its_planned_max_batch(self) -> None:
+    def test_a_new_gear_starts_every_pod_at_its_planned_max_batch(self) -> None:
         step = decide(ab.BatchState(), [vote(-1)])
-        assert (step.kind, step.effective, step.reason) == ("Reset", 100, ab.REASON_INITIAL)
-        step = decide(replace(started(), gear="old"), [vote(-1)])
-        assert (step.kind, step.reason) == ("Reset", ab.REASON_GEAR_CHANGED)
+        assert (step.kind, caps(step), step.reason) == ("Reset", {"d0": 100, "d1": 100}, ab.REASON_INITIAL)
+        step = decide(replace(started(effective=50), gear="old"), [vote(-1)])
+        assert (step.kind, step.reason, step.effective) == ("Reset", ab.REASON_GEAR_CHANGED, 100)
         step = decide(started(planned=64, effective=50), [], planned=100)
         assert (step.kind, step.effective, step.reason) == ("Reset", 100, ab.REASON_PLAN_CHANGED)
 
-    def test_any_router_over_target_lowers_one_bounded_step(self) -> None:
-        step = decide(started(), [vote(1), vote(-1, pod="d1")])
-        assert (step.kind, step.effective, step.reason) == ("Lower", 90, ab.REASON_ITL_HIGH)
-        assert "router r0 for pod d1" in step.message and "100 → 90" in step.message
+    def test_each_pod_steps_from_its_own_proposals(self) -> None:
+        # d0 (a slow card) is over its ITL target, d1 (a fast card) has a backlog under target: d0 goes
+        # down, d1 up, in the same round; one cap for both would have to pick one of them.
+        state = started(effective=90)
+        step = decide(state, [vote(-1, current=90), vote(1, current=90, pod="d1")])
+        assert caps(step) == {"d0": 81, "d1": 99}
+        assert (step.kind, step.reason) == ("Lower", ab.REASON_ITL_HIGH)  # the most consequential
+        assert step.message.startswith("pod d0 max batch 90 → 81: router r0")
+        state = ab.advance(state, step, "g", T0)
+        assert [(c.pod, c.before, c.after, c.reason) for c in state.history] == [
+            ("d0", 90, 81, ab.REASON_ITL_HIGH),
+            ("d1", 90, 99, ab.REASON_ITL_LOW),
+        ]
+        assert state.effective == 81
+        reasons = [r for r, _, _ in ab.events(step, started(effective=90), "g")]
+        assert reasons == ["MaxBatchLowered", "MaxBatchRaised"]
+
+    def test_a_slow_pod_beside_a_fast_one_settles_instead_of_oscillating(self) -> None:
+        # The defect one shared cap had (demo decode gear, H100/A100/A10 pods: 40 <-> 58): here each pod
+        # walks to where its own signal stops pushing, and stays there.
+        state, now, seen = started(planned=64, effective=64), T0, []
+        for _ in range(40):
+            now += ab.COOLDOWN_S
+            slow = state.pods["d0"].effective
+            fast = state.pods["d1"].effective
+            votes = [vote(-1, current=slow)] if slow > 16 else [vote(0, current=slow)]
+            votes.append(vote(1, current=fast, pod="d1"))
+            step = decide(state, votes, now, planned=64)
+            state = ab.advance(state, step, "g", now)
+            seen.append((state.pods["d0"].effective, state.pods["d1"].effective))
+        slow_path = [s for s, _ in seen]
+        assert slow_path == sorted(slow_path, reverse=True) and slow_path[-1] == ab.floor_of(64) == 16
+        assert {f for _, f in seen} == {64}
 
     def test_lowering_stops_at_the_floor(self) -> None:
         state = started(effective=25)
         step = decide(state, [vote(-1, current=25)])
-        assert (step.kind, step.effective, step.reason) == ("Hold", 25, ab.REASON_AT_FLOOR)
+        assert (step.kind, caps(step)["d0"], step.reason) == ("Hold", 25, ab.REASON_AT_FLOOR)
         # Walked down from the top, it reaches the floor and no lower.
         now, values = T0, []
-        state = started()
+        state = started(pods=("d0",))
         for _ in range(30):
             now += ab.COOLDOWN_S
-            step = decide(state, [vote(-1, current=state.effective or 0)], now)
+            step = decide(state, [vote(-1, current=state.effective or 0)], now, heads=("d0",))
             state = ab.advance(state, step, "g", now)
             values.append(state.effective)
         assert values[:3] == [90, 81, 72] and min(v or 0 for v in values) == 25 == values[-1]
 
     def test_raise_only_without_a_lowering_vote_and_never_above_planned(self) -> None:
-        step = decide(started(effective=90), [vote(1, current=90), vote(0, current=90, pod="d1")])
+        two = [vote(1, current=90), vote(0, current=90, router="r1")]
+        step = decide(started(effective=90, pods=("d0",)), two, heads=("d0",))
         assert (step.kind, step.effective, step.reason) == ("Raise", 99, ab.REASON_ITL_LOW)
+        down = [vote(1, current=90), vote(-1, current=90, router="r1")]
+        assert caps(decide(started(effective=90, pods=("d0",)), down, heads=("d0",))) == {"d0": 81}
         step = decide(started(effective=99), [vote(1, current=99)])
-        assert (step.kind, step.effective) == ("Raise", 100)
-        step = decide(started(effective=100), [vote(1)])
+        assert (step.kind, caps(step)["d0"]) == ("Raise", 100)
+        step = decide(started(effective=100, pods=("d0",)), [vote(1)], heads=("d0",))
         assert (step.kind, step.reason) == ("Hold", ab.REASON_AT_PLANNED)
-        step = decide(started(effective=90), [vote(0, current=90)])
+        step = decide(started(effective=90, pods=("d0",)), [vote(0, current=90)], heads=("d0",))
         assert (step.kind, step.reason) == ("Hold", ab.REASON_WITHIN_BAND)
 
-    def test_cooldown_between_changes(self) -> None:
+    def test_cooldown_counts_per_pod(self) -> None:
         state = started(changed_at=T0 - ab.COOLDOWN_S + 1)
         step = decide(state, [vote(-1)])
-        assert (step.kind, step.effective, step.reason) == ("Hold", 100, ab.REASON_COOLDOWN)
+        assert (step.kind, caps(step)["d0"], step.reason) == ("Hold", 100, ab.REASON_COOLDOWN)
         assert decide(state, [vote(-1)], now=T0 + 1).kind == "Lower"
         assert decide(started(effective=90, changed_at=T0 - 5), [vote(1, current=90)]).reason == "Cooldown"
+        # d1 changed a moment ago, d0 long ago: d0 may step, d1 waits.
+        state = replace(state, pods={"d0": ab.PodBatch(100, T0 - 3600), "d1": ab.PodBatch(100, T0 - 1)})
+        step = decide(state, [vote(-1), vote(-1, pod="d1")])
+        assert caps(step) == {"d0": 90, "d1": 100}
+        assert [p.reason for p in step.pods] == [ab.REASON_ITL_HIGH, ab.REASON_COOLDOWN]
+
+    def test_a_pod_that_joins_starts_at_planned_and_one_that_leaves_is_forgotten(self) -> None:
+        state = started(effective=50)
+        step = decide(state, [vote(-1, current=50)], heads=("d0", "d2"))
+        assert caps(step) == {"d0": 45, "d2": 100}
+        assert [p.reason for p in step.pods] == [ab.REASON_ITL_HIGH, ab.REASON_POD_ADDED]
+        after = ab.advance(state, step, "g", T0)
+        assert sorted(after.pods) == ["d0", "d2"] and [c.pod for c in after.history] == ["d0"]
+        only = decide(started(effective=50), [], heads=("d0", "d2"))
+        assert only.kind == "Reset" and ab.events(only, started(effective=50), "g") == []
 
     def test_never_during_a_shift(self) -> None:
         for state in (started(), started(effective=50), replace(started(), gear="old"), ab.BatchState()):
             step = decide(state, [vote(-1), vote(1)], shift_in_flight=True)
             assert step.kind == "Hold" and step.reason == ab.REASON_SHIFT
-            assert ab.advance(state, step, "g", T0).effective == state.effective
+            assert ab.advance(state, step, "g", T0) == state
 
     def test_stale_or_missing_proposals_do_not_vote(self) -> None:
-        assert decide(started(), []).reason == ab.REASON_NO_DECISIONS
+        step = decide(started(), [])
+        assert step.reason == ab.REASON_NO_DECISIONS and step.kind == "Hold"
         step = decide(started(effective=90), [vote(-1, current=100)])
-        assert (step.kind, step.reason) == ("Hold", ab.REASON_STALE)
-        assert "has not read the annotation" in step.message
+        assert (step.kind, caps(step)["d0"]) == ("Hold", 90)
+        assert (
+            step.pods[0].reason == ab.REASON_STALE and "has not read the annotation" in step.pods[0].message
+        )
         # With 2 router replicas each holds 45 of 90 requests per pod: that is the fresh value.
         assert decide(started(effective=90), [vote(-1, current=45)], routers=2).kind == "Lower"
+        assert decide(started(), [], heads=()).reason == ab.REASON_NO_PODS
 
     def test_disabled_goes_back_to_planned_once(self) -> None:
         step = decide(started(effective=50), [vote(-1)], enabled=False)
-        assert (step.kind, step.effective, step.reason) == ("Reset", 100, ab.REASON_DISABLED)
+        assert (step.kind, caps(step), step.reason) == ("Reset", {"d0": 100, "d1": 100}, ab.REASON_DISABLED)
         state = ab.advance(started(effective=50), step, "g", T0)
         assert decide(state, [vote(-1)], enabled=False).kind == "Hold"
+        assert [r for r, _, _ in ab.events(step, started(effective=50), "g")] == ["MaxBatchReset"]
 
     def test_votes_from_a_routers_answer(self) -> None:
         doc = {
@@ -132,21 +201,26 @@ class TestSteps:
         now = T0
         for _ in range(ab.MAX_CHANGES + 3):
             now += ab.COOLDOWN_S
-            step = decide(state, [vote(-1, current=state.effective or 0)], now)
+            step = decide(state, [vote(-1, current=state.pods["d0"].effective)], now)
             state = ab.advance(state, step, "g", now)
         doc = ab.status_json(state, step, 1, now)
         st = AdaptiveBatchStatus.model_validate(doc)
-        assert len(st.history) == ab.MAX_CHANGES and st.history[-1].to_value == state.effective
+        assert len(st.history) == ab.MAX_CHANGES and st.history[-1].to_value == state.pods["d0"].effective
+        assert {p.pod: p.effective for p in st.pods} == {"d0": state.pods["d0"].effective, "d1": 100}
+        assert st.effective == state.pods["d0"].effective and st.history[-1].pod == "d0"
         back = ab.state_from_status(st)
-        assert (back.gear, back.planned, back.effective) == ("g", 100, state.effective)
+        assert (back.gear, back.planned, back.pods) == ("g", 100, state.pods)
         assert back.last_change_at == state.last_change_at and back.history == state.history
         assert not ab.status_changed(st, ab.status_json(state, step, 1, now + 5))
         assert ab.status_changed(st, ab.status_json(state, decide(state, [], now), 1, now))
 
-    def test_condition_says_whether_the_gear_is_capped(self) -> None:
+    def test_condition_says_which_pods_are_capped(self) -> None:
         state = ab.advance(started(), decide(started(), [vote(-1)]), "g", T0)
         status, reason, message = ab.condition(decide(state, []), state)
-        assert (status, reason) == ("True", ab.REASON_ITL_HIGH) and message.startswith("max batch 90 of 100")
+        assert (status, reason) == ("True", ab.REASON_ITL_HIGH)
+        assert message.startswith(
+            "max batch 90 of 100 (lowest); below the planned on 1 of 2 head pods: d0 90"
+        )
         assert ab.condition(decide(started(), []), started())[:2] == ("False", ab.REASON_AT_PLANNED)
 
 
@@ -232,6 +306,33 @@ class TestHandler:
         # The router has not read the new cap yet: its proposal from 64 does not count.
         res = h.tick(world.runtime, NS, GS_NAME, now=T0 + 2 * ab.COOLDOWN_S, source=routers)
         assert res.step is not None and res.step.reason == ab.REASON_STALE
+
+    def test_each_head_pod_gets_its_own_cap(self, world: FakeKubeApi) -> None:
+        other = "llama3-8b-decode-g-s0-1"
+        labels = names.engine_labels(SVC, "decode", "g", 0)
+        world.put({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": other, "labels": labels}}, NS)
+        routers = FakeRouters({})
+        h.tick(world.runtime, NS, GS_NAME, now=T0, source=routers)
+        routers.docs = {
+            "r0": {
+                "batch": [
+                    {"pod": HEAD, "current": 64, "proposed": 57, "reason": "ITL P99 90 ms > 1.2 × 50 ms"},
+                    {"pod": other, "current": 64, "proposed": 64, "reason": "within band"},
+                ]
+            }
+        }
+        res = h.tick(world.runtime, NS, GS_NAME, now=T0 + ab.COOLDOWN_S, source=routers)
+        assert res.step is not None and sorted(res.annotated) == [HEAD]
+        annotations = {
+            n: world.get("v1", "Pod", NS, n)["metadata"]["annotations"][names.ANNOTATION_MAX_BATCH]
+            for n in (HEAD, other)
+        }
+        assert annotations == {HEAD: "57", other: "64"}
+        st = status(world)["adaptiveBatch"]
+        assert [(p["pod"], p["effective"]) for p in st["pods"]] == [(HEAD, 57), (other, 64)]
+        assert st["effective"] == 57 and st["history"][-1]["pod"] == HEAD
+        cond = next(c for c in status(world)["conditions"] if c["type"] == COND_BATCH_ADAPTED)
+        assert "1 of 2 head pods" in cond["message"]
 
     def test_nothing_changes_during_a_shift(self, world: FakeKubeApi) -> None:
         routers = FakeRouters({})

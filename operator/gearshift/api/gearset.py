@@ -979,27 +979,49 @@ class MaxBatchChange(StatusModel):
     to_value: int = Field(alias="to", ge=1, description="Effective max batch after.")
     reason: str = Field(max_length=128, description="CamelCase reason (ItlOverTarget, GearChanged, ...).")
     message: Message = Field(default="", description="Details: the router's proposal and its ITL.")
+    pod: str | None = Field(
+        default=None, max_length=253, description="Head pod whose cap changed (none: the whole gear)."
+    )
+
+
+class PodMaxBatch(StatusModel):
+    """One head pod's adaptive max batch (its own ITL and backlog step it: seed 000's per-node rule)."""
+
+    pod: str = Field(max_length=253, description="Head pod name.")
+    effective: int = Field(ge=1, description="Max batch in force on this pod.")
+    per_router: int = Field(ge=1, description="What each router replica lets this pod run at once.")
+    last_change_time: AwareDatetime | None = Field(
+        default=None, description="When this pod's value last changed (its cooldown counts from it)."
+    )
 
 
 class AdaptiveBatchStatus(StatusModel):
     """Seed 000's adaptive batch on the active gear (decode role; gearshift.control.adaptive_batch): the
-    router caps each head pod's concurrent requests at ``effective`` (annotation ``gearshift.io/max-batch``,
-    divided among router replicas); the engines keep their ``--max-num-seqs`` (``planned``), so no pod
-    restarts and no request is dropped."""
+    router caps each head pod's concurrent requests at that pod's own effective value (``pods``; annotation
+    ``gearshift.io/max-batch``, divided among router replicas); the engines keep their ``--max-num-seqs``
+    (``planned``), so no pod restarts and no request is dropped."""
 
     gear: str = Field(max_length=63, description="Gear the values are for (the active gear).")
     planned: int = Field(ge=1, description="The gear's maxBatch, the engine's own limit: the ceiling.")
-    effective: int = Field(ge=1, description="Max batch in force: what the router lets each head pod run.")
+    effective: int = Field(
+        ge=1, description="Lowest max batch in force over the head pods (each pod's own value: pods)."
+    )
     floor: int = Field(ge=1, description="Least effective value: max(1, microBatch, ceil(planned / 4)).")
     per_router: int = Field(
-        ge=1, description="Requests each router replica keeps on a head pod at once (the annotation)."
+        ge=1, description="Requests each router replica keeps at once on the most capped head pod."
+    )
+    pods: list[PodMaxBatch] = Field(
+        default_factory=list,
+        max_length=256,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["pod"]},
+        description="Each head pod's max batch (the annotation the router reads is its perRouter).",
     )
     last_decision: Literal["Lower", "Raise", "Hold", "Reset"] = Field(description="The latest decision.")
     last_reason: str = Field(max_length=128, description="CamelCase reason of it (Cooldown, AtFloor, ...).")
     last_message: Message = Field(default="", description="Details of it.")
     last_decision_time: AwareDatetime | None = Field(default=None, description="When it was taken.")
     last_change_time: AwareDatetime | None = Field(
-        default=None, description="When the effective value last changed (the cooldown counts from it)."
+        default=None, description="When any head pod's value last changed."
     )
     history: list[MaxBatchChange] = Field(
         default_factory=list, max_length=10, description="Recent changes, oldest first; at most 10."

@@ -8,11 +8,11 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
    reads the router's ``/metrics`` through), the proposals for the active gear's head pods;
 3. decide (bounded step, cooldown, never while the executor's shift is in flight: the pure module says
    why a router-side cap, not a restart, is what "apply" means);
-4. write each head pod's ``gearshift.io/max-batch`` (the per-router-replica cap; removed when the GearSet
-   is annotated ``gearshift.io/adaptive-batch: "off"``), where it differs;
-5. ``status.adaptiveBatch`` (planned, effective, floor, the decision and the change history) and the
-   ``BatchAdapted`` condition, under the per-service lock on a fresh read; an event for every change
-   (``MaxBatchLowered``, ``MaxBatchRaised``, ``MaxBatchReset``).
+4. write each head pod's ``gearshift.io/max-batch`` (that pod's own per-router-replica cap; removed when
+   the GearSet is annotated ``gearshift.io/adaptive-batch: "off"``), where it differs;
+5. ``status.adaptiveBatch`` (planned, each pod's effective value, floor, the decision and the change
+   history) and the ``BatchAdapted`` condition, under the per-service lock on a fresh read; an event
+   for every kind of change (``MaxBatchLowered``, ``MaxBatchRaised``, ``MaxBatchReset``).
 """
 
 from __future__ import annotations
@@ -88,11 +88,13 @@ class BatchTick:
 
 
 def _annotate(
-    api: KubeApi, namespace: str, heads: Sequence[Mapping[str, Any]], value: str | None
+    api: KubeApi, namespace: str, heads: Sequence[Mapping[str, Any]], values: Mapping[str, str | None]
 ) -> list[str]:
+    """Write each head pod's ``gearshift.io/max-batch`` to ``values[pod]`` (None: remove it) if it differs."""
     done = []
     for p in heads:
         meta = p.get("metadata") or {}
+        value = values.get(str(meta.get("name")))
         if (meta.get("annotations") or {}).get(names.ANNOTATION_MAX_BATCH) == value:
             continue
         try:
@@ -156,6 +158,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
         gear=gear.name,
         planned=gear.max_batch,
         micro_batch=gear.micro_batch,
+        heads=[str(p["metadata"]["name"]) for p in heads],
         votes=votes,
         now=now,
         shift_in_flight=shift,
@@ -165,14 +168,21 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     new = rules.advance(old, step, gear.name, now)
     annotated: list[str] = []
     if not shift:
-        cap = rules.per_router_cap(new.effective or step.effective, routers)
-        annotated = _annotate(api, namespace, heads, str(cap) if enabled else None)
+        caps = {
+            str(p["metadata"]["name"]): str(
+                rules.per_router_cap(step.cap(str(p["metadata"]["name"])), routers)
+            )
+            if enabled
+            else None
+            for p in heads
+        }
+        annotated = _annotate(api, namespace, heads, caps)
     doc = rules.status_json(new, step, routers, now)
     if rules.status_changed(gs.status.adaptive_batch, doc):
         _write_status(rt, namespace, name, service, doc, rules.condition(step, new), now)
-    ev = rules.event(step, old.effective if old.gear == gear.name else None)
-    if ev is not None and new != old:
-        emit(api, gs_body, *ev)
+    if new != old:
+        for ev in rules.events(step, old, gear.name):
+            emit(api, gs_body, *ev)
     return BatchTick(step=step, annotated=annotated)
 
 
