@@ -47,6 +47,7 @@ from gearshift.control.smoothing import Sample
 from gearshift.control.windows import TRIGGER_WINDOW
 from gearshift.facts.model import load_hf_config
 from gearshift.k8s import names
+from gearshift.k8s.placement import pod_gpus
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")
 T0 = 1_800_000_000.0
@@ -95,8 +96,8 @@ class TestFreeGpus:
                 ]
             }
         }
-        assert cs.pod_gpus(pod) == 5
-        assert cs.pod_gpus({}) == 0
+        assert pod_gpus(pod) == 5
+        assert pod_gpus({}) == 0
 
     def test_gpus_by_gear_counts_each_gears_live_pods(self) -> None:
         def pod(gear: str, gpus: int, phase: str = "Running") -> dict[str, Any]:
@@ -177,7 +178,7 @@ def _shadow_fits_before(
     for p in pods:
         host = (p.get("spec") or {}).get("nodeName")
         if host in free and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
-            free[host] -= cs.pod_gpus(p)
+            free[host] -= pod_gpus(p)
     labels = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}) for n in node_list}
     for s in g.stages:
         if s.nodes:

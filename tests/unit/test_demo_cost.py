@@ -11,6 +11,7 @@ from gearshift.dev import twin
 from gearshift.dev.demo import cost, report, summary
 from gearshift.dev.loadgen import TraceRequest
 from gearshift.facts.model import load_hf_config
+from gearshift.k8s.placement import pod_gpus
 
 
 def _node(name: str, slices: int, replicas: int | None) -> dict[str, Any]:
@@ -39,9 +40,9 @@ class TestCardsHeld:
         assert nodes == {"h100": cost.NodeCards(1, 2), "a10": cost.NodeCards(1, 1)}
 
     def test_pod_slices_sum_containers_and_take_the_larger_init(self) -> None:
-        assert cost.pod_slices(_pod("n", 1, 2)) == 3
-        assert cost.pod_slices(_pod("n", 1, init=4)) == 4
-        assert cost.pod_slices({"spec": {"containers": [{"name": "router"}]}}) == 0
+        assert pod_gpus(_pod("n", 1, 2)) == 3
+        assert pod_gpus(_pod("n", 1, init=4)) == 4
+        assert pod_gpus({"spec": {"containers": [{"name": "router"}]}}) == 0
 
     def test_two_slices_of_one_card_are_one_card(self) -> None:
         nodes = {"h100": cost.NodeCards(1, 2), "a100": cost.NodeCards(2, 2)}

@@ -44,7 +44,7 @@ from gearshift.control.signals import E2E, ITL, TTFT, Engine, PipelineShape, Rea
 from gearshift.control.smoothing import Sample
 from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
 from gearshift.k8s import names
-from gearshift.k8s.placement import GPU_RESOURCE
+from gearshift.k8s.placement import pod_gpus
 from gearshift.planner.inputs import node_gpus
 
 #: Container waiting/terminated reasons that mark a gear as failed (seed 002: OOM, crash loops).
@@ -195,16 +195,6 @@ def pipeline_shape(gear: Gear) -> PipelineShape:
 
 
 # --- free GPUs -----------------------------------------------------------------------------------------
-def pod_gpus(pod: Mapping[str, Any]) -> int:
-    """GPUs (``nvidia.com/gpu``) a pod's containers ask for: each container's limit, else its request."""
-    total = 0
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        res = c.get("resources") or {}
-        raw = (res.get("limits") or {}).get(GPU_RESOURCE) or (res.get("requests") or {}).get(GPU_RESOURCE)
-        total += int(str(raw)) if raw else 0
-    return total
-
-
 def gpus_by_gear(gears: Iterable[str], pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """GPUs the pods of each of ``gears`` ask for (:func:`pod_gpus`; pods labelled with the gear, finished
     ones left out); 0 for a gear with no pods. Other gears' pods are not counted."""

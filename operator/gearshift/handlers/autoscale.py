@@ -47,7 +47,6 @@ from gearshift.api.common import COND_SCALING_ACTIVE, GROUP, VERSION
 from gearshift.api.gearset import ScalingStatus
 from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
-from gearshift.control.shifting import pod_gpus
 from gearshift.control.signals import SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
@@ -58,6 +57,7 @@ from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.handlers.signals import ScaleSignalSource
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
+from gearshift.k8s.placement import pod_gpus
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.planner.inputs import node_gpus, usable_profile
 

@@ -11,6 +11,8 @@ from gearshift import GROUP
 
 #: The prefix of every gearshift label, annotation and finalizer (the API group).
 DOMAIN = GROUP
+#: The extended resource of NVIDIA's device plugin (also advertised by the sandbox's fake nodes).
+GPU_RESOURCE = "nvidia.com/gpu"
 #: Prefix of the datasheet annotations on each sandbox GPU node, which the simulated probe reads.
 ANNOTATION_PREFIX = f"{DOMAIN}/"
 

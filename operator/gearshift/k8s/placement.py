@@ -9,11 +9,11 @@ nodes when possible. Pure: plain dicts, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-#: The extended resource of the NVIDIA device plugin (also advertised by the sandbox's fake nodes).
-GPU_RESOURCE = "nvidia.com/gpu"
+from gearshift.k8s.names import GPU_RESOURCE
+
 #: The node label every kubelet sets to the node's name.
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
@@ -87,3 +87,25 @@ def gpu_resources(gpus: int, cpu: str | None = None, memory: str | None = None) 
     if requests:
         out["requests"] = requests
     return out
+
+
+def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """``nvidia.com/gpu`` a pod holds: its containers' limits (or requests where a limit is absent),
+    summed; init containers run one at a time before the others and release theirs, so the pod holds the
+    larger of the two (the scheduler's effective request, Kubernetes "Resource sharing within containers").
+    A value that is not a whole number counts 0 (extended resources are whole numbers)."""
+    spec = pod.get("spec") or {}
+
+    def each(containers: Iterable[Mapping[str, Any]]) -> list[int]:
+        out = []
+        for c in containers:
+            res = c.get("resources") or {}
+            raw = (res.get("limits") or {}).get(GPU_RESOURCE, (res.get("requests") or {}).get(GPU_RESOURCE))
+            try:
+                out.append(max(0, int(str(raw))))
+            except ValueError:
+                out.append(0)
+        return out
+
+    main, init = each(spec.get("containers") or []), each(spec.get("initContainers") or [])
+    return max(sum(main), max(init, default=0))

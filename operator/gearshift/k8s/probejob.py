@@ -36,6 +36,7 @@ from gearshift.k8s.names import (
     ANNOTATION_PROBE_NODE,
     COMPONENT_PROBE,
     DOMAIN,
+    GPU_RESOURCE,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
@@ -46,8 +47,6 @@ from gearshift.k8s.names import (
     is_dns_label,
 )
 
-#: NVIDIA device plugin's extended resource.
-GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_PROBE_IMAGE = "ghcr.io/gearshift/worker:0.1.0"
 DEFAULT_NAMESPACE = "gearshift-system"
 #: The Job controller copies the Job's name into the ``batch.kubernetes.io/job-name`` label of its pods, so

@@ -29,8 +29,7 @@ from gearshift.api.gpuprofile import GPUProfile, GPUProfileStatus
 from gearshift.facts.fleet import TP_EFFICIENCY, max_micro_batch
 from gearshift.facts.gpus import UnknownGPUError, compute_score, gpu_spec
 from gearshift.facts.model import GIB, ModelArch
-from gearshift.k8s.names import NODE_GPU_MODEL
-from gearshift.k8s.placement import GPU_RESOURCE
+from gearshift.k8s.names import GPU_RESOURCE, NODE_GPU_MODEL
 
 #: Sandbox/datasheet node annotations with the NIC figures (gearshift.dev.sandbox.nodes), used for links
 #: between two nodes when neither profile lists the other.

@@ -31,13 +31,13 @@ from gearshift.k8s.names import (
     ANNOTATION_AVAILABLE_UNTIL,
     ANNOTATION_REPROBE,
     DOMAIN,
+    GPU_RESOURCE,
     NODE_COMPUTE_CLASS,
     NODE_GPU_MODEL,
     NODE_MEMORY_GIB,
     NODE_PROFILED,
 )
 
-GPU_RESOURCE = "nvidia.com/gpu"
 #: GPU feature discovery's product label (``NVIDIA-H100-80GB-HBM3``).
 GFD_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GFD_REPLICAS_LABEL = "nvidia.com/gpu.replicas"

@@ -27,7 +27,8 @@ from gearshift.control.adapt import policy_from_api
 from gearshift.dev.loadgen import TraceRequest, clip_to_context
 from gearshift.dev.twin import Slo, plan_gears, run_variant, trace_from_requests
 from gearshift.facts.model import ModelArch
-from gearshift.profiling.profiles import GPU_RESOURCE, node_view, quantity_int
+from gearshift.k8s.placement import pod_gpus
+from gearshift.profiling.profiles import node_view
 
 #: Pod phases whose containers have ended: the kubelet has released their resources.
 _ENDED = ("Succeeded", "Failed")
@@ -49,24 +50,6 @@ def node_cards(nodes: Iterable[Mapping[str, Any]]) -> dict[str, NodeCards]:
     return {v.name: NodeCards(v.gpu_count, v.slices_per_card) for v in views if v is not None}
 
 
-def pod_slices(pod: Mapping[str, Any]) -> int:
-    """``nvidia.com/gpu`` a pod holds: its containers' limits (or requests where a limit is absent), summed;
-    init containers run before the others and release theirs, so the pod holds the larger of the two."""
-    spec = pod.get("spec") or {}
-
-    def total(containers: Iterable[Mapping[str, Any]]) -> list[int]:
-        out = []
-        for c in containers:
-            res = c.get("resources") or {}
-            v = (res.get("limits") or {}).get(GPU_RESOURCE, (res.get("requests") or {}).get(GPU_RESOURCE))
-            out.append(quantity_int(v))
-        return out
-
-    return max(
-        sum(total(spec.get("containers") or [])), max(total(spec.get("initContainers") or []), default=0)
-    )
-
-
 def cards_held(pods: Iterable[Mapping[str, Any]], nodes: Mapping[str, NodeCards]) -> dict[str, int]:
     """Node → physical cards held by ``pods`` (a ``kubectl get pods -o json`` list's ``items``) on it.
 
@@ -79,7 +62,7 @@ def cards_held(pods: Iterable[Mapping[str, Any]], nodes: Mapping[str, NodeCards]
         node = (pod.get("spec") or {}).get("nodeName")
         if not node or (pod.get("status") or {}).get("phase") in _ENDED:
             continue
-        n = pod_slices(pod)
+        n = pod_gpus(pod)
         if n > 0:
             slices[node] = slices.get(node, 0) + n
     out = {}

@@ -26,10 +26,8 @@ from gearshift.k8s import names
 SANDBOX_RUN_LABEL = "gearshift.io/sandbox-run"
 #: Label naming the node's pool (the fleet pool, or ``cpu`` for the plain nodes).
 POOL_LABEL = "gearshift.io/node-pool"
-#: Extended resource of NVIDIA's device plugin.
-GPU_RESOURCE = "nvidia.com/gpu"
 #: Taint of a GPU node; pods that need a GPU tolerate it.
-GPU_TAINT: dict[str, str] = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
+GPU_TAINT: dict[str, str] = {"key": names.GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 #: Plain nodes for the operator, router and Prometheus pods.
 CPU_POOL = "cpu"
 DEFAULT_CPU_NODES = 2
@@ -113,7 +111,7 @@ def _base_node(name: str, pool: str, index: int, octet: int) -> dict[str, Any]:
 def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, str]:
     res = {"cpu": str(cpu), "memory": f"{memory_gib}Gi", "pods": str(MAX_PODS), "ephemeral-storage": "500Gi"}
     if gpus:
-        res[GPU_RESOURCE] = str(gpus)
+        res[names.GPU_RESOURCE] = str(gpus)
     return res
 
 

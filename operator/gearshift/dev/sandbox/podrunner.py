@@ -52,8 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from gearshift.dev.sandbox import podspec
-from gearshift.dev.sandbox.nodes import GPU_RESOURCE, SANDBOX_RUN_LABEL
+from gearshift.dev.sandbox.nodes import SANDBOX_RUN_LABEL
 from gearshift.dev.sandbox.procs import write_pidfile
+from gearshift.k8s.names import GPU_RESOURCE
 
 LABEL_SELECTOR = f"{SANDBOX_RUN_LABEL}=true"
 TICK_S = 0.1
