@@ -19,6 +19,7 @@ from gearshift.dev.loadgen import (
     LoadgenError,
     LoadResult,
     RequestRecord,
+    TraceError,
     TraceRequest,
     check_url,
     clip_to_context,
@@ -105,7 +106,7 @@ class TestTrace:
     def test_missing_column_is_named(self, tmp_path: Path) -> None:
         p = tmp_path / "t.csv"
         p.write_text("TIMESTAMP,ContextTokens\n1,2\n")
-        with pytest.raises(LoadgenError, match="GeneratedTokens"):
+        with pytest.raises(TraceError, match="GeneratedTokens"):
             load_trace(p)
 
 
@@ -143,13 +144,13 @@ class TestTraceRowsAreChecked:
     )
     def test_a_bad_row_is_named(self, tmp_path: Path, rows: str, match: str) -> None:
         p = self.write(tmp_path, rows)
-        with pytest.raises(LoadgenError, match=match) as info:
+        with pytest.raises(TraceError, match=match) as info:
             load_trace(p)
         assert str(info.value).startswith(f"{p} line ")
 
     def test_a_non_utf8_file_is_named_with_its_line(self, tmp_path: Path) -> None:
         p = self.write(tmp_path, b"1,10,5\n2,1\xff0,5\n")
-        with pytest.raises(LoadgenError, match=r"line 3: not UTF-8 text \(byte 0xff\)"):
+        with pytest.raises(TraceError, match=r"line 3: not UTF-8 text \(byte 0xff\)"):
             load_trace(p)
 
     def test_a_byte_order_mark_is_not_part_of_the_header(self, tmp_path: Path) -> None:

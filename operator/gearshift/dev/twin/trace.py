@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import csv
-import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
+
+from gearshift.dev import tracefile
 
 
 @dataclass(frozen=True)
@@ -33,41 +32,30 @@ class Trace:
 
 
 def load_trace(path: Path, limit_s: float | None = None, speed: float = 1.0) -> Trace:
-    """Read the Azure LLM inference trace (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+    """Read a trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) with the load generator's reader
+    (:func:`gearshift.dev.tracefile.load_trace`: the same rows at the same offsets).
 
     ``speed`` > 1 compresses time (arrivals ``speed`` times denser); ``limit_s`` keeps the first seconds of
-    the (compressed) trace. Token counts are used as given (an output of 0 counts as 1).
+    the (compressed) trace.
+
+    Raises:
+        TraceError: a bad row or column, naming the file and line.
+        OSError: the file cannot be read.
     """
-    ts, pr, out = [], [], []
-    with path.open() as fh:
-        for row in csv.DictReader(fh):
-            ts.append(dt.datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp())
-            pr.append(max(1, int(row["ContextTokens"])))
-            out.append(max(1, int(row["GeneratedTokens"])))
-    t = (np.array(ts) - ts[0]) / speed
-    order = np.argsort(t, kind="stable")
-    t, p, o = t[order], np.array(pr)[order], np.array(out)[order]
+    rows = tracefile.load_trace(path)
+    t = np.array([r.offset_s for r in rows], dtype=float) / speed
+    p = np.array([r.prompt_tokens for r in rows], dtype=np.int64)
+    o = np.array([r.output_tokens for r in rows], dtype=np.int64)
     if limit_s is not None:
         keep = t <= limit_s
         t, p, o = t[keep], p[keep], o[keep]
     return Trace(t, p, o, speed)
 
 
-class TraceRow(Protocol):
-    """A trace request as the load generator reads it (``gearshift.dev.loadgen.TraceRequest``)."""
-
-    @property
-    def offset_s(self) -> float: ...
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def output_tokens(self) -> int: ...
-
-
-def trace_from_requests(requests: Iterable[TraceRow], time_scale: float = 1.0) -> Trace:
-    """The twin's :class:`Trace` of requests a replay picked (``gearshift.dev.loadgen.TraceRequest``:
-    ``offset_s`` in trace seconds from the window's start), arriving ``time_scale`` times faster than
-    recorded, as the demo's load generator sends them (token counts of 0 count as 1).
+def trace_from_requests(requests: Iterable[tracefile.TraceRequest], time_scale: float = 1.0) -> Trace:
+    """The twin's :class:`Trace` of requests a replay picked (``offset_s`` in trace seconds from the
+    window's start), arriving ``time_scale`` times faster than recorded, as the demo's load generator
+    sends them (token counts of 0 count as 1).
 
     Raises:
         ValueError: no request, or ``time_scale`` <= 0.
