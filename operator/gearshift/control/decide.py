@@ -444,20 +444,27 @@ def _capacity_target(
     the active gear cannot keep up (``load-high``, ``saturation``, ``imbalance``) wants the gear with the
     fewest GPUs among those with more capacity than the active one that fit ``load`` (requests/s), else
     the one with the most capacity; ``p99-high`` (seed 002: the latency gear) the gear with the lowest
-    predicted P99, below the active gear's, among those that fit ``load``; ``load-low`` the gear with
-    the fewest GPUs that fits ``load`` within ``downshiftRatio``; ``p99-low`` nothing (``load-low``
-    decides the way down)."""
+    predicted P99, below the active gear's, among those that fit ``load`` (within ``downshiftRatio`` for
+    a gear with fewer GPUs than the active one: a move down keeps load-low's margin); ``load-low`` the
+    gear with the fewest GPUs that fits ``load`` within ``downshiftRatio``; ``p99-low`` nothing
+    (``load-low`` decides the way down)."""
     if trigger is Trigger.LATENCY_LOW:
         return None, []
     others = [g for g in table.gears if g.name != active.name]
     if trigger is Trigger.LATENCY_HIGH:
         mine = active.predicted_p99_ms
+        # A faster gear on fewer GPUs must fit the load within downshiftRatio, as load-low's way down
+        # does: one that fits only just (a capacity measured at saturation a little above the load) would
+        # be shifted away from by load-high after its dwell (the demo: throughput → latency at 14 req/s
+        # on a latency gear that had saturated at 15.3, and back up 60 s later).
         faster = [
             g
             for g in others
             if g.predicted_p99_ms is not None
             and (mine is None or g.predicted_p99_ms < mine)
-            and capacity.fits(estimates.get(g.name), load)
+            and capacity.fits(
+                estimates.get(g.name), load, policy.downshift_ratio if g.gpus < active.gpus else 1.0
+            )
         ]
         skipped = [g.name for g in faster if not g.healthy]
         healthy = [g for g in faster if g.healthy]
