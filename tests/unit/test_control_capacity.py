@@ -8,6 +8,7 @@ not by the code under test.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -245,7 +246,7 @@ class TestDecide:
 
     def test_p99_high_moves_down_only_within_the_downshift_margin(self) -> None:
         # lat saturated at 15.3 req/s (measured); thr over the alarm at 14 req/s: lat fits 14 only at 91%
-        # of its capacity, above downshiftRatio 0.75, so load-high would move back up after the dwell (the
+        # of that bound, above downshiftRatio 0.75, so load-high would move back up after the dwell (the
         # demo's flap). Stay; at 11 req/s (72%) lat is the answer.
         thr = gear("thr", 4, 38.0, p99=150.0)
         lat = gear("lat", 2, 28.75, p99=90.0)
@@ -254,6 +255,12 @@ class TestDecide:
         assert {k for k, _, _ in out} == {DecisionKind.HOLD}
         _, out = run("thr", [smp(t, 11.0, p99=300.0) for t in (2, 4, 6)], settled, gs=(lat, thr))
         assert out[-1][:3] == (DecisionKind.SHIFT, "lat", "P99High")
+        # A predicted capacity keeps its headroom already: 14 req/s on lat predicted at 15.3 may go.
+        predicted = replace(settled, capacity={"lat": CapacityEstimate(15.3)})
+        _, out = run("thr", [smp(t, 14.0, p99=300.0) for t in (2, 4, 6)], predicted, gs=(lat, thr))
+        assert out[-1][:3] == (DecisionKind.SHIFT, "lat", "P99High")
+        assert CapacityEstimate(23.0, None, 15.3).saturated and not CapacityEstimate(15.3).saturated
+        assert not CapacityEstimate(10.0, None, 15.3).saturated  # the prediction is lower: not the bound
 
     def test_the_first_gear_gets_a_dwell_from_its_first_sample(self) -> None:
         # Fresh state: the first sample with an arrival rate starts the dwell, so early, short-window rates

@@ -81,6 +81,13 @@ class CapacityEstimate:
         """Whether any bound was measured."""
         return self.measured_low_rps is not None or self.measured_high_rps is not None
 
+    @property
+    def saturated(self) -> bool:
+        """Whether the estimate is a measured saturation bound: the gear was seen to fall behind at this
+        rate, so unlike a prediction (already ``capacityHeadroom`` below the busy rate) it has no margin."""
+        high = self.measured_high_rps
+        return high is not None and self.capacity_rps == high
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (``GearSet.status``); :meth:`from_dict` restores it."""
         return {
