@@ -194,6 +194,15 @@ class TestReport:
         # GPU-hours.
         assert "`latency` (2 cards): this run reached 0.95× its goodput on 2.00× its GPU-hours." in text
 
+    def test_failures_show_and_the_run_is_charged_its_whole_span(self) -> None:
+        doc = _cost_doc()
+        doc["run"]["failed"] = 7
+        doc["twin"]["gears"][1]["failed"] = 40
+        text = "\n".join(report.cost_section(doc, 3.0, 1000))
+        assert "| this run (measured) | mean 3.60 | 900 (90%; 7 failed) | 9.00 |" in text
+        assert "| twin: static `throughput` | 4 | 600 (60%; 40 failed) |" in text
+        assert "over the 100 s of the run (issuing, then finishing what was issued)" in text
+
     def test_nothing_measured_no_section(self) -> None:
         assert report.cost_section({}, 3.0, 10) == []
 

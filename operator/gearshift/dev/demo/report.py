@@ -86,7 +86,8 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
         out += [
             "GPU time the service held, measured: its engine pods' `nvidia.com/gpu` (every gear's: active, "
             "shadows and draining; time-sliced slices rounded up to physical cards), polled "
-            f"{run['samples']} times over the {span:.0f} s of issuing: **{run['gpu_hours']:.4f} "
+            f"{run['samples']} times over the {span:.0f} s of the run (issuing, then finishing what was "
+            f"issued): **{run['gpu_hours']:.4f} "
             f"GPU-hours** (mean {_num(run['mean_gpus'], '.2f')} cards, peak {run['peak_gpus']}); "
             f"{run['slo_met']} requests met the SLO: "
             f"**{_num(run['slo_met_per_gpu_hour'], ',.0f')} SLO-met per GPU-hour**.",
@@ -95,13 +96,19 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
         w = twin.get("workload") or ["?", "?"]
         out += [
             "",
-            f"The twin (`gearshift.dev.twin`, virtual time) replayed the same {twin['requests']} requests at "
-            f"the same {time_scale:g}× on each static gear the planner makes of the whole fleet (planned for "
-            f"the window's mean {w[0]} prompt / {w[1]} output tokens). Its engines run prefill and decode "
-            "together (the twin does not model disaggregation): a row is what one static gear of this "
-            "fleet would have cost for this traffic. The run's simulated engines keep wall-clock time on "
-            "the sandbox's shared cores beside the control plane, the router and the load generator, the "
-            "twin's keep virtual time: part of a gap in SLO met is this machine's, not the gears'.",
+            f"The twin (`gearshift.dev.twin`, virtual time) replayed the same {twin['requests']} requests "
+            f"at the same {time_scale:g}× on each static gear the planner makes of the whole fleet "
+            f"(planned for the window's mean {w[0]} prompt / {w[1]} output tokens). Its engines run "
+            "prefill and decode together (the twin does not model disaggregation), so its gears are the "
+            "planner's gears of the whole fleet for one combined role: they share the intents' names "
+            "(latency, balanced, throughput) with the service's prefill and decode gears, not their "
+            "cards. A row is what one static gear of this fleet would have cost for this traffic; a gear "
+            "too small for it fails requests (client timeout) and meets the SLO for few. The run's "
+            "simulated engines keep wall-clock time on the sandbox's shared cores beside the control "
+            "plane, the router and the load generator, the twin's keep virtual time: part of a gap in SLO"
+            " met is this machine's, not the gears'. The run is charged its whole duration (the cards "
+            "stay held until the last request ends), the twin's rows their arrival span, as "
+            "`bench/gears.py` charges them (their tails last seconds of virtual time).",
             "",
             "| serving | cards | SLO met | goodput (req/s) | GPU-hours | SLO-met per GPU-hour | "
             "run ÷ row, per GPU-hour |",
@@ -111,7 +118,8 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
         if run:
             met = run["slo_met"]
             good = None if met is None or span <= 0 else met / span
-            share = "–" if met is None or not requests else f"{met} ({met / requests:.0%})"
+            failed = f"; {run['failed']} failed" if run.get("failed") else ""
+            share = "–" if met is None or not requests else f"{met} ({met / requests:.0%}{failed})"
             out.append(
                 f"| this run (measured) | mean {_num(run['mean_gpus'], '.2f')} | {share} | "
                 f"{_num(good, '.2f')} | {run['gpu_hours']:.4f} | {_num(mine, ',.0f')} | 1.00× |"
@@ -119,8 +127,10 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
         for g in twin.get("gears") or []:
             theirs = g.get("slo_met_per_gpu_hour")
             ratio = f"{mine / theirs:.2f}×" if mine and theirs else "–"
+            failed = f"; {g['failed']} failed" if g.get("failed") else ""
             out.append(
-                f"| twin: static `{g['gear']}` | {g['gpus']} | {g['slo_met']} ({g['slo_attainment']:.0%}) | "
+                f"| twin: static `{g['gear']}` | {g['gpus']} | {g['slo_met']} ({g['slo_attainment']:.0%}"
+                f"{failed}) | "
                 f"{g['goodput_rps']:.2f} | {g['gpu_hours']:.4f} | {_num(theirs, ',.0f')} | {ratio} |"
             )
         gears = twin.get("gears") or []

@@ -708,12 +708,15 @@ def _write_report(
     }
     spend: dict[str, Any] = {}
     if rep.cards:
+        # Over the whole run, as the load generator's goodput: the cards serve the requests issued last
+        # until they finish, and those count as SLO-met.
+        run_s = rep.result.duration_s
         spend = {
-            "run": cost.run_cost(rep.cards, win.run_s, rep.result.slo_met),
-            "span_s": round(win.run_s, 1),
+            "run": {**cost.run_cost(rep.cards, run_s, rep.result.slo_met), "failed": rep.result.failed},
+            "span_s": round(run_s, 1),
         }
         ctx.say(
-            f"cost: {spend['run']['gpu_hours']:.4f} GPU-hours over {win.run_s:.0f} s "
+            f"cost: {spend['run']['gpu_hours']:.4f} GPU-hours over {run_s:.0f} s "
             f"(mean {spend['run']['mean_gpus']} cards, peak {spend['run']['peak_gpus']})"
         )
     else:
