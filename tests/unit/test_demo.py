@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -529,6 +530,61 @@ class TestCommandAndExample:
         )
         model = next(d for d in docs if d["kind"] == "PDService")["spec"]["model"]
         assert "qwen" in str(model).lower()
+
+
+class TestBadInputTouchesNothing:
+    """A bad flag is refused before the demo touches the cluster (it used to delete the previous run's
+    service first), and a second demo on the same sandbox is refused while one runs."""
+
+    @pytest.mark.parametrize(
+        ("argv", "match"),
+        [
+            (["--time-scale", "-1"], r"argument --time-scale: '-1': give a finite number 0 or more"),
+            (["--duration", "0"], r"argument --duration: '0': give a finite number above 0"),
+            (["--start", "nan"], r"argument --start: 'nan': give a finite number"),
+        ],
+    )
+    def test_flags_out_of_range_are_argparse_errors(
+        self, argv: list[str], match: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["demo", *argv])
+        assert re.search(match, capsys.readouterr().err)
+
+    def test_preflight_names_the_flag(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from gearshift.dev.demo.run import _preflight
+        from gearshift.dev.tracefile import TraceError
+
+        def args(*argv: str) -> Any:
+            return build_parser().parse_args(["demo", *argv])
+
+        _preflight(args())  # the defaults are good
+        with pytest.raises(DemoError, match=r"--start/--duration/--time-scale: no trace request"):
+            _preflight(args("--start", "999999"))
+        bad = tmp_path / "cfg.json"
+        bad.write_text("not json")
+        with pytest.raises(DemoError, match=r"--model .*cfg.json: not a readable HF config.json"):
+            _preflight(args("--model", str(bad)))
+        trace = tmp_path / "t.csv"
+        trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,10,0\n")
+        with pytest.raises(TraceError, match=r"line 2: GeneratedTokens is 0"):
+            _preflight(args("--trace", str(trace)))
+        with pytest.raises(DemoError, match=r"--example .*: no PDService"):
+            (tmp_path / "e.yaml").write_text("kind: GearSet\n")
+            _preflight(args("--example", str(tmp_path / "e.yaml")))
+
+    def test_one_demo_at_a_time(self, tmp_path: Path) -> None:
+        from gearshift.dev.demo.run import _one_demo_at_a_time
+
+        busy = r"another gearshift demo is running on this sandbox \(pid \d+\)"
+        with (
+            _one_demo_at_a_time(tmp_path),
+            pytest.raises(DemoError, match=busy),
+            _one_demo_at_a_time(tmp_path),
+        ):
+            pass
+        with _one_demo_at_a_time(tmp_path):  # released when the first run ended
+            pass
 
 
 class TestLocalOperatorMetrics:

@@ -226,7 +226,7 @@ def _check_bounds(
         raise LoadgenError(f"--max-requests must be at least 1, got {max_requests}")
 
 
-def _number(minimum: float, inclusive: bool, unit: str) -> Any:
+def finite_number(minimum: float, inclusive: bool, unit: str) -> Any:
     """An argparse type: a finite float above ``minimum`` (or equal to it with ``inclusive``); the
     error names the range and ``unit``, and argparse puts the flag before it."""
     low = f"{minimum:g} or more" if inclusive else f"above {minimum:g}"
@@ -514,21 +514,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                    help="CSV: TIMESTAMP,ContextTokens,GeneratedTokens (default: the bundled Azure LLM 2023 "
                    "conversation trace)")  # fmt: skip
-    p.add_argument("--time-scale", type=_number(0, False, "a speed-up factor"), default=1.0,
+    p.add_argument("--time-scale", type=finite_number(0, False, "a speed-up factor"), default=1.0,
                    help="divide arrival offsets by this (default 1)")  # fmt: skip
     p.add_argument("--max-requests", type=_at_least_one, default=100,
                    help="most requests to issue (default 100)")  # fmt: skip
-    p.add_argument("--max-duration", type=_number(0, False, "seconds"), default=60.0,
+    p.add_argument("--max-duration", type=finite_number(0, False, "seconds"), default=60.0,
                    help="most seconds to issue for (default 60)")  # fmt: skip
-    p.add_argument("--drain", type=_number(0, True, "seconds"), default=60.0,
+    p.add_argument("--drain", type=finite_number(0, True, "seconds"), default=60.0,
                    help="seconds to wait for requests after the --max-duration window (60)")  # fmt: skip
     p.add_argument("--stream", action="store_true", help="stream (needed for TTFT/ITL)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions with word prompts")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--slo-ttft-ms", type=_number(0, False, "ms"),
+    p.add_argument("--slo-ttft-ms", type=finite_number(0, False, "ms"),
                    help="TTFT SLO for goodput, ms (with --stream; given alone, goodput checks TTFT "
                    "only)")  # fmt: skip
-    p.add_argument("--slo-itl-ms", type=_number(0, False, "ms"),
+    p.add_argument("--slo-itl-ms", type=finite_number(0, False, "ms"),
                    help="per-token (TPOT) SLO for goodput, ms (with --stream; given alone, goodput checks "
                    "TPOT only)")  # fmt: skip
     p.add_argument("--allow-remote", action="store_true", help="allow non-loopback URLs")

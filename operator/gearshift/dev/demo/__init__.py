@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gearshift.dev.loadgen import DEFAULT_TRACE
+from gearshift.dev.loadgen import DEFAULT_TRACE, finite_number
 
 #: The repository root (operator/gearshift/dev/demo/__init__.py → four levels up).
 REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -47,15 +47,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="CSV trace (Azure LLM 2023 format)")
     p.add_argument(
         "--time-scale",
-        type=float,
+        type=finite_number(0, True, "a speed-up factor; 0 fits the trace into --duration"),
         default=DEFAULT_TIME_SCALE,
         help=f"replay this many times faster than recorded ({DEFAULT_TIME_SCALE:g}; 0: fit the whole trace "
         "into --duration)",
     )
     p.add_argument(
-        "--duration", type=float, default=DEFAULT_DURATION_S, help="cap on the replay's issuing time, s (480)"
+        "--duration",
+        type=finite_number(0, False, "seconds"),
+        default=DEFAULT_DURATION_S,
+        help="cap on the replay's issuing time, s (480)",
     )
-    p.add_argument("--start", type=float, default=0.0, help="where in the trace to start, trace seconds (0)")
+    p.add_argument(
+        "--start",
+        type=finite_number(0, True, "trace seconds"),
+        default=0.0,
+        help="where in the trace to start, trace seconds (0)",
+    )
     p.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="fleet file for the sandbox's GPU nodes")
     p.add_argument(
         "--model", type=Path, default=None, help="HF config.json of the model to serve (default: Llama-3-8B)"
@@ -83,7 +91,12 @@ def register(subparsers: Any) -> None:
         help="how to run the operator: the Helm chart, or a local `gearshift operator` process (auto: "
         "the chart when it is installable, else local)",
     )
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the service (300)")
+    p.add_argument(
+        "--ready-timeout",
+        type=finite_number(0, False, "seconds"),
+        default=300.0,
+        help="seconds to wait for the service (300)",
+    )
     p.set_defaults(func=_run)
 
 

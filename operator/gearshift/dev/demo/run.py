@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -806,19 +807,88 @@ def _write_report(
 # ----------------------------------------------------------------------------------------- main
 
 
+def _preflight(args: argparse.Namespace) -> None:
+    """Check the inputs the run will read, before it touches the cluster: the trace and its window, the
+    model's config and the example. A mistake costs nothing then: the previous run's service stays.
+
+    Raises:
+        DemoError: naming the flag and what is wrong with it.
+        TraceError: a bad trace row or column (it names the file and the line).
+    """
+    from gearshift.dev.loadgen import load_trace
+
+    if not args.trace.exists():
+        raise DemoError(f"trace {args.trace} not found (--trace)")
+    trace = load_trace(args.trace)
+    try:
+        scale = args.time_scale or tracewin.auto_time_scale(trace, args.duration)
+        tracewin.window(trace, scale, args.duration, args.start)
+    except ValueError as exc:
+        raise DemoError(f"--start/--duration/--time-scale: {exc}") from None
+    if args.model is not None:
+        from gearshift.facts.model import load_hf_config
+
+        try:
+            load_hf_config(args.model)
+        except (OSError, ValueError) as exc:
+            raise DemoError(f"--model {args.model}: not a readable HF config.json ({exc})") from None
+    try:
+        docs = load_example(args.example, args.model)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise DemoError(f"--example {args.example}: {exc}") from None
+    if not any(d.get("kind") == "PDService" for d in docs):
+        raise DemoError(f"--example {args.example}: no PDService in it")
+
+
+@contextlib.contextmanager
+def _one_demo_at_a_time(state_dir: Path) -> Iterator[None]:
+    """Hold the sandbox's demo lock (``<state dir>/demo.lock``, flock) for the run: a second demo would
+    delete the first one's service under its replay.
+
+    Raises:
+        DemoError: another demo holds it (its pid in the message).
+    """
+    import fcntl
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / "demo.lock"
+    with path.open("a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            raise DemoError(
+                f"another gearshift demo is running on this sandbox (pid {holder}); wait for it to end, "
+                "or stop it (Ctrl-C), then run again"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
     from gearshift.dev.loadgen import LoadgenError
     from gearshift.dev.sandbox import cluster
-    from gearshift.dev.sandbox.layout import SandboxConfigError
+    from gearshift.dev.sandbox.layout import Layout, SandboxConfigError
+    from gearshift.dev.tracefile import TraceError
     from gearshift.facts.fleet import FleetError
 
     say = Say()
     ctx: Ctx | None = None
     code = 1
+    lock = contextlib.ExitStack()
+    held = False
     try:
-        if not args.trace.exists():
-            raise DemoError(f"trace {args.trace} not found (--trace)")
+        _preflight(args)
+        lock.enter_context(_one_demo_at_a_time(Layout.from_env().state_dir))
+        held = True
         layout, state = _sandbox(args, say)
         kube = Kube(layout.kubeconfig, layout.subprocess_env(), str(layout.binary("kubectl")))
         url = state.get("prometheus_url")
@@ -839,6 +909,7 @@ def main(args: argparse.Namespace) -> int:
         cluster.SandboxError,
         FleetError,
         LoadgenError,
+        TraceError,
         OSError,
         ValueError,
     ) as exc:
@@ -849,7 +920,10 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if ctx is not None:
             _stop_operator(ctx)
-        if args.down:
+        lock.close()
+        # A run that never held the lock (a bad flag, another demo running) leaves the cluster as it
+        # found it, --down included.
+        if held and args.down:
             from gearshift.dev.sandbox import cluster as c
             from gearshift.dev.sandbox.layout import Layout
 
