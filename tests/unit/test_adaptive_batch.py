@@ -361,6 +361,33 @@ class TestHandler:
         h.tick(world.runtime, NS, GS_NAME, now=T0 + 100, source=FakeRouters({}))
         assert cap(world) is None and status(world)["adaptiveBatch"]["lastReason"] == ab.REASON_DISABLED
 
+    def test_an_unknown_switch_value_is_ignored_with_a_warning_and_false_turns_it_off(
+        self, world: FakeKubeApi
+    ) -> None:
+        h.tick(world.runtime, NS, GS_NAME, now=T0, source=FakeRouters({}))
+
+        def annotate(value: str) -> None:
+            world.patch(
+                "gearshift.io/v1alpha1",
+                "GearSet",
+                NS,
+                GS_NAME,
+                {"metadata": {"annotations": {names.ANNOTATION_ADAPTIVE_BATCH: value}}},
+            )
+
+        annotate("maybe")
+        for k in range(3):
+            h.tick(world.runtime, NS, GS_NAME, now=T0 + 5 * (k + 1), source=FakeRouters({}))
+        assert cap(world) == "64"  # still on
+        cond = next(c for c in status(world)["conditions"] if c["type"] == COND_BATCH_ADAPTED)
+        assert cond["reason"] == ab.REASON_BAD_SWITCH and "'maybe', not one of on, off" in cond["message"]
+        warnings = [e for e in world.events if e["reason"] == ab.REASON_BAD_SWITCH]
+        assert len(warnings) == 1 and warnings[0]["type"] == "Warning"  # once, not every tick
+        annotate("False")
+        h.tick(world.runtime, NS, GS_NAME, now=T0 + 100, source=FakeRouters({}))
+        assert cap(world) is None and status(world)["adaptiveBatch"]["lastReason"] == ab.REASON_DISABLED
+        assert ab.switch(None) == (True, None) and ab.switch(" ON ") == (True, None)
+
     def test_only_decode_gearsets_run_the_loop(self) -> None:
         assert h._decode(body={"spec": {"role": "decode"}})  # type: ignore[arg-type]
         assert not h._decode(body={"spec": {"role": "prefill"}})  # type: ignore[arg-type]

@@ -201,6 +201,26 @@ class BatchStep:
         return next((p.effective for p in self.pods if p.pod == pod), self.planned)
 
 
+#: Values of the GearSet annotation ``gearshift.io/adaptive-batch`` (case-insensitive) and what they mean.
+SWITCH_VALUES = {"on": True, "true": True, "off": False, "false": False}
+REASON_BAD_SWITCH = "InvalidAnnotation"
+
+
+def switch(value: str | None) -> tuple[bool, str | None]:
+    """Whether the annotation ``gearshift.io/adaptive-batch`` (``value``; absent: on) turns the loop on,
+    and an error message for a value that is none of :data:`SWITCH_VALUES` (then the loop stays on: an
+    unreadable annotation must not silently change what runs, as Kubernetes ignores an unknown one)."""
+    if value is None:
+        return True, None
+    known = SWITCH_VALUES.get(value.strip().lower())
+    if known is None:
+        return True, (
+            f"annotation gearshift.io/adaptive-batch is {value!r}, not one of on, off, true, false: "
+            "ignored, adaptive batch stays on; set it to off to turn it off"
+        )
+    return known, None
+
+
 def floor_of(planned: int, micro_batch: int = 1) -> int:
     """The least effective max batch (module docstring), never above ``planned``."""
     return min(planned, max(1, micro_batch, math.ceil(planned * FLOOR_FRACTION)))

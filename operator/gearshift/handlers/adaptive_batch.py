@@ -145,7 +145,9 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     if gear is None:
         return BatchTick(skipped="no active gear yet")
     service = gs.spec.service_name
-    enabled = (gs.metadata.get("annotations") or {}).get(names.ANNOTATION_ADAPTIVE_BATCH) != "off"
+    enabled, bad_switch = rules.switch(
+        (gs.metadata.get("annotations") or {}).get(names.ANNOTATION_ADAPTIVE_BATCH)
+    )
     shift = executor_from_status(gear.name, gs.status.executor).busy
     routers = max(1, pds.spec.router.replicas)
     labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: "decode", names.LABEL_GEAR: gear.name}
@@ -178,8 +180,14 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
         }
         annotated = _annotate(api, namespace, heads, caps)
     doc = rules.status_json(new, step, routers, now)
-    if rules.status_changed(gs.status.adaptive_batch, doc):
-        _write_status(rt, namespace, name, service, doc, rules.condition(step, new), now)
+    cond = rules.condition(step, new)
+    if bad_switch is not None:
+        cond = (cond[0], rules.REASON_BAD_SWITCH, f"{bad_switch}; {cond[2]}")
+    old_cond = next((c for c in gs.status.conditions if c.type == COND_BATCH_ADAPTED), None)
+    if rules.status_changed(gs.status.adaptive_batch, doc) or old_cond is None or old_cond.reason != cond[1]:
+        _write_status(rt, namespace, name, service, doc, cond, now)
+        if bad_switch is not None:
+            emit(api, gs_body, rules.REASON_BAD_SWITCH, bad_switch, True)
     if new != old:
         for ev in rules.events(step, old, gear.name):
             emit(api, gs_body, *ev)

@@ -53,7 +53,8 @@ ANNOTATION_MIRROR_RPS = f"{DOMAIN}/mirror-rps"
 #: adaptive max batch (``status.adaptiveBatch.effective`` of its GearSet / router replicas, at least 1;
 #: gearshift.control.adaptive_batch). Absent: no router-side cap (the engine's own max batch applies).
 ANNOTATION_MAX_BATCH = f"{DOMAIN}/max-batch"
-#: On a GearSet: ``"off"`` keeps the operator's adaptive max batch off (the pods' caps are removed).
+#: On a GearSet: ``"off"`` (or ``"false"``) keeps the operator's adaptive max batch off (the pods' caps are
+#: removed); ``"on"``/``"true"`` or absent: on; any other value is ignored with a warning.
 ANNOTATION_ADAPTIVE_BATCH = f"{DOMAIN}/adaptive-batch"
 
 #: On a pod: run its container as a local process in the sandbox (the local pod runner).
