@@ -310,6 +310,10 @@ class TestErrors:
         msg = _error(_write(tmp_path, "pds.yaml", [pds, pre]), f)
         assert str(f) in msg and "'llama3-8b-vllm-decode'" in msg
         assert "spec.gears[0]" in msg and "microBatch (512) must be <= maxBatch (128)" in msg
+        dec["spec"]["gears"][0]["microBatch"] = 1
+        dec["spec"]["policy"] = {"downshiftRatio": 1.5}
+        msg = _error(_write(tmp_path, "pds.yaml", [pds, pre]), _write(tmp_path, "dec.yaml", [dec]))
+        assert "\nspec.policy.downshiftRatio: Input should be less than or equal to 1" in msg, msg
 
     def test_invalid_pdservice_field(self, tmp_path: Path) -> None:
         pds, pre, dec = _pieces()

@@ -198,7 +198,7 @@ def role_state(pds: PDService, service: str, role: str, gs_body: dict[str, Any])
     try:
         gs = GearSet.model_validate(gs_body)
     except ValidationError as exc:
-        raise SpecInvalid(f"GearSet {ref!r} is invalid:\n{format_validation_error(exc, 'spec')}") from None
+        raise SpecInvalid(f"GearSet {ref!r} is invalid:\n{format_validation_error(exc)}") from None
     if gs.spec.role != role or gs.spec.service_name != service:
         raise SpecInvalid(
             f"{role}.gearSetRef names GearSet {ref!r}, which serves service "
