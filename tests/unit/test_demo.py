@@ -406,6 +406,16 @@ class TestReport:
         assert "![Traffic](traffic.png)" in md
         assert "decode: latency/0 50%" in md
 
+    def test_a_rollback_says_why(self) -> None:
+        back = series.ShiftMark(
+            "prefill", "latency", "throughput", "saturation", "RolledBack", 10.0, 70.0, "P99 991 ms > 899 ms"
+        )
+        ok = series.ShiftMark(
+            "prefill", "latency", "throughput", "load-high", "Succeeded", 80.0, 99.0, "in 19 s"
+        )
+        md = report.render(report_data(marks=[back, ok]))
+        assert "| 10 | 70 | RolledBack: P99 991 ms > 899 ms |" in md and "| 80 | 99 | Succeeded |" in md
+
     def test_no_shift_says_so(self) -> None:
         assert "No gear shift happened" in report.render(report_data(marks=[]))
 

@@ -1019,7 +1019,11 @@ class AdaptiveBatchStatus(StatusModel):
     last_decision: Literal["Lower", "Raise", "Hold", "Reset"] = Field(description="The latest decision.")
     last_reason: str = Field(max_length=128, description="CamelCase reason of it (Cooldown, AtFloor, ...).")
     last_message: Message = Field(default="", description="Details of it.")
-    last_decision_time: AwareDatetime | None = Field(default=None, description="When it was taken.")
+    last_decision_time: AwareDatetime | None = Field(
+        default=None,
+        description="When the latest decision that changed this status was taken (a decision that repeats "
+        "the previous one, every 5 s, is not written again).",
+    )
     last_change_time: AwareDatetime | None = Field(
         default=None, description="When any head pod's value last changed."
     )

@@ -207,9 +207,15 @@ def render(d: ReportData) -> str:
         ]
         for m in d.marks:
             fin = "–" if m.finished_s is None else f"{m.finished_s:.0f}"
+            # A shift that did not succeed says why (a rollback's P99 comparison, a warm-up timeout).
+            why = (
+                f": {m.message}".replace("|", "\\|")
+                if m.message and m.outcome not in ("Succeeded", "InProgress")
+                else ""
+            )
             out.append(
                 f"| {m.role} | {m.from_gear or '–'} | {m.to_gear} | {m.trigger} | {m.started_s:.0f} | {fin} "
-                f"| {m.outcome} |"
+                f"| {m.outcome}{why} |"
             )
     else:
         out.append("No gear shift happened during the replay (GearSet `status.history`).")

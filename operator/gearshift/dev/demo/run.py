@@ -403,7 +403,8 @@ def _router_url(ctx: Ctx) -> str:
         pds = ctx.kube.get("pdservice", ctx.service, "-n", ns) or {}
         st = pds.get("status") or {}
         cond = {c.get("type"): c for c in st.get("conditions") or []}
-        msg = f"phase {st.get('phase')}: {(cond.get('Ready') or {}).get('message', '')}"
+        why = (cond.get("Ready") or {}).get("message", "")
+        msg = f"phase {st['phase']}: {why}" if st.get("phase") else "not reconciled by the operator yet"
         if msg != last["msg"]:
             last["msg"] = msg
             ctx.say(f"  service: {msg}")

@@ -272,6 +272,8 @@ class ShiftMark:
     outcome: str
     started_s: float
     finished_s: float | None
+    message: str = ""
+    """The record's message (why a shift rolled back or failed)."""
 
 
 def _ts(value: Any) -> float | None:
@@ -299,6 +301,7 @@ def shift_marks(role: str, history: Iterable[Mapping[str, Any]], t0: float) -> l
                 outcome=str(h.get("outcome", "")),
                 started_s=started - t0,
                 finished_s=None if finished is None else finished - t0,
+                message=str(h.get("message") or ""),
             )
         )
     return sorted(out, key=lambda m: m.started_s)
