@@ -130,9 +130,18 @@ class TestEma:
         b = smooth(a, Sample(at=2, stage_utilization=(0.0, 1.0), ttft_p99_ms=100.0), 0.3)
         assert b.stage_utilization == pytest.approx((0.7, 0.3))
         assert b.ttft_p99_ms == 100.0
-        c = smooth(b, Sample(at=4, stage_utilization=(0.2, 0.2, 0.2)), 0.3)
+        c = smooth(b, Sample(at=4, stage_utilization=(0.2, 0.2, 0.2), qps=3.0), 0.3)
         assert c.stage_utilization == (0.2, 0.2, 0.2)
-        assert c.ttft_p99_ms == 100.0
+        assert c.ttft_p99_ms == 100.0  # traffic, but no quantile this time: the average stands
+
+    def test_an_idle_window_drops_the_latency_average(self):
+        # The demo's replay ended with the P99 over the alarm; an average kept through idle samples held
+        # p99-high latched on a service nobody used.
+        busy = smooth(None, Sample(at=0, ttft_p99_ms=900.0, itl_p99_ms=40.0, qps=12.0, running=5.0), 0.3)
+        idle = smooth(busy, Sample(at=2, ttft_p99_ms=math.nan, qps=0.0), 0.3)
+        assert idle.ttft_p99_ms is None and idle.itl_p99_ms is None
+        waiting = smooth(busy, Sample(at=2, ttft_p99_ms=math.nan, qps=0.0, queue=3.0), 0.3)
+        assert waiting.ttft_p99_ms == 900.0  # requests wait: the quantile is missing, not meaningless
 
 
 class TestTriggers:

@@ -61,6 +61,7 @@ class Sample:
 
 
 _SCALARS = ("queue", "running", "qps")
+_LATENCIES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
 _OPTIONALS = (
     "arrival_rps",
     "ttft_p50_ms",
@@ -74,7 +75,8 @@ _OPTIONALS = (
 
 def ema(previous: float | None, value: float | None, alpha: float) -> float | None:
     """``alpha · value + (1 − alpha) · previous``; the first value passes through, a missing one keeps
-    the previous average. NaN counts as missing (``histogram_quantile`` gives NaN with no traffic)."""
+    the previous average (:func:`smooth` drops a latency average instead when the window saw no traffic).
+    NaN counts as missing (``histogram_quantile`` gives NaN with no traffic)."""
     if value is None or math.isnan(value):
         return previous
     if previous is None:
@@ -100,7 +102,18 @@ def smooth(previous: Sample | None, sample: Sample, alpha: float) -> Sample:
         stages = sample.stage_utilization
     values: dict[str, Any] = {k: ema(getattr(previous, k), getattr(sample, k), alpha) for k in _SCALARS}
     values |= {k: ema(getattr(previous, k), getattr(sample, k), alpha) for k in _OPTIONALS}
+    if _idle(sample):
+        # No request completed or waited in the whole window: its quantiles are absent because there
+        # was nothing to measure, not because a scrape missed them. Keeping the last average would hold
+        # a latency trigger latched on an idle service, and shift it when the dwell ends (the demo did,
+        # after its replay).
+        values |= {k: None for k in _LATENCIES if _clean(getattr(sample, k)) is None}
     return Sample(at=sample.at, stage_utilization=stages, **values)
+
+
+def _idle(sample: Sample) -> bool:
+    """Whether ``sample`` saw no traffic over its window (no completion, nothing running or waiting)."""
+    return sample.qps == 0 and sample.running == 0 and sample.queue == 0 and not sample.arrival_rps
 
 
 def _clean(value: float | None) -> float | None:
