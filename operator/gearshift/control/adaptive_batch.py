@@ -419,8 +419,25 @@ def _capped(state: BatchState) -> list[tuple[str, int]]:
     return sorted((n, p.effective) for n, p in state.pods.items() if p.effective < planned)
 
 
-def condition(step: BatchStep, state: BatchState) -> tuple[str, str, str]:
-    """The ``BatchAdapted`` condition: True while the router caps any head pod below the planned max batch."""
+def pod_annotations(
+    step: BatchStep, pods: Iterable[str], routers: int, enabled: bool
+) -> dict[str, str | None]:
+    """Each head pod's ``gearshift.io/max-batch`` after ``step``: its per-router cap, or None (removed) when
+    the loop is off."""
+    return {p: str(per_router_cap(step.cap(p), routers)) if enabled else None for p in pods}
+
+
+def condition(step: BatchStep, state: BatchState, bad_switch: str | None = None) -> tuple[str, str, str]:
+    """The ``BatchAdapted`` condition: True while the router caps any head pod below the planned max batch;
+    with ``bad_switch`` (:func:`switch`'s error) its reason is ``InvalidAnnotation`` and the message
+    starts with the error."""
+    status, reason, message = _condition(step, state)
+    if bad_switch is not None:
+        return status, REASON_BAD_SWITCH, f"{bad_switch}; {message}"
+    return status, reason, message
+
+
+def _condition(step: BatchStep, state: BatchState) -> tuple[str, str, str]:
     if step.reason == REASON_DISABLED:
         return ("False", REASON_DISABLED, "adaptive batch is off (annotation gearshift.io/adaptive-batch)")
     last = state.history[-1] if state.history else None

@@ -170,19 +170,10 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     new = rules.advance(old, step, gear.name, now)
     annotated: list[str] = []
     if not shift:
-        caps = {
-            str(p["metadata"]["name"]): str(
-                rules.per_router_cap(step.cap(str(p["metadata"]["name"])), routers)
-            )
-            if enabled
-            else None
-            for p in heads
-        }
-        annotated = _annotate(api, namespace, heads, caps)
+        heads_ = [str(p["metadata"]["name"]) for p in heads]
+        annotated = _annotate(api, namespace, heads, rules.pod_annotations(step, heads_, routers, enabled))
     doc = rules.status_json(new, step, routers, now)
-    cond = rules.condition(step, new)
-    if bad_switch is not None:
-        cond = (cond[0], rules.REASON_BAD_SWITCH, f"{bad_switch}; {cond[2]}")
+    cond = rules.condition(step, new, bad_switch)
     old_cond = next((c for c in gs.status.conditions if c.type == COND_BATCH_ADAPTED), None)
     if rules.status_changed(gs.status.adaptive_batch, doc) or old_cond is None or old_cond.reason != cond[1]:
         _write_status(rt, namespace, name, service, doc, cond, now)
