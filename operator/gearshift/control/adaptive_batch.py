@@ -306,13 +306,18 @@ def _pod_step(
     return step("Hold", eff, REASON_WITHIN_BAND, f"pod {pod} max batch {eff}: its ITL is within band")
 
 
+def _messages(steps: Sequence[PodStep]) -> str:
+    """The messages of ``steps``, at most :data:`MAX_NAMED` of them, and how many more there were."""
+    more = f" (+{len(steps) - MAX_NAMED} more pods)" if len(steps) > MAX_NAMED else ""
+    return "; ".join(p.message for p in steps[:MAX_NAMED]) + more
+
+
 def _summary(pods: Sequence[PodStep]) -> tuple[StepKind, str, str]:
     """The tick's kind, reason and message: the most consequential kind among the pods, the reason its pods
-    share (the first one's when they differ), the messages of its pods (at most :data:`MAX_NAMED`)."""
+    share (the first one's when they differ), the messages of its pods (:func:`_messages`)."""
     kind = next(k for k in _KIND_ORDER if any(p.kind == k for p in pods))
     mine = [p for p in pods if p.kind == kind]
-    more = f" (+{len(mine) - MAX_NAMED} more pods)" if len(mine) > MAX_NAMED else ""
-    return kind, mine[0].reason, "; ".join(p.message for p in mine[:MAX_NAMED]) + more
+    return kind, mine[0].reason, _messages(mine)
 
 
 def decide(
@@ -469,8 +474,7 @@ def events(step: BatchStep, before: BatchState, gear: str) -> list[tuple[str, st
     for kind, reason in (("Lower", "MaxBatchLowered"), ("Raise", "MaxBatchRaised")):
         mine = [p for p in step.pods if p.kind == kind]
         if mine:
-            more = f" (+{len(mine) - MAX_NAMED} more pods)" if len(mine) > MAX_NAMED else ""
-            out.append((reason, "; ".join(p.message for p in mine[:MAX_NAMED]) + more, False))
+            out.append((reason, _messages(mine), False))
     if step.kind == "Reset" and step.reason not in (REASON_INITIAL, REASON_POD_ADDED):
         moved = before.gear != gear or any(p.effective != step.planned for p in before.pods.values())
         if moved or before.planned != step.planned:

@@ -62,15 +62,7 @@ class Sample:
 
 _SCALARS = ("queue", "running", "qps")
 _LATENCIES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
-_OPTIONALS = (
-    "arrival_rps",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "e2e_p50_ms",
-    "e2e_p99_ms",
-)
+_OPTIONALS = ("arrival_rps", *_LATENCIES)
 
 
 def ema(previous: float | None, value: float | None, alpha: float) -> float | None:

@@ -153,6 +153,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: "decode", names.LABEL_GEAR: gear.name}
     pods = api.list(*POD, namespace, labels)
     heads = [p for p in head_pods(pods) if not p["metadata"].get("deletionTimestamp")]
+    head_names = [str(p["metadata"]["name"]) for p in heads]
     votes = _votes(api, source, namespace, service, heads) if enabled and not shift else []
     old = rules.state_from_status(gs.status.adaptive_batch)
     step = rules.decide(
@@ -160,7 +161,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
         gear=gear.name,
         planned=gear.max_batch,
         micro_batch=gear.micro_batch,
-        heads=[str(p["metadata"]["name"]) for p in heads],
+        heads=head_names,
         votes=votes,
         now=now,
         shift_in_flight=shift,
@@ -170,8 +171,8 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     new = rules.advance(old, step, gear.name, now)
     annotated: list[str] = []
     if not shift:
-        heads_ = [str(p["metadata"]["name"]) for p in heads]
-        annotated = _annotate(api, namespace, heads, rules.pod_annotations(step, heads_, routers, enabled))
+        caps = rules.pod_annotations(step, head_names, routers, enabled)
+        annotated = _annotate(api, namespace, heads, caps)
     doc = rules.status_json(new, step, routers, now)
     cond = rules.condition(step, new, bad_switch)
     old_cond = next((c for c in gs.status.conditions if c.type == COND_BATCH_ADAPTED), None)

@@ -89,6 +89,14 @@ def gpu_resources(gpus: int, cpu: str | None = None, memory: str | None = None) 
     return out
 
 
+def quantity_int(value: Any) -> int:
+    """An integer Kubernetes quantity or label value (``"2"``), 0 when it is not one."""
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return 0
+
+
 def pod_gpus(pod: Mapping[str, Any]) -> int:
     """``nvidia.com/gpu`` a pod holds: its containers' limits (or requests where a limit is absent),
     summed; init containers run one at a time before the others and release theirs, so the pod holds the
@@ -101,10 +109,7 @@ def pod_gpus(pod: Mapping[str, Any]) -> int:
         for c in containers:
             res = c.get("resources") or {}
             raw = (res.get("limits") or {}).get(GPU_RESOURCE, (res.get("requests") or {}).get(GPU_RESOURCE))
-            try:
-                out.append(max(0, int(str(raw))))
-            except ValueError:
-                out.append(0)
+            out.append(max(0, quantity_int(raw)))
         return out
 
     main, init = each(spec.get("containers") or []), each(spec.get("initContainers") or [])

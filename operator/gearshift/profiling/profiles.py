@@ -37,6 +37,7 @@ from gearshift.k8s.names import (
     NODE_MEMORY_GIB,
     NODE_PROFILED,
 )
+from gearshift.k8s.placement import quantity_int
 
 #: GPU feature discovery's product label (``NVIDIA-H100-80GB-HBM3``).
 GFD_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -132,14 +133,6 @@ class GpuNodeView:
     def available_until(self) -> str | None:
         """The node's reclaim time annotation, if any (RFC 3339)."""
         return self.annotations.get(ANNOTATION_AVAILABLE_UNTIL)
-
-
-def quantity_int(value: Any) -> int:
-    """An integer Kubernetes quantity or label value (``"2"``), 0 when it is not one."""
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return 0
 
 
 def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> GpuNodeView | None:

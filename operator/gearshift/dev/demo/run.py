@@ -66,6 +66,16 @@ class Say:
         print(text.rstrip(), flush=True)
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What :func:`_preflight` read and checked, before the cluster was touched."""
+
+    window: tracewin.Window
+    """The requests the replay sends, at its time scale."""
+    docs: list[dict[str, Any]]
+    """The example's documents (with ``--model``'s architecture in the PDService)."""
+
+
 @dataclass
 class Ctx:
     """What the steps share."""
@@ -84,6 +94,8 @@ class Ctx:
     """The local ``gearshift operator`` process, when the demo started one."""
     metrics_target: Path | None = None
     """The sandbox Prometheus' target file of the local operator's ``/metrics``, while it runs."""
+    inputs: Inputs | None = None
+    """The checked trace window and example (:func:`_preflight`)."""
 
 
 # ------------------------------------------------------------------------------ 1. sandbox, operator
@@ -348,7 +360,8 @@ def _remove_previous_run(ctx: Ctx, docs: list[dict[str, Any]]) -> None:
 
 
 def _apply_service(ctx: Ctx) -> dict[str, dict[str, Any]]:
-    docs = load_example(ctx.args.example, ctx.args.model)
+    assert ctx.inputs is not None  # main sets it from _preflight
+    docs = ctx.inputs.docs
     pds = next(d for d in docs if d.get("kind") == "PDService")
     ctx.service = pds["metadata"]["name"]
     slo = pds["spec"].get("slo") or {}
@@ -461,11 +474,11 @@ def _gear_states(ctx: Ctx, refs: dict[str, str]) -> dict[str, live.GearState]:
 
 
 def _replay(ctx: Ctx, url: str, gearsets: dict[str, dict[str, Any]]) -> tuple[Replay, tracewin.Window]:
-    from gearshift.dev.loadgen import load_trace, run_load
+    from gearshift.dev.loadgen import run_load
 
-    trace = load_trace(ctx.args.trace)
-    scale = ctx.args.time_scale or tracewin.auto_time_scale(trace, ctx.args.duration)
-    win = tracewin.window(trace, scale, ctx.args.duration, ctx.args.start)
+    assert ctx.inputs is not None  # main sets it from _preflight
+    win = ctx.inputs.window
+    scale = win.time_scale
     due = win.due_s
     ctx.say(
         f"replay: {len(win.requests)} requests of {ctx.args.trace.name} (trace {win.start_s:.0f}–"
@@ -808,9 +821,9 @@ def _write_report(
 # ----------------------------------------------------------------------------------------- main
 
 
-def _preflight(args: argparse.Namespace) -> None:
-    """Check the inputs the run will read, before it touches the cluster: the trace and its window, the
-    model's config and the example. A mistake costs nothing then: the previous run's service stays.
+def _preflight(args: argparse.Namespace) -> Inputs:
+    """Read and check the inputs the run uses, before it touches the cluster: the trace and its window,
+    the model's config and the example. A mistake costs nothing then: the previous run's service stays.
 
     Raises:
         DemoError: naming the flag and what is wrong with it.
@@ -823,7 +836,7 @@ def _preflight(args: argparse.Namespace) -> None:
     trace = load_trace(args.trace)
     try:
         scale = args.time_scale or tracewin.auto_time_scale(trace, args.duration)
-        tracewin.window(trace, scale, args.duration, args.start)
+        window = tracewin.window(trace, scale, args.duration, args.start)
     except ValueError as exc:
         raise DemoError(f"--start/--duration/--time-scale: {exc}") from None
     if args.model is not None:
@@ -839,6 +852,7 @@ def _preflight(args: argparse.Namespace) -> None:
         raise DemoError(f"--example {args.example}: {exc}") from None
     if not any(d.get("kind") == "PDService" for d in docs):
         raise DemoError(f"--example {args.example}: no PDService in it")
+    return Inputs(window, docs)
 
 
 @contextlib.contextmanager
@@ -887,13 +901,13 @@ def main(args: argparse.Namespace) -> int:
     lock = contextlib.ExitStack()
     held = False
     try:
-        _preflight(args)
+        inputs = _preflight(args)
         lock.enter_context(_one_demo_at_a_time(Layout.from_env().state_dir))
         held = True
         layout, state = _sandbox(args, say)
         kube = Kube(layout.kubeconfig, layout.subprocess_env(), str(layout.binary("kubectl")))
         url = state.get("prometheus_url")
-        ctx = Ctx(args, say, layout, kube, Prometheus(url) if url else None, state)
+        ctx = Ctx(args, say, layout, kube, Prometheus(url) if url else None, state, inputs=inputs)
         if ctx.prom is None:
             ctx.notes.append("The sandbox ran without Prometheus: no per-stage utilisation plot.")
         _start_operator(ctx)
@@ -925,10 +939,7 @@ def main(args: argparse.Namespace) -> int:
         # A run that never held the lock (a bad flag, another demo running) leaves the cluster as it
         # found it, --down included.
         if held and args.down:
-            from gearshift.dev.sandbox import cluster as c
-            from gearshift.dev.sandbox.layout import Layout
-
-            c.down(Layout.from_env(), say=lambda m: say(f"  sandbox: {m}"))
+            cluster.down(Layout.from_env(), say=lambda m: say(f"  sandbox: {m}"))
             say("sandbox: down")
         elif ctx is not None:
             say("the cluster stays up. Explore it with:")
