@@ -8,6 +8,8 @@ Steps, each under its own timeout and one overall budget (``--budget-s``):
    ``vllm`` module). No vLLM: ``vllm: missing`` is printed and recorded and steps 5-8 are skipped.
 2. probe: ``gearshift-probe device`` (the worker image's probe, CUDA path of
    ``gearshift/probe/backends.py``), its JSON kept whole (``$OUT/probe.json``) and summarised.
+2b. layers: ``layer_times.py``, one decoder layer's prefill and decode times per micro-batch (the figures the
+   roofline predicts; ``bench/device_calibration.py`` compares them here), once the probe let go of the card.
 3. model: ``e2e/sandbox/build_tiny_model.py`` builds ``gearshift/tiny-llama`` into a Hugging Face cache,
    on the CPU, while the probe holds the GPU.
 4. render: ``gearshift render --all-gears -o json`` of a GPU variant of ``examples/vllm/tiny-llama.yaml``
@@ -381,6 +383,34 @@ def finish_probe(run: Run, proc: subprocess.Popen[str] | None) -> None:
         f"ok: {doc.get('gpuProduct')} matmul {s.get('matmulTflops', 0):.0f} TFLOP/s, HBM "
         f"{s.get('hbmGBps', 0):.0f} GB/s, {doc.get('durationS')} s",
     )
+
+
+LAYER_TIMES = ROOT / "e2e" / "device" / "layer_times.py"
+#: The models whose layer times calibrate the cost model (layer_times.py; bench/sim_calibration.py compares).
+LAYER_MODELS = ("llama-3-8b", "llama-3-70b")
+LAYER_BUDGET_S = 90.0
+
+
+def step_layers(run: Run) -> None:
+    """2b. one decoder layer's prefill and decode times per micro-batch (``layer_times.py``), after the
+    probe let go of the card: the figures the roofline predicts (``bench/sim_calibration.py`` compares)."""
+    argv = [run.python, str(LAYER_TIMES), "--budget-s", f"{LAYER_BUDGET_S:g}"]
+    argv += [str(ROOT / "examples" / "models" / f"{m}.json") for m in LAYER_MODELS]
+    run.log(f"layers: {shlex.join(argv)}")
+    if run.dry_run:
+        return
+    rc, out, err = _capture(argv, LAYER_BUDGET_S + 60, env=_sub_env())
+    doc = None
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
+                break
+    if rc != 0 or doc is None or "error" in doc:
+        run.fail("layers", f"exit {rc}: {(doc or {}).get('error') or _tail(err, 600)}")
+        return
+    run.results["layerTimes"] = doc
+    run.step("layers", f"ok: {', '.join(doc['models'])} in {doc.get('seconds')} s")
 
 
 # ------------------------------------------------------------------------------------------- 3. model
@@ -1101,6 +1131,7 @@ def main(argv: list[str] | None = None) -> int:
         help="HF_HOME of the tiny model: DIR, or container (the pods' own path)",
     )
     ap.add_argument("--skip-probe", action="store_true", help="no probe (a rerun with less device time)")
+    ap.add_argument("--skip-layers", action="store_true", help="no layer times (layer_times.py)")
     ap.add_argument("--gearshift-install", default="PYTHONPATH", help="how run.sh installed gearshift")
     args = ap.parse_args(argv)
 
@@ -1144,6 +1175,8 @@ def main(argv: list[str] | None = None) -> int:
         model = start_model(run, cache)
         model_ok = finish_model(run, model, t_model)
         finish_probe(run, probe)
+        if not args.skip_layers:
+            step_layers(run)
         # Rendered in every case: the argument lists are recorded even where no vLLM can run them.
         plan = plan_engines(run, vllm_cmd or ["vllm"], cache, args.gpu_memory_utilization)
         if vllm_cmd is None:

@@ -6,7 +6,9 @@
 #
 # Which: the device image (/work/.library/device/KINDS.md, "Python packages already there") has numpy,
 # pyyaml, aiohttp, prometheus-client, threadpoolctl, uvloop, typing-extensions, but not pydantic (the API
-# models, `gearshift render`, the probe's output validation) nor pydantic's own needs. The versions are the
+# models, `gearshift render`, the probe's output validation) nor pydantic's own needs, nor orjson (the
+# router's JSON, which `gearshift render` imports through the CLI's subcommands: the first device run failed
+# there with `No module named 'orjson'`). The versions are the
 # project venv's (what the tests ran with), else the pins below. About 2.5 MB in all.
 #
 # Usage: bash e2e/device/fetch-wheels.sh        # from the repository root
@@ -21,6 +23,7 @@ pkgs=(
   "annotated-types==$(ver annotated-types 0.8.0)"
   "typing-inspection==$(ver typing-inspection 0.4.5)"
   "typing-extensions==$(ver typing-extensions 4.16.0)"
+  "orjson==$(ver orjson 3.13.0)"
 )
 dest=e2e/device/wheels
 rm -rf "$dest"
