@@ -46,14 +46,14 @@ unit: venv
 
 # GEARSHIFT_E2E=1: the e2e tests must run here (a bare pytest without a cluster leaves them out, one line).
 e2e: venv binaries vllm bench-tools
-	GEARSHIFT_E2E=1 $(VENV)/bin/pytest -m "e2e and not vllm_slow" tests
+	GEARSHIFT_E2E=1 $(VENV)/bin/pytest -m e2e tests
 
 test: venv binaries vllm bench-tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	GEARSHIFT_E2E=1 $(VENV)/bin/pytest -m "not vllm_slow" tests
+	GEARSHIFT_E2E=1 $(VENV)/bin/pytest tests
 
 crds: venv
 	$(VENV)/bin/gearshift crds --out crds --out charts/gearshift/crds

@@ -530,6 +530,10 @@ class TestServicesAndRouter:
         assert a.service == "llama3-8b" and a.policy == "pd-score" and a.namespace == "ns1"
         assert json.loads(a.weights)["decode"]["itl"] == pytest.approx(0.35)
         assert a.target_itl_ms == 50
+        assert a.kv_lease_s == pds.spec.kv_lease_s == 120  # the default lease bounds the KV hand-off
+        leased = pds.spec.model_copy(update={"kv_lease_s": 45})
+        c = build_router_deployment("llama3-8b", "ns1", leased)["spec"]["template"]["spec"]["containers"][0]
+        assert p.parse_args(c["args"]).kv_lease_s == 45
         assert dep["spec"]["template"]["metadata"]["labels"][names.LABEL_SANDBOX_RUN] == "true"
         assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "llama3-8b-router"
 

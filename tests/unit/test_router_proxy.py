@@ -844,3 +844,80 @@ async def test_a_connect_timeout_is_a_failed_connect_retried_elsewhere_not_a_504
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     doc = await resp.json()
     assert resp.status == 502 and "could not connect" in doc["error"]["message"], doc
+
+
+async def test_decode_pod_that_does_not_answer_within_half_the_kv_lease_prefills_the_prompt_itself(
+    make_router: Factory,
+) -> None:
+    """A decode pod held back past half the KV lease never gets the prefill's kv_transfer_params (the
+    prefill may free those blocks before it reads them): it gets the client's request and prefills it."""
+    held = SlowHealth("d0", health_delay_s=5.0)
+    client, router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", held)},
+        proxy=ProxyConfig(kv_lease_s=0.4),
+    )
+    body = {"model": "m", "prompt": "hello world", "max_tokens": 3, "temperature": 0}
+    t0 = asyncio.get_running_loop().time()
+    resp = await client.post("/v1/completions", json=body)
+    waited = asyncio.get_running_loop().time() - t0
+    assert resp.status == 200, await resp.text()
+    (pre,) = eng["p0"].requests
+    assert pre["kv_transfer_params"]["do_remote_decode"] is True
+    (dec,) = eng["d0"].requests
+    assert dec == body  # the client's request, no KV handed over
+    assert 0.2 <= waited < 2.0, waited  # the bound (half of 0.4 s), not the held pod's 5 s health delay
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_kv_reprefills_total{pod="d0"} 1.0' in metrics
+    assert router.pool.backends["d0"].inflight == 0
+
+
+@dataclass
+class HeldAfter(FakeEngine):
+    """A decode engine whose /health answers its first ``answers`` checks at once, then is held back."""
+
+    answers: int = 1
+    checks: int = 0
+
+    async def health(self, _r: web.Request) -> web.Response:
+        self.checks += 1
+        if self.checks > self.answers:
+            await asyncio.sleep(5.0)
+        return web.json_response({})
+
+
+async def test_decode_pod_that_answers_gets_the_kv_and_a_stale_answer_is_asked_again(
+    make_router: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live decode pod gets the KV; when the prefill leg outlasts HANDOFF_FRESH_S the router asks the
+    decode pod again after it, and a pod held back since its first answer does not get the KV."""
+    from gearshift.router import proxy as proxy_mod
+
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    client, _router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0", delay_s=0.3)), "d0": ("decode", HeldAfter("d0", answers=10))},
+        proxy=ProxyConfig(kv_lease_s=2.0),
+    )
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    assert eng["d0"].requests[-1]["kv_transfer_params"] == nixl_params("p0")
+
+    monkeypatch.setattr(proxy_mod, "HANDOFF_FRESH_S", 0.1)
+    held = HeldAfter("d1", answers=1)
+    client, _router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0", delay_s=0.3)), "d1": ("decode", held)},
+        proxy=ProxyConfig(kv_lease_s=2.0),
+    )
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    assert held.checks >= 2, held.checks
+    assert eng["d1"].requests[-1] == body
+
+
+async def test_no_kv_lease_means_no_hand_off_check(make_router: Factory) -> None:
+    held = SlowHealth("d0", health_delay_s=5.0)
+    client, _router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", held)}, proxy=ProxyConfig(kv_lease_s=0.0)
+    )
+    resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+    assert resp.status == 200
+    assert eng["d0"].requests[-1]["kv_transfer_params"] == nixl_params("p0")

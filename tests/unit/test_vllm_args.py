@@ -210,6 +210,7 @@ def cases() -> dict[str, dict[str, Any]]:
     cpu_f32 = _pds(
         engineArgs=["--enforce-eager"],
         kvBufferDevice="cpu",
+        kvLeaseS=45,
         model={**_load("pdservice-llama3-8b.yaml")["spec"]["model"], "dtype": "float32"},
     )
     out = {
@@ -329,7 +330,7 @@ def test_vllm_reads_what_the_manifest_means(parsed: dict[str, Any], name: str, k
         assert kv["kv_connector"] == "NixlPushConnector"
         # every rank of pipeline replica 1 names the replica's head pod as its engine
         assert kv["engine_id"] == f"{svc}-{c['role']}-{gear.name}-s0-1"
-        assert kv["lease_s"] == 120
+        assert kv["lease_s"] == pds.spec.kv_lease_s  # spec.kvLeaseS reaches vLLM
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[c["role"]]
         assert kv["is_kv_producer"] == (c["role"] == "prefill")
         assert kv["is_kv_consumer"] == (c["role"] == "decode")

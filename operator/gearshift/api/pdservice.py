@@ -25,7 +25,7 @@ from gearshift.api.common import (
     SpecModel,
     StatusModel,
 )
-from gearshift.facts.model import DTYPE_BYTES, ModelArch, ModelConfigError, arch_from_hf_config
+from gearshift.facts.model import DTYPE_BYTES, KV_LEASE_S, ModelArch, ModelConfigError, arch_from_hf_config
 
 Engine = Literal["vllm", "sim"]
 RouterPolicy = Literal[
@@ -716,6 +716,15 @@ class PDServiceSpec(SpecModel):
         default="cuda",
         description="NixlConnector kv_buffer_device of prefill and decode engines: cuda (KV transferred "
         "from GPU memory) or cpu (staged in host memory; what vLLM on CPUs, e.g. the sandbox, needs).",
+    )
+    kv_lease_s: int = Field(
+        default=KV_LEASE_S,
+        ge=10,
+        le=3600,
+        description="Seconds a prefill engine holds a finished request's KV for its decode engine "
+        "(NixlConnector kv_lease_duration). The router hands the decode leg to a live decode pod within "
+        "half of it, else the decode pod computes the prompt itself: a decode never reads KV the prefill "
+        "has freed. Raise it when decode pods queue requests for longer.",
     )
     hf_token_secret: HFTokenSecret | None = Field(
         default=None, description="Secret with a Hugging Face token (env HF_TOKEN) for gated models."

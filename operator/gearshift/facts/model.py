@@ -28,6 +28,17 @@ GIB = 1024**3
 #: vLLM's default ``--gpu-memory-utilization`` (``vllm/config/cache.py``, ``CacheConfig``): the share of a
 #: GPU's memory an engine takes for weights, activations and KV cache.
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
+#: How long a prefill engine keeps a finished request's KV blocks for its decode engine by default, s
+#: (``spec.kvLeaseS``; ``kv_connector_extra_config.kv_lease_duration``; vLLM 0.32's default is 30,
+#: ``nixl/base_scheduler.py``). Once the decode engine holds the request it renews the lease by heartbeats
+#: every lease/6 (``base_scheduler.py`` ``_heartbeat_interval``), each extending it by 2/3 of the lease
+#: (``base_worker.py`` ``_lease_extension``); until then only the router's hand-off bound
+#: (``router/proxy.py`` ``KV_HANDOFF_SHARE``) keeps a decode from reading blocks the prefill has freed.
+#: The first request between two engines waits for their NIXL handshake; measured on the 2-core sandbox it
+#: took over 30 s, the prefill released the blocks ("Releasing expired KV blocks ... before lease
+#: expired") and the decode waited for its 480 s watchdog. 120 s covers a slow handshake; what it costs is
+#: blocks held that long for a request whose decode leg never comes.
+KV_LEASE_S = 120
 #: Seed 000: a decode pod needs free KV memory ≥ 1.2 × a request's KV cache (the PD router's decode filter);
 #: the planner sizes a stage's KV reservation with the same factor, so that filter has room at the planned
 #: batch.

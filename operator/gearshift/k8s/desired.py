@@ -88,6 +88,7 @@ def engine_context(
         links=desire.links.get(gear.name),
         dtype=spec.model.weights_dtype,
         kv_buffer_device=spec.kv_buffer_device,
+        kv_lease_s=spec.kv_lease_s,
         engine_args=tuple(spec.engine_args),
         hf_token_secret=(secret.name, secret.key) if secret else None,
         model_cache_host_path=cache.host_path if cache else None,

@@ -74,7 +74,7 @@ from typing import Any
 
 from gearshift.api.gearset import Gear
 from gearshift.facts.gpus import UnknownGPUError, gpu_spec
-from gearshift.facts.model import VLLM_GPU_MEMORY_UTILIZATION, ModelArch
+from gearshift.facts.model import KV_LEASE_S, VLLM_GPU_MEMORY_UTILIZATION, ModelArch
 from gearshift.k8s import names
 from gearshift.k8s.placement import gpu_resources
 
@@ -86,13 +86,6 @@ TOKENS_PER_SEQUENCE_STEP = 2048
 #: The KV connector of PD disaggregation (``vllm/distributed/kv_transfer/kv_connector/v1/nixl``): the
 #: push variant, which takes prefill pipelines of several stages (module docstring).
 KV_CONNECTOR = "NixlPushConnector"
-#: How long a prefill engine keeps a finished request's KV blocks for its decode engine, s
-#: (``kv_connector_extra_config.kv_lease_duration``; vLLM 0.32's default is 30, ``nixl/base_scheduler.py``).
-#: The first request between two engines waits for their NIXL handshake; measured on the 2-core sandbox it
-#: took over 30 s, the prefill released the blocks ("Releasing expired KV blocks ... before lease
-#: expired") and the decode waited for its 480 s watchdog. 120 s covers a slow handshake; what it costs is
-#: blocks held that long for a request whose decode leg never comes.
-KV_LEASE_S = 120
 #: KVTransferConfig.kv_role per role (``vllm/config/kv_transfer.py``); role ``both`` transfers no KV.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 #: NIXL handshake port (``vllm/envs.py`` VLLM_NIXL_SIDE_CHANNEL_PORT default); each pod has its own IP.
@@ -151,6 +144,8 @@ class EngineContext:
     """The weights' dtype (PDService ``spec.model``); vLLM's ``--dtype`` is pinned from it per pipeline."""
     kv_buffer_device: str = "cuda"
     """NixlConnector ``kv_buffer_device`` of PD roles (``spec.kvBufferDevice``): ``cuda`` or ``cpu``."""
+    kv_lease_s: int = KV_LEASE_S
+    """NixlConnector ``kv_lease_duration`` of PD roles (``spec.kvLeaseS``), s."""
     engine_args: tuple[str, ...] = ()
     """``spec.engineArgs``, appended to ``vllm serve``'s arguments."""
     hf_token_secret: tuple[str, str] | None = None
@@ -296,7 +291,7 @@ def kv_transfer_config(ctx: EngineContext, gear: Gear) -> dict[str, Any] | None:
         "kv_role": role,
         "kv_buffer_device": ctx.kv_buffer_device,
         "engine_id": head,
-        "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
+        "kv_connector_extra_config": {"kv_lease_duration": ctx.kv_lease_s},
     }
 
 

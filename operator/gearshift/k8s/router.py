@@ -51,6 +51,8 @@ def router_args(service: str, namespace: str, spec: PDServiceSpec) -> list[str]:
         f"{spec.slo.ttft_ms:g}",
         "--served-model-name",
         spec.model.name,
+        "--kv-lease-s",
+        str(spec.kv_lease_s),
     ]
 
 

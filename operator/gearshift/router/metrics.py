@@ -152,6 +152,7 @@ class RouterMetrics:
     itl: Histogram
     e2e: Histogram
     retries: Counter
+    kv_reprefills: Counter
     rejects: Counter
     no_decode_headroom: Counter
     headroom_held: Gauge
@@ -214,6 +215,13 @@ def make_metrics() -> RouterMetrics:
             "gearshift_router_retries",
             "Requests re-sent to another pod after a failed connect.",
             ["role", "pod"],
+            registry=reg,
+        ),
+        kv_reprefills=Counter(
+            "gearshift_router_kv_reprefills",
+            "PD requests whose decode pod did not answer within the KV hand-off bound (half the prefill's "
+            "KV lease) and so prefilled the prompt itself instead of reading KV the prefill may have freed.",
+            ["pod"],
             registry=reg,
         ),
         rejects=Counter(

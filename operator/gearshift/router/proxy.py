@@ -186,6 +186,21 @@ def leg_headers(request_id: str, authorization: str | None = None) -> dict[str, 
     return h
 
 
+#: Share of the KV lease (``ProxyConfig.kv_lease_s``) within which a PD request's decode leg must go to a
+#: decode pod that answers (its ``/health``, asked while the prefill leg runs). vLLM 0.32's NIXL connector
+#: frees a finished request's KV on the prefill pod when the lease runs out unless the decode engine that
+#: holds the request renews it (heartbeats every lease/6, ``nixl/base_scheduler.py``); a decode engine that
+#: gets the request later reads freed blocks (pull: "Potentially invalid KV blocks ... were retrieved",
+#: measured on the sandbox) or waits for a push that never comes. So the router hands the leg over within
+#: half the lease, which leaves the first heartbeat (lease/6) and a NIXL handshake (5 s, ``zmq.RCVTIMEO`` in
+#: ``nixl/base_worker.py``) room; past it the decode pod gets the client's request without
+#: ``kv_transfer_params`` and prefills the prompt itself (``gearshift_router_kv_reprefills``).
+KV_HANDOFF_SHARE = 0.5
+#: A decode pod's ``/health`` answer at most this old when the prefill leg ends counts as current, s;
+#: an older one (a long prefill) is asked again within the hand-off bound.
+HANDOFF_FRESH_S = 1.0
+
+
 @dataclass
 class ProxyConfig:
     """Limits and knobs of the request path."""
@@ -210,6 +225,9 @@ class ProxyConfig:
     default_max_tokens: int = 16
     text_tokens: str = "chars"
     """How text prompts are counted: ``chars`` (÷4, real tokenizers) or ``words`` (gearshift-sim)."""
+    kv_lease_s: float = 0.0
+    """How long prefill pods hold a finished request's KV for its decode pod (PDService ``kvLeaseS``,
+    vLLM's ``kv_lease_duration``), s; 0: unknown, no hand-off bound (:data:`KV_HANDOFF_SHARE`)."""
 
 
 def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
@@ -987,37 +1005,33 @@ class Proxy:
         serving = await self._place_serving("decode" if pd else "both", req, relay)
         if pd:
             decode_choice = serving
-            prefill_body = prefill_leg_body(body, is_chat(request.path))
-            pb, presp = await self._open(
-                "prefill", req, decode_choice, request.path, prefill_body, timeout, headers, retry_5xx=True
-            )
-            labels["prefill"] = pb.info.name
+            handoff_s = self.cfg.kv_lease_s * KV_HANDOFF_SHARE
+            # Asked while the prefill leg runs, so a live decode pod costs the request nothing.
+            alive = asyncio.create_task(self._alive(serving, handoff_s)) if handoff_s > 0 else None
             try:
-                text = await presp.text()
-            except (aiohttp.ClientError, ConnectionResetError) as exc:
-                raise RequestError(
-                    502,
-                    f"prefill pod {pb.info.name} broke off its answer: {exc}; the decode pod was not called",
-                    "upstream_error",
-                    "upstream_error",
-                ) from exc
+                pb, pjson = await self._prefill_leg(
+                    req, decode_choice, request, body, timeout, headers, labels
+                )
+                if alive is None or await self._handed_off(alive, serving, handoff_s):
+                    upstream_body = decode_leg_body(upstream_body, pjson)
+                else:
+                    # The decode pod did not answer within half the lease: it must not get KV the prefill
+                    # may free before it reads it; the client's request, prefilled there, is served instead.
+                    log.warning(
+                        "decode pod %s did not answer within %g s of prefill pod %s's answer (half the "
+                        "%g s KV lease): request %s is prefilled on the decode pod",
+                        serving.info.name,
+                        handoff_s,
+                        pb.info.name,
+                        self.cfg.kv_lease_s,
+                        rid,
+                    )
+                    self.metrics.kv_reprefills.labels(serving.info.name).inc()
+                    pjson = {}
             finally:
-                presp.release()
-                pb.inflight -= 1
-            if presp.status != 200:
-                raise prefill_failed(pb.info.name, presp.status, text, req.max_tokens)
-            try:
-                pjson = fastjson.loads(text)
-            except ValueError:
-                raise RequestError(
-                    502,
-                    f"prefill pod {pb.info.name} answered HTTP 200 with a body that is not JSON; "
-                    "the decode pod was not called",
-                    "upstream_error",
-                    "upstream_error",
-                ) from None
-            upstream_body = decode_leg_body(upstream_body, pjson)
-            if upstream_body.get("kv_transfer_params") is body.get("kv_transfer_params"):
+                if alive is not None:
+                    alive.cancel()
+            if pjson and upstream_body.get("kv_transfer_params") is body.get("kv_transfer_params"):
                 log.warning(
                     "prefill pod %s returned no kv_transfer_params (no KV connector?); "
                     "decode pod %s prefills request %s itself",
@@ -1049,6 +1063,89 @@ class Proxy:
         finally:
             dresp.release()
             db.inflight -= 1
+
+    async def _prefill_leg(
+        self,
+        req: P.RequestView,
+        decode_choice: Backend,
+        request: web.Request,
+        body: dict[str, Any],
+        client_timeout: aiohttp.ClientTimeout,
+        headers: Mapping[str, str],
+        labels: dict[str, str],
+    ) -> tuple[Backend, dict[str, Any]]:
+        """The prefill leg of a PD request (vLLM's toy proxy: ``max_tokens`` 1, ``do_remote_decode``):
+        the prefill pod and its JSON answer (holding the ``kv_transfer_params`` of the decode leg);
+        ``labels["prefill"]`` names the pod as soon as one answers.
+
+        Raises:
+            RequestError: 502 when the answer broke off or is not JSON; the prefill pod's own status
+                (``prefill_failed``) when it is not 200.
+        """
+        prefill_body = prefill_leg_body(body, is_chat(request.path))
+        pb, presp = await self._open(
+            "prefill", req, decode_choice, request.path, prefill_body, client_timeout, headers, retry_5xx=True
+        )
+        labels["prefill"] = pb.info.name
+        try:
+            text = await presp.text()
+        except (aiohttp.ClientError, ConnectionResetError) as exc:
+            raise RequestError(
+                502,
+                f"prefill pod {pb.info.name} broke off its answer: {exc}; the decode pod was not called",
+                "upstream_error",
+                "upstream_error",
+            ) from exc
+        finally:
+            presp.release()
+            pb.inflight -= 1
+        if presp.status != 200:
+            raise prefill_failed(pb.info.name, presp.status, text, req.max_tokens)
+        try:
+            pjson = fastjson.loads(text)
+        except ValueError:
+            raise RequestError(
+                502,
+                f"prefill pod {pb.info.name} answered HTTP 200 with a body that is not JSON; "
+                "the decode pod was not called",
+                "upstream_error",
+                "upstream_error",
+            ) from None
+        if not isinstance(pjson, dict):
+            raise RequestError(
+                502,
+                f"prefill pod {pb.info.name} answered HTTP 200 with JSON that is not an object; "
+                "the decode pod was not called",
+                "upstream_error",
+                "upstream_error",
+            )
+        return pb, pjson
+
+    async def _alive(self, b: Backend, timeout_s: float) -> float | None:
+        """When ``b``'s ``/health`` answered 200 (this router's clock); None: no 200 within ``timeout_s``."""
+        try:
+            async with self.session.get(
+                b.info.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                return self.clock() if resp.status == 200 else None
+        except (aiohttp.ClientError, ConnectionResetError, TimeoutError):
+            return None
+
+    async def _handed_off(self, alive: asyncio.Task[float | None], b: Backend, bound_s: float) -> bool:
+        """True when decode pod ``b`` answered ``/health`` within ``bound_s`` of the prefill leg's end (now):
+        ``alive`` is the check started with the prefill leg; an answer older than :data:`HANDOFF_FRESH_S`
+        is asked again within what is left of the bound."""
+        t_kv = self.clock()
+        try:
+            answered = await asyncio.wait_for(asyncio.shield(alive), bound_s)
+        except TimeoutError:
+            return False
+        if answered is None:
+            return False
+        if t_kv - answered <= HANDOFF_FRESH_S:
+            return True
+        left = bound_s - (self.clock() - t_kv)
+        return left > 0 and await self._alive(b, left) is not None
 
     async def _relay(
         self,

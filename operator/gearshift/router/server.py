@@ -468,6 +468,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="s a request no decode pod has KV headroom for is held while placement is retried (0: refuse)",
     )
     p.add_argument("--request-timeout", type=float, default=300.0, help="s")
+    p.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=ProxyConfig.kv_lease_s,
+        help="s prefill pods hold a request's KV for its decode pod (PDService kvLeaseS); a decode leg goes "
+        "to a decode pod that answers within half of it, else without the KV (0: no bound)",
+    )
     p.add_argument("--retries", type=int, default=2, help="retries of a leg on another pod")
     # Envoy's outlier detection and active health checking (gearshift.router.outlier); defaults are Envoy's.
     d = OutlierConfig()
@@ -611,6 +618,7 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             kv_bytes_per_token=kv_bytes_per_token(a.model),
             prefill_ms_per_token=prefill_ms_per_token(a.model),
             text_tokens=a.text_tokens,
+            kv_lease_s=a.kv_lease_s,
         ),
         served_model_name=a.served_model_name,
         prometheus_url=a.prometheus,

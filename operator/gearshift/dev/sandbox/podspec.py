@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gearshift.k8s.engine import VLLM_VERSION
+
 #: The programs the runner runs: gearshift's console scripts, resolved in the sandbox's virtualenv, and
 #: ``vllm`` (real vLLM for ``engine: vllm``), resolved in the sandbox's vLLM CPU venv.
 GEARSHIFT_COMMANDS = ("gearshift-sim", "gearshift-probe", "gearshift-router", "gearshift")
@@ -383,9 +385,14 @@ VLLM_CPU_ENV = {
     # vLLM's usage stats would try to reach the internet.
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
-    # vllm_site/sitecustomize.py: NIXL's progress thread sleeps this long between turns instead of
-    # busy-polling a core per engine (its docstring has the measurements).
+    # vllm_site/sitecustomize.py (its docstring has the measurements): NIXL's progress thread sleeps this
+    # long between turns instead of busy-polling a core per engine; vLLM's shm readers recheck this often
+    # and never spin; an EngineCore step that ran nothing waits this long (doubling) on its input queue.
     "SANDBOX_NIXL_PROGRESS_DELAY_US": "1000",
+    "SANDBOX_VLLM_SHM_RECHECK_MS": "2",
+    "SANDBOX_VLLM_IDLE_BACKOFF_MS": "2:10",
+    # The release those patches were read against: another one fails the engine's start, naming it.
+    "SANDBOX_VLLM_VERSION": VLLM_VERSION,
 }
 #: The folder whose ``sitecustomize.py`` every sandbox vLLM process imports (``PYTHONPATH``).
 VLLM_SITE_DIR = Path(__file__).resolve().parent / "vllm_site"

@@ -84,8 +84,9 @@ def two_stage(name: str, head: tuple[str, str], tail: tuple[str, str], split: in
                        {"layers": [split, n], "nodes": [tail[0]], "gpuModel": tail[1]}]}  # fmt: skip
 
 
-def pdservice(ns: str, svc: str, prometheus_url: str | None) -> dict[str, Any]:
-    """The PDService (PD with NixlConnector, KV staged in host memory: there is no GPU)."""
+def pdservice(ns: str, svc: str, prometheus_url: str | None, kv_lease_s: int | None = None) -> dict[str, Any]:
+    """The PDService (PD with NixlConnector, KV staged in host memory: there is no GPU); ``kv_lease_s``
+    sets ``spec.kvLeaseS`` (None: the default)."""
     return {
         "apiVersion": "gearshift.io/v1alpha1",
         "kind": "PDService",
@@ -100,6 +101,7 @@ def pdservice(ns: str, svc: str, prometheus_url: str | None) -> dict[str, Any]:
             "slo": {"ttftMs": 2000, "itlMs": 500},
             "router": {"policy": "pd-score"},
             **({"prometheusUrl": prometheus_url} if prometheus_url else {}),
+            **({"kvLeaseS": kv_lease_s} if kv_lease_s else {}),
         },
     }
 
@@ -190,10 +192,15 @@ class VllmService:
         self.cluster, self.ns, self.name = cluster, ns, name
         self.router = ""
 
-    def apply(self, gears: dict[str, tuple[list[dict[str, Any]], str]], prometheus_url: str | None) -> None:
+    def apply(
+        self,
+        gears: dict[str, tuple[list[dict[str, Any]], str]],
+        prometheus_url: str | None,
+        kv_lease_s: int | None = None,
+    ) -> None:
         """Apply the GearSets (``role -> (gears, initial)``) and the PDService."""
         objs = [gearset(self.ns, self.name, role, g, initial) for role, (g, initial) in gears.items()]
-        apply(self.cluster, [*objs, pdservice(self.ns, self.name, prometheus_url)])
+        apply(self.cluster, [*objs, pdservice(self.ns, self.name, prometheus_url, kv_lease_s)])
 
     def engine_pods(
         self, role: str, gear: str | None = None, stage: int | None = None
