@@ -13,7 +13,15 @@ tiny Llama (``gearshift.dev.sandbox.vllm_service``), with at most three vLLM pro
    the shift record's own start/finish;
 4. KV capacity: what the planner computes for the KV pool the engine was given (VLLM_CPU_KVCACHE_SPACE =
    1 GiB here; on a GPU the pool that --gpu-memory-utilization leaves) vs vLLM's ``num_gpu_blocks``
-   (``vllm:cache_config_info``) and its logged token capacity, per engine.
+   (``vllm:cache_config_info``) and its logged token capacity, per engine;
+5. the shift under steady load (``--load-rps``): failed requests and the client-visible gap (the longest time
+   between two answers while the shift ran), and the shadow's start-up beside the serving engines;
+6. a pipeline head killed (SIGKILL to its container's process group): seconds until the replica is Ready again
+   and serves (the operator recreates the headless rank, handlers/replicas.py);
+7. idle CPU of one vLLM engine (a bare ``vllm serve`` of the tiny model as a PD producer, the pod runner's
+   env) with the sandbox's vLLM site customisation on and off (``SANDBOX_VLLM_PATCHES``): CPU seconds per
+   second of its process group while idle, and while it holds a finished request's KV for a decode leg that
+   never comes (the lease).
 
 What a user would pick instead of the router is a client that talks to vLLM directly (the comparison of
 item 2); GPU-hours mean nothing on CPU processes, so wall seconds are reported. Every loop is bounded in
@@ -25,10 +33,14 @@ Usage: ``.venv/bin/python bench/vllm_cpu.py [--requests 40] [--out bench/results
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import datetime
@@ -39,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
 from gearshift.dev.sandbox import cluster as sbcluster  # noqa: E402
+from gearshift.dev.sandbox import podspec  # noqa: E402
 from gearshift.dev.sandbox import vllm_service as vs  # noqa: E402
 from gearshift.dev.sandbox.harness import (  # noqa: E402
     GpuNodes,
@@ -51,11 +64,9 @@ from gearshift.dev.sandbox.harness import (  # noqa: E402
     wait_until,
 )
 from gearshift.dev.sandbox.layout import Layout  # noqa: E402
-from gearshift.facts.model import ModelArch  # noqa: E402
+from gearshift.facts.model import KV_LEASE_S, ModelArch  # noqa: E402
+from gearshift.k8s.engine import KV_CONNECTOR  # noqa: E402
 from gearshift.router.proxy import REQUEST_ID_HEADER, decode_leg_body, prefill_leg_body  # noqa: E402
-
-#: vLLM's default KV block size, tokens (vllm/config/cache.py; the CPU backend keeps 16 for this model).
-BLOCK_SIZE = 16
 
 
 def _ts(s: str) -> float:
@@ -76,9 +87,10 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
-def planner_kv(layers: int, pool_bytes: int) -> dict[str, int]:
+def planner_kv(layers: int, pool_bytes: int, block_size: int) -> dict[str, int]:
     """The planner's KV capacity of an engine holding ``layers`` layers in a ``pool_bytes`` pool
-    (``ModelArch.kv_bytes_per_token_layer``, the formula the planner and the simulated engine use)."""
+    (``ModelArch.kv_bytes_per_token_layer``, the formula the planner and the simulated engine use), in
+    tokens and in blocks of ``block_size`` tokens (vLLM's own, from ``vllm:cache_config_info``)."""
     arch = ModelArch(
         name=vs.MODEL["name"],
         num_layers=vs.MODEL["numLayers"],
@@ -91,7 +103,7 @@ def planner_kv(layers: int, pool_bytes: int) -> dict[str, int]:
         dtype_bytes=4,
     )
     tokens = pool_bytes // (arch.kv_bytes_per_token_layer * layers)
-    return {"tokens": int(tokens), "blocks": int(tokens // BLOCK_SIZE)}
+    return {"tokens": int(tokens), "blocks": int(tokens // block_size)}
 
 
 def vllm_kv(svc: vs.VllmService, pod: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +120,117 @@ def vllm_kv(svc: vs.VllmService, pod: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid`` (/proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # field 5 of stat: the process group
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def cpu_share(pgid: int, seconds: float) -> float:
+    """Cores the process group used on average over ``seconds``."""
+    c0, t0 = group_cpu_s(pgid), time.monotonic()
+    time.sleep(seconds)
+    return round((group_cpu_s(pgid) - c0) / (time.monotonic() - t0), 3)
+
+
+def idle_cpu(layout: Layout, patches: bool, sample_s: float = 20.0) -> dict[str, Any]:
+    """One bare ``vllm serve`` PD producer (the pod runner's env, ``SANDBOX_VLLM_PATCHES`` on or off):
+    cores used idle, and while it holds a request's KV for a decode leg that never comes."""
+    ip, port = "127.0.9.1", 8000
+    url = f"http://{ip}:{port}"
+    kv = {
+        "kv_connector": KV_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu",
+        "engine_id": f"bench-idle-{int(patches)}",
+        "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
+    }
+    env = {**os.environ, **podspec.vllm_cpu_env(0), "SANDBOX_VLLM_PATCHES": "1" if patches else "0",
+           "HF_HOME": str(layout.hostpath_root / vs.MODEL_CACHE.lstrip("/")),
+           "VLLM_NIXL_SIDE_CHANNEL_HOST": ip, "VLLM_NIXL_SIDE_CHANNEL_PORT": "5650"}  # fmt: skip
+    argv = [str(layout.vllm_bin / "vllm"), "serve", vs.SERVED, "--host", ip, "--port", str(port),
+            "--dtype", "float32", "--max-num-seqs", "8", "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+    log = layout.logs_dir / f"bench-vllm-idle-{'on' if patches else 'off'}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+
+        def healthy() -> bool | None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {proc.returncode}: {log}")
+            try:
+                return vs.get(f"{url}/health", timeout=2) is not None or None
+            except Exception:
+                return None
+
+        wait_until(healthy, 600, "bare vLLM engine healthy", interval_s=1.0)
+        ready_s = round(time.monotonic() - t0, 1)
+        time.sleep(5)  # past vLLM's 1 s post-read spin and the first metrics flush
+        idle = cpu_share(proc.pid, sample_s)
+        body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 8, "temperature": 0}
+        status, _ = vs.post(f"{url}/v1/completions", prefill_leg_body(body, chat=False))
+        holding = cpu_share(proc.pid, sample_s)
+        return {"patches": patches, "startup_s": ready_s, "idle_cores": idle,
+                "holding_kv_cores": holding, "prefill_leg_status": status, "sample_s": sample_s}  # fmt: skip
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class Load:
+    """Steady completions through the router at ``rps`` (bounded in count and time): answers, failures."""
+
+    def __init__(self, url: str, rps: float, limit_s: float = 1800.0) -> None:
+        self.url, self.rps, self.limit_s = url, rps, limit_s
+        self.ok: list[float] = []
+        self.failed: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 4, "temperature": 0}
+        end = time.monotonic() + self.limit_s
+        while not self.stop.is_set() and time.monotonic() < end and len(self.ok) + len(self.failed) < 20000:
+            t0 = time.monotonic()
+            try:
+                status, raw = vs.post(f"{self.url}/v1/completions", body, timeout=120)
+                if status == 200:
+                    self.ok.append(time.monotonic())
+                else:
+                    self.failed.append(f"{status} {raw[:200]!r}")
+            except Exception as exc:
+                self.failed.append(repr(exc))
+            self.stop.wait(max(0.0, 1.0 / self.rps - (time.monotonic() - t0)))
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=150)
+
+    def gap_s(self, t0: float, t1: float) -> float:
+        """Longest time without an answer inside ``[t0, t1]`` (its ends count as answers)."""
+        ts = [t0, *[t for t in self.ok if t0 <= t <= t1], t1]
+        return round(max(b - a for a, b in itertools.pairwise(ts)), 2)
+
+
 def direct_pd(prefill_url: str, decode_url: str, body: dict[str, Any]) -> tuple[int, bytes]:
     """vLLM's own two-leg PD request (toy_proxy_server.py) straight to the pods, one X-Request-Id; the
     legs are the router's own builders, so only the hop through the router differs."""
@@ -120,11 +243,15 @@ def direct_pd(prefill_url: str, decode_url: str, body: dict[str, Any]) -> tuple[
     return vs.post(f"{decode_url}/v1/completions", decode, headers={REQUEST_ID_HEADER: rid})
 
 
-def router_overhead(svc: vs.VllmService, n: int) -> dict[str, Any]:
-    """``n`` requests each through the router and direct, alternating; latency percentiles, ms."""
+def router_overhead(svc: vs.VllmService, n: int, warmup: int = 10) -> dict[str, Any]:
+    """``n`` requests each through the router and direct, alternating, after ``warmup`` of each (not
+    counted); latency percentiles, ms."""
     prefill = next(p for p in svc.engine_pods("prefill", stage=0) if pod_ready(p))
     decode = next(p for p in svc.engine_pods("decode", stage=0) if pod_ready(p))
     body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 8, "temperature": 0}
+    for _ in range(warmup):
+        vs.post(f"{svc.router}/v1/completions", body)
+        direct_pd(svc.pod_url(prefill), svc.pod_url(decode), body)
     via, direct, failed = [], [], 0
     for i in range(n):
         for mode in ("router", "direct") if i % 2 == 0 else ("direct", "router"):
@@ -147,14 +274,36 @@ def router_overhead(svc: vs.VllmService, n: int) -> dict[str, Any]:
         "direct_p99_ms": round(pct(direct, 99), 2),
         "added_p50_ms": round(pct(via, 50) - pct(direct, 50), 2),
         "added_p99_ms": round(pct(via, 99) - pct(direct, 99), 2),
-        "note": "p99 of 40 samples is their maximum; both paths hit the same two pods in alternation",
+        "warmup_each": warmup,
+        "note": "both paths hit the same prefill and decode pod in alternation, one request at a time; the "
+        "router's path adds its hop and the decode pod's /health check (the KV hand-off bound), asked while "
+        "the prefill leg runs",
     }
 
 
-def shift(kc: Any, svc: vs.VllmService, target: str, timeout_s: float) -> dict[str, Any]:
-    """forceGear ``target`` on the prefill GearSet; patch -> Stable on it, s, and the shift record."""
+def shift(kc: Any, svc: vs.VllmService, target: str, timeout_s: float, rps: float) -> dict[str, Any]:
+    """forceGear ``target`` on the prefill GearSet under steady load at ``rps``: patch -> Stable on it, s,
+    the shift record, the shadow's start-up, failed requests and the longest client-visible gap."""
     gs = f"{svc.name}-prefill"
-    t0 = time.monotonic()
+    with Load(svc.router, rps) as load:
+        time.sleep(5)
+        t0 = time.monotonic()
+        out = _shift(kc, svc, gs, target, timeout_s, t0)
+        t1 = time.monotonic()
+        time.sleep(10)
+    heads = [p for p in svc.engine_pods("prefill", target, 0) if pod_ready(p)]
+    out.update(
+        load_rps=rps,
+        requests_ok=len(load.ok),
+        failed=len(load.failed),
+        failures=load.failed[:3],
+        max_gap_s=load.gap_s(t0, t1),
+        shadow_startup_s=startup_s(heads[0]) if heads else None,
+    )
+    return out
+
+
+def _shift(kc: Any, svc: vs.VllmService, gs: str, target: str, timeout_s: float, t0: float) -> dict[str, Any]:
     kc.kubectl("patch", "gearset", gs, "-n", svc.ns, "--type=merge", "-p",
                json.dumps({"spec": {"forceGear": target}}))  # fmt: skip
 
@@ -171,6 +320,32 @@ def shift(kc: Any, svc: vs.VllmService, target: str, timeout_s: float) -> dict[s
     return out
 
 
+def head_restart(kc: Any, svc: vs.VllmService) -> dict[str, Any]:
+    """SIGKILL the head of the two-stage prefill gear: seconds until both stages are Ready again (new
+    pods) and until a completion through the router answers."""
+
+    def stages() -> dict[str, dict[str, Any]]:
+        return {p["metadata"]["labels"]["gearshift.io/stage"]: p for p in svc.engine_pods("prefill", "two")}
+
+    before = stages()
+    t0 = time.monotonic()
+    os.killpg(vs.container_pid(before["0"]), signal.SIGKILL)
+
+    def recovered() -> bool:
+        now = stages()
+        return (
+            set(now) == {"0", "1"}
+            and now["1"]["metadata"]["uid"] != before["1"]["metadata"]["uid"]
+            and all(pod_ready(p) for p in now.values())
+        )
+
+    wait_until(recovered, vs.READY_S, "the two-stage replica recreated and Ready", interval_s=1.0)
+    ready = time.monotonic() - t0
+    svc.wait_ready()
+    svc.complete()
+    return {"ready_s": round(ready, 1), "serving_s": round(time.monotonic() - t0, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=40, help="requests per path for the router cost")
@@ -181,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="measure a shift (three NIXL engines at once: on 2 cores the shadow took over 20 min to start)",
     )
+    ap.add_argument("--load-rps", type=float, default=1.0, help="client load during the shift, req/s")
+    ap.add_argument("--idle-cpu", action=argparse.BooleanOptionalAction, default=True, help="measure item 7")
     args = ap.parse_args(argv)
     layout = Layout.from_env()
     if not layout.vllm_installed:
@@ -230,15 +407,19 @@ def main(argv: list[str] | None = None) -> int:
                     entry["pods"][name] = {"role": role, "stage": stage, "startup_s": startup_s(pod)}
                     if stage == 0:
                         layers = 3 if (tag == "two" and role == "prefill") else vs.MODEL["numLayers"]
-                        kv[name] = {"layers": layers, "vllm": vllm_kv(svc, pod),
-                                    "planner": planner_kv(layers, vs.KV_POOL_BYTES)}  # fmt: skip
+                        got = vllm_kv(svc, pod)
+                        planned = planner_kv(layers, vs.KV_POOL_BYTES, got["block_size"])
+                        kv[name] = {"layers": layers, "vllm": got, "planner": planned}
             entry["kv"] = kv
             if tag == "one":
                 entry["router_overhead"] = router_overhead(svc, args.requests)
                 if args.shift:
-                    entry["shift"] = shift(kc, svc, "oneb", vs.READY_S)
+                    entry["shift"] = shift(kc, svc, "oneb", vs.READY_S, args.load_rps)
+                    entry["shift_back"] = shift(kc, svc, "one", vs.READY_S, args.load_rps)
                 else:
-                    entry["shift"] = {"skipped": "--no-shift: three NIXL engines at once do not fit 2 cores"}
+                    entry["shift"] = {"skipped": "--no-shift"}
+            else:
+                entry["head_restart"] = head_restart(kc, svc)
             result[f"gear_{tag}_stage"] = entry
             print(json.dumps({tag: entry}, indent=1), flush=True)
         finally:
@@ -246,6 +427,14 @@ def main(argv: list[str] | None = None) -> int:
             svc.wait_engines_gone()
             if left:
                 print(f"teardown left {left}", file=sys.stderr)
+    if args.idle_cpu:
+        result["idle_cpu"] = {
+            "what": "one bare vllm serve PD producer of the tiny model, the pod runner's env; cores used "
+            "(CPU seconds per second of its process group)",
+            "without_site_patches": idle_cpu(layout, patches=False),
+            "with_site_patches": idle_cpu(layout, patches=True),
+        }
+        print(json.dumps(result["idle_cpu"], indent=1), flush=True)
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
