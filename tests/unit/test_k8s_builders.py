@@ -253,17 +253,39 @@ class TestVllm:
                 assert kv is None and "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env and "nixl" not in ports
                 continue
             # The push connector (engine.py docstring: vLLM 0.32's pull connector refuses a prefill
-            # pipeline); one engine id per pipeline replica, the head pod's name, on every rank.
+            # pipeline); one engine id per incarnation of a pipeline replica, on every rank: the head pod's
+            # name and the replica's KV epoch, which the operator writes before the gate lifts.
             assert json.loads(kv) == {
                 "kv_connector": "NixlPushConnector",
                 "kv_role": kv_role,
                 "kv_buffer_device": device,
-                "engine_id": f"llama3-8b-{role}-balanced-s0-$(GEARSHIFT_POD_INDEX)",
+                "engine_id": f"llama3-8b-{role}-balanced-s0-$(GEARSHIFT_POD_INDEX)-$(GEARSHIFT_KV_EPOCH)",
                 # a slow first handshake must not outlast the prefill's hold on the KV (engine.py)
                 "kv_connector_extra_config": {"kv_lease_duration": 120},
             }
+            tmpl, _ = vllm_pod(vllm_ctx(pds, role, kv_buffer_device=device), gear, k)
+            assert tmpl["spec"]["schedulingGates"] == [{"name": "gearshift.io/kv-epoch"}]
+            epoch_env = next(e for e in c["env"] if e["name"] == "GEARSHIFT_KV_EPOCH")
+            assert (
+                epoch_env["valueFrom"]["fieldRef"]["fieldPath"]
+                == "metadata.annotations['gearshift.io/kv-epoch']"
+            )
             assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.7"
             assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" == str(ports["nixl"])
+
+    @pytest.mark.parametrize("role", ["prefill", "decode", "both"])
+    def test_one_stage_pods_start_at_once_and_leave_the_engine_id_to_vllm(
+        self, pds: PDService, role: str
+    ) -> None:
+        """vLLM draws a new engine id at each start (KVTransferConfig), which its NIXL peers need after a
+        restart; no gate, no epoch."""
+        tmpl, c = vllm_pod(vllm_ctx(pds, role), ONE, 0)
+        kv = flag(c["args"], "--kv-transfer-config")
+        assert (kv is None) == (role == "both")
+        if kv is not None:
+            assert "engine_id" not in json.loads(kv)
+        assert "schedulingGates" not in tmpl["spec"]
+        assert "GEARSHIFT_KV_EPOCH" not in {e["name"] for e in c["env"]}
 
     def test_single_stage_has_no_multinode_flags(self, pds: PDService) -> None:
         args = vllm_args(vllm_ctx(pds), ONE, 0)

@@ -13,6 +13,7 @@ from test_handlers_reconcile import NS, _example, new_api
 from gearshift.handlers import replicas as rp
 from gearshift.handlers.main import HANDLER_MODULES
 from gearshift.k8s import names
+from gearshift.k8s.engine import KV_EPOCH_ANNOTATION, KV_EPOCH_ENV, KV_EPOCH_GATE
 from gearshift.testing.kube import FakeKubeApi
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -250,3 +251,73 @@ class TestHandler:
         rp.head_pod_event(type="MODIFIED", body=_head(api), memo=kopf.Memo(runtime=api.runtime))
         assert "llama3-8b-decode-deep-s1-1" not in _pods(api)
         assert [e["reason"] for e in api.events] == ["PipelineReplicaRestarted"]
+
+
+def epoch_pod(
+    stage: int, ordinal: int, *, gate: bool = True, epoch: str | None = None, **kw: Any
+) -> dict[str, Any]:
+    """A stage pod of a multi-stage PD gear (its engine reads the KV epoch), gated or not."""
+    p = pod(stage, ordinal, **kw)
+    p["spec"]["containers"][0]["env"] = [
+        {"name": KV_EPOCH_ENV, "valueFrom": {"fieldRef": {"fieldPath": "x"}}}
+    ]
+    if gate:
+        p["spec"]["schedulingGates"] = [{"name": "other.io/gate"}, {"name": KV_EPOCH_GATE}]
+    if epoch is not None:
+        p["metadata"]["annotations"] = {KV_EPOCH_ANNOTATION: epoch}
+    return p
+
+
+class TestKvEpoch:
+    """A multi-stage PD replica's ranks share one engine id, new for every incarnation of the replica."""
+
+    def test_a_head_takes_its_uid_and_a_rank_its_heads_epoch(self) -> None:
+        head = epoch_pod(0, 1)
+        head["metadata"]["uid"] = "9f1c2e3a-4b5d-6e7f-8091-a2b3c4d5e6f7"
+        assert rp.kv_epoch(head, None) == "9f1c2e3a4b5d"
+        rank = epoch_pod(2, 1)
+        assert rp.kv_epoch(rank, None) is None  # no head yet: wait
+        assert rp.kv_epoch(rank, epoch_pod(0, 1, gate=True, epoch="abc")) is None  # head still gated
+        going = epoch_pod(0, 1, gate=False, epoch="abc")
+        going["metadata"]["deletionTimestamp"] = ts(5)
+        assert rp.kv_epoch(rank, going) is None  # the head of the last incarnation
+        assert rp.kv_epoch(rank, epoch_pod(0, 1, gate=False, epoch="abc")) == "abc"
+
+    def test_release_of_a_head_lifts_its_ranks_of_the_same_ordinal(self, api: FakeKubeApi) -> None:
+        for k in range(3):
+            for r in range(2):
+                api.put(epoch_pod(k, r), NS)
+        head = _head(api)
+        head["metadata"]["uid"] = "0123abcd-4567-89ef-0123-456789abcdef"
+        assert rp.release(api, head) == "0123abcd4567"  # the UID's first 12 hex digits
+        got = {p["metadata"]["name"]: p for p in api.list("v1", "Pod", NS)}
+        for k in range(3):
+            p1 = got[f"llama3-8b-decode-deep-s{k}-1"]
+            assert p1["metadata"]["annotations"][KV_EPOCH_ANNOTATION] == "0123abcd4567"
+            assert p1["spec"]["schedulingGates"] == [{"name": "other.io/gate"}]  # only ours lifted
+            assert rp.gated(got[f"llama3-8b-decode-deep-s{k}-0"])  # replica 0 waits for its own head
+
+    def test_a_rank_created_after_its_head_is_released_on_its_own_event(self, api: FakeKubeApi) -> None:
+        api.put(epoch_pod(0, 1, gate=False, epoch="e1"), NS)
+        api.put(epoch_pod(1, 1), NS)
+        rank = api.get("v1", "Pod", NS, "llama3-8b-decode-deep-s1-1")
+        assert rank is not None
+        rp.gated_pod_event(type="ADDED", body=rank, memo=kopf.Memo(runtime=api.runtime))
+        rank = api.get("v1", "Pod", NS, "llama3-8b-decode-deep-s1-1")
+        assert rank is not None and not rp.gated(rank)
+        assert rank["metadata"]["annotations"][KV_EPOCH_ANNOTATION] == "e1"
+
+    def test_a_restarted_head_is_deleted_with_its_ranks(self, api: FakeKubeApi) -> None:
+        """In place it would come back under its old engine id, which NIXL peers never handshake again."""
+        for k in range(3):
+            api.put(epoch_pod(k, 1, gate=False, epoch="e1"), NS)
+        api.put(epoch_pod(0, 1, gate=False, epoch="e1", restarts=1, stopped=600), NS)
+        d = rp.act(api, _head(api))
+        assert d.delete == (
+            "llama3-8b-decode-deep-s1-1",
+            "llama3-8b-decode-deep-s2-1",
+            "llama3-8b-decode-deep-s0-1",
+        )
+        assert {n for n in _pods(api) if n.endswith("-1")} == set()
+        [ev] = [e for e in api.events if e["reason"] == "PipelineReplicaRestarted"]
+        assert "llama3-8b-decode-deep-s0-1" in ev["message"].split("recreating ")[1]

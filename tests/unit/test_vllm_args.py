@@ -18,6 +18,7 @@ import json
 import os
 import re
 import subprocess
+import uuid
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from gearshift.api.pdservice import (
     owned_flag,
 )
 from gearshift.k8s.desired import Images, RoleDesire, gear_objects
-from gearshift.k8s.engine import DEFAULT_VLLM_IMAGE, VLLM_VERSION
+from gearshift.k8s.engine import DEFAULT_VLLM_IMAGE, KV_EPOCH_ANNOTATION, VLLM_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "e2e" / "sandbox" / "install-vllm.sh"
@@ -140,6 +141,10 @@ def versions_env() -> dict[str, str]:
     return out
 
 
+#: A replica's KV epoch as the operator writes it (handlers/replicas.py kv_epoch: the head's UID, 12 digits).
+KV_EPOCH_SAMPLE = "5f0c2a9e41b7"
+
+
 def kubelet_env(container: dict[str, Any], pod_ip: str, pod_index: str) -> dict[str, str]:
     """The container's env as the kubelet builds it: downward-API fieldRefs and secretKeyRefs resolved to
     sample values, then ``$(VAR)`` of earlier variables expanded, in order."""
@@ -155,6 +160,7 @@ def kubelet_env(container: dict[str, Any], pod_ip: str, pod_index: str) -> dict[
                 value = {
                     "status.podIP": pod_ip,
                     "metadata.labels['apps.kubernetes.io/pod-index']": pod_index,
+                    f"metadata.annotations['{KV_EPOCH_ANNOTATION}']": KV_EPOCH_SAMPLE,
                 }[src["fieldRef"]["fieldPath"]]
         out[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: out.get(m[1], m[0]), value)
     return out
@@ -328,8 +334,12 @@ def test_vllm_reads_what_the_manifest_means(parsed: dict[str, Any], name: str, k
         assert kv is None
     else:
         assert kv["kv_connector"] == "NixlPushConnector"
-        # every rank of pipeline replica 1 names the replica's head pod as its engine
-        assert kv["engine_id"] == f"{svc}-{c['role']}-{gear.name}-s0-1"
+        if n > 1:
+            # every rank of pipeline replica 1 names the replica's head pod and its KV epoch
+            assert kv["engine_id"] == f"{svc}-{c['role']}-{gear.name}-s0-1-{KV_EPOCH_SAMPLE}"
+        else:
+            # vLLM's own id, new at each start (engine.kv_transfer_config): a random UUID, no pod name
+            assert str(uuid.UUID(kv["engine_id"])) == kv["engine_id"] and svc not in kv["engine_id"]
         assert kv["lease_s"] == pds.spec.kv_lease_s  # spec.kvLeaseS reaches vLLM
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[c["role"]]
         assert kv["is_kv_producer"] == (c["role"] == "prefill")

@@ -22,6 +22,14 @@ stages do not rendezvous, so its pods are left alone). What was acted on is reme
 annotation :data:`ANNOTATION_RESTARTS_ACTED` (``<uid>:<restartCount>``), so an operator restart does not
 act again; a stage pod created after the head's engine stopped is not stale, which keeps the decision
 idempotent even when the operator stops between deleting pods and writing the annotation.
+
+**KV epochs.** A PD role's engines are NIXL peers that know each other by engine id, and a peer that comes
+back under its old id is never handshaken again (``gearshift.k8s.engine.kv_transfer_config``). The ranks of a
+multi-stage PD gear share one id, the head pod's name and the replica's *KV epoch*: their pods start under the
+scheduling gate :data:`~gearshift.k8s.engine.KV_EPOCH_GATE`; :func:`kv_epoch` gives the head a new epoch (its
+UID) and each other rank the epoch of its head, and :func:`gated_pod_event` writes it as the annotation the
+engine reads and lifts the gate. A restarted head of such a gear is deleted with its ranks
+(:func:`act`), so the replica comes back as new pods under a new epoch instead of the old id.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from gearshift.handlers.common import emit
 from gearshift.handlers.kubeapi import PDS, POD, KubeApi, KubeApiError
 from gearshift.handlers.runtime import runtime_of
 from gearshift.k8s import names
+from gearshift.k8s.engine import KV_EPOCH_ANNOTATION, KV_EPOCH_ENV, KV_EPOCH_GATE
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +258,83 @@ def stage_pods(pods: Sequence[Mapping[str, Any]]) -> list[StagePod]:
     return out
 
 
+def gated(pod: Mapping[str, Any]) -> bool:
+    """The pod waits under :data:`KV_EPOCH_GATE`."""
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(g.get("name") == KV_EPOCH_GATE for g in gates)
+
+
+def epoch_kind(pod: Mapping[str, Any]) -> bool:
+    """The pod's engine reads a KV epoch (its container has :data:`KV_EPOCH_ENV`): a multi-stage PD gear."""
+    c = engine_container(pod) or {}
+    return any(e.get("name") == KV_EPOCH_ENV for e in c.get("env") or [])
+
+
+def kv_epoch(pod: Mapping[str, Any], head: Mapping[str, Any] | None) -> str | None:
+    """The KV epoch to give a gated pod, or None to wait. Pure.
+
+    A head (stage 0) starts a new incarnation of its pipeline replica: its own UID (the first 12 hex digits;
+    a new pod, so a new value). Any other rank takes its head's epoch once the head has one and is not being
+    deleted; until then it waits (the head's own gate lifting lifts it, :func:`gated_pod_event`).
+    """
+    meta = pod.get("metadata") or {}
+    if (meta.get("labels") or {}).get(names.LABEL_STAGE) == "0":
+        uid = str(meta.get("uid") or "").replace("-", "")
+        return uid[:12] or None
+    if head is None or (head.get("metadata") or {}).get("deletionTimestamp") or gated(head):
+        return None
+    epoch = ((head.get("metadata") or {}).get("annotations") or {}).get(KV_EPOCH_ANNOTATION)
+    return str(epoch) if epoch else None
+
+
+def ungate_patch(pod: Mapping[str, Any], epoch: str) -> dict[str, Any]:
+    """The merge patch that writes ``epoch`` and lifts :data:`KV_EPOCH_GATE` (other gates stay)."""
+    gates = [
+        g for g in (pod.get("spec") or {}).get("schedulingGates") or [] if g.get("name") != KV_EPOCH_GATE
+    ]
+    return {"metadata": {"annotations": {KV_EPOCH_ANNOTATION: epoch}}, "spec": {"schedulingGates": gates}}
+
+
+def head_name_of(pod: Mapping[str, Any]) -> str | None:
+    """The name of the head pod of ``pod``'s pipeline replica (stage 0, same ordinal), or None."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    ordinal = pod_ordinal(pod)
+    service, role, gear = (labels.get(k) for k in (names.LABEL_SERVICE, names.LABEL_ROLE, names.LABEL_GEAR))
+    if ordinal is None or not (service and role and gear):
+        return None
+    return f"{names.stage_statefulset_name(service, role, gear, 0)}-{ordinal}"
+
+
+def release(api: KubeApi, pod: Mapping[str, Any]) -> str | None:
+    """Give a gated pod its KV epoch and lift its gate; for a head, also its gated ranks. Returns the epoch
+    written, or None (waiting for its head).
+
+    Raises:
+        KubeApiError: the API server refused a read or the patch.
+    """
+    meta = pod.get("metadata") or {}
+    ns, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+    is_head = (meta.get("labels") or {}).get(names.LABEL_STAGE) == "0"
+    head_name = head_name_of(pod)
+    head = None if is_head or head_name is None else api.get(*POD, ns, head_name)
+    epoch = kv_epoch(pod, head)
+    if epoch is None:
+        return None
+    api.patch(*POD, ns, name, ungate_patch(pod, epoch))
+    if is_head:
+        labels = meta.get("labels") or {}
+        service, role, gear = (
+            labels.get(k) for k in (names.LABEL_SERVICE, names.LABEL_ROLE, names.LABEL_GEAR)
+        )
+        ordinal = pod_ordinal(pod)
+        if service and role and gear:
+            for peer in api.list(*POD, ns, names.engine_labels(service, role, gear)):
+                peer_name = str((peer.get("metadata") or {}).get("name") or "")
+                if pod_ordinal(peer) == ordinal and gated(peer) and peer_name != name:
+                    api.patch(*POD, ns, peer_name, ungate_patch(peer, epoch))
+    return epoch
+
+
 def event_message(head: HeadState, decision: Decision) -> str:
     """The PDService event's text."""
     if decision.cause == "restarted":
@@ -281,7 +367,12 @@ def act(api: KubeApi, pod: Mapping[str, Any]) -> Decision:
     decision = decide(head, stage_pods(gear_pods))
     for name in decision.delete:
         api.delete(*POD, ns, name)
-    if decision.record is not None:
+    if decision.cause == "restarted" and epoch_kind(pod):
+        # Restarted in place, the head would come back under its old engine id, which its NIXL peers
+        # never handshake again: the whole replica comes back as new pods under a new KV epoch.
+        api.delete(*POD, ns, head.name)
+        decision = Decision((*decision.delete, head.name), None, decision.cause, decision.notes)
+    elif decision.record is not None:
         api.patch(
             *POD, ns, head.name, {"metadata": {"annotations": {ANNOTATION_RESTARTS_ACTED: decision.record}}}
         )
@@ -319,3 +410,25 @@ def head_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any)
     except KubeApiError as exc:
         meta = body.get("metadata") or {}
         log.warning("head pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+
+
+@kopf.on.event(
+    "",
+    "v1",
+    "pods",
+    labels={names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_COMPONENT: names.COMPONENT_ENGINE},
+    when=lambda body, **_: gated(body),
+)
+def gated_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A stage pod waits under the KV-epoch gate: give it its epoch and let it be scheduled (:func:`release`).
+
+    A rank whose head has no epoch yet waits; the head's own release lifts it. A refused call is logged;
+    the pod's next change, or its head's, tries again.
+    """
+    if type == "DELETED":
+        return
+    try:
+        release(runtime_of(memo).api, body)
+    except KubeApiError as exc:
+        meta = body.get("metadata") or {}
+        log.warning("gated pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)

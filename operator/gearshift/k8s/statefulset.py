@@ -13,7 +13,9 @@ from gearshift.api.gearset import Gear
 from gearshift.k8s import names
 from gearshift.k8s.engine import (
     ENGINE_PORT,
+    KV_EPOCH_GATE,
     EngineContext,
+    kv_epoch_gated,
     sim_container,
     vllm_container,
     vllm_resources,
@@ -117,6 +119,8 @@ def build_stage_statefulset(
     }
     if volumes:
         pod_spec["volumes"] = volumes
+    if ctx.engine != "sim" and kv_epoch_gated(ctx, gear):
+        pod_spec["schedulingGates"] = [{"name": KV_EPOCH_GATE}]
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
