@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,8 @@ from gearshift.planner.fleetplan import (
     peer_max_load,
 )
 
+REPO = Path(__file__).resolve().parents[2]
+MIXED = str(REPO / "examples" / "fleets" / "mixed.yaml")
 UTIL = 0.8  # the workload's utilisation below; brute force and plan count load the same way
 
 
@@ -324,3 +327,56 @@ class TestClassesAndErrors:
         fc = _fleet([("T4-16GB", 6, 25.0)])
         with pytest.raises(InfeasibleError, match=r"SLO"):
             max_load(fc, Workload(ToyModel(), 1.0, UTIL, (1,)))
+
+
+class TestCli:
+    MODEL = str(REPO / "examples" / "models" / "llama-3-8b.json")
+
+    def _run(self, capsys, *args: str) -> tuple[int, str, str]:
+        from gearshift.cli import main
+
+        rc = main(["plan", "--fleet", "--model", self.MODEL, *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    def test_json_carries_bound_and_ratio_per_answer(self, capsys, tmp_path):
+        import json
+
+        fleet = tmp_path / "f.yaml"
+        fleet.write_text(
+            "name: f\nnodePools:\n"
+            "  - {name: h, gpu: H100-80GB, nodes: 2, gpusPerNode: 4, nicGbps: 100}\n"
+            "  - {name: t, gpu: T4-16GB, nodes: 4, gpusPerNode: 4, nicGbps: 25}\n"
+        )
+        rc, out, _ = self._run(
+            capsys, "--cluster", str(fleet), "--slo-ms", "800", "--load", "20", "-o", "json"
+        )
+        assert rc == 0
+        doc = json.loads(out)
+        for key in ("max_load", "cheapest"):
+            ans = doc[key]
+            assert ans["bound"] > 0
+            assert ans["ratio"] == pytest.approx(
+                (ans["throughput_rps"] if key == "max_load" else ans["cost"]) / ans["bound"], rel=1e-4
+            )
+        assert doc["max_load"]["ratio"] <= 1 + 1e-6 <= doc["cheapest"]["ratio"] + 2e-6
+        assert doc["cheapest"]["throughput_rps"] >= 20 * (1 - 1e-6)
+        assert doc["gpus"] == 24
+
+    def test_table_prints_both_answers_and_the_ratio(self, capsys):
+        rc, out, _ = self._run(capsys, "--cluster", MIXED)
+        assert rc == 0
+        assert "max load:" in out and "cheapest for" in out
+        assert out.count("plan / bound") == 2
+
+    def test_fleet_file_with_a_missing_field_names_it(self, capsys, tmp_path):
+        fleet = tmp_path / "f.yaml"
+        fleet.write_text("name: f\nnodePools:\n  - {name: h, nodes: 2}\n")
+        rc, _, err = self._run(capsys, "--cluster", str(fleet))
+        assert rc == 1
+        assert "nodePools[0].gpu is required" in err
+
+    def test_bad_price_item(self, capsys):
+        rc, _, err = self._run(capsys, "--cluster", MIXED, "--price", "T4-16GB")
+        assert rc == 1
+        assert "write CLASS=PRICE" in err
