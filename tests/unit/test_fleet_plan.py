@@ -380,3 +380,53 @@ class TestCli:
         rc, _, err = self._run(capsys, "--cluster", MIXED, "--price", "T4-16GB")
         assert rc == 1
         assert "write CLASS=PRICE" in err
+
+
+class TestGearSetPlannerOnLargePools:
+    """Large pools (beyond the exact partitioner's state cap) get their gears from the fleet-scale planner."""
+
+    def _profile(self, per_class: int):
+        from gearshift.planner import parse_profile
+
+        kinds = [("h", 80.0, 1.0, 200.0), ("a", 40.0, 0.32, 100.0), ("t", 16.0, 0.07, 25.0)]
+        nodes = [
+            {"node_id": f"{k}{i}", "memory_gb": mem, "compute_score": score, "max_batch_microbatch": 16}
+            for k, mem, score, _ in kinds
+            for i in range(per_class)
+        ]
+        nic = {f"{k}{i}": bw for k, _, _, bw in kinds for i in range(per_class)}
+        for x, a in enumerate(nodes):
+            a["interconnect"] = {
+                b["node_id"]: {"bandwidth_gbps": min(nic[a["node_id"]], nic[b["node_id"]]), "latency_us": 10}
+                for b in nodes[x + 1 :]
+            }
+        return parse_profile({"nodes": nodes})
+
+    def test_large_pool_is_detected_by_the_partitioners_cap(self):
+        from gearshift.planner.gears import _large_pool
+
+        assert _large_pool(self._profile(110))
+        assert not _large_pool(self._profile(5))
+
+    def test_throughput_gear_is_feasible_and_uses_the_fleet(self):
+        from gearshift.planner import plan
+        from gearshift.planner.fleetplan import profile_classes
+
+        profile = self._profile(110)
+        model = ToyModel(L=24, weight_gb=3.0)
+        gear = plan(profile, model, intents=("throughput",), sim_requests=200).gear("throughput")
+        costs = model.at(gear.micro_batch)
+        assert gear.stages[0].layers[0] == 0 and gear.stages[-1].layers[1] == costs.num_layers
+        seen: set[str] = set()
+        for st in gear.stages:
+            a, b = st.layers
+            need = sum(costs.memory_gb(i) for i in range(a, b))
+            for n in st.nodes:
+                assert profile.node(n).memory_gb >= need - 1e-9
+                assert n not in seen  # a node holds one stage of one pipeline
+                seen.add(n)
+        # The gear is one template replicated: at least the fleet planner's best group of pipelines at its
+        # micro-batch (whose load is counted at the utilisation).
+        best = max_load(profile_classes(profile), Workload(model, None, micro_batches=(gear.micro_batch,)))
+        top_group = max(p.throughput_rps * p.count for p in best.pipelines) / UTIL
+        assert gear.predicted.throughput_rps >= top_group * (1 - 1e-6)

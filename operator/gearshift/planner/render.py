@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from gearshift.planner.fleetplan import (
-    FleetAnswer,
-    FleetClasses,
-    Workload,
-    cheapest,
-    max_load,
-    peer_cheapest,
-    peer_max_load,
-)
 from gearshift.planner.gears import Gear, PlanResult
+
+if TYPE_CHECKING:
+    from gearshift.planner.fleetplan import FleetAnswer, FleetClasses, Workload
 
 BAR_WIDTH = 30
 
@@ -110,6 +104,9 @@ def fleet_report(name: str, classes: FleetClasses, wl: Workload, load: float | N
     Raises:
         PlanError: no plan, or a ``load`` the fleet cannot serve (the message gives the bound).
     """
+    # Imported here: scipy's solvers load only for --fleet, not for every `gearshift plan`.
+    from gearshift.planner.fleetplan import cheapest, max_load, peer_cheapest, peer_max_load
+
     top = max_load(classes, wl)
     target = load if load is not None else top.throughput_rps / 2
     cheap = cheapest(classes, wl, target)
