@@ -97,7 +97,7 @@ PIPELINE_SHARES = (1.0, 0.8, 0.65, 0.5, 0.35, 0.25, 0.15)
 #: Units beyond the fewest that hold the model in the one-class pipelines a cheapest plan tops up with.
 COVER_EXTRA_UNITS = 2
 #: Shares of the units below the SLO's mean score kept in the variants the rounding tries.
-SLOW_SHARES = (1.0, 0.8, 0.6, 0.4)
+SLOW_SHARES = (1.0, 0.75, 0.5)
 #: Rounds in which leftover cards go back to the LP.
 LEFTOVER_ROUNDS = 2
 #: ``cost_unit`` when no pool has a price: the plan's cost is its GPU count.
@@ -846,13 +846,19 @@ def _cover(
     out = list(built)
     k = len(fc.classes)
     fresh: list[tuple[int, tuple[int, ...]]] = []
-    for b, bt in enumerate(batches):
-        for j, c in enumerate(fc.classes):
-            if bt.m > c.max_micro_batch or c.count == 0:
-                continue
-            kmin = math.ceil(bt.need_gb / c.memory_gb)
-            for n in range(kmin, min(c.count, kmin + COVER_EXTRA_UNITS) + 1):
-                fresh.append((b, tuple(n if i == j else 0 for i in range(k))))
+    for j, c in enumerate(fc.classes):
+        # One class alone: at the largest micro-batch where it can meet the SLO (the bound's test).
+        fit = [
+            b
+            for b, bt in enumerate(batches)
+            if bt.m <= c.max_micro_batch and c.score >= bt.s_star(wl, c.score)
+        ]
+        if c.count == 0 or not fit:
+            continue
+        b = max(fit, key=lambda b: batches[b].m)
+        kmin = math.ceil(batches[b].need_gb / c.memory_gb)
+        for n in range(kmin, min(c.count, kmin + COVER_EXTRA_UNITS) + 1):
+            fresh.append((b, tuple(n if i == j else 0 for i in range(k))))
 
     def thr(b: int, bb: _Built) -> float:
         return 1000.0 * wl.utilisation * batches[b].m / bb.bottleneck_ms
