@@ -44,10 +44,10 @@ Every plan maps to a feasible point of equal value (by the steps above), so the 
 load from above. It drops integrality (whole units and layers), memory and links, so it is a relaxation as
 in Helix (Mei et al., ASPLOS 2025: a max-flow over the cluster graph bounds the throughput of any layer
 placement) and Mélange (Griggs et al. 2024: an LP/ILP over GPU types and counts). For the cost the same
-constraints with ``Σ load ≥ target`` and ``min Σ price_j x_{j,m}`` bound the cost from below (a unit's
-price is paid whole while only its busy share is counted), plus ``used_j ≥ Σ_m x_{j,m}`` and
-``Σ_j used_j · memory_j ≥`` the model's memory (a plan holds at least one copy). Both LPs are solved with
-HiGHS through :func:`scipy.optimize.linprog`.
+constraints with ``Σ load ≥ target`` and ``min Σ price_j used_j`` bound the cost from below, with
+``used_j ≥ Σ_m x_{j,m}`` integral (a plan pays whole units, of which only the busy share is counted) and
+``Σ_j used_j · memory_j ≥`` the model's memory (a plan holds at least one copy). HiGHS solves both,
+through :func:`scipy.optimize.linprog` and (the integral ``used``) :func:`scipy.optimize.milp`.
 
 The plan (rounding). Cards of one class are interchangeable, so the plan is built over classes and counts,
 not nodes: the LP's units per (``m``, ``tp``) group are floored and dealt, strongest first and cyclically,
@@ -55,8 +55,11 @@ into ``P`` pipelines (each gets ⌊n/P⌋ or ⌈n/P⌉ of each class); each dist
 the exact minimum-bottleneck partitioner (:func:`gearshift.planner.partition.min_bottleneck`, a DP over
 class counts) and checked against the SLO (while it misses, its slowest unit leaves); several ``P``
 (from the most pipelines the group's memory holds down) are tried and the best kept. Leftover cards are
-offered to the LP again, twice. ``cheapest`` scales the LP's units up until the target is met, then drops
-the pipelines of highest cost per req/s while the target still holds.
+offered to the LP again, twice, then a greedy adds pipelines or single units while that adds load.
+``cheapest`` starts from the cost bound's units and grows greedily (least cost per useful req/s: a new
+pipeline, or one more unit in a planned one) until the target is met, then drops the pipelines of highest
+cost per req/s while the target still holds. Both keep the peer's uniform layout (re-cut by the
+partitioner) when it does better, so a plan is never worse than the peer's.
 
 Cost: the LPs have (classes × TP choices × micro-batch sizes) variables, independent of the GPU count;
 the rounding solves at most (groups × ``P`` choices × distinct compositions) small partitions, each a DP
@@ -498,11 +501,18 @@ def _solve_cheapest(
     for q in sorted(fc.cards):  # used units within the pool's cards
         rows.append(np.concatenate([np.zeros(n), [c.tp if c.pool == q else 0.0 for c in fc.classes]]))
         rhs.append(float(fc.cards[q]))
-    res = linprog(cost, A_ub=np.array(rows), b_ub=np.array(rhs), bounds=(0, None), method="highs")
+    # Units used are whole in any plan, so ``used`` is integral (HiGHS' branch and bound, a few classes);
+    # the busy units stay continuous.
+    res = milp(
+        cost,
+        constraints=LinearConstraint(np.array(rows), -np.inf, np.array(rhs)),
+        integrality=np.concatenate([np.zeros(n), np.ones(k)]),
+        bounds=Bounds(0, np.inf),
+    )
     if res.status == 2:
         return None
-    if res.status != 0:
-        raise PlanError(f"the cheapest-plan LP failed: {res.message}")
+    if res.status != 0 or res.x is None:
+        raise PlanError(f"the cheapest-plan bound failed: {res.message}")
     return float(res.fun), {key: float(v) for key, v in zip(lp.keys, res.x[:n], strict=True) if v > _EPS}
 
 
@@ -775,6 +785,10 @@ def max_load(fc: FleetClasses, wl: Workload) -> FleetAnswer:
         built.extend(more)
     # Whatever the LP's rounding left: add pipelines or units while that adds load.
     built = _cover(fc, wl, batches, builder, built, math.inf, "load") or built
+    # The uniform one-class layout is a plan too (the peer's, re-cut by the partitioner): never do worse.
+    uniform = _uniform(fc, wl, batches, builder, _peer_milp(fc, peer_configs(fc, wl), None))
+    if _load(wl, batches, uniform) > _load(wl, batches, built):
+        built = uniform
     pipes, load, cost, gpus, used = _assemble(fc, wl, batches, built)
     if not pipes:
         slo = f" within the {wl.slo_ms:g} ms SLO" if wl.slo_ms is not None else ""
@@ -815,6 +829,11 @@ def cheapest(fc: FleetClasses, wl: Workload, target_rps: float) -> FleetAnswer:
             )
         built = _as_built(fc, batches, top)
     built = _trim(fc, wl, batches, built, target_rps)
+    uniform = _uniform(fc, wl, batches, builder, _peer_milp(fc, peer_configs(fc, wl), target_rps))
+    if uniform and _load(wl, batches, uniform) >= target_rps * (1 - 1e-9):
+        uniform = _trim(fc, wl, batches, uniform, target_rps)
+        if _cost(fc, uniform) < _cost(fc, built):
+            built = uniform
     pipes, load, cost, gpus, used = _assemble(fc, wl, batches, built)
     return FleetAnswer(
         "cheapest", tuple(pipes), load, cost, gpus, bound, cost / bound, fc.cost_unit, target_rps, dict(used)
@@ -925,6 +944,32 @@ def _cover(
     return out
 
 
+def _cost(fc: FleetClasses, built: Sequence[tuple[int, _Built, int]]) -> float:
+    return sum(fc.classes[j].price * u * n for _, bb, n in built for j, u in enumerate(bb.used))
+
+
+def _uniform(
+    fc: FleetClasses,
+    wl: Workload,
+    batches: list[_Batch],
+    builder: _Builder,
+    peer: tuple[float, float, dict[tuple[str, int, int], int]] | None,
+) -> list[tuple[int, _Built, int]]:
+    """The peer's pipelines (class, micro-batch, stages → copies) as a plan, each re-cut by the partitioner
+    on the same units (never a larger bottleneck than the even split; one class, so the same latency)."""
+    if peer is None:
+        return []
+    index = {c.name: j for j, c in enumerate(fc.classes)}
+    bidx = {bt.m: b for b, bt in enumerate(batches)}
+    out = []
+    for (unit, m, stages), copies in peer[2].items():
+        comp = tuple(stages if j == index[unit] else 0 for j in range(len(fc.classes)))
+        bb = builder.build(batches[bidx[m]], comp)
+        if bb is not None:
+            out.append((bidx[m], bb, copies))
+    return out
+
+
 def _as_built(fc: FleetClasses, batches: list[_Batch], ans: FleetAnswer) -> list[tuple[int, _Built, int]]:
     index = {c.name: j for j, c in enumerate(fc.classes)}
     bidx = {bt.m: b for b, bt in enumerate(batches)}
@@ -1013,8 +1058,9 @@ def peer_configs(fc: FleetClasses, wl: Workload, extra_stages: int = 2) -> list[
 
 def _peer_milp(
     fc: FleetClasses, configs: list[PeerConfig], target: float | None
-) -> tuple[float, float, dict[str, int]] | None:
-    """Pipelines per config: max load (``target`` None) or least cost for ``target``; (load, cost, counts)."""
+) -> tuple[float, float, dict[tuple[str, int, int], int]] | None:
+    """Pipelines per config: max load (``target`` None) or least cost for ``target``; (load, cost, copies per
+    (unit class, micro-batch, stages))."""
     if not configs:
         return None
     cls = [fc.by_name(p.unit) for p in configs]
@@ -1034,20 +1080,24 @@ def _peer_milp(
     if res.status != 0 or res.x is None:
         return None
     z = np.round(res.x).astype(int)
-    return float(thr @ z), float(cost @ z), {p.unit: int(n) for p, n in zip(configs, z, strict=True) if n}
+    chosen = {(p.unit, p.micro_batch, p.stages): int(n) for p, n in zip(configs, z, strict=True) if n}
+    return float(thr @ z), float(cost @ z), chosen
 
 
-def peer_max_load(fc: FleetClasses, wl: Workload) -> tuple[float, float, dict[str, int]] | None:
-    """The most load uniform even-split pipelines serve on the fleet: (req/s, cost, pipelines per class),
+def peer_max_load(
+    fc: FleetClasses, wl: Workload
+) -> tuple[float, float, dict[tuple[str, int, int], int]] | None:
+    """The most load uniform even-split pipelines serve on the fleet: (req/s, cost, pipelines per
+    (class, micro-batch, stages)),
     or None when no class can hold the model alone within the SLO."""
     return _peer_milp(fc, peer_configs(fc, wl), None)
 
 
 def peer_cheapest(
     fc: FleetClasses, wl: Workload, target_rps: float
-) -> tuple[float, float, dict[str, int]] | None:
+) -> tuple[float, float, dict[tuple[str, int, int], int]] | None:
     """The cheapest mix of uniform even-split pipelines serving ``target_rps``: (req/s, cost, pipelines per
-    class), or None when no such mix serves it."""
+    (class, micro-batch, stages)), or None when no such mix serves it."""
     return _peer_milp(fc, peer_configs(fc, wl), target_rps)
 
 

@@ -113,12 +113,20 @@ def fleet_report(name: str, classes: FleetClasses, wl: Workload, load: float | N
     peer_top = peer_max_load(classes, wl)
     peer_cheap = peer_cheapest(classes, wl, target)
 
-    def with_peer(ans: FleetAnswer, peer: tuple[float, float, dict[str, int]] | None) -> dict[str, Any]:
+    def with_peer(
+        ans: FleetAnswer, peer: tuple[float, float, dict[tuple[str, int, int], int]] | None
+    ) -> dict[str, Any]:
         doc = ans.to_dict()
         doc["peer"] = (
             None
             if peer is None
-            else {"throughput_rps": round(peer[0], 6), "cost": round(peer[1], 6), "pipelines": peer[2]}
+            else {
+                "throughput_rps": round(peer[0], 6),
+                "cost": round(peer[1], 6),
+                "pipelines": [
+                    {"unit": u, "micro_batch": m, "stages": k, "count": n} for (u, m, k), n in peer[2].items()
+                ],
+            }
         )
         if peer is None:
             doc["gain_over_peer"] = None
