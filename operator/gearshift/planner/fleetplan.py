@@ -78,6 +78,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,8 @@ PIPELINE_SHARES = (1.0, 0.8, 0.65, 0.5, 0.35, 0.25, 0.15)
 COVER_EXTRA_UNITS = 2
 #: Shares of the units below the SLO's mean score kept in the variants the rounding tries.
 SLOW_SHARES = (1.0, 0.75, 0.5)
+#: A max-load rounding within this share of every unit busy stops trying other pipeline counts and variants.
+GOOD_ENOUGH = 0.002
 #: Rounds in which leftover cards go back to the LP.
 LEFTOVER_ROUNDS = 2
 #: ``cost_unit`` when no pool has a price: the plan's cost is its GPU count.
@@ -592,7 +595,11 @@ class _Builder:
             return self.cache[key]
         out: _Built | None = None
         cur = list(comp)
+        passes = float(sum(bt.costs.pass_ms))
         while sum(cur) > 0:
+            fastest = max(self.fc.classes[j].score for j, k in enumerate(cur) if k)
+            if self.wl.slo_ms is not None and passes / fastest > self.wl.slo_ms:
+                break  # even every layer on the fastest unit passes too slowly (a one-class pipeline, often)
             profile, owner = self._profile(cur)
             try:
                 p = min_bottleneck(profile, bt.costs)
@@ -645,11 +652,16 @@ def _round_group(
     # pipeline over it; fewer units below the SLO's mean score per pipeline are tried too.
     s_star = bt.s_star(wl, min(fc.classes[j].score for j, n in counts.items() if n > 0))
     variants = []
+    ideal = _ideal(fc, wl, bt, counts, goal)
     for share in SLOW_SHARES if wl.slo_ms is not None else (1.0,):
         cut = {j: (n if fc.classes[j].score >= s_star else math.floor(n * share)) for j, n in counts.items()}
         if share == 1.0 or cut != counts:
             variants.append(_round_mixed(builder, bt, cut, goal))
+            if goal == "load" and _score(fc, wl, bt, variants[-1], goal) >= ideal * (1 - GOOD_ENOUGH):
+                break
     mixed = max(variants, key=lambda got: _score(fc, wl, bt, got, goal))
+    if goal == "load" and _score(fc, wl, bt, mixed, goal) >= ideal * (1 - GOOD_ENOUGH):
+        return mixed
     # Each class on its own (pipelines of one card class balance exactly when layers are even): kept when
     # it does better, e.g. without an SLO that needs fast cards beside slow ones.
     pure = [p for j, n in counts.items() if n > 0 for p in _round_mixed(builder, bt, {j: n}, goal)]
@@ -687,7 +699,18 @@ def _round_mixed(
         key = _score(fc, builder.wl, bt, got, goal)
         if key > best_key * (1 + 1e-12) or (best_key == -math.inf and got):
             best, best_key = got, key
+        if goal == "load" and best_key >= _ideal(fc, builder.wl, bt, counts, goal) * (1 - GOOD_ENOUGH):
+            break  # within GOOD_ENOUGH of every unit busy: no other pipeline count can do much better
     return best
+
+
+def _ideal(fc: FleetClasses, wl: Workload, bt: _Batch, counts: Mapping[int, int], goal: str) -> float:
+    """:func:`_score` if every unit of ``counts`` were in a pipeline and busy (an upper bound)."""
+    load = sum(bt.rate(wl, fc.classes[j].score) * n for j, n in counts.items())
+    if goal == "load":
+        return load
+    cost = sum(fc.classes[j].price * n for j, n in counts.items())
+    return load / cost if cost > 0 else -math.inf
 
 
 def _groups(
@@ -1021,9 +1044,20 @@ class PeerConfig:
 
 def peer_configs(fc: FleetClasses, wl: Workload, extra_stages: int = 2) -> list[PeerConfig]:
     """Per unit class, the uniform even-split pipeline with the most req/s per unit that fits memory, links
-    and the SLO (stage counts from the fewest that fit to ``extra_stages`` more), if any."""
+    and the SLO (stage counts from the fewest that fit to ``extra_stages`` more), if any.
+
+    Both answers and both peer figures ask for the same classes and workload, so the last few are cached.
+    """
+    try:
+        return list(_peer_configs(fc.classes, wl, extra_stages))
+    except TypeError:  # a cost model that cannot be hashed: computed each time
+        return list(_peer_configs.__wrapped__(fc.classes, wl, extra_stages))
+
+
+@lru_cache(maxsize=4)
+def _peer_configs(classes: tuple[UnitClass, ...], wl: Workload, extra_stages: int) -> tuple[PeerConfig, ...]:
     out = []
-    for c in fc.classes:
+    for c in classes:
         best: PeerConfig | None = None
         for bt in _batches(wl):
             if bt.m > c.max_micro_batch:
@@ -1053,7 +1087,7 @@ def peer_configs(fc: FleetClasses, wl: Workload, extra_stages: int = 2) -> list[
                     break
         if best is not None:
             out.append(best)
-    return out
+    return tuple(out)
 
 
 def _peer_milp(
