@@ -376,6 +376,13 @@ class TestCli:
         assert rc == 1
         assert "nodePools[0].gpu is required" in err
 
+    def test_fleet_options_without_fleet_are_refused(self, capsys):
+        from gearshift.cli import main
+
+        rc = main(["plan", "--cluster", MIXED, "--model", self.MODEL, "--load", "5"])
+        assert rc == 2
+        assert "--load answer the fleet-scale questions: add --fleet" in capsys.readouterr().err
+
     def test_bad_price_item(self, capsys):
         rc, _, err = self._run(capsys, "--cluster", MIXED, "--price", "T4-16GB")
         assert rc == 1

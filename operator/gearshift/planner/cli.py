@@ -204,6 +204,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.fleet:
         return run_fleet(args)
+    given = [f for f, v in (("--load", args.load), ("--slo-ms", args.slo_ms), ("--price", args.price)) if v]
+    if given:
+        print(
+            f"gearshift plan: {', '.join(given)} answer the fleet-scale questions: add --fleet",
+            file=sys.stderr,
+        )
+        return 2
     try:
         profile = load_cluster(args.cluster)
         shape = RooflineAssumptions(
