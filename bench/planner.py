@@ -12,7 +12,8 @@ Run: ``.venv/bin/python bench/planner.py`` (a few minutes); writes ``bench/resul
   lower bound, and to the exact optimum on 16-node fleets where both can run.
 - fleet scale (``planner_fleet.json``, :func:`bench_fleet`): generated fleets (:func:`fleet_doc`, seeded)
   of 64, 256 and 1,024 GPUs, three class mixes each (small cards 20%, 45% and 70% of the GPUs), Llama-3-70B
-  (512 prompt, 128 output tokens) with no SLO and with TTFT SLOs of 3,000 and 1,500 ms: per fleet both
+  (512 prompt, 128 output tokens) with no SLO and with TTFT SLOs of 3,000 and 1,500 ms, and the example
+  fleet files ``examples/fleets/fleet-256.yaml`` and ``fleet-1024.yaml`` likewise: per fleet both
   questions' plan / bound, time, and the gain over the peer (uniform one-class pipelines, even splits, the
   best or cheapest mix); the whole ``gearshift plan --fleet`` command timed on the 256 and 1,024-GPU
   example fleet files; and how the time grows with GPUs (8 classes) and with classes (1,024 GPUs).
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gearshift.planner import (
@@ -440,21 +442,28 @@ def _scaling(model) -> dict:
 def bench_fleet() -> dict:
     model = load_model(FLEET_MODEL)
     rows = []
-    for gpus in FLEET_SIZES:
-        for k, share in enumerate(SMALL_SHARES):
-            doc = fleet_doc(100 * gpus + k, gpus, FLEET_CLASSES[gpus], share)
-            for slo in FLEET_SLOS:
-                rows.append(_fleet_row(doc, model, slo))
-                print(
-                    json.dumps(
-                        {k2: v for k2, v in rows[-1].items() if k2 in ("fleet", "slo_ms")}
-                        | {
-                            "max": rows[-1].get("max_load", {}).get("ratio"),
-                            "cheap": rows[-1].get("cheapest", {}).get("ratio"),
-                        }
-                    ),
-                    flush=True,
-                )
+    docs = [
+        fleet_doc(100 * g + k, g, FLEET_CLASSES[g], share)
+        for g in FLEET_SIZES
+        for k, share in enumerate(SMALL_SHARES)
+    ]
+    # The example fleet files `gearshift plan --fleet` is shown on (generated the same way, other seeds).
+    docs += [
+        yaml.safe_load((ROOT / "examples" / "fleets" / f"fleet-{g}.yaml").read_text()) for g in (256, 1024)
+    ]
+    for doc in docs:
+        for slo in FLEET_SLOS:
+            rows.append(_fleet_row(doc, model, slo))
+            print(
+                json.dumps(
+                    {k2: v for k2, v in rows[-1].items() if k2 in ("fleet", "slo_ms")}
+                    | {
+                        "max": rows[-1].get("max_load", {}).get("ratio"),
+                        "cheap": rows[-1].get("cheapest", {}).get("ratio"),
+                    }
+                ),
+                flush=True,
+            )
     cli = [
         _cli_seconds(ROOT / "examples" / "fleets" / f"fleet-{g}.yaml", slo)
         for g in (256, 1024)
