@@ -8,6 +8,9 @@ A fleet file names node pools of one GPU model each (see ``examples/fleets/mixed
     nodePools:
       - {name: h100, gpu: H100-80GB, nodes: 2, gpusPerNode: 1, nicGbps: 200}
 
+A pool may state ``pricePerGpuHour`` (a number > 0, any currency per card-hour); the fleet-scale planner
+(:mod:`gearshift.planner.fleetplan`) prices plans with it, else it counts GPUs.
+
 From it this module derives, without any I/O beyond reading the file:
   - the fake nodes of the sandbox (names ``gpu-<pool>-<i>``, datasheet figures, a loopback podCIDR);
   - the planner's *resource profile* in seed 002's format, from datasheet figures, for planning before
@@ -44,6 +47,8 @@ class FleetNode:
     """Network interface bandwidth to other nodes, Gb/s."""
     latency_us: float
     """One-hop latency to other nodes, µs."""
+    price_per_gpu_hour: float | None = None
+    """The pool's ``pricePerGpuHour`` (per card-hour), None when the file states none."""
 
     @property
     def memory_gib(self) -> float:
@@ -73,7 +78,7 @@ class Fleet:
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
 _FLEET_KEYS = {"name", "network", "gpuSharing", "nodePools"}
-_POOL_KEYS = {"name", "gpu", "nodes", "gpusPerNode", "nicGbps"}
+_POOL_KEYS = {"name", "gpu", "nodes", "gpusPerNode", "nicGbps", "pricePerGpuHour"}
 
 
 def _field(obj: dict[str, Any], key: str, where: str, kind: type, default: Any = None) -> Any:
@@ -138,11 +143,19 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
         count = _field(pool, "nodes", where, int)
         gpus = _field(pool, "gpusPerNode", where, int, 1)
         nic = _field(pool, "nicGbps", where, float, 100.0)
-        for key, value in (("nodes", count), ("gpusPerNode", gpus), ("nicGbps", nic)):
-            if value <= 0:
+        price = pool.get("pricePerGpuHour")
+        if price is not None:
+            price = _field(pool, "pricePerGpuHour", where, float)
+        for key, value in (
+            ("nodes", count),
+            ("gpusPerNode", gpus),
+            ("nicGbps", nic),
+            ("pricePerGpuHour", price),
+        ):
+            if value is not None and value <= 0:
                 raise FleetError(f"{where}.{key} must be > 0, got {value}")
         for k in range(count):
-            nodes.append(FleetNode(f"gpu-{pname}-{k}", pname, spec, gpus, nic, latency))
+            nodes.append(FleetNode(f"gpu-{pname}-{k}", pname, spec, gpus, nic, latency, price))
     return Fleet(name, tuple(nodes), gpu_replicas)
 
 

@@ -92,6 +92,32 @@ def register(sub: Any) -> None:
         help="KV tokens reserved per sequence (HF config only; default: 1.2 x (prompt + output))",
     )
     p.add_argument("--seed", type=_seed, default=0, help="seed of the simulated arrivals")
+    fleet = p.add_argument_group(
+        "fleet-scale questions (--fleet)",
+        "Answer two questions over the whole fleet instead of planning gears, each beside a bound: the most "
+        "load it serves at the SLO, and the cheapest plan for --load; card classes and counts, not nodes "
+        "(gearshift.planner.fleetplan).",
+    )
+    fleet.add_argument("--fleet", action="store_true", help="answer the fleet-scale questions")
+    fleet.add_argument(
+        "--load",
+        type=_positive_qps,
+        default=None,
+        help="target req/s of the cheapest plan (default: half the max load)",
+    )
+    fleet.add_argument(
+        "--slo-ms",
+        type=_positive_qps,
+        default=None,
+        help="most TTFT (ITL for --role decode) of an unloaded pipeline, ms (default: none)",
+    )
+    fleet.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="CLASS=PRICE",
+        help="price per GPU-hour of a GPU model or pool, over the fleet file's pricePerGpuHour (repeatable)",
+    )
     p.add_argument("-o", "--output", default="table", choices=FORMATS)
     p.set_defaults(func=run)
 
@@ -176,6 +202,15 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.planner.costs import RooflineAssumptions
     from gearshift.planner.render import to_json, to_table, to_yaml
 
+    if args.fleet:
+        return run_fleet(args)
+    given = [f for f, v in (("--load", args.load), ("--slo-ms", args.slo_ms), ("--price", args.price)) if v]
+    if given:
+        print(
+            f"gearshift plan: {', '.join(given)} answer the fleet-scale questions: add --fleet",
+            file=sys.stderr,
+        )
+        return 2
     try:
         profile = load_cluster(args.cluster)
         shape = RooflineAssumptions(
@@ -205,4 +240,74 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(to_table(result, {n.node_id: n.gpu_model for n in profile.nodes}))
         return 0
     sys.stdout.write(render(result))
+    return 0
+
+
+def _prices(items: list[str]) -> dict[str, float]:
+    """``--price CLASS=PRICE`` items as a mapping.
+
+    Raises:
+        PlanInputError: an item without ``=`` or whose price is not a number.
+    """
+    from gearshift.planner.errors import PlanInputError
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key.strip():
+            raise PlanInputError(f"--price {item!r}: write CLASS=PRICE, e.g. --price T4-16GB=0.35")
+    return out
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    """``gearshift plan --fleet``: the max-load and cheapest plans with their bounds and the peer's; exit 1
+    with the message on stderr when the input is wrong or no plan exists."""
+    import yaml
+
+    from gearshift.facts.fleet import FleetError, parse_fleet
+    from gearshift.planner import PlanError, load_cluster
+    from gearshift.planner.costs import RooflineAssumptions
+    from gearshift.planner.errors import PlanInputError
+    from gearshift.planner.fleetplan import Workload, fleet_classes, profile_classes
+    from gearshift.planner.render import fleet_report, fleet_table
+
+    try:
+        shape = RooflineAssumptions(
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            role=args.role,
+            kv_context_tokens=args.kv_context_tokens,
+        )
+        model = load_model_file(args.model, shape)
+        prices = _prices(args.price)
+        try:
+            doc = yaml.safe_load(Path(args.cluster).read_text())
+        except (OSError, yaml.YAMLError):
+            doc = None
+        if isinstance(doc, dict) and "nodePools" in doc:
+            try:
+                fleet = parse_fleet(doc)
+            except FleetError as exc:
+                raise PlanInputError(f"fleet file {args.cluster!r}: {exc}") from None
+            classes, name = fleet_classes(fleet, prices), fleet.name
+        else:
+            if prices:
+                raise PlanInputError(
+                    "--price needs a fleet file (nodePools:); a resource profile counts nodes"
+                )
+            classes, name = profile_classes(load_cluster(args.cluster)), str(args.cluster)
+        report = fleet_report(name, classes, Workload(model, args.slo_ms), args.load)
+    except PlanError as exc:
+        print(f"gearshift plan: {exc}", file=sys.stderr)
+        return 1
+    if args.output == "json":
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    elif args.output == "yaml":
+        sys.stdout.write(yaml.safe_dump(report, sort_keys=False))
+    else:
+        sys.stdout.write(fleet_table(report))
     return 0

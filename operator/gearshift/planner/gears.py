@@ -50,6 +50,7 @@ from typing import Any
 from gearshift.planner.costs import CostModel, LayerCosts
 from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError, StageLimitError
 from gearshift.planner.partition import (
+    DEFAULT_WORK_CAP,
     Pipeline,
     PipelineStage,
     evaluate,
@@ -211,10 +212,15 @@ def _link_bound(profile: Profile, c: _Candidate) -> float:
 
 
 def _add_extras(
-    profile: Profile, c: _Candidate, free: list[str], cheap: frozenset[str] = frozenset()
+    profile: Profile,
+    c: _Candidate,
+    free: list[str],
+    cheap: frozenset[str] = frozenset(),
+    all_linked: bool = False,
 ) -> None:
     """Give leftover nodes to the hottest stage while they fit its memory and link to both neighbours;
-    cheap-only (time-limited) nodes first, then the fastest."""
+    cheap-only (time-limited) nodes first, then the fastest. ``all_linked``: the caller knows every pair of
+    nodes is linked, so the link checks are skipped."""
     while free:
         rates = [
             sum(1.0 / _stage_ms(c.costs, st.start, st.end, profile.node(n).compute_score) for n in ids)
@@ -228,7 +234,7 @@ def _add_extras(
             if node.memory_gb < st.memory_gb:
                 continue
             neighbours = (c.nodes[k - 1] if k else []) + (c.nodes[k + 1] if k + 1 < len(c.nodes) else [])
-            if all(profile.link(nid, m) is not None for m in neighbours):
+            if all_linked or all(profile.link(nid, m) is not None for m in neighbours):
                 fits.append(nid)
         if not fits:
             return
@@ -317,6 +323,72 @@ def _stage_limit_error(
     )
 
 
+def _large_pool(profile: Profile) -> bool:
+    """The pool is large: the exact partitioner's DP over classes of identical nodes would exceed its
+    state cap (:data:`~gearshift.planner.partition.DEFAULT_WORK_CAP`), where it falls back to a heuristic
+    on a trimmed slice of the fleet. Such pools are planned by the fleet-scale planner instead."""
+    counts: dict[tuple[float, float], int] = {}
+    for n in profile.nodes:
+        key = (n.compute_score, n.memory_gb)
+        counts[key] = counts.get(key, 0) + 1
+    return math.prod(c + 1 for c in counts.values()) * len(counts) > DEFAULT_WORK_CAP
+
+
+def _fleet_candidates(profile: Profile, model: CostModel, intent: str) -> list[_Candidate] | None:
+    """Candidates of a large pool from the fleet-scale planner (:mod:`gearshift.planner.fleetplan`): per
+    micro-batch size of the intent, the max-load plan over classes of identical nodes; each group of
+    identical pipelines in it becomes one candidate of that many pipeline replicas on concrete nodes (and
+    its variant with the leftover nodes as hot-stage extras). None when the fleet planner cannot take the
+    profile (a node pair without a link) or finds nothing, so the caller plans as for small pools."""
+    # Imported here: fleetplan reads this module's intents and utilisation (no import cycle at load time).
+    from gearshift.planner.fleetplan import Workload, class_nodes, max_load, profile_classes
+
+    try:
+        fc = profile_classes(profile)
+    except PlanError:
+        return None
+    members = class_nodes(profile, fc)
+    sizes = list(INTENTS[intent])
+    smallest = min(n.max_micro_batch for n in profile.nodes)
+    if intent == "throughput" and smallest < sizes[0]:
+        sizes.insert(0, smallest)
+    out: list[_Candidate] = []
+    for mb in sizes:
+        try:
+            answer = max_load(fc, Workload(model, None, micro_batches=(mb,)))
+        except PlanError:
+            continue
+        costs = model.at(mb)
+        for group in answer.pipelines:
+            pools = {name: list(ids) for name, ids in members.items()}
+            cuts = [(a, b, tuple(pools[u].pop(0) for _ in range(group.count))) for a, b, u in group.stages]
+            bottleneck, times, transfers = evaluate(profile, costs, cuts)
+            stages = tuple(
+                PipelineStage(a, b, ids, t, sum(costs.memory_gb(i) for i in range(a, b)))
+                for (a, b, ids), t in zip(cuts, times, strict=True)
+            )
+            used = [profile.node(n) for _, _, ids in cuts for n in ids]
+            pipe = Pipeline(
+                stages,
+                bottleneck,
+                lower_bound_ms(costs, used, group.count),
+                False,
+                "fleet: LP bound + class templates",
+                group.count,
+                tuple(transfers),
+            )
+            c = _Candidate(intent, mb, pipe, costs, [list(ids) for _, _, ids in cuts])
+            out.append(c)
+            wide = replace(c, nodes=[list(ids) for ids in c.nodes])
+            taken = {n for ids in wide.nodes for n in ids}
+            # profile_classes refused profiles with an unlinked pair, so every pair is linked here.
+            free = [n.node_id for n in profile.nodes if n.node_id not in taken]
+            _add_extras(profile, wide, free, all_linked=True)
+            if wide.nodes != c.nodes:
+                out.append(wide)
+    return out or None
+
+
 def _candidates(
     profile: Profile,
     model: CostModel,
@@ -326,6 +398,10 @@ def _candidates(
     max_stages: int | None = None,
     max_stages_why: str = "",
 ) -> list[_Candidate]:
+    if not single_pipeline and not cheap and max_stages is None and _large_pool(profile):
+        fleet = _fleet_candidates(profile, model, intent)
+        if fleet:
+            return fleet
     out: list[_Candidate] = []
     last_error: PlanError | None = None
     sizes = list(INTENTS[intent])
