@@ -403,6 +403,13 @@ def pdservice_specs(draw: st.DrawFn) -> dict[str, Any]:
     }
     if rare(draw, 0.15):
         del spec[draw(st.sampled_from(["prefill", "decode"]))]["gearSetRef"]
+    if rare(draw, 0.3):  # aggregated: serving alone; rarely beside a PD section, or neither shape
+        spec["serving"] = {"gearSetRef": {"name": "s"}}
+        for section in ("prefill", "decode"):
+            if not rare(draw, 0.15):
+                del spec[section]
+    elif rare(draw, 0.06):
+        del spec[draw(st.sampled_from(["prefill", "decode"]))]
     if draw(st.booleans()):
         low = draw(st.integers(0, 4))
         high = (
@@ -410,7 +417,10 @@ def pdservice_specs(draw: st.DrawFn) -> dict[str, Any]:
             if not rare(draw, 0.4)
             else draw(st.integers(0, max(low - 1, 0)))
         )
-        spec["decode"]["scaling"] = {"minReplicas": low, "maxReplicas": high}
+        spec[next(r for r in ("decode", "serving", "prefill") if r in spec)]["scaling"] = {
+            "minReplicas": low,
+            "maxReplicas": high,
+        }
     if draw(st.booleans()):
         policies = ["pd-score", "shortest-queue", "lottery", "round-robin"]
         spec["router"] = {

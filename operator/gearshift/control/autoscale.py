@@ -134,7 +134,9 @@ def scope_of(gs: GearSet, pds: PDService, prometheus_url: str | None) -> ScaleSc
 
     ``prometheus_url``: the operator's default, used when the PDService names none.
     """
-    role_spec = getattr(pds.spec, gs.spec.role)
+    if gs.spec.role not in pds.spec.roles:
+        return Skip(f"the PDService has no role {gs.spec.role}", idle=True)
+    role_spec = pds.spec.role_spec(gs.spec.role)
     if role_spec.scaling is None:
         return Skip("no scaling section: replicas stay as spec.replicas says", idle=True)
     gear = {g.name: g for g in gs.gears()}.get(gs.status.active_gear or "")
