@@ -90,8 +90,9 @@ class LatencySignal:
 
 
 def latency_signal(role: str, slo: SLOSpec) -> LatencySignal:
-    """Prefill is held to time to first token, decode to inter-token latency."""
-    if role == "prefill":
+    """Prefill is held to time to first token, decode to inter-token latency; an aggregated pipeline
+    (both) to time to first token, where its queue shows (as its gear shifting reads it)."""
+    if role in ("prefill", "both"):
         return LatencySignal(TTFT_METRIC, slo.ttft_ms)
     return LatencySignal(ITL_METRIC, slo.itl_ms)
 

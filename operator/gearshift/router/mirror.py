@@ -249,7 +249,7 @@ class Mirror:
                 }
                 s = _Slot(t, TokenBucket(t.cap_rps, now), children)
             by_role.setdefault(t.role, []).append(s)
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "both"):
             self.metrics.targets.labels(role).set(len(by_role.get(role, ())))
         if {n for n in old} != {s.target.name for v in by_role.values() for s in v}:
             log.info("mirroring to warming pods: %s", ", ".join(sorted(t.name for t in targets)) or "none")
