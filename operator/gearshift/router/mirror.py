@@ -126,7 +126,7 @@ def warming_targets(pods: Iterable[Mapping[str, Any]], service: str) -> list[Mir
             or labels.get(LABEL_SERVICE) != service
             or labels.get(LABEL_COMPONENT) != COMPONENT_ENGINE
             or labels.get(LABEL_STAGE) != "0"
-            or labels.get(LABEL_ROLE) not in ("prefill", "decode")
+            or labels.get(LABEL_ROLE) not in ("prefill", "decode", "both")
             or meta.get("deletionTimestamp")
             or not _ready(pod)
         ):
