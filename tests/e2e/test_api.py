@@ -84,8 +84,18 @@ class TestInstall:
             "REPLICAS", "READY", "P99(MS)", "QPS", "AGE",
         ]  # fmt: skip
         pds = crds.kubectl("get", "pds", "-n", api_ns).stdout
-        assert header(pds) == ["NAME", "MODEL", "PREFILL", "DECODE", "ROUTER", "READY", "AGE"]
+        assert header(pds) == ["NAME", "MODEL", "PREFILL", "DECODE", "SERVING", "ROUTER", "READY", "AGE"]
         assert "meta-llama/Meta-Llama-3-8B" in pds and "pd-score" in pds
+
+    def test_the_aggregated_example_applies(self, crds: Any, api_ns: str) -> None:
+        # spec.serving alone and a GearSet of role both pass the server's schema and CEL rules.
+        crds.kubectl(
+            "apply", "-n", api_ns, "-f", str(REPO / "examples" / "vllm" / "tiny-llama-aggregated.yaml")
+        )
+        obj = crds.kubectl_json("get", "pds", "tiny-llama-agg", "-n", api_ns)
+        assert obj["spec"]["serving"] == {"gearSetRef": {"name": "tiny-llama-agg"}}
+        assert "prefill" not in obj["spec"] and "decode" not in obj["spec"]
+        assert crds.kubectl_json("get", "gs", "tiny-llama-agg", "-n", api_ns)["spec"]["role"] == "both"
 
     def test_server_fills_the_model_defaults(self, crds: Any, api_ns: str) -> None:
         crds.kubectl("apply", "-n", api_ns, "-f", str(REPO / "examples" / "gearset-auto.yaml"))

@@ -23,7 +23,7 @@ from test_handlers_reconcile import NS, new_api, put_fleet, stateful_sets
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.control import adaptive_batch as ab
-from gearshift.control.autoscale import TTFT_METRIC, latency_signal
+from gearshift.control.autoscale import TTFT_METRIC, ScaleScope, Skip, latency_signal, scope_of
 from gearshift.control.reconcile import SpecInvalid, plan_assumptions, service_verdict
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import adaptive_batch as batch_handler
@@ -265,6 +265,23 @@ class TestLoopsOnAggregated:
         )  # 8 x 0.9 -> at least one step
         st = api.get("gearshift.io/v1alpha1", "GearSet", NS, "tiny-llama-agg")["status"]["adaptiveBatch"]
         assert (st["gear"], st["planned"], st["effective"]) == ("pp1", 8, 7)
+
+    def test_the_autoscaler_scales_the_serving_role_from_spec_serving_scaling(self) -> None:
+        docs = _docs(TINY)
+        gs = GearSet.model_validate({**docs["GearSet"], "status": {"activeGear": "pp1"}})
+        pds = PDService.model_validate(docs["PDService"])
+        assert isinstance(scope_of(gs, pds, None), Skip)  # no scaling section: idle
+        body = copy.deepcopy(docs["PDService"])
+        body["spec"]["serving"]["scaling"] = {"minReplicas": 1, "maxReplicas": 3}
+        scope = scope_of(gs, PDService.model_validate(body), "http://127.0.0.1:9090")
+        assert isinstance(scope, ScaleScope)
+        assert (scope.role, scope.gear.name, scope.policy.max_replicas) == ("both", "pp1", 3)
+        assert scope.selector(NS).role == "both"
+        # a GearSet of role both beside a disaggregated service has nothing to scale
+        pd = PDService.model_validate(
+            yaml.safe_load((ROOT / "examples" / "pdservice-llama3-8b.yaml").read_text())
+        )
+        assert isinstance(scope_of(gs, pd, None), Skip)
 
     def test_autoscaling_holds_an_aggregated_pipeline_to_ttft(self) -> None:
         slo = PDService.model_validate(_docs(TINY)["PDService"]).spec.slo
