@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import copy
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from test_handlers_reconcile import NS, new_api, put_fleet, stateful_sets
+from test_shifting import FakeSignals, PerGearSignals, kubelet
 
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.control import adaptive_batch as ab
 from gearshift.control.autoscale import TTFT_METRIC, ScaleScope, Skip, latency_signal, scope_of
+from gearshift.control.executor import Phase
 from gearshift.control.reconcile import SpecInvalid, plan_assumptions, service_verdict
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import adaptive_batch as batch_handler
 from gearshift.handlers import reconcile as rec
+from gearshift.handlers import shifting
 from gearshift.k8s import names
 from gearshift.k8s.router import router_args
 from gearshift.planner.inputs import engine_stage_limit
@@ -210,6 +213,21 @@ class TestPlanAggregated:
             assert _env(s)["VLLM_PP_LAYER_PARTITION"] == partition
             assert _flag(_args(s), "--pipeline-parallel-size") == str(len(gear["stages"]))
 
+    def test_a_node_closing_soon_is_planned_around_and_reported(self) -> None:
+        # Time-limited nodes (the window machinery is the roles' own): gpu-a10-0 is reclaimed in 5 min,
+        # within the default dwell (600 s) + window margin (300 s), so no gear of the aggregated plan uses
+        # it and the GearSet reports it Left (nothing of this role on it).
+        api, name = _api(BIG)
+        prof = api.get("gearshift.io/v1alpha1", "GPUProfile", None, "gpu-a10-0")
+        prof["status"]["availableUntil"] = (datetime.now(UTC) + timedelta(minutes=5)).isoformat()
+        api.put(prof)
+        _reconcile(api, name)
+        st = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-70b")["status"]
+        used = {n for g in st["plannedGears"] for s in g["stages"] for n in s["nodes"]}
+        assert "gpu-a10-0" not in used and "gpu-a10-1" in used  # the other A10s still serve
+        [w] = st["windowedNodes"]
+        assert (w["node"], w["state"], w["stages"]) == ("gpu-a10-0", "Left", [])
+
 
 class TestRouterAggregated:
     def test_router_args_watch_the_one_role_service(self) -> None:
@@ -287,3 +305,84 @@ class TestLoopsOnAggregated:
         slo = PDService.model_validate(_docs(TINY)["PDService"]).spec.slo
         sig = latency_signal("both", slo)
         assert (sig.metric, sig.slo_ms) == (TTFT_METRIC, 2000)
+
+
+class TestShiftingAggregated:
+    """The gear-shifting loop (handlers/shifting.py) on the aggregated GearSet, tick by tick, with the same
+    fakes as test_shifting.py: a StatefulSet controller/kubelet and a signal source."""
+
+    T0 = 1_800_000_000.0
+
+    @pytest.fixture
+    def world(self) -> tuple[FakeKubeApi, str]:
+        api, name = _api(TINY)
+        pds = api.get("gearshift.io/v1alpha1", "PDService", NS, name)
+        pds["spec"]["prometheusUrl"] = "http://127.0.0.1:9"
+        api.put(pds, NS)
+        _reconcile(api, name)
+        kubelet(api, self.T0 - 100)
+        key = api.key("GearSet", NS, "tiny-llama-agg")
+        api.store[key]["spec"]["forceGear"] = "pp2"
+        return api, name
+
+    @staticmethod
+    def _selected(api: FakeKubeApi, name: str) -> str:
+        return str(api.get("v1", "Service", NS, f"{name}-both")["spec"]["selector"][names.LABEL_GEAR])
+
+    @staticmethod
+    def _gears(api: FakeKubeApi) -> set[str]:
+        sts = api.list("apps/v1", "StatefulSet", NS, {names.LABEL_ROLE: "both"})
+        return {s["metadata"]["labels"][names.LABEL_GEAR] for s in sts}
+
+    @staticmethod
+    def _status(api: FakeKubeApi) -> dict[str, Any]:
+        return dict(api.get("gearshift.io/v1alpha1", "GearSet", NS, "tiny-llama-agg")["status"])
+
+    def test_forced_shift_to_the_two_stage_gear_runs_every_phase(
+        self, world: tuple[FakeKubeApi, str]
+    ) -> None:
+        api, name = world
+        key = api.key("GearSet", NS, "tiny-llama-agg")
+        api.store[key]["spec"]["policy"].update(warmS=4, rollbackWindowS=10, drainTimeoutS=30)
+        sig, phases, now = FakeSignals(), [], self.T0
+        for _ in range(40):
+            r = shifting.tick(api.runtime, NS, "tiny-llama-agg", now=now, signals=sig)
+            phases.append(r.phase)
+            sel = self._selected(api, name)
+            sts = api.list("apps/v1", "StatefulSet", NS, {names.LABEL_ROLE: "both", names.LABEL_GEAR: sel})
+            assert sts and all(s.get("status", {}).get("readyReplicas") == s["spec"]["replicas"] for s in sts)
+            kubelet(api, now)
+            now += 2.0
+            if r.phase is Phase.STABLE and self._status(api)["activeGear"] == "pp2" and len(phases) > 3:
+                break
+        order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+        assert order == [Phase.WARMING, Phase.DRAINING, Phase.SWITCHING, Phase.STABLE]
+        assert self._selected(api, name) == "pp2" and self._gears(api) == {"pp2"}
+        (h,) = self._status(api)["history"]
+        assert (h["from"], h["to"], h["trigger"], h["outcome"]) == ("pp1", "pp2", "forced", "Succeeded")
+        assert set(sig.asked) == {"pp1", "pp2"}  # the serving gear's, then the new gear's series
+        # the aggregated gear is judged by TTFT against slo.ttftMs (2000 ms in the example)
+        assert self._status(api)["signals"]["p99Ms"] == 150.0  # FakeSignals' TTFT P99, not its ITL (20)
+
+    def test_a_p99_regression_rolls_back_to_the_one_stage_gear(self, world: tuple[FakeKubeApi, str]) -> None:
+        api, name = world
+        key = api.key("GearSet", NS, "tiny-llama-agg")
+        api.store[key]["spec"]["policy"].update(warmS=0, rollbackWindowS=30, drainTimeoutS=100)
+        # pp2's TTFT P99 9000 ms > 2 x max(pp1's 150 ms, the 2000 ms target) = 4000 ms
+        sig = PerGearSignals({"pp1": 150.0, "pp2": 9000.0})
+        phases = []
+        for t in (self.T0, self.T0 + 2, self.T0 + 4, self.T0 + 6, self.T0 + 30, self.T0 + 32):
+            phases.append(shifting.tick(api.runtime, NS, "tiny-llama-agg", now=t, signals=sig).phase)
+            kubelet(api, t)
+        assert phases[:5] == [
+            Phase.WARMING,
+            Phase.DRAINING,
+            Phase.SWITCHING,
+            Phase.SWITCHING,
+            Phase.ROLLING_BACK,
+        ]
+        st = self._status(api)
+        assert st["phase"] == "Stable" and st["activeGear"] == "pp1" and self._selected(api, name) == "pp1"
+        assert st["history"][-1]["outcome"] == "RolledBack" and self._gears(api) == {"pp1"}
+        (mark,) = st["gearHealth"]
+        assert (mark["gear"], mark["reason"]) == ("pp2", "P99Regression") and "4000 ms" in mark["message"]
