@@ -184,6 +184,20 @@ class TestPlanAggregated:
         assert (shape.role, shape.prompt_tokens, shape.output_tokens) == ("both", 1024, 128)
         assert shape.kv_tokens_per_sequence == math.ceil(1.2 * (1024 + 128)) == 1383
 
+    @pytest.mark.parametrize("engine", ["sim", "vllm"])
+    def test_vllm_pipelines_get_no_hot_stage_extras(self, engine: str) -> None:
+        # vLLM runs a stage's replicas as copies of the whole pipeline (the least replicas of its stages),
+        # so a multi-stage gear planned for it must not rely on one stage's extra copy; the simulated
+        # engine runs hot-stage extras as planned.
+        api, name = _api(BIG)
+        pds = api.get("gearshift.io/v1alpha1", "PDService", NS, name)
+        pds["spec"]["engine"] = engine
+        api.put(pds, NS)
+        _reconcile(api, name)
+        planned = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-70b")["status"]["plannedGears"]
+        uneven = [g["name"] for g in planned if len({s["replicas"] for s in g["stages"]}) > 1]
+        assert (uneven != []) == (engine == "sim"), uneven
+
     def test_llama_70b_plans_uneven_pipelines_with_old_cards_on_vllm(self) -> None:
         api, name = _api(BIG)
         _reconcile(api, name)

@@ -390,6 +390,9 @@ def plan_gears(
         windows=windows,
         max_stages=limit.max_stages if limit else None,
         max_stages_why=limit.reason if limit else "",
+        # vLLM runs a stage's replicas as whole pipeline copies (k8s.statefulset.stage_replicas): a hot
+        # stage cannot get extras of its own there.
+        whole_pipelines=pds.spec.engine == "vllm",
     )
     return [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
 
@@ -412,6 +415,8 @@ def plan_key(
     limit = engine_stage_limit(pds.spec.engine, gs.spec.role)
     if limit is not None:  # likewise only when set: sim plans keep their hash
         parts.append({"maxStages": limit.max_stages})
+    if pds.spec.engine == "vllm":  # whole-pipeline replicas only (plan_gears)
+        parts.append({"wholePipelines": True})
     return inputs_hash(*parts, window_states) if window_states else inputs_hash(*parts)
 
 
