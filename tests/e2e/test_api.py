@@ -84,8 +84,18 @@ class TestInstall:
             "REPLICAS", "READY", "P99(MS)", "QPS", "AGE",
         ]  # fmt: skip
         pds = crds.kubectl("get", "pds", "-n", api_ns).stdout
-        assert header(pds) == ["NAME", "MODEL", "PREFILL", "DECODE", "ROUTER", "READY", "AGE"]
+        assert header(pds) == ["NAME", "MODEL", "PREFILL", "DECODE", "SERVING", "ROUTER", "READY", "AGE"]
         assert "meta-llama/Meta-Llama-3-8B" in pds and "pd-score" in pds
+
+    def test_the_aggregated_example_applies(self, crds: Any, api_ns: str) -> None:
+        # spec.serving alone and a GearSet of role both pass the server's schema and CEL rules.
+        crds.kubectl(
+            "apply", "-n", api_ns, "-f", str(REPO / "examples" / "vllm" / "tiny-llama-aggregated.yaml")
+        )
+        obj = crds.kubectl_json("get", "pds", "tiny-llama-agg", "-n", api_ns)
+        assert obj["spec"]["serving"] == {"gearSetRef": {"name": "tiny-llama-agg"}}
+        assert "prefill" not in obj["spec"] and "decode" not in obj["spec"]
+        assert crds.kubectl_json("get", "gs", "tiny-llama-agg", "-n", api_ns)["spec"]["role"] == "both"
 
     def test_server_fills_the_model_defaults(self, crds: Any, api_ns: str) -> None:
         crds.kubectl("apply", "-n", api_ns, "-f", str(REPO / "examples" / "gearset-auto.yaml"))
@@ -403,6 +413,13 @@ def pdservice_specs(draw: st.DrawFn) -> dict[str, Any]:
     }
     if rare(draw, 0.15):
         del spec[draw(st.sampled_from(["prefill", "decode"]))]["gearSetRef"]
+    if rare(draw, 0.3):  # aggregated: serving alone; rarely beside a PD section, or neither shape
+        spec["serving"] = {"gearSetRef": {"name": "s"}}
+        for section in ("prefill", "decode"):
+            if not rare(draw, 0.15):
+                del spec[section]
+    elif rare(draw, 0.06):
+        del spec[draw(st.sampled_from(["prefill", "decode"]))]
     if draw(st.booleans()):
         low = draw(st.integers(0, 4))
         high = (
@@ -410,7 +427,10 @@ def pdservice_specs(draw: st.DrawFn) -> dict[str, Any]:
             if not rare(draw, 0.4)
             else draw(st.integers(0, max(low - 1, 0)))
         )
-        spec["decode"]["scaling"] = {"minReplicas": low, "maxReplicas": high}
+        spec[next(r for r in ("decode", "serving", "prefill") if r in spec)]["scaling"] = {
+            "minReplicas": low,
+            "maxReplicas": high,
+        }
     if draw(st.booleans()):
         policies = ["pd-score", "shortest-queue", "lottery", "round-robin"]
         spec["router"] = {

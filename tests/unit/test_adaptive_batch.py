@@ -388,8 +388,9 @@ class TestHandler:
         assert cap(world) is None and status(world)["adaptiveBatch"]["lastReason"] == ab.REASON_DISABLED
         assert ab.switch(None) == (True, None) and ab.switch(" ON ") == (True, None)
 
-    def test_only_decode_gearsets_run_the_loop(self) -> None:
+    def test_only_gearsets_that_decode_run_the_loop(self) -> None:
         assert h._decode(body={"spec": {"role": "decode"}})  # type: ignore[arg-type]
+        assert h._decode(body={"spec": {"role": "both"}})  # type: ignore[arg-type]  # aggregated
         assert not h._decode(body={"spec": {"role": "prefill"}})  # type: ignore[arg-type]
 
     async def test_the_daemon_ticks(self, world: FakeKubeApi) -> None:

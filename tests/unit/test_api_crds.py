@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 COLUMNS = {
     "GPUProfile": ["NODE", "GPU", "COUNT", "MEM(GiB)", "SCORE", "PHASE", "WINDOW", "AGE"],
     "GearSet": ["SERVICE", "ROLE", "ACTIVE", "TARGET", "PHASE", "REPLICAS", "READY", "P99(ms)", "QPS", "AGE"],
-    "PDService": ["MODEL", "PREFILL", "DECODE", "ROUTER", "READY", "AGE"],
+    "PDService": ["MODEL", "PREFILL", "DECODE", "SERVING", "ROUTER", "READY", "AGE"],
 }
 SHORT = {"GPUProfile": "gpup", "GearSet": "gs", "PDService": "pds"}
 

@@ -256,6 +256,15 @@ BAD_CASES: list[tuple[str, str, str, Any, str]] = [
         "llama3-8b-prefill",
         "gearSetRef",
     ),
+    # Aggregated serving (spec.serving) excludes the PD sections, and a service needs one shape or the other.
+    (
+        "pds-serving-beside-prefill-decode",
+        "pdservice-llama3-8b.yaml",
+        "spec.serving",
+        {"gearSetRef": {"name": "llama3-8b"}},
+        "spec.serving",
+    ),
+    ("pds-decode-without-prefill", "pdservice-llama3-8b.yaml", "spec.prefill", DELETE, "spec.prefill"),
     ("pds-model-numbers-missing", "pdservice-llama3-8b.yaml", "spec.model.numLayers", DELETE, "numLayers"),
     ("pds-kv-heads-not-dividing", "pdservice-llama3-8b.yaml", "spec.model.numKvHeads", 7, "numKvHeads"),
     ("pds-unknown-engine", "pdservice-llama3-8b.yaml", "spec.engine", "tensorrt", "engine"),
@@ -355,3 +364,77 @@ def test_parse_raises_spec_error_with_every_bad_field() -> None:
     assert any(line.startswith("spec.gears[0].microBatch: ") for line in lines)
     assert any(line.startswith("spec.policy.emaAlpha: ") for line in lines)
     assert parse(GearSetSpec, load_example("gearset-auto.yaml")["spec"]).mode == "auto"
+
+
+class TestServingShapes:
+    """Disaggregated (``prefill`` + ``decode``) or aggregated (``serving`` alone, GearSet role ``both``)."""
+
+    def _pd(self) -> dict[str, Any]:
+        return load_example("pdservice-llama3-8b.yaml")["spec"]
+
+    def _aggregated(self) -> dict[str, Any]:
+        spec = self._pd()
+        del spec["prefill"], spec["decode"]
+        spec["serving"] = {"gearSetRef": {"name": "llama3-8b"}, "scaling": {"maxReplicas": 2}}
+        return spec
+
+    def test_serving_alone_is_aggregated_with_the_role_both(self) -> None:
+        spec = PDServiceSpec.model_validate(self._aggregated())
+        assert spec.aggregated
+        assert spec.roles == ("both",)
+        assert spec.role_spec("both").gear_set_ref.name == "llama3-8b"
+        assert spec.role_spec("both").scaling is not None
+        with pytest.raises(KeyError, match=r"spec\.prefill is not set"):
+            spec.role_spec("prefill")
+
+    def test_prefill_and_decode_are_disaggregated(self) -> None:
+        spec = PDServiceSpec.model_validate(self._pd())
+        assert not spec.aggregated
+        assert spec.roles == ("prefill", "decode")
+        assert spec.role_spec("decode").gear_set_ref.name == "llama3-8b-decode"
+        with pytest.raises(KeyError, match=r"spec\.serving is not set"):
+            spec.role_spec("both")
+
+    @pytest.mark.parametrize("keep", ["prefill", "decode"])
+    def test_serving_beside_one_pd_section_names_both_shapes_and_the_fix(self, keep: str) -> None:
+        spec = self._aggregated()
+        spec[keep] = self._pd()[keep]
+        with pytest.raises(ValidationError) as info:
+            PDServiceSpec.model_validate(spec)
+        msg = format_validation_error(info.value)
+        assert "spec.serving" in msg and "excludes spec.prefill and spec.decode" in msg
+        assert "keep spec.serving alone" in msg
+
+    @pytest.mark.parametrize("drop", [("prefill",), ("decode",), ("prefill", "decode")])
+    def test_a_missing_shape_says_what_to_give(self, drop: tuple[str, ...]) -> None:
+        spec = self._pd()
+        for section in drop:
+            del spec[section]
+        with pytest.raises(ValidationError) as info:
+            PDServiceSpec.model_validate(spec)
+        assert "give spec.prefill and spec.decode" in format_validation_error(info.value)
+        assert "or spec.serving alone" in format_validation_error(info.value)
+
+    def test_the_cel_rules_say_what_pydantic_says(self) -> None:
+        from gearshift.api import pdservice
+
+        rules = {r["rule"]: r["message"] for r in pdservice.CEL["PDServiceSpec"]}
+        mixed = "!has(self.serving) || (!has(self.prefill) && !has(self.decode))"
+        missing = "has(self.serving) || (has(self.prefill) && has(self.decode))"
+        assert rules[mixed] == pdservice._MIXED_SHAPES
+        assert rules[missing] == pdservice._NO_SHAPE
+        # The distinct-GearSets rule may read prefill and decode only where both exist: reading a missing
+        # field is an evaluation error in CEL, which would refuse every aggregated service.
+        distinct = next(r for r in rules if "!=" in r)
+        assert distinct.startswith("!has(self.prefill) || !has(self.decode) || ")
+
+    def test_gearset_role_both(self) -> None:
+        body = load_example("gearset-auto.yaml")
+        body["spec"]["role"] = "both"
+        assert GearSet.model_validate(body).spec.role == "both"
+
+    def test_status_has_a_serving_entry(self) -> None:
+        body = {"metadata": {"name": "agg"}, "spec": self._aggregated()}
+        body["status"] = {"serving": {"gearSet": "llama3-8b", "activeGear": "latency", "readyReplicas": 1}}
+        pds = PDService.model_validate(body)
+        assert pds.status.serving is not None and pds.status.serving.active_gear == "latency"

@@ -24,9 +24,16 @@ def test_policy_copies_the_api_numbers_and_takes_the_role_slo():
     assert (p.target_p99_ms, p.latency_metric) == (150, LatencyMetric.TTFT)
 
 
+def test_an_aggregated_pipeline_is_judged_by_ttft_against_the_ttft_slo():
+    # Role both: each request's prefill runs through every stage, so the gear shows in TTFT first, and
+    # TTFT is what the planner predicts for it.
+    p = policy_from_api(ApiShiftPolicy(), role="both", ttft_slo_ms=200, itl_slo_ms=50)
+    assert (p.target_p99_ms, p.latency_metric) == (200, LatencyMetric.TTFT)
+
+
 def test_policy_errors_name_the_field():
     with pytest.raises(ValueError, match="role"):
-        policy_from_api(ApiShiftPolicy(), role="both", ttft_slo_ms=200, itl_slo_ms=50)
+        policy_from_api(ApiShiftPolicy(), role="encode", ttft_slo_ms=200, itl_slo_ms=50)
     # The API allows p99HighRatio 0.9 (> 0) but the triggers need it above 1.
     with pytest.raises(PolicyError, match=r"spec\.policy\.p99HighRatio"):
         policy_from_api(ApiShiftPolicy(p99_high_ratio=0.9), role="prefill", ttft_slo_ms=200, itl_slo_ms=50)

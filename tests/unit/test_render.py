@@ -95,7 +95,7 @@ def _expected_statefulsets(name: str, all_gears: bool) -> dict[str, dict[str, An
 
 
 class TestExamples:
-    @pytest.mark.parametrize("example", ["llama3-8b.yaml", "tiny-llama.yaml"])
+    @pytest.mark.parametrize("example", ["llama3-8b.yaml", "tiny-llama.yaml", "tiny-llama-aggregated.yaml"])
     @pytest.mark.parametrize("all_gears", [False, True])
     def test_statefulsets_follow_the_example_gears(self, example: str, all_gears: bool) -> None:
         (r,) = _render(VLLM / example, all_gears=all_gears)
@@ -113,7 +113,10 @@ class TestExamples:
             args = obj["spec"]["template"]["spec"]["containers"][0]["args"]
             assert args[args.index("--pipeline-parallel-size") + 1] == w["stages"], name
 
-    @pytest.mark.parametrize("example", ["llama3-8b.yaml", "tiny-llama.yaml"])
+    @pytest.mark.parametrize(
+        "example",
+        ["llama3-8b.yaml", "tiny-llama.yaml", "tiny-llama-aggregated.yaml", "llama3-70b-aggregated.yaml"],
+    )
     def test_every_object_is_owned_by_the_pdservice(self, example: str) -> None:
         (r,) = _render(VLLM / example, all_gears=True)
         pds, _ = _example(example)
@@ -182,9 +185,27 @@ class TestExamples:
             v.get("hostPath") for v in vols
         ]
 
-    def test_directory_renders_both_services(self) -> None:
+    def test_directory_renders_every_service(self) -> None:
         rendered = _render(VLLM)
-        assert sorted(r.service for r in rendered) == ["llama3-8b-vllm", "tiny-llama"]
+        assert sorted(r.service for r in rendered) == [
+            "llama3-70b",
+            "llama3-8b-vllm",
+            "tiny-llama",
+            "tiny-llama-agg",
+        ]
+
+    def test_aggregated_example_renders_one_role_and_the_router_for_it(self) -> None:
+        (r,) = _render(VLLM / "tiny-llama-aggregated.yaml")
+        (gs,) = r.gearsets
+        assert (gs["spec"]["role"], gs["status"]["activeGear"]) == ("both", "pp1")
+        svcs = _by_kind(r.objects, "Service")
+        assert sorted(svcs) == ["tiny-llama-agg", "tiny-llama-agg-both", "tiny-llama-agg-both-pp1"]
+        assert svcs["tiny-llama-agg-both"]["spec"]["selector"]["gearshift.io/gear"] == "pp1"
+        router = _by_kind(r.objects, "Deployment")["tiny-llama-agg-router"]
+        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--roles") + 1] == "both"
+        c = _by_kind(r.objects, "StatefulSet")["tiny-llama-agg-both-pp1-s0"]["spec"]["template"]["spec"]
+        assert "--kv-transfer-config" not in c["containers"][0]["args"]
 
     def test_the_sim_examples_plan_their_auto_gearset(self) -> None:
         (r,) = _render(

@@ -134,6 +134,13 @@ def test_warming_targets_are_the_ready_marked_heads_of_this_service_with_a_cap()
     ]
 
 
+def test_an_aggregated_shadow_is_a_target_and_gets_the_whole_request() -> None:
+    (got,) = warming_targets([_pod("svc-both-two-s0-0", role="both", cap="2")], "svc")
+    assert got == MirrorTarget("svc-both-two-s0-0", "both", "two", "http://127.0.0.5:8000", 2.0)
+    body = {**COMPLETION, "stream": True}
+    assert mirror_body("both", body, chat=False) == body  # all of it: prefill and every output token
+
+
 def test_a_pod_being_deleted_is_no_target() -> None:
     pod = _pod("svc-prefill-two-s0-0")
     pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"

@@ -921,3 +921,49 @@ async def test_no_kv_lease_means_no_hand_off_check(make_router: Factory) -> None
     resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
     assert resp.status == 200
     assert eng["d0"].requests[-1]["kv_transfer_params"] == nixl_params("p0")
+
+
+# --- aggregated serving (role both): whole requests, placed as decode pods are ---------------------------
+async def _both_router(
+    make_router: Factory, kv_usage: dict[str, float], **proxy: Any
+) -> tuple[TestClient, Router, dict[str, FakeEngine]]:
+    """pd-score over ``both`` pods (an aggregated PDService) whose KV pools are ``KV_POOL_BYTES``."""
+    client, router, eng = await make_router(
+        {n: ("both", FakeEngine(n, kv_usage=u)) for n, u in kv_usage.items()},
+        policy="pd-score",
+        proxy=ProxyConfig(kv_bytes_per_token=1.0, **proxy),
+    )
+    for n, b in router.pool.backends.items():
+        b.info = BackendInfo(n, b.info.url, "both", kv_capacity_bytes=KV_POOL_BYTES)
+    for _ in range(100):  # the first scrape sets every pod's KV usage
+        if all(b.last_scrape is not None for b in router.pool.backends.values()):
+            break
+        await asyncio.sleep(0.02)
+    assert {n: b.kv_usage for n, b in router.pool.backends.items()} == kv_usage
+    return client, router, eng
+
+
+async def test_aggregated_pd_score_sends_whole_requests_to_a_pod_with_kv_headroom(
+    make_router: Factory,
+) -> None:
+    # b-full: 2% of 1000 bytes free = 20 < 1.2 x (10 + 10) = 24, so seed 000's decode filter leaves it out.
+    client, _router, eng = await _both_router(make_router, {"b-full": 0.98, "b-ok": 0.5})
+    for _ in range(4):
+        assert (await client.post("/v1/completions", json=_body(10, 10))).status == 200
+    assert eng["b-full"].requests == []
+    # one leg per request: the client's body as sent, no kv_transfer_params, max_tokens untouched
+    assert eng["b-ok"].requests == [_body(10, 10)] * 4
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_picks_total{pod="b-ok",policy="pd-score",role="both"} 4.0' in metrics
+
+
+async def test_aggregated_request_is_held_until_a_pod_has_kv_headroom(make_router: Factory) -> None:
+    client, _router, eng = await _both_router(make_router, {"b0": 0.98})
+    task = asyncio.create_task(client.post("/v1/completions", json=_body(10, 10)))
+    await asyncio.sleep(0.5)
+    assert not task.done() and eng["b0"].requests == []
+    metrics = await (await client.get("/metrics")).text()
+    assert _metric(metrics, "gearshift_router_no_decode_headroom_total") == 1.0  # the scale-up signal
+    eng["b0"].kv_usage = 0.5
+    assert (await asyncio.wait_for(task, 5)).status == 200
+    assert eng["b0"].requests == [_body(10, 10)]

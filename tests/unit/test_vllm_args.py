@@ -227,16 +227,19 @@ def cases() -> dict[str, dict[str, Any]]:
         "two-stage-prefill-cpu-float32": _case(cpu_f32, "prefill", MIXED_T4, "float32"),
         "two-stage-both": _case(plain, "both", MIXED_T4, "float16"),
     }
-    # The sandbox's real-vLLM example, every gear of both roles, as the sandbox will run it.
-    docs = list(yaml.safe_load_all((ROOT / "examples" / "vllm" / "tiny-llama.yaml").read_text()))
-    tiny = next(d for d in docs if d["kind"] == "PDService")
-    tiny["metadata"].update(namespace="ns1", uid="u-2")
-    tiny_pds = PDService.model_validate(tiny)
-    for d in docs:
-        if d["kind"] == "GearSet":
-            gs = GearSet.model_validate(d)
-            for gear in gs.spec.gears:
-                out[f"tiny-llama-{gs.spec.role}-{gear.name}"] = _case(tiny_pds, gs.spec.role, gear, "float32")
+    # The sandbox's real-vLLM examples, PD and aggregated, every gear of every role, as the sandbox will
+    # run them.
+    for example in ("tiny-llama.yaml", "tiny-llama-aggregated.yaml"):
+        docs = list(yaml.safe_load_all((ROOT / "examples" / "vllm" / example).read_text()))
+        tiny = next(d for d in docs if d["kind"] == "PDService")
+        tiny["metadata"].update(namespace="ns1", uid="u-2")
+        tiny_pds = PDService.model_validate(tiny)
+        for d in docs:
+            if d["kind"] == "GearSet":
+                gs = GearSet.model_validate(d)
+                for gear in gs.spec.gears:
+                    key = f"{tiny['metadata']['name']}-{gs.spec.role}-{gear.name}"
+                    out[key] = _case(tiny_pds, gs.spec.role, gear, "float32")
     return out
 
 

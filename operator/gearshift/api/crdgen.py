@@ -288,7 +288,7 @@ KINDS: tuple[Kind, ...] = (
         status_model=gearset.GearSetStatus,
         columns=[
             _col("SERVICE", ".spec.serviceName", description="PDService."),
-            _col("ROLE", ".spec.role", description="prefill or decode."),
+            _col("ROLE", ".spec.role", description="prefill, decode or both (aggregated)."),
             _col("ACTIVE", ".status.activeGear", description="Gear serving traffic."),
             _col("TARGET", ".status.targetGear", description="Gear being shifted to."),
             _col("PHASE", ".status.phase", description="Executor phase."),
@@ -309,7 +309,8 @@ KINDS: tuple[Kind, ...] = (
                 "P99(ms)",
                 ".status.signals.p99Ms",
                 "number",
-                "Smoothed P99 (TTFT prefill, ITL decode); empty when the last sample saw no completion.",
+                "Smoothed P99 (TTFT prefill and both, ITL decode); empty when the last sample saw no "
+                "completion.",
             ),
             _col("QPS", ".status.signals.qps", "number", "Requests/s over the last minute."),
             _AGE,
@@ -325,13 +326,15 @@ KINDS: tuple[Kind, ...] = (
         plural="pdservices",
         short_name="pds",
         scope="Namespaced",
-        description="An LLM served with disaggregated prefill and decode roles behind a router.",
+        description="An LLM served behind a router, with disaggregated prefill and decode roles or one "
+        "aggregated serving role.",
         spec_model=pdservice.PDServiceSpec,
         status_model=pdservice.PDServiceStatus,
         columns=[
             _col("MODEL", ".spec.model.name", description="Served model."),
             _col("PREFILL", ".status.prefill.activeGear", description="Active prefill gear."),
             _col("DECODE", ".status.decode.activeGear", description="Active decode gear."),
+            _col("SERVING", ".status.serving.activeGear", description="Active gear of aggregated serving."),
             _col("ROUTER", ".spec.router.policy", description="Router policy."),
             _col("READY", '.status.conditions[?(@.type=="Ready")].status', description="Ready condition."),
             _AGE,

@@ -36,7 +36,7 @@ from gearshift.api.common import (
 )
 from gearshift.facts.model import VLLM_GPU_MEMORY_UTILIZATION
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "both"]
 GearIntent = Literal["latency", "balanced", "throughput"]
 GearSetMode = Literal["auto", "explicit"]
 #: ``Pending``: no gear serves yet. The six others are seed 002's executor states.
@@ -441,8 +441,8 @@ class ShiftPolicy(SpecModel):
         default=None,
         gt=0,
         le=1e7,
-        description="Target of the P99 triggers, ms; unset: the PDService SLO (ttftMs for prefill, "
-        "itlMs for decode).",
+        description="Target of the P99 triggers, ms; unset: the PDService SLO (ttftMs for prefill "
+        "and both, itlMs for decode).",
     )
     retrigger_step: float = Field(
         default=0.05,
@@ -650,7 +650,7 @@ class AutoPlan(SpecModel):
     workload: Workload = Field(
         default_factory=Workload,
         description="Request shape the planner prices capacity with: a prefill role's gears run the "
-        "prompts, a decode role's gears the output tokens.",
+        "prompts, a decode role's gears the output tokens, a both role's gears the whole request.",
     )
 
     @model_validator(mode="after")
@@ -668,7 +668,11 @@ class GearSetSpec(SpecModel):
     service_name: DnsLabel = Field(
         max_length=MAX_SERVICE_NAME, description="Name of the PDService this GearSet serves."
     )
-    role: Role = Field(description="Which side of the PD service: prefill or decode.")
+    role: Role = Field(
+        description="What the gears' engines run: prefill or decode (a side of a disaggregated PDService, "
+        "its spec.prefill or spec.decode), or both (aggregated: each request's prefill and decode on the "
+        "same pipeline, the PDService's spec.serving)."
+    )
     mode: GearSetMode = Field(
         default="explicit",
         description="explicit: the gears below; auto: the planner generates gears from the GPUProfiles.",
@@ -745,7 +749,8 @@ class GearSignals(StatusModel):
     qps: float | None = Field(default=None, description="Requests/s over the last minute.")
     p99_ms: float | None = Field(
         default=None,
-        description="P99 the triggers compare with the target: TTFT for prefill, ITL for decode, ms.",
+        description="P99 the triggers compare with the target: TTFT for prefill and both, ITL for decode, "
+        "ms.",
     )
     p50_ttft_ms: float | None = Field(default=None, description="P50 time to first token, ms.")
     p99_ttft_ms: float | None = Field(default=None, description="P99 time to first token, ms.")

@@ -1,5 +1,16 @@
 """The PDService kind: a served model split into prefill and decode roles, each backed by a GearSet,
-plus the router in front of them (seed 000's PD disaggregation).
+plus the router in front of them (seed 000's PD disaggregation) -- or, aggregated, one ``serving``
+GearSet of role ``both`` whose pipelines run each request's prefill and decode (seed 002's FlexPipe).
+
+The two shapes, checked at ``kubectl apply`` (CEL) and by :class:`PDServiceSpec` (pydantic):
+
+- disaggregated: ``spec.prefill`` and ``spec.decode``, GearSets of role ``prefill`` and ``decode``, the
+  KV cache moved from one to the other (vLLM's NIXL connector);
+- aggregated: ``spec.serving`` alone, a GearSet of role ``both``; no KV transfer, so vLLM runs its
+  gears as pipelines of any depth (a decode under NIXL is one stage). As KServe's LLMInferenceService
+  makes ``prefill`` optional and llm-d labels such pods ``both``: the section says what the GearSet
+  does for the service (it serves), the role what its engines run (both phases); :data:`ROLE_SECTIONS`
+  is the one place that maps one to the other.
 
 The model is given either by its architecture numbers or by an inline Hugging Face ``config.json``
 (``hfConfig``); :meth:`ModelSpec.to_model_arch` turns both into :class:`gearshift.facts.model.ModelArch`.
@@ -28,6 +39,13 @@ from gearshift.api.common import (
 from gearshift.facts.model import DTYPE_BYTES, KV_LEASE_S, ModelArch, ModelConfigError, arch_from_hf_config
 
 Engine = Literal["vllm", "sim"]
+#: The GearSet role of aggregated serving (``spec.serving``): prefill and decode on the same engines.
+AGGREGATED_ROLE = "both"
+#: The spec (and status) section of each GearSet role.
+ROLE_SECTIONS: dict[str, str] = {"prefill": "prefill", "decode": "decode", AGGREGATED_ROLE: "serving"}
+#: The roles of each serving shape, in the order the operator handles them.
+DISAGGREGATED_ROLES: tuple[str, ...] = ("prefill", "decode")
+AGGREGATED_ROLES: tuple[str, ...] = (AGGREGATED_ROLE,)
 RouterPolicy = Literal[
     "pd-score", "shortest-queue", "lottery", "round-robin", "power-of-two", "least-request"
 ]
@@ -122,6 +140,17 @@ WEIGHT_SUM_HIGH = 1.001
 _PREFILL_SUM = "self.compute + self.load + self.queue + self.network + self.cache"
 _DECODE_SUM = "self.itl + self.memory + self.batch + self.bandwidth + self.network"
 
+#: The refusals of a PDService that mixes or lacks the two serving shapes (CEL and pydantic say the same).
+_MIXED_SHAPES = (
+    "spec.serving (aggregated: one GearSet of role both runs prefill and decode) excludes spec.prefill and "
+    "spec.decode (disaggregated PD); keep spec.serving alone, or remove it and keep spec.prefill and "
+    "spec.decode"
+)
+_NO_SHAPE = (
+    "give spec.prefill and spec.decode (disaggregated PD: GearSets of role prefill and decode) or "
+    "spec.serving alone (aggregated: one GearSet of role both)"
+)
+
 #: CRD rules per model (see :mod:`gearshift.api.gearset` for the convention, ``messageExpression`` too).
 CEL: dict[str, list[dict[str, str]]] = {
     "HFConfig": [
@@ -215,7 +244,19 @@ CEL: dict[str, list[dict[str, str]]] = {
     ],
     "PDServiceSpec": [
         {
-            "rule": "self.prefill.gearSetRef.name != self.decode.gearSetRef.name",
+            "rule": "!has(self.serving) || (!has(self.prefill) && !has(self.decode))",
+            "message": _MIXED_SHAPES,
+            "fieldPath": ".serving",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "has(self.serving) || (has(self.prefill) && has(self.decode))",
+            "message": _NO_SHAPE,
+            "reason": "FieldValueRequired",
+        },
+        {
+            "rule": "!has(self.prefill) || !has(self.decode) "
+            "|| self.prefill.gearSetRef.name != self.decode.gearSetRef.name",
             "message": "decode.gearSetRef.name must differ from prefill.gearSetRef.name: a GearSet serves "
             "one role",
             "messageExpression": "'decode.gearSetRef.name must differ from prefill.gearSetRef.name (both "
@@ -497,7 +538,7 @@ class ScalingSpec(SpecModel):
 
 
 class RoleSpec(SpecModel):
-    """One role (prefill or decode) of the service."""
+    """One role of the service: prefill or decode (disaggregated), or serving (aggregated)."""
 
     gear_set_ref: GearSetRef = Field(description="The GearSet with this role's gears.")
     scaling: ScalingSpec | None = Field(default=None, description="Pipeline-replica autoscaling.")
@@ -693,8 +734,21 @@ class PDServiceSpec(SpecModel):
         max_length=512,
         description="Engine image; unset: the operator's default for the engine.",
     )
-    prefill: RoleSpec = Field(description="The prefill role.")
-    decode: RoleSpec = Field(description="The decode role.")
+    prefill: RoleSpec | None = Field(
+        default=None,
+        description="The prefill role (disaggregated serving, with decode): a GearSet of role prefill.",
+    )
+    decode: RoleSpec | None = Field(
+        default=None,
+        description="The decode role (disaggregated serving, with prefill): a GearSet of role decode.",
+    )
+    serving: RoleSpec | None = Field(
+        default=None,
+        description="Aggregated serving, instead of prefill and decode: a GearSet of role both whose "
+        "pipelines run each request's prefill and decode on the same engines (no KV transfer; on vLLM "
+        "its gears may have several stages). Choose it when the model does not fit decode's cards, or "
+        "when prefill and decode share the same cards anyway.",
+    )
     router: RouterSpec = Field(default_factory=RouterSpec, description="Request router.")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency targets.")
     prometheus_url: str | None = Field(
@@ -738,9 +792,36 @@ class PDServiceSpec(SpecModel):
         default=None, description="CPU and memory requests of the vLLM engine containers."
     )
 
+    @property
+    def aggregated(self) -> bool:
+        """Served by one ``serving`` GearSet of role ``both`` (no prefill/decode split)."""
+        return self.serving is not None
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The GearSet roles of this service: ``("both",)`` aggregated, else ``("prefill", "decode")``."""
+        return AGGREGATED_ROLES if self.aggregated else DISAGGREGATED_ROLES
+
+    def role_spec(self, role: str) -> RoleSpec:
+        """The section of GearSet role ``role`` (``both``: ``serving``).
+
+        Raises:
+            KeyError: the service has no such role (``both`` of a disaggregated one, and vice versa).
+        """
+        section: RoleSpec | None = getattr(self, ROLE_SECTIONS[role])
+        if section is None:
+            raise KeyError(f"spec.{ROLE_SECTIONS[role]} is not set: the service has roles {self.roles}")
+        return section
+
     @model_validator(mode="after")
     def _distinct_roles(self) -> PDServiceSpec:
         _check_engine_args(self.engine_args)
+        if self.serving is not None:
+            if self.prefill is not None or self.decode is not None:
+                raise ValueError(_MIXED_SHAPES)
+            return self
+        if self.prefill is None or self.decode is None:
+            raise ValueError(_NO_SHAPE)
         if self.prefill.gear_set_ref.name == self.decode.gear_set_ref.name:
             raise ValueError(
                 f"decode.gearSetRef.name ({self.decode.gear_set_ref.name!r}) must differ from "
@@ -780,6 +861,7 @@ class PDServiceStatus(StatusModel):
     )
     prefill: RoleStatus | None = Field(default=None, description="The prefill role.")
     decode: RoleStatus | None = Field(default=None, description="The decode role.")
+    serving: RoleStatus | None = Field(default=None, description="The serving role (aggregated).")
     router_ready: bool | None = Field(default=None, description="The router Deployment is available.")
     endpoint: str | None = Field(default=None, max_length=1024, description="Client Service host:port.")
     message: Message | None = Field(default=None, description="Last error or note.")

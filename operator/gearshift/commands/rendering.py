@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from gearshift import GROUP, VERSION
 from gearshift.api.common import format_validation_error
 from gearshift.api.gpuprofile import GPUProfileStatus
-from gearshift.api.pdservice import PDService
+from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.control.reconcile import (
     RoleState,
     SpecInvalid,
@@ -212,7 +212,7 @@ def _pds_body(doc: Document, namespace: str) -> dict[str, Any]:
 
 
 def _role_of(message: str) -> str | None:
-    return next((r for r in names.ROLES if message.startswith(r)), None)
+    return next((r for r in ROLE_SECTIONS if message.startswith(r)), None)
 
 
 def _problems(pds_doc: Document, docs: Mapping[str, Document], messages: Sequence[str], what: str) -> str:
@@ -262,13 +262,13 @@ def render_service(
 
     used: dict[str, Document] = {}
     roles: dict[str, RoleState] = {}
-    for role in names.ROLES:
-        ref = getattr(pds.spec, role).gear_set_ref.name
+    for role in pds.spec.roles:
+        ref = pds.spec.role_spec(role).gear_set_ref.name
         gs_doc = gearsets.get((ns, ref))
         if gs_doc is None:
             raise RenderError(
-                f"{where}: spec.{role}.gearSetRef.name names GearSet {ref!r}, which no file given holds "
-                f"in namespace {ns}; add its file with -f"
+                f"{where}: spec.{ROLE_SECTIONS[role]}.gearSetRef.name names GearSet {ref!r}, which no "
+                f"file given holds in namespace {ns}; add its file with -f"
             )
         gs_body = copy.deepcopy(gs_doc.body)
         gs_body.setdefault("metadata", {})["namespace"] = ns

@@ -11,8 +11,10 @@ from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.executor import ShiftRequest
 from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
 
-#: The P99 each role's latency triggers read (DESIGN.md: prefill is judged by TTFT, decode by ITL).
-ROLE_METRIC = {"prefill": LatencyMetric.TTFT, "decode": LatencyMetric.ITL}
+#: The P99 each role's latency triggers read (DESIGN.md: prefill is judged by TTFT, decode by ITL). An
+#: aggregated pipeline (``both``) by TTFT: what a deeper or shallower gear changes most (every stage adds
+#: to a prompt's time), and what the planner predicts for it (``RooflineCostModel``'s ``latency_ms``).
+ROLE_METRIC = {"prefill": LatencyMetric.TTFT, "decode": LatencyMetric.ITL, "both": LatencyMetric.TTFT}
 
 
 def policy_from_api(policy: ShiftPolicy, *, role: str, ttft_slo_ms: float, itl_slo_ms: float) -> ShiftRules:
@@ -20,17 +22,17 @@ def policy_from_api(policy: ShiftPolicy, *, role: str, ttft_slo_ms: float, itl_s
 
     Every field the API model and :class:`ShiftRules` share (same snake-case name) is copied; the others
     keep :class:`ShiftRules`'s defaults. ``targetP99Ms`` unset means the role's SLO from the PDService
-    (``ttft_slo_ms`` for prefill, ``itl_slo_ms`` for decode, ms).
+    (``ttft_slo_ms`` for prefill and both, ``itl_slo_ms`` for decode, ms).
 
     Raises:
-        ValueError: ``role`` is neither ``prefill`` nor ``decode``.
+        ValueError: ``role`` is none of ``prefill``, ``decode``, ``both``.
         PolicyError: a combination of values the control code cannot use, naming the field.
     """
     if role not in ROLE_METRIC:
-        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        raise ValueError(f"role must be one of {', '.join(ROLE_METRIC)}, got {role!r}")
     shared = {f.name: getattr(policy, f.name) for f in fields(ShiftRules) if hasattr(policy, f.name)}
     shared = {k: v for k, v in shared.items() if v is not None}
-    shared.setdefault("target_p99_ms", ttft_slo_ms if role == "prefill" else itl_slo_ms)
+    shared.setdefault("target_p99_ms", itl_slo_ms if role == "decode" else ttft_slo_ms)
     shared["latency_metric"] = ROLE_METRIC[role]
     return ShiftRules(**shared)
 

@@ -61,6 +61,9 @@ from gearshift.api.gearset import AdaptiveBatchStatus
 from gearshift.control.executor_status import from_time, to_time
 from gearshift.control.pd_balance import GROW_FACTOR, SHRINK_FACTOR
 
+#: GearSet roles whose engines decode, where seed 000's per-node batch rule applies: decode, and an
+#: aggregated pipeline (both), whose head pods run every request's decode steps.
+ROLES = ("decode", "both")
 #: Least seconds between two changes of one pod's effective max batch.
 COOLDOWN_S = 30.0
 #: The floor as a fraction of the planned max batch.

@@ -90,8 +90,9 @@ class LatencySignal:
 
 
 def latency_signal(role: str, slo: SLOSpec) -> LatencySignal:
-    """Prefill is held to time to first token, decode to inter-token latency."""
-    if role == "prefill":
+    """Prefill is held to time to first token, decode to inter-token latency; an aggregated pipeline
+    (both) to time to first token, where its queue shows (as its gear shifting reads it)."""
+    if role in ("prefill", "both"):
         return LatencySignal(TTFT_METRIC, slo.ttft_ms)
     return LatencySignal(ITL_METRIC, slo.itl_ms)
 
@@ -134,7 +135,9 @@ def scope_of(gs: GearSet, pds: PDService, prometheus_url: str | None) -> ScaleSc
 
     ``prometheus_url``: the operator's default, used when the PDService names none.
     """
-    role_spec = getattr(pds.spec, gs.spec.role)
+    if gs.spec.role not in pds.spec.roles:
+        return Skip(f"the PDService has no role {gs.spec.role}", idle=True)
+    role_spec = pds.spec.role_spec(gs.spec.role)
     if role_spec.scaling is None:
         return Skip("no scaling section: replicas stay as spec.replicas says", idle=True)
     gear = {g.name: g for g in gs.gears()}.get(gs.status.active_gear or "")

@@ -51,7 +51,7 @@ from gearshift.api.common import (
     set_condition,
 )
 from gearshift.api.gearset import Gear, GearSet, Workload
-from gearshift.api.pdservice import PDService
+from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.control import capacity
 from gearshift.control.adapt import gear_views, gearset_rules
 from gearshift.control.policy import ShiftRules
@@ -194,18 +194,19 @@ def role_state(pds: PDService, service: str, role: str, gs_body: dict[str, Any])
     Raises:
         SpecInvalid: the GearSet does not validate, or serves another service or role.
     """
-    ref = getattr(pds.spec, role).gear_set_ref.name
+    section = pds.spec.role_spec(role)
+    ref = section.gear_set_ref.name
     try:
         gs = GearSet.model_validate(gs_body)
     except ValidationError as exc:
         raise SpecInvalid(f"GearSet {ref!r} is invalid:\n{format_validation_error(exc)}") from None
     if gs.spec.role != role or gs.spec.service_name != service:
         raise SpecInvalid(
-            f"{role}.gearSetRef names GearSet {ref!r}, which serves service "
+            f"{ROLE_SECTIONS[role]}.gearSetRef names GearSet {ref!r}, which serves service "
             f"{gs.spec.service_name!r} role {gs.spec.role!r}; set its spec.serviceName: {service} and "
             f"spec.role: {role}, or refer to another GearSet"
         )
-    return RoleState(role, gs_body, gs, autoscaled=getattr(pds.spec, role).scaling is not None)
+    return RoleState(role, gs_body, gs, autoscaled=section.scaling is not None)
 
 
 def explicit_layer_problems(pds: PDService, roles: Mapping[str, RoleState]) -> None:
@@ -389,6 +390,9 @@ def plan_gears(
         windows=windows,
         max_stages=limit.max_stages if limit else None,
         max_stages_why=limit.reason if limit else "",
+        # vLLM runs a stage's replicas as whole pipeline copies (k8s.statefulset.stage_replicas): a hot
+        # stage cannot get extras of its own there.
+        whole_pipelines=pds.spec.engine == "vllm",
     )
     return [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
 
@@ -411,6 +415,8 @@ def plan_key(
     limit = engine_stage_limit(pds.spec.engine, gs.spec.role)
     if limit is not None:  # likewise only when set: sim plans keep their hash
         parts.append({"maxStages": limit.max_stages})
+    if pds.spec.engine == "vllm":  # whole-pipeline replicas only (plan_gears)
+        parts.append({"wholePipelines": True})
     return inputs_hash(*parts, window_states) if window_states else inputs_hash(*parts)
 
 
@@ -658,8 +664,9 @@ def plan_roles(
     (:func:`plan_auto_role`). Returns ``(missing, events)``: what is missing for the Placed condition,
     and the events of planning and of time-limited nodes (:mod:`gearshift.control.windows`)."""
     pools, missing = role_pools(roles, nodes, profiles)
-    pre, dec = split_pools(pools["prefill"], pools["decode"])
-    split = {"prefill": pre, "decode": dec}
+    split = dict(pools)  # one role (aggregated) has its whole pool
+    if "prefill" in pools and "decode" in pools:
+        split["prefill"], split["decode"] = split_pools(pools["prefill"], pools["decode"])
     events: list[PlanEvent] = []
     for role, rs in roles.items():
         if rs.gs.spec.mode != "auto":
@@ -954,7 +961,7 @@ def service_phase(lost: bool, ready: bool, unplaced: bool, serving_any: bool) ->
 
 
 def role_status(rs: RoleState, readiness: Readiness) -> dict[str, Any]:
-    """A role's entry in the PDService status (``status.prefill``, ``status.decode``)."""
+    """A role's entry in the PDService status (``status.prefill``, ``status.decode``, ``status.serving``)."""
     return {
         "gearSet": rs.gs.metadata["name"],
         "activeGear": rs.active,
@@ -982,6 +989,7 @@ def service_verdict(
     rolled = all(r.rolled for r in readiness.values())
     ready = all_ready and router_is_ready
     placed_msgs = [*want.missing, *want.problems, *unsched]
+    serving = "prefill, decode" if len(roles_st) > 1 else "the serving pipelines"
     waiting = ", ".join(f"{r} {s['readyReplicas']}/{s['desiredReplicas']}" for r, s in roles_st.items())
     plan_failed = any(rs.plan_error for rs in roles.values())
     conditions = [
@@ -992,7 +1000,7 @@ def service_verdict(
         else ConditionUpdate(
             COND_PROGRESSING, "True", REASON_ROLLING_OUT, "pods of the active gears are rolling out"
         ),
-        ConditionUpdate(COND_READY, "True", REASON_ALL_READY, "prefill, decode and the router serve")
+        ConditionUpdate(COND_READY, "True", REASON_ALL_READY, f"{serving} and the router serve")
         if ready
         else ConditionUpdate(
             COND_READY,
@@ -1005,12 +1013,15 @@ def service_verdict(
     phase = service_phase(bool(want.lost), ready, bool(placed_msgs), serving_any)
     status: dict[str, Any] = {
         "phase": phase,
-        "prefill": roles_st.get("prefill"),
-        "decode": roles_st.get("decode"),
         "routerReady": router_is_ready,
         "endpoint": f"{name}.{ns}.svc:8000",
         "message": "; ".join(placed_msgs)[:4000] if placed_msgs else "",
     }
+    for role, section in ROLE_SECTIONS.items():
+        if role in roles_st:
+            status[section] = roles_st[role]
+        elif old_status.get(section) is not None:
+            status[section] = None  # the service changed shape: drop the other shape's entry
     leave_by = min((rs.window_leave_by for rs in roles.values() if rs.window_leave_by), default=None)
     if leave_by is not None or old_status.get("windowLeaveBy") is not None:
         status["windowLeaveBy"] = leave_by  # None deletes it (merge patch)
@@ -1050,11 +1061,12 @@ def gearsets_missing(msg: str) -> tuple[list[ConditionUpdate], dict[str, Any]]:
 
 
 def services_using(bodies: Iterable[Mapping[str, Any]], gearset: str) -> list[str]:
-    """Names of the PDServices among ``bodies`` whose prefill or decode refers to GearSet ``gearset``."""
+    """Names of the PDServices among ``bodies`` whose prefill, decode or serving refers to GearSet
+    ``gearset``."""
     out = []
     for b in bodies:
         spec = b.get("spec") or {}
-        refs = {(spec.get(r) or {}).get("gearSetRef", {}).get("name") for r in names.ROLES}
+        refs = {(spec.get(r) or {}).get("gearSetRef", {}).get("name") for r in ROLE_SECTIONS.values()}
         if gearset in refs:
             out.append(b["metadata"]["name"])
     return sorted(out)

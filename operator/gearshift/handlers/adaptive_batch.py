@@ -139,8 +139,8 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     if isinstance(loaded, str):
         return BatchTick(skipped=loaded)
     gs_body, gs, pds = loaded
-    if gs.spec.role != "decode":
-        return BatchTick(skipped="adaptive batch is a decode-role rule (seed 000)", idle=True)
+    if gs.spec.role not in rules.ROLES:
+        return BatchTick(skipped="adaptive batch is a rule of the roles that decode (seed 000)", idle=True)
     gear = {g.name: g for g in gs.gears()}.get(gs.status.active_gear or "")
     if gear is None:
         return BatchTick(skipped="no active gear yet")
@@ -150,7 +150,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     )
     shift = executor_from_status(gear.name, gs.status.executor).busy
     routers = max(1, pds.spec.router.replicas)
-    labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: "decode", names.LABEL_GEAR: gear.name}
+    labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: gs.spec.role, names.LABEL_GEAR: gear.name}
     pods = api.list(*POD, namespace, labels)
     heads = [p for p in head_pods(pods) if not p["metadata"].get("deletionTimestamp")]
     head_names = [str(p["metadata"]["name"]) for p in heads]
@@ -220,8 +220,8 @@ def run_tick(rt: Runtime, namespace: str, name: str) -> BatchTick:
 
 
 def _decode(body: kopf.Body, **_: Any) -> bool:
-    """Only decode GearSets run the loop (seed 000's batch rule is a decode-node rule)."""
-    return (body.get("spec") or {}).get("role") == "decode"
+    """Only GearSets whose engines decode run the loop (seed 000's batch rule is a decode-node rule)."""
+    return (body.get("spec") or {}).get("role") in rules.ROLES
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_decode)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str

@@ -126,7 +126,7 @@ def _sample(
             )
         except SignalsUnavailable as exc:
             unavailable = str(exc)
-    if scope.role == "decode":
+    if scope.role in ("decode", "both"):  # the router places both pods as decode pods (KV headroom)
         router_pods = api.list(
             *POD,
             namespace,

@@ -16,7 +16,7 @@ import kopf
 from pydantic import ValidationError
 
 from gearshift.api.gearset import GearSet
-from gearshift.api.pdservice import PDService
+from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.handlers.kubeapi import GS, PDS, KubeApi
 
 log = logging.getLogger("gearshift.loop")
@@ -100,6 +100,9 @@ def load_gearset_and_service(
         pds = PDService.model_validate(pds_body)
     except ValidationError:
         return f"PDService {service!r} invalid"
-    if getattr(pds.spec, role).gear_set_ref.name != name:
-        return f"PDService {service!r} {role} refers to another GearSet"
+    section = ROLE_SECTIONS[role]
+    if role not in pds.spec.roles:
+        return f"PDService {service!r} has no spec.{section} (it serves roles {', '.join(pds.spec.roles)})"
+    if pds.spec.role_spec(role).gear_set_ref.name != name:
+        return f"PDService {service!r} {section} refers to another GearSet"
     return gs_body, gs, pds

@@ -45,7 +45,7 @@ from pydantic import ValidationError
 from gearshift import planner
 from gearshift.api.common import REASON_INVALID_SPEC, format_validation_error
 from gearshift.api.gearset import Gear, GearSet
-from gearshift.api.pdservice import PDService
+from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.control.reconcile import (
     REASON_GEARSET_MISMATCH,
     ConditionUpdate,
@@ -125,11 +125,11 @@ def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dic
     name = body["metadata"]["name"]
     out: dict[str, RoleState] = {}
     missing = []
-    for role in names.ROLES:
-        ref = getattr(pds.spec, role).gear_set_ref.name
+    for role in pds.spec.roles:
+        ref = pds.spec.role_spec(role).gear_set_ref.name
         gs_body = api.get(*GS, ns, ref)
         if gs_body is None:
-            missing.append(f"{role}.gearSetRef {ref!r}")
+            missing.append(f"{ROLE_SECTIONS[role]}.gearSetRef {ref!r}")
             continue
         out[role] = role_state(pds, name, role, gs_body)
     if missing:
@@ -355,7 +355,10 @@ def _context(
     if body is None:
         raise NotYet(f"PDService {namespace}/{service} not found")
     pds = PDService.model_validate(body)
-    ref = getattr(pds.spec, role).gear_set_ref.name
+    if role not in pds.spec.roles:
+        have = ", ".join(pds.spec.roles)
+        raise NotYet(f"PDService {namespace}/{service} has no role {role} (it has {have})")
+    ref = pds.spec.role_spec(role).gear_set_ref.name
     gs_body = api.get(*GS, namespace, ref)
     if gs_body is None:
         raise NotYet(f"GearSet {namespace}/{ref} not found")

@@ -70,6 +70,8 @@ COMPONENT_ENGINE = "engine"
 COMPONENT_ROUTER = "router"
 COMPONENT_PROBE = "probe"
 
+#: The roles of a disaggregated PDService; an aggregated one has the one role ``both`` (the service's own
+#: list is ``gearshift.api.pdservice.PDServiceSpec.roles``).
 ROLES = ("prefill", "decode")
 
 #: A StatefulSet's name must leave room for the ``controller-revision-hash`` label value

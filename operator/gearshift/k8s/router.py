@@ -1,7 +1,8 @@
 """The router of a PDService: Deployment ``<pds>-router`` running ``gearshift-router``, its ServiceAccount,
 Role and RoleBinding. Pure: plain dicts.
 
-The router learns its pods from the EndpointSlices of the two role Services (``--service <pds>``) and reads
+The router learns its pods from the EndpointSlices of the role Services (``--service <pds>``: prefill and
+decode, or the one ``both`` Service of an aggregated PDService, ``--roles both``) and reads
 each head pod's ``GEARSHIFT_PIPELINE`` env, hence the Role: get/list/watch on ``endpointslices`` and
 ``pods`` in the namespace. Nodes and GPUProfiles are cluster-scoped; a namespaced PDService cannot own a
 ClusterRoleBinding (cluster-scoped objects cannot have namespaced owners), so that read is not granted
@@ -32,8 +33,10 @@ def _meta(service: str, namespace: str, owner: dict[str, Any] | None) -> dict[st
 
 
 def router_args(service: str, namespace: str, spec: PDServiceSpec) -> list[str]:
-    """``gearshift-router`` flags (router/server.py ``add_arguments``) for a PDService."""
+    """``gearshift-router`` flags (router/server.py ``add_arguments``) for a PDService: an aggregated one's
+    router watches its one role Service (``--roles both``) and sends whole requests to its head pods."""
     weights = spec.router.weights.to_json()
+    roles = ["--roles", "both"] if spec.aggregated else []
     return [
         "--port",
         str(ROUTER_PORT),
@@ -53,6 +56,7 @@ def router_args(service: str, namespace: str, spec: PDServiceSpec) -> list[str]:
         spec.model.name,
         "--kv-lease-s",
         str(spec.kv_lease_s),
+        *roles,
     ]
 
 

@@ -38,6 +38,11 @@ role of a vLLM PDService (vLLM's NixlConnector serves decode from one pipeline s
 :func:`gearshift.planner.inputs.engine_stage_limit`); the simulated engine has no limit, and without the
 parameter planning is unchanged. A model that fits no node within the limit raises
 :class:`~gearshift.planner.errors.StageLimitError` naming the memory needed and the largest node's.
+
+Whole-pipeline replicas (``whole_pipelines``): an engine that replicates only whole pipelines (vLLM: each
+instance owns all its ranks, so one stage cannot get a copy of its own) gets no hot-stage extras on a
+candidate of several stages -- its capacity comes from pipeline replicas alone, as it will run. A
+one-stage candidate keeps its extras: a copy of its one stage is a whole pipeline.
 """
 
 from __future__ import annotations
@@ -397,6 +402,7 @@ def _candidates(
     cheap: frozenset[str] = frozenset(),
     max_stages: int | None = None,
     max_stages_why: str = "",
+    whole_pipelines: bool = False,
 ) -> list[_Candidate]:
     if not single_pipeline and not cheap and max_stages is None and _large_pool(profile):
         fleet = _fleet_candidates(profile, model, intent)
@@ -469,7 +475,7 @@ def _candidates(
                 if len(p.stages) == 1 and kv_batch > mb:
                     _one_stage_decode(profile, model, c, kv_batch, ids)
                 out.append(c)
-                if not single_pipeline:
+                if not single_pipeline and not (whole_pipelines and len(p.stages) > 1):
                     # Extras are a variant, not forced: a slower extra card raises capacity but can raise
                     # P99 (it serves its share of requests at its own, slower pace), so both versions
                     # compete and each intent's rule in plan() picks.
@@ -533,6 +539,7 @@ def plan(
     windows: Windows | None = None,
     max_stages: int | None = None,
     max_stages_why: str = "",
+    whole_pipelines: bool = False,
 ) -> PlanResult:
     """Plan the gears of ``model`` on ``profile``.
 
@@ -550,6 +557,8 @@ def plan(
         max_stages: most stages of any gear (None: no limit beyond each intent's); ``1`` plans whole-model
             one-stage gears only, scaled by pipeline replicas (module docstring, "Stage limit").
         max_stages_why: why the limit holds, quoted in the error when the model does not fit within it.
+        whole_pipelines: the engine replicates whole pipelines only (vLLM): no hot-stage extras on gears
+            of several stages (module docstring).
 
     Returns:
         A :class:`PlanResult` with one :class:`Gear` per intent, in the order asked.
@@ -580,7 +589,8 @@ def plan(
                 )
         cheap = windows.cheap_only(ids)
     pools = {
-        i: _candidates(profile, model, i, single_pipeline, cheap, max_stages, max_stages_why) for i in intents
+        i: _candidates(profile, model, i, single_pipeline, cheap, max_stages, max_stages_why, whole_pipelines)
+        for i in intents
     }
     for cands in pools.values():
         for c in cands:

@@ -249,10 +249,12 @@ VLLM_DECODE_STAGE_LIMIT = StageLimit(
 
 
 def engine_stage_limit(engine: str, role: str) -> StageLimit | None:
-    """The stage limit of ``role`` (``prefill``/``decode``) under ``engine`` (``vllm``/``sim``), or None.
+    """The stage limit of ``role`` (``prefill``/``decode``/``both``) under ``engine`` (``vllm``/``sim``), or
+    None.
 
-    Only vLLM's decode role has one (:data:`VLLM_DECODE_STAGE_LIMIT`); vLLM's prefill runs any pipeline
-    depth, and the simulated engine models any pipeline for both roles.
+    Only vLLM's decode role has one (:data:`VLLM_DECODE_STAGE_LIMIT`, a limit of the KV connector); vLLM's
+    prefill and an aggregated pipeline (``both``: no KV transfer, vLLM's plain multi-node pipeline
+    parallelism) run any pipeline depth, and the simulated engine models any pipeline for every role.
     """
     if engine == "vllm" and role == "decode":
         return VLLM_DECODE_STAGE_LIMIT

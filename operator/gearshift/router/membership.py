@@ -33,7 +33,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -359,12 +359,14 @@ class EndpointSliceMembership:
         loop: asyncio.AbstractEventLoop,
         kubeconfig: str | None = None,
         on_warming: Callable[[list[MirrorTarget]], None] | None = None,
+        roles: Sequence[str] = ("prefill", "decode"),
     ) -> None:
         self.service, self.namespace = service, namespace
         self.on_warming = on_warming
         self.on_change, self.loop = on_change, loop
         self.kubeconfig = kubeconfig
-        self.role_of_service = {role_service_name(service, r): r for r in ("prefill", "decode")}
+        # An aggregated PDService has one role Service, <pds>-both; a PD one <pds>-prefill and <pds>-decode.
+        self.role_of_service = {role_service_name(service, r): r for r in roles}
         self._stop = threading.Event()
 
     def start(self) -> threading.Thread:

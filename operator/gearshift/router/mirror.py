@@ -126,7 +126,7 @@ def warming_targets(pods: Iterable[Mapping[str, Any]], service: str) -> list[Mir
             or labels.get(LABEL_SERVICE) != service
             or labels.get(LABEL_COMPONENT) != COMPONENT_ENGINE
             or labels.get(LABEL_STAGE) != "0"
-            or labels.get(LABEL_ROLE) not in ("prefill", "decode")
+            or labels.get(LABEL_ROLE) not in ("prefill", "decode", "both")
             or meta.get("deletionTimestamp")
             or not _ready(pod)
         ):
@@ -249,7 +249,7 @@ class Mirror:
                 }
                 s = _Slot(t, TokenBucket(t.cap_rps, now), children)
             by_role.setdefault(t.role, []).append(s)
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "both"):
             self.metrics.targets.labels(role).set(len(by_role.get(role, ())))
         if {n for n in old} != {s.target.name for v in by_role.values() for s in v}:
             log.info("mirroring to warming pods: %s", ", ".join(sorted(t.name for t in targets)) or "none")

@@ -233,7 +233,9 @@ class Pool:
         policy = cfg.policy
         if policy == "pd-score":
             peer_view = peer.view() if peer is not None else None
-            if role == "decode":
+            # An aggregated pod (both) holds the whole request's KV and runs its decode steps, so seed
+            # 000's decode score applies to it: ITL, free memory for the KV (1.2x headroom), batch fill.
+            if role in ("decode", "both"):
                 scored = P.score_decode(views, request, peer_view, cfg.decode_weights, cfg.target_itl_ms)
                 if not scored:
                     raise P.NoDecodeCapacityError(request.kv_bytes)

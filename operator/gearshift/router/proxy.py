@@ -15,7 +15,9 @@ Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request:
    :func:`leg_headers`): the prefill leg, then the decode leg streamed back as it comes, both under one
    ``X-Request-Id``. A prefill leg that fails (an HTTP error, or a body that is not JSON) ends the request
    with an OpenAI-shaped error naming the prefill pod; the decode pod is not called. With only ``both``
-   pods: forward the client's bytes as they are (with the ``X-Request-Id`` header);
+   pods (an aggregated PDService, or ``--backend both=URL``): one pod per request, placed as a decode pod
+   is (batch cap, pd-score's decode score and KV headroom hold), and the client's bytes forwarded as they
+   are (with the ``X-Request-Id`` header): no second leg;
 3. retries on another pod of the same role (Envoy's ``retry_on`` with the ``previous_hosts`` predicate): a
    failed *connect* (nothing sent) of either leg, and a 5xx answer of the prefill leg, which is idempotent
    (one token, nothing reached the client, the decode pod not yet called). A decode leg's 5xx is relayed,
@@ -644,7 +646,7 @@ class Proxy:
         """The serving pod of a request (decode under PD, else a ``both`` pod) below its batch cap; the
         request holds one of its slots until :meth:`_unhold`."""
         await self._batch_room(role)
-        b = await self._place_decode(req) if role == "decode" else self._pick(role, req, None, set())
+        b = await self._place_decode(req, role)
         b.held += 1
         relay.held = b
         return b
@@ -661,21 +663,22 @@ class Proxy:
         """Requests held now for decode KV headroom."""
         return len(self._headroom_q)
 
-    def _try_decode(self, req: P.RequestView) -> Backend | None:
-        """One decode pick; None when pd-score's headroom filter left no pod.
+    def _try_decode(self, req: P.RequestView, role: P.Role = "decode") -> Backend | None:
+        """One pick of the pod that decodes (``decode``, or ``both`` aggregated); None when pd-score's
+        headroom filter left no pod.
 
         Raises:
             RequestError: 503 when there is no healthy decode pod at all.
         """
         try:
-            b = self.pool.pick("decode", req, self.clock(), None, ())
+            b = self.pool.pick(role, req, self.clock(), None, ())
         except (P.NoDecodeCapacityError, P.BatchFullError):
             # BatchFullError only while held for headroom (placement waits for batch room first).
             return None
         except P.NoPodError as exc:
             self.metrics.rejects.labels("no_decode_pod").inc()
             raise RequestError(503, str(exc), "service_unavailable", "no_pod") from exc
-        self.metrics.picks.labels(self.pool.config.policy, "decode", b.info.name).inc()
+        self.metrics.picks.labels(self.pool.config.policy, role, b.info.name).inc()
         return b
 
     def _refuse_if_never_fits(self, req: P.RequestView) -> None:
@@ -712,8 +715,9 @@ class Proxy:
             "no_pod",
         )
 
-    async def _place_decode(self, req: P.RequestView) -> Backend:
-        """The decode pod of a PD request, holding the request while no pod has KV headroom for it.
+    async def _place_decode(self, req: P.RequestView, role: P.Role = "decode") -> Backend:
+        """The decode pod of a PD request (or the ``both`` pod of an aggregated one, which holds the
+        request's KV as a decode pod does), holding the request while no pod has KV headroom for it.
 
         FIFO: while requests are held, a new one joins the end instead of trying (it would overtake them),
         and only the head retries; when it leaves, the next one tries at once.
@@ -724,7 +728,7 @@ class Proxy:
         """
         self._refuse_if_never_fits(req)
         if not self._headroom_q:
-            b = self._try_decode(req)
+            b = self._try_decode(req, role)
             if b is not None:
                 return b
         # The first miss of this request: the autoscaler's immediate scale-up signal, once per request.
@@ -750,7 +754,7 @@ class Proxy:
                     except TimeoutError:
                         break
                     continue
-                b = self._try_decode(req)
+                b = self._try_decode(req, role)
                 if b is not None:
                     return b
                 await asyncio.sleep(min(self.cfg.headroom_poll_s, remaining))

@@ -55,6 +55,9 @@ from gearshift.router.signals import HealthChecker, PrometheusSource, Scraper
 
 log = logging.getLogger("gearshift.router")
 
+#: ``--roles``: the role Services a ``--service`` router watches (``gearshift.io/role`` values).
+ROLE_SETS: dict[str, tuple[str, ...]] = {"pd": ("prefill", "decode"), "both": ("both",)}
+
 
 @dataclass
 class RouterSettings:
@@ -62,6 +65,8 @@ class RouterSettings:
 
     backends: list[BackendInfo] = field(default_factory=list)
     service: str | None = None
+    roles: tuple[str, ...] = ROLE_SETS["pd"]
+    """The role Services ``--service`` watches: prefill and decode, or both (an aggregated PDService)."""
     namespace: str = "default"
     kubeconfig: str | None = None
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -175,6 +180,7 @@ class Router:
                 asyncio.get_running_loop(),
                 s.kubeconfig,
                 on_warming=self.mirror.set_targets,
+                roles=s.roles,
             )
             self._membership.start()
         if s.prometheus_url:
@@ -411,7 +417,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--service",
         default=env("GEARSHIFT_SERVICE"),
-        help="PDService name: watch the EndpointSlices of <svc>-prefill and <svc>-decode [GEARSHIFT_SERVICE]",
+        help="PDService name: watch the EndpointSlices of its role Services, <svc>-prefill and <svc>-decode "
+        "(or <svc>-both, --roles both) [GEARSHIFT_SERVICE]",
+    )
+    p.add_argument(
+        "--roles",
+        default=env("GEARSHIFT_ROUTER_ROLES", "pd"),
+        choices=sorted(ROLE_SETS),
+        help="with --service: pd (prefill and decode pods, the two-leg PD protocol) or both (an aggregated "
+        "PDService: whole requests to its serving pods) [GEARSHIFT_ROUTER_ROLES]",
     )
     p.add_argument("--namespace", default=env("GEARSHIFT_NAMESPACE", env("POD_NAMESPACE", "default")))
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"))
@@ -605,6 +619,7 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
     return RouterSettings(
         backends=[parse_backend(b) for b in a.backend],
         service=a.service,
+        roles=ROLE_SETS[a.roles],
         namespace=a.namespace,
         kubeconfig=a.kubeconfig,
         policy=policy,
