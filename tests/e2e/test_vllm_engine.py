@@ -29,8 +29,15 @@ Service B (prefill gear ``two``: two stages, layers 3 + 1, on two nodes; decode 
   (b) the two pods rendezvous through the head's DNS name; each holds its layers, proven by vLLM's own
       logged KV capacity (the same 1 GiB pool holds 4/3 times the one-stage tokens on the 3-layer head);
       greedy output equals service A's one-stage output;
-  (e) the head process is killed: the operator recreates the headless rank of that pipeline replica
-      (handlers/replicas.py) and the service is Ready again, with the same output, without a hand
+  (e) the head process is killed: the operator recreates that pipeline replica (handlers/replicas.py; under
+      a new KV epoch, so the decode pod handshakes the new engines) and the service is Ready again, with the
+      same output, without a hand;
+  (f) the decode pod is held back past half the KV lease: the router sends it the request without the KV, it
+      prefills the prompt itself, the client gets the same output and nothing reads freed blocks.
+Service C (aggregated, ``spec.serving``: one GearSet of role both, gears ``one`` and ``two`` = layers 3 + 1):
+  (g) under steady load through the router it shifts live to the uneven two-stage gear and back: 0 failed
+      requests, every answer the same greedy text, and the role Service names a gear only while a head pod
+      of that gear is Ready.
       (the restarted head starts beside two engines).
 """
 
@@ -51,6 +58,7 @@ import pytest
 from gearshift.dev.sandbox import vllm_service as vs
 from gearshift.dev.sandbox.harness import GpuNodes, OperatorProcess, install_crds, pod_ready, teardown_run
 from gearshift.dev.sandbox.layout import Layout
+from gearshift.k8s import names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
 
@@ -365,3 +373,98 @@ def test_f_decode_held_back_past_the_kv_lease_prefills_instead_of_reading_freed_
     for p in svc.engine_pods("prefill"):
         assert "Potentially invalid KV blocks" not in vs.engine_log(p), p["metadata"]["name"]
     run_b.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def run_c(
+    sandbox: Any, tmp_path_factory: pytest.TempPathFactory, run_b: Run, request: pytest.FixtureRequest
+) -> Iterator[Run]:
+    if any("reference_output" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("reference_output")
+    run_b.teardown()  # at most three vLLM processes at once
+    run = Run(sandbox, tmp_path_factory.mktemp("vllm-c"), "c")
+    try:
+        a, b, c = run.gpus.add("A10-24GB", "s"), run.gpus.add("A10-24GB", "s"), run.gpus.add("A100-80GB", "s")
+        two = vs.two_stage("two", (b, "A10-24GB"), (c, "A100-80GB"), split=3)
+        run.svc.apply({"both": ([vs.one_stage("one", [a]), two], "one")}, sandbox.prometheus_url)
+        run.wait_ready()
+        yield run
+    finally:
+        run.teardown()
+
+
+def test_g_aggregated_shifts_live_to_an_uneven_two_stage_gear_and_back(
+    run_c: Run, reference_output: str
+) -> None:
+    sandbox, ns, svc = run_c.sandbox, run_c.ns, run_c.svc
+    assert svc.complete() == reference_output  # aggregated one-stage = PD one-stage, greedy
+    stop = threading.Event()
+    ok: list[str] = []
+    failed: list[str] = []
+    bad_selector: list[str] = []
+    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 12, "temperature": 0}
+    role_service = names.role_service_name(svc.name, "both")
+
+    def load() -> None:
+        deadline = time.monotonic() + vs.READY_S
+        while not stop.is_set() and time.monotonic() < deadline and len(ok) + len(failed) < 2000:
+            t0 = time.monotonic()
+            try:
+                status, raw = vs.post(f"{svc.router}/v1/completions", body, timeout=120)
+                if status == 200:
+                    ok.append(json.loads(raw)["choices"][0]["text"])
+                else:
+                    failed.append(f"{status} {raw[:200]!r}")
+            except Exception as exc:
+                failed.append(repr(exc))
+            stop.wait(max(0.0, 1.0 / LOAD_RPS - (time.monotonic() - t0)))
+
+    def watch_selector() -> None:
+        while not stop.is_set():
+            try:
+                got = sandbox.kubectl_json("get", "service", role_service, "-n", ns)
+                gear = (got.get("spec", {}).get("selector") or {}).get("gearshift.io/gear")
+                heads = svc.engine_pods("both", gear, 0) if gear else []
+                if not any(pod_ready(p) for p in heads):
+                    bad_selector.append(f"{time.strftime('%X')} selector gear {gear!r}: no Ready head")
+            except Exception as exc:  # a slow read is not a finding
+                del exc
+            stop.wait(0.5)
+
+    def shift_to(target: str) -> float:
+        t0 = time.monotonic()
+        patch = json.dumps({"spec": {"forceGear": target}})
+        sandbox.kubectl("patch", "gearset", f"{svc.name}-both", "-n", ns, "--type=merge", "-p", patch)
+
+        def stable() -> bool:
+            st = sandbox.kubectl_json("get", "gearset", f"{svc.name}-both", "-n", ns).get("status", {})
+            return st.get("activeGear") == target and st.get("phase") == "Stable"
+
+        try:
+            sandbox.wait_for(stable, vs.READY_S, f"the aggregated GearSet Stable on {target}", interval=2.0)
+        except AssertionError as exc:
+            log = run_c.op.log_tail(3000) if run_c.op else ""
+            raise AssertionError(f"{exc}\n{svc.diagnose(log)}") from None
+        n = len(ok)
+        sandbox.wait_for(lambda: len(ok) >= n + 3 or failed, 120, f"requests served by {target}")
+        return time.monotonic() - t0
+
+    threads = [
+        threading.Thread(target=load, daemon=True),
+        threading.Thread(target=watch_selector, daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        to_two = shift_to("two")
+        layers = {p["metadata"]["labels"]["gearshift.io/stage"] for p in svc.engine_pods("both", "two")}
+        assert layers == {"0", "1"}
+        to_one = shift_to("one")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+    print(f"aggregated shifts: one->two {to_two:.0f} s, two->one {to_one:.0f} s, {len(ok)} answered")
+    assert failed == [], failed[:5]
+    assert len(ok) >= 6 and set(ok) == {reference_output}, (len(ok), set(ok))
+    assert bad_selector == [], bad_selector[:5]

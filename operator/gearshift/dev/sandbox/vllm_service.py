@@ -84,9 +84,25 @@ def two_stage(name: str, head: tuple[str, str], tail: tuple[str, str], split: in
                        {"layers": [split, n], "nodes": [tail[0]], "gpuModel": tail[1]}]}  # fmt: skip
 
 
-def pdservice(ns: str, svc: str, prometheus_url: str | None, kv_lease_s: int | None = None) -> dict[str, Any]:
-    """The PDService (PD with NixlConnector, KV staged in host memory: there is no GPU); ``kv_lease_s``
-    sets ``spec.kvLeaseS`` (None: the default)."""
+def pdservice(
+    ns: str,
+    svc: str,
+    prometheus_url: str | None,
+    kv_lease_s: int | None = None,
+    aggregated: bool = False,
+) -> dict[str, Any]:
+    """The PDService: PD with NixlConnector, KV staged in host memory (there is no GPU), or ``aggregated``
+    (``spec.serving``, one GearSet of role both, no KV transfer); ``kv_lease_s`` sets ``spec.kvLeaseS``
+    (None: the default)."""
+    roles: dict[str, Any] = (
+        {"serving": {"gearSetRef": {"name": f"{svc}-both"}}}
+        if aggregated
+        else {
+            "kvBufferDevice": "cpu",
+            "prefill": {"gearSetRef": {"name": f"{svc}-prefill"}},
+            "decode": {"gearSetRef": {"name": f"{svc}-decode"}},
+        }
+    )
     return {
         "apiVersion": "gearshift.io/v1alpha1",
         "kind": "PDService",
@@ -95,11 +111,9 @@ def pdservice(ns: str, svc: str, prometheus_url: str | None, kv_lease_s: int | N
             "model": MODEL,
             "engine": "vllm",
             "modelCache": {"hostPath": MODEL_CACHE},
-            "kvBufferDevice": "cpu",
-            "prefill": {"gearSetRef": {"name": f"{svc}-prefill"}},
-            "decode": {"gearSetRef": {"name": f"{svc}-decode"}},
+            **roles,
             "slo": {"ttftMs": 2000, "itlMs": 500},
-            "router": {"policy": "pd-score"},
+            "router": {"policy": "shortest-queue" if aggregated else "pd-score"},
             **({"prometheusUrl": prometheus_url} if prometheus_url else {}),
             **({"kvLeaseS": kv_lease_s} if kv_lease_s else {}),
         },
@@ -200,7 +214,8 @@ class VllmService:
     ) -> None:
         """Apply the GearSets (``role -> (gears, initial)``) and the PDService."""
         objs = [gearset(self.ns, self.name, role, g, initial) for role, (g, initial) in gears.items()]
-        apply(self.cluster, [*objs, pdservice(self.ns, self.name, prometheus_url, kv_lease_s)])
+        aggregated = set(gears) == {"both"}
+        apply(self.cluster, [*objs, pdservice(self.ns, self.name, prometheus_url, kv_lease_s, aggregated)])
 
     def engine_pods(
         self, role: str, gear: str | None = None, stage: int | None = None
