@@ -18,7 +18,10 @@ tiny Llama (``gearshift.dev.sandbox.vllm_service``), with at most three vLLM pro
    between two answers while the shift ran), and the shadow's start-up beside the serving engines;
 6. a pipeline head killed (SIGKILL to its container's process group): seconds until the replica is Ready again
    and serves (the operator recreates the headless rank, handlers/replicas.py);
-7. idle CPU of one vLLM engine (a bare ``vllm serve`` of the tiny model as a PD producer, the pod runner's
+7. aggregated serving (``spec.serving``, one GearSet of role both): the router's added latency against a
+   client straight to the head pod, and the live shift from a one-stage gear to an uneven two-stage gear
+   (layers 3 + 1) and back under steady load;
+8. idle CPU of one vLLM engine (a bare ``vllm serve`` of the tiny model as a PD producer, the pod runner's
    env) with the sandbox's vLLM site customisation on and off (``SANDBOX_VLLM_PATCHES``): CPU seconds per
    second of its process group while idle, and while it holds a finished request's KV for a decode leg that
    never comes (the lease).
@@ -281,17 +284,51 @@ def router_overhead(svc: vs.VllmService, n: int, warmup: int = 10) -> dict[str, 
     }
 
 
-def shift(kc: Any, svc: vs.VllmService, target: str, timeout_s: float, rps: float) -> dict[str, Any]:
-    """forceGear ``target`` on the prefill GearSet under steady load at ``rps``: patch -> Stable on it, s,
+def router_overhead_aggregated(svc: vs.VllmService, n: int, warmup: int = 10) -> dict[str, Any]:
+    """Aggregated: ``n`` requests each through the router and straight to the active gear's head pod,
+    alternating, after ``warmup`` of each; latency percentiles, ms."""
+    head = next(p for p in svc.engine_pods("both", stage=0) if pod_ready(p))
+    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 8, "temperature": 0}
+    direct_url = f"{svc.pod_url(head)}/v1/completions"
+    for _ in range(warmup):
+        vs.post(f"{svc.router}/v1/completions", body)
+        vs.post(direct_url, body)
+    via, direct, failed = [], [], 0
+    for i in range(n):
+        for mode in ("router", "direct") if i % 2 == 0 else ("direct", "router"):
+            t0 = time.perf_counter()
+            status, _ = vs.post(f"{svc.router}/v1/completions" if mode == "router" else direct_url, body)
+            ms = (time.perf_counter() - t0) * 1000
+            if status != 200:
+                failed += 1
+            else:
+                (via if mode == "router" else direct).append(ms)
+    return {
+        "requests_each": n,
+        "warmup_each": warmup,
+        "failed": failed,
+        "router_p50_ms": round(pct(via, 50), 2),
+        "router_p99_ms": round(pct(via, 99), 2),
+        "direct_p50_ms": round(pct(direct, 50), 2),
+        "direct_p99_ms": round(pct(direct, 99), 2),
+        "added_p50_ms": round(pct(via, 50) - pct(direct, 50), 2),
+        "added_p99_ms": round(pct(via, 99) - pct(direct, 99), 2),
+    }
+
+
+def shift(
+    kc: Any, svc: vs.VllmService, target: str, timeout_s: float, rps: float, role: str = "prefill"
+) -> dict[str, Any]:
+    """forceGear ``target`` on the ``role`` GearSet under steady load at ``rps``: patch -> Stable on it, s,
     the shift record, the shadow's start-up, failed requests and the longest client-visible gap."""
-    gs = f"{svc.name}-prefill"
+    gs = f"{svc.name}-{role}"
     with Load(svc.router, rps) as load:
         time.sleep(5)
         t0 = time.monotonic()
         out = _shift(kc, svc, gs, target, timeout_s, t0)
         t1 = time.monotonic()
         time.sleep(10)
-    heads = [p for p in svc.engine_pods("prefill", target, 0) if pod_ready(p)]
+    heads = [p for p in svc.engine_pods(role, target, 0) if pod_ready(p)]
     out.update(
         load_rps=rps,
         requests_ok=len(load.ok),
@@ -379,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_pool_bytes": vs.KV_POOL_BYTES,
     }
     t_start = time.monotonic()
-    for tag in ("one", "two"):
+    for tag in ("one", "two", "agg"):
         ns = f"bench-vllm-{tag}-{uuid.uuid4().hex[:6]}"
         kc.kubectl("create", "namespace", ns)
         gpus = GpuNodes(kc, f"bench-vl{tag}", cidr_base=100, gpu_replicas=2)
@@ -387,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         svc = vs.VllmService(kc, ns, f"b{tag}")
         try:
             d = gpus.add("A10-24GB", "d")
-            if tag == "one":
+            if tag == "agg":
+                a, b = gpus.add("A10-24GB", "s"), gpus.add("A100-80GB", "s")
+                two = vs.two_stage("two", (d, "A10-24GB"), (b, "A100-80GB"), split=3)
+                roles = {"both": ([vs.one_stage("one", [a]), two], "one")}
+            elif tag == "one":
                 p = gpus.add("A10-24GB", "p")
                 roles = {"prefill": ([vs.one_stage("one", [p]), vs.one_stage("oneb", [p], 4)], "one"),
                          "decode": ([vs.one_stage("d", [d])], "d")}  # fmt: skip
@@ -400,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             svc.wait_ready()
             entry: dict[str, Any] = {"apply_to_ready_s": round(time.monotonic() - t0, 1), "pods": {}}
             kv: dict[str, Any] = {}
-            for role in ("prefill", "decode"):
+            for role in roles:
                 for pod in svc.engine_pods(role):
                     name = pod["metadata"]["name"]
                     stage = int(pod["metadata"]["labels"]["gearshift.io/stage"])
@@ -411,7 +452,11 @@ def main(argv: list[str] | None = None) -> int:
                         planned = planner_kv(layers, vs.KV_POOL_BYTES, got["block_size"])
                         kv[name] = {"layers": layers, "vllm": got, "planner": planned}
             entry["kv"] = kv
-            if tag == "one":
+            if tag == "agg":
+                entry["router_overhead"] = router_overhead_aggregated(svc, args.requests)
+                entry["shift"] = shift(kc, svc, "two", vs.READY_S, args.load_rps, role="both")
+                entry["shift_back"] = shift(kc, svc, "one", vs.READY_S, args.load_rps, role="both")
+            elif tag == "one":
                 entry["router_overhead"] = router_overhead(svc, args.requests)
                 if args.shift:
                     entry["shift"] = shift(kc, svc, "oneb", vs.READY_S, args.load_rps)
@@ -420,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry["shift"] = {"skipped": "--no-shift"}
             else:
                 entry["head_restart"] = head_restart(kc, svc)
-            result[f"gear_{tag}_stage"] = entry
+            result["aggregated" if tag == "agg" else f"gear_{tag}_stage"] = entry
             print(json.dumps({tag: entry}, indent=1), flush=True)
         finally:
             left = teardown_run(kc, ns, op, gpus, wait_s=60)
