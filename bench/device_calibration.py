@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from gearshift.facts import roofline
-from gearshift.facts.gpus import GPU_SPECS
+from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.facts.model import ModelArch, load_hf_config
+from gearshift.probe.report import MEASURED_MATMUL_EFFICIENCY, compute_score_from_tflops
 from gearshift.probe.run import gpu_model_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,6 +123,21 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def probe_score(doc: dict[str, Any], gpu: str) -> dict[str, Any]:
+    """The probed card's GPUProfile compute score against the bare datasheet reference (before) and the
+    reference's achievable matmul rate (``probe.report.MEASURED_MATMUL_EFFICIENCY``), beside the datasheet
+    prior the planner gives an unprobed card of the same model."""
+    tflops = float(doc["probe"]["summary"]["matmulTflops"])
+    return {
+        "measuredMatmulTflops": round(tflops, 1),
+        "datasheetTflops": GPU_SPECS[gpu].bf16_tflops,
+        "scoreAgainstDatasheet": round(compute_score_from_tflops(tflops, 1), 3),
+        "scoreAgainstAchievable": round(compute_score_from_tflops(tflops, 1, measured=True), 3),
+        "datasheetPrior": round(compute_score(gpu), 3),
+        "measuredMatmulEfficiency": MEASURED_MATMUL_EFFICIENCY,
+    }
+
+
 def end_to_end() -> list[dict[str, Any]]:
     """The simulated engine's end-to-end check against published vLLM runs (bench/results/sim.json,
     ``bench/sim_calibration.py``) at the same MFU/MBU: what the constants are fitted to. A layer's kernels
@@ -156,8 +172,10 @@ def main() -> int:
     }
     result["current"]["summary"] = summary(result["current"]["rows"])
     result["endToEnd"] = end_to_end()
+    result["computeScore"] = probe_score(doc, gpu)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     doc["calibration"] = {
+        "computeScore": result["computeScore"],
         "by": "bench/device_calibration.py",
         "gpuModel": gpu,
         "mfu": roofline.MFU,

@@ -136,6 +136,16 @@ class TestStatusMapping:
         assert compute_score_from_tflops(989, 1) == 1.0
         assert compute_score_from_tflops(100, 1, reference_tflops=400) == 0.25
 
+    def test_a_probed_h200_scores_as_its_datasheet_prior(self) -> None:
+        """The device check's H200 probe (bench/results/device.json) lands within 5 % of the datasheet
+        prior once compared with the reference's achievable matmul rate (it scored 0.74 against 989)."""
+        doc = json.loads((Path(__file__).resolve().parents[2] / "bench/results/device.json").read_text())
+        measured = doc["probe"]["summary"]["matmulTflops"]
+        score = compute_score_from_tflops(measured, 1, measured=True)
+        prior = GPU_SPECS["H200-141GB"].bf16_tflops / GPU_SPECS["H100-80GB"].bf16_tflops
+        assert abs(score / prior - 1) < 0.05, (score, prior)
+        assert compute_score_from_tflops(measured, 1) < 0.8 * prior  # the bare datasheet comparison
+
     def test_probe_time_is_start_plus_duration(self, cpu_doc):
         doc = {**cpu_doc, "durationS": 90.0}
         assert profile_status_from_probe(doc)["probeTime"] == "2025-01-31T18:01:30Z"

@@ -190,17 +190,28 @@ def validate_link_output(doc: Any) -> dict[str, Any]:
     return data
 
 
+#: Share of its datasheet bf16 dense peak that a measured 8192³ matmul reaches on a GPU: 0.766, the median
+#: of three probes of an H200 on the workplace's device machine (758, 778 and 736 TFLOP/s against 989;
+#: bench/results/device.json holds the last run; the device README's KINDS.md saw 769-798 on the same card).
+MEASURED_MATMUL_EFFICIENCY = 0.766
+
+
 def compute_score_from_tflops(
-    tflops_per_gpu: float, gpu_count: int, reference_tflops: float | None = None
+    tflops_per_gpu: float, gpu_count: int, reference_tflops: float | None = None, *, measured: bool = False
 ) -> float:
     """A node's compute score: ``tflops × count × (0.85 if count > 1) / reference``.
 
     The reference is the datasheet bf16 dense figure of ``gearshift.facts.gpus.REFERENCE_MODEL`` (H100 SXM,
-    989 TFLOPS) unless given; a measured matmul reaches a fraction of its datasheet peak, so measured
-    scores sit below the datasheet prior (``gearshift.facts.gpus.compute_score``) but order the fleet the same
-    way. The 0.85 tensor-parallel factor is seed 000's, as in ``gearshift.facts.fleet``.
+    989 TFLOPS) unless given. A ``measured`` figure (a probe's matmul on a real GPU) reaches only a share of
+    its datasheet peak, so it is compared with the reference's *achievable* rate, the datasheet figure ×
+    :data:`MEASURED_MATMUL_EFFICIENCY`: a probed H200 then scores 0.99 beside the datasheet prior of 1.0
+    (``gearshift.facts.gpus.compute_score``). Compared with the bare datasheet figure it scored 0.74, so a
+    fleet mixing probed and datasheet nodes planned an H200 stage 1.34 × slower than an H100's. The 0.85
+    tensor-parallel factor is seed 000's, as in ``gearshift.facts.fleet``.
     """
     ref = reference_tflops if reference_tflops is not None else GPU_SPECS[REFERENCE_MODEL].bf16_tflops
+    if measured:
+        ref *= MEASURED_MATMUL_EFFICIENCY
     eff = TP_EFFICIENCY if gpu_count > 1 else 1.0
     return tflops_per_gpu * gpu_count * eff / ref
 
@@ -255,6 +266,9 @@ def profile_status_from_probe(
     ended = datetime.fromisoformat(str(data["startedAt"]).replace("Z", "+00:00")) + timedelta(
         seconds=float(data["durationS"])
     )
+    score = compute_score_from_tflops(
+        s["matmulTflops"], data["gpuCount"], reference_tflops, measured=data.get("kind") == "cuda"
+    )
     status: dict[str, Any] = {
         "gpuModel": data["gpuModel"],
         "gpuProduct": data.get("gpuProduct"),
@@ -262,9 +276,7 @@ def profile_status_from_probe(
         "memoryGiB": s["memoryGiB"],
         "freeMemoryGiB": s["memoryFreeGiB"],
         # Six significant digits, not decimals: a CPU run scores ~1e-4.
-        "computeScore": float(
-            f"{compute_score_from_tflops(s['matmulTflops'], data['gpuCount'], reference_tflops):.6g}"
-        ),
+        "computeScore": float(f"{score:.6g}"),
         "matmulTflops": s["matmulTflops"],
         "hbmGBps": s["hbmGBps"],
         "d2dGBps": s.get("intraNodeGBps") or s.get("d2dGBps"),
