@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -246,74 +247,70 @@ def direct_pd(prefill_url: str, decode_url: str, body: dict[str, Any]) -> tuple[
     return vs.post(f"{decode_url}/v1/completions", decode, headers={REQUEST_ID_HEADER: rid})
 
 
-def router_overhead(svc: vs.VllmService, n: int, warmup: int = 10) -> dict[str, Any]:
-    """``n`` requests each through the router and direct, alternating, after ``warmup`` of each (not
-    counted); latency percentiles, ms."""
-    prefill = next(p for p in svc.engine_pods("prefill", stage=0) if pod_ready(p))
-    decode = next(p for p in svc.engine_pods("decode", stage=0) if pod_ready(p))
-    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 8, "temperature": 0}
+def alternate(
+    n: int, warmup: int, via_router: Callable[[], int], direct: Callable[[], int]
+) -> dict[str, Any]:
+    """``warmup`` untimed calls of each, then ``n`` timed calls of each in alternation (the order flips every
+    round); latency percentiles of each and their difference, ms. Each callable returns an HTTP status."""
     for _ in range(warmup):
-        vs.post(f"{svc.router}/v1/completions", body)
-        direct_pd(svc.pod_url(prefill), svc.pod_url(decode), body)
-    via, direct, failed = [], [], 0
+        via_router()
+        direct()
+    times: dict[str, list[float]] = {"router": [], "direct": []}
+    failed = 0
     for i in range(n):
         for mode in ("router", "direct") if i % 2 == 0 else ("direct", "router"):
             t0 = time.perf_counter()
-            if mode == "router":
-                status, _ = vs.post(f"{svc.router}/v1/completions", body)
-            else:
-                status, _ = direct_pd(svc.pod_url(prefill), svc.pod_url(decode), body)
+            status = via_router() if mode == "router" else direct()
             ms = (time.perf_counter() - t0) * 1000
             if status != 200:
                 failed += 1
             else:
-                (via if mode == "router" else direct).append(ms)
+                times[mode].append(ms)
+    via, dir_ = times["router"], times["direct"]
     return {
         "requests_each": n,
+        "warmup_each": warmup,
         "failed": failed,
         "router_p50_ms": round(pct(via, 50), 2),
         "router_p99_ms": round(pct(via, 99), 2),
-        "direct_p50_ms": round(pct(direct, 50), 2),
-        "direct_p99_ms": round(pct(direct, 99), 2),
-        "added_p50_ms": round(pct(via, 50) - pct(direct, 50), 2),
-        "added_p99_ms": round(pct(via, 99) - pct(direct, 99), 2),
-        "warmup_each": warmup,
-        "note": "both paths hit the same prefill and decode pod in alternation, one request at a time; the "
-        "router's path adds its hop and the decode pod's /health check (the KV hand-off bound), asked while "
-        "the prefill leg runs",
+        "direct_p50_ms": round(pct(dir_, 50), 2),
+        "direct_p99_ms": round(pct(dir_, 99), 2),
+        "added_p50_ms": round(pct(via, 50) - pct(dir_, 50), 2),
+        "added_p99_ms": round(pct(via, 99) - pct(dir_, 99), 2),
     }
+
+
+BODY = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 8, "temperature": 0}
+
+
+def router_overhead(svc: vs.VllmService, n: int, warmup: int = 10) -> dict[str, Any]:
+    """PD: ``n`` requests each through the router and by vLLM's two-leg protocol straight to the pods."""
+    prefill = next(p for p in svc.engine_pods("prefill", stage=0) if pod_ready(p))
+    decode = next(p for p in svc.engine_pods("decode", stage=0) if pod_ready(p))
+    out = alternate(
+        n,
+        warmup,
+        lambda: vs.post(f"{svc.router}/v1/completions", BODY)[0],
+        lambda: direct_pd(svc.pod_url(prefill), svc.pod_url(decode), BODY)[0],
+    )
+    out["note"] = (
+        "both paths hit the same prefill and decode pod in alternation, one request at a time; the router's "
+        "path adds its hop and the decode pod's /health check (the KV hand-off bound), asked while the "
+        "prefill leg runs"
+    )
+    return out
 
 
 def router_overhead_aggregated(svc: vs.VllmService, n: int, warmup: int = 10) -> dict[str, Any]:
-    """Aggregated: ``n`` requests each through the router and straight to the active gear's head pod,
-    alternating, after ``warmup`` of each; latency percentiles, ms."""
+    """Aggregated: ``n`` requests each through the router and straight to the active gear's head pod."""
     head = next(p for p in svc.engine_pods("both", stage=0) if pod_ready(p))
-    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 8, "temperature": 0}
     direct_url = f"{svc.pod_url(head)}/v1/completions"
-    for _ in range(warmup):
-        vs.post(f"{svc.router}/v1/completions", body)
-        vs.post(direct_url, body)
-    via, direct, failed = [], [], 0
-    for i in range(n):
-        for mode in ("router", "direct") if i % 2 == 0 else ("direct", "router"):
-            t0 = time.perf_counter()
-            status, _ = vs.post(f"{svc.router}/v1/completions" if mode == "router" else direct_url, body)
-            ms = (time.perf_counter() - t0) * 1000
-            if status != 200:
-                failed += 1
-            else:
-                (via if mode == "router" else direct).append(ms)
-    return {
-        "requests_each": n,
-        "warmup_each": warmup,
-        "failed": failed,
-        "router_p50_ms": round(pct(via, 50), 2),
-        "router_p99_ms": round(pct(via, 99), 2),
-        "direct_p50_ms": round(pct(direct, 50), 2),
-        "direct_p99_ms": round(pct(direct, 99), 2),
-        "added_p50_ms": round(pct(via, 50) - pct(direct, 50), 2),
-        "added_p99_ms": round(pct(via, 99) - pct(direct, 99), 2),
-    }
+    return alternate(
+        n,
+        warmup,
+        lambda: vs.post(f"{svc.router}/v1/completions", BODY)[0],
+        lambda: vs.post(direct_url, BODY)[0],
+    )
 
 
 def shift(

@@ -186,71 +186,93 @@ def test_a_prometheus_scrapes_vllm(run_a: Run) -> None:
     assert roles == ["decode", "prefill"], res
 
 
-def test_d_shift_between_real_vllm_gears_under_load(run_a: Run, reference_output: str) -> None:
-    sandbox, ns, svc = run_a.sandbox, run_a.ns, run_a.svc
-    stop = threading.Event()
-    ok: list[float] = []
-    failed: list[str] = []
-    bad_selector: list[str] = []
-    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 4, "temperature": 0}
+class SteadyLoad:
+    """Greedy completions through ``run``'s router at :data:`LOAD_RPS` (bounded in count and time), and a
+    watch that ``role``'s Service names a gear only while a head pod of that gear is Ready (every 0.5 s)."""
 
-    def load() -> None:
+    def __init__(self, run: Run, role: str, max_tokens: int) -> None:
+        self.run, self.role = run, role
+        self.body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": max_tokens, "temperature": 0}
+        self.texts: list[str] = []
+        self.failed: list[str] = []
+        self.bad_selector: list[str] = []
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._load, daemon=True),
+            threading.Thread(target=self._watch, daemon=True),
+        ]
+
+    def _load(self) -> None:
         deadline = time.monotonic() + vs.READY_S
-        while not stop.is_set() and time.monotonic() < deadline and len(ok) + len(failed) < 2000:
+        while (
+            not self.stop.is_set()
+            and time.monotonic() < deadline
+            and len(self.texts) + len(self.failed) < 2000
+        ):
             t0 = time.monotonic()
             try:
-                status, raw = vs.post(f"{svc.router}/v1/completions", body, timeout=120)
+                status, raw = vs.post(f"{self.run.svc.router}/v1/completions", self.body, timeout=120)
                 if status == 200:
-                    ok.append(time.monotonic() - t0)
+                    self.texts.append(json.loads(raw)["choices"][0]["text"])
                 else:
-                    failed.append(f"{status} {raw[:200]!r}")
+                    self.failed.append(f"{status} {raw[:200]!r}")
             except Exception as exc:
-                failed.append(repr(exc))
-            stop.wait(max(0.0, 1.0 / LOAD_RPS - (time.monotonic() - t0)))
+                self.failed.append(repr(exc))
+            self.stop.wait(max(0.0, 1.0 / LOAD_RPS - (time.monotonic() - t0)))
 
-    def watch_selector() -> None:
-        while not stop.is_set():
+    def _watch(self) -> None:
+        svc, role_service = self.run.svc, names.role_service_name(self.run.svc.name, self.role)
+        while not self.stop.is_set():
             try:
-                role_svc = sandbox.kubectl_json("get", "service", f"{svc.name}-prefill", "-n", ns)
-                gear = (role_svc.get("spec", {}).get("selector") or {}).get("gearshift.io/gear")
-                heads = svc.engine_pods("prefill", gear, 0) if gear else []
+                got = self.run.sandbox.kubectl_json("get", "service", role_service, "-n", self.run.ns)
+                gear = (got.get("spec", {}).get("selector") or {}).get("gearshift.io/gear")
+                heads = svc.engine_pods(self.role, gear, 0) if gear else []
                 if not any(pod_ready(p) for p in heads):
-                    bad_selector.append(f"{time.strftime('%X')} selector gear {gear!r}: no Ready head")
+                    self.bad_selector.append(f"{time.strftime('%X')} selector gear {gear!r}: no Ready head")
             except Exception as exc:  # a slow read is not a finding
                 del exc
-            stop.wait(0.5)
+            self.stop.wait(0.5)
 
-    threads = [
-        threading.Thread(target=load, daemon=True),
-        threading.Thread(target=watch_selector, daemon=True),
-    ]
-    for t in threads:
-        t.start()
-    try:
-        patch = json.dumps({"spec": {"forceGear": "oneb"}})
-        sandbox.kubectl("patch", "gearset", f"{svc.name}-prefill", "-n", ns, "--type=merge", "-p", patch)
+    def __enter__(self) -> SteadyLoad:
+        for t in self.threads:
+            t.start()
+        return self
 
-        def shifted() -> bool:
-            st = sandbox.kubectl_json("get", "gearset", f"{svc.name}-prefill", "-n", ns).get("status", {})
-            return st.get("activeGear") == "oneb" and st.get("phase") == "Stable"
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=150)
+
+    def force_gear(self, target: str) -> float:
+        """``forceGear: target`` on the role's GearSet; waits until it is Stable there and 3 more answers
+        came; returns the seconds."""
+        sandbox, ns, svc, gs = self.run.sandbox, self.run.ns, self.run.svc, f"{self.run.svc.name}-{self.role}"
+        t0 = time.monotonic()
+        patch = json.dumps({"spec": {"forceGear": target}})
+        sandbox.kubectl("patch", "gearset", gs, "-n", ns, "--type=merge", "-p", patch)
+
+        def stable() -> bool:
+            st = sandbox.kubectl_json("get", "gearset", gs, "-n", ns).get("status", {})
+            return st.get("activeGear") == target and st.get("phase") == "Stable"
 
         try:
-            sandbox.wait_for(shifted, vs.READY_S, "prefill shifted to oneb and Stable", interval=2.0)
+            sandbox.wait_for(stable, vs.READY_S, f"{gs} Stable on {target}", interval=2.0)
         except AssertionError as exc:
-            raise AssertionError(
-                f"{exc}\n{svc.diagnose(run_a.op.log_tail(3000) if run_a.op else '')}"
-            ) from None
-        n = len(ok)
-        sandbox.wait_for(lambda: len(ok) >= n + 3 or failed, 120, "requests served by the new gear")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=150)
-    assert failed == [], failed[:5]
-    assert len(ok) >= 5, len(ok)
-    assert bad_selector == [], bad_selector[:5]
+            log = self.run.op.log_tail(3000) if self.run.op else ""
+            raise AssertionError(f"{exc}\n{svc.diagnose(log)}") from None
+        n = len(self.texts)
+        sandbox.wait_for(lambda: len(self.texts) >= n + 3 or self.failed, 120, f"requests served by {target}")
+        return time.monotonic() - t0
+
+
+def test_d_shift_between_real_vllm_gears_under_load(run_a: Run, reference_output: str) -> None:
+    with SteadyLoad(run_a, "prefill", max_tokens=4) as load:
+        load.force_gear("oneb")
+    assert load.failed == [], load.failed[:5]
+    assert len(load.texts) >= 5, len(load.texts)
+    assert load.bad_selector == [], load.bad_selector[:5]
     # Same weights on another card: the same greedy output.
-    assert svc.complete() == reference_output
+    assert run_a.svc.complete() == reference_output
 
 
 @pytest.fixture(scope="module")
@@ -396,75 +418,14 @@ def run_c(
 def test_g_aggregated_shifts_live_to_an_uneven_two_stage_gear_and_back(
     run_c: Run, reference_output: str
 ) -> None:
-    sandbox, ns, svc = run_c.sandbox, run_c.ns, run_c.svc
+    svc = run_c.svc
     assert svc.complete() == reference_output  # aggregated one-stage = PD one-stage, greedy
-    stop = threading.Event()
-    ok: list[str] = []
-    failed: list[str] = []
-    bad_selector: list[str] = []
-    body = {"model": vs.SERVED, "prompt": vs.PROMPT, "max_tokens": 12, "temperature": 0}
-    role_service = names.role_service_name(svc.name, "both")
-
-    def load() -> None:
-        deadline = time.monotonic() + vs.READY_S
-        while not stop.is_set() and time.monotonic() < deadline and len(ok) + len(failed) < 2000:
-            t0 = time.monotonic()
-            try:
-                status, raw = vs.post(f"{svc.router}/v1/completions", body, timeout=120)
-                if status == 200:
-                    ok.append(json.loads(raw)["choices"][0]["text"])
-                else:
-                    failed.append(f"{status} {raw[:200]!r}")
-            except Exception as exc:
-                failed.append(repr(exc))
-            stop.wait(max(0.0, 1.0 / LOAD_RPS - (time.monotonic() - t0)))
-
-    def watch_selector() -> None:
-        while not stop.is_set():
-            try:
-                got = sandbox.kubectl_json("get", "service", role_service, "-n", ns)
-                gear = (got.get("spec", {}).get("selector") or {}).get("gearshift.io/gear")
-                heads = svc.engine_pods("both", gear, 0) if gear else []
-                if not any(pod_ready(p) for p in heads):
-                    bad_selector.append(f"{time.strftime('%X')} selector gear {gear!r}: no Ready head")
-            except Exception as exc:  # a slow read is not a finding
-                del exc
-            stop.wait(0.5)
-
-    def shift_to(target: str) -> float:
-        t0 = time.monotonic()
-        patch = json.dumps({"spec": {"forceGear": target}})
-        sandbox.kubectl("patch", "gearset", f"{svc.name}-both", "-n", ns, "--type=merge", "-p", patch)
-
-        def stable() -> bool:
-            st = sandbox.kubectl_json("get", "gearset", f"{svc.name}-both", "-n", ns).get("status", {})
-            return st.get("activeGear") == target and st.get("phase") == "Stable"
-
-        try:
-            sandbox.wait_for(stable, vs.READY_S, f"the aggregated GearSet Stable on {target}", interval=2.0)
-        except AssertionError as exc:
-            log = run_c.op.log_tail(3000) if run_c.op else ""
-            raise AssertionError(f"{exc}\n{svc.diagnose(log)}") from None
-        n = len(ok)
-        sandbox.wait_for(lambda: len(ok) >= n + 3 or failed, 120, f"requests served by {target}")
-        return time.monotonic() - t0
-
-    threads = [
-        threading.Thread(target=load, daemon=True),
-        threading.Thread(target=watch_selector, daemon=True),
-    ]
-    for t in threads:
-        t.start()
-    try:
-        to_two = shift_to("two")
-        layers = {p["metadata"]["labels"]["gearshift.io/stage"] for p in svc.engine_pods("both", "two")}
-        assert layers == {"0", "1"}
-        to_one = shift_to("one")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=150)
-    print(f"aggregated shifts: one->two {to_two:.0f} s, two->one {to_one:.0f} s, {len(ok)} answered")
-    assert failed == [], failed[:5]
-    assert len(ok) >= 6 and set(ok) == {reference_output}, (len(ok), set(ok))
-    assert bad_selector == [], bad_selector[:5]
+    with SteadyLoad(run_c, "both", max_tokens=12) as load:
+        to_two = load.force_gear("two")
+        stages = {p["metadata"]["labels"]["gearshift.io/stage"] for p in svc.engine_pods("both", "two")}
+        assert stages == {"0", "1"}
+        to_one = load.force_gear("one")
+    print(f"aggregated shifts: one->two {to_two:.0f} s, two->one {to_one:.0f} s, {len(load.texts)} answered")
+    assert load.failed == [], load.failed[:5]
+    assert len(load.texts) >= 6 and set(load.texts) == {reference_output}, (len(load.texts), set(load.texts))
+    assert load.bad_selector == [], load.bad_selector[:5]

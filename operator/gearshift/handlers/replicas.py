@@ -35,7 +35,7 @@ engine reads and lifts the gate. A restarted head of such a gear is deleted with
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
@@ -403,13 +403,7 @@ def head_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any)
     restarting container changes its status several times: terminated, waiting, running, ready) tries
     again, since nothing is recorded until the deletes went through.
     """
-    if type == "DELETED":
-        return
-    try:
-        act(runtime_of(memo).api, body)
-    except KubeApiError as exc:
-        meta = body.get("metadata") or {}
-        log.warning("head pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+    _on_pod(type, body, memo, act, "head pod")
 
 
 @kopf.on.event(
@@ -425,10 +419,18 @@ def gated_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
     A rank whose head has no epoch yet waits; the head's own release lifts it. A refused call is logged;
     the pod's next change, or its head's, tries again.
     """
+    _on_pod(type, body, memo, release, "gated pod")
+
+
+def _on_pod(
+    type: str | None, body: kopf.Body, memo: kopf.Memo, do: Callable[[KubeApi, kopf.Body], object], what: str
+) -> None:
+    """Run ``do`` on a pod event through the runtime's API; a deletion is ignored, a refused call logged
+    (kopf does not retry event handlers)."""
     if type == "DELETED":
         return
     try:
-        release(runtime_of(memo).api, body)
+        do(runtime_of(memo).api, body)
     except KubeApiError as exc:
         meta = body.get("metadata") or {}
-        log.warning("gated pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+        log.warning("%s %s/%s: %s", what, meta.get("namespace"), meta.get("name"), exc)
