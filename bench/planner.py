@@ -565,14 +565,7 @@ def main() -> None:
     started = time.time()
     results = {
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "cpus": os.cpu_count(),
-            "load_avg_1m": os.getloadavg()[0],
-            "note": "shared 2-core machine; other jobs ran in parallel",
-        },
+        "machine": _machine(),
         "speed": bench_speed(),
         "gain": bench_gain(),
         "optimality": bench_optimality(),
