@@ -48,6 +48,7 @@ import os
 import signal
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,6 +244,17 @@ class SteadyLoad:
         for t in self.threads:
             t.join(timeout=150)
 
+    def _why_not(self, gs: str) -> str:
+        """The GearSet's conditions and executor, and Prometheus' scrape health of the namespace's pods."""
+        sandbox, ns = self.run.sandbox, self.run.ns
+        st = sandbox.kubectl_json("get", "gearset", gs, "-n", ns).get("status", {})
+        query = urllib.parse.quote(f'up{{namespace="{ns}"}}')
+        try:
+            up = vs.get(f"{sandbox.prometheus_url}/api/v1/query?query={query}")
+        except Exception as exc:  # a diagnosis must not hide the failure it explains
+            up = repr(exc)
+        return f"conditions: {st.get('conditions')}\nexecutor: {st.get('executor')}\nup: {up[:1500]}"
+
     def force_gear(self, target: str) -> float:
         """``forceGear: target`` on the role's GearSet; waits until it is Stable there and 3 more answers
         came; returns the seconds."""
@@ -259,7 +271,7 @@ class SteadyLoad:
             sandbox.wait_for(stable, vs.READY_S, f"{gs} Stable on {target}", interval=2.0)
         except AssertionError as exc:
             log = self.run.op.log_tail(3000) if self.run.op else ""
-            raise AssertionError(f"{exc}\n{svc.diagnose(log)}") from None
+            raise AssertionError(f"{exc}\n{self._why_not(gs)}\n{svc.diagnose(log)}") from None
         n = len(self.texts)
         sandbox.wait_for(lambda: len(self.texts) >= n + 3 or self.failed, 120, f"requests served by {target}")
         return time.monotonic() - t0
