@@ -159,3 +159,28 @@ def test_deletion_stops_the_process(tmp_path):
     runner._handle("MODIFIED", gone)
     drive(runner, lambda: api.deleted == ["slow"])
     assert proc.poll() is not None
+
+
+def test_pod_ip_changed_under_a_running_pod_is_restored(tmp_path):
+    """kwok played its assign stage twice on one pod (two status patches 17 ms apart, two IPs from the
+    node's pool); the runner had started the engine on the first. As the kubelet, it owns the pod IP: the
+    next status it writes puts back the IP its processes listen on, so Endpoints and routers reach them."""
+    runner, api = make_runner(tmp_path)
+    p = pod("eng", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")
+    api.pods[("ns", "eng")] = p
+    runner._handle("ADDED", p)
+    drive(runner, lambda: runner.runs["uid-eng"].containers[0].proc is not None)
+    assert api.patches[-1]["podIP"] == "127.77.1.5"
+    sent = len(api.patches)
+    moved = {**p, "status": {**api.pods[("ns", "eng")]["status"], "podIP": "127.77.1.6"}}
+    moved["status"]["podIPs"] = [{"ip": "127.77.1.6"}]
+    api.pods[("ns", "eng")] = moved
+    runner._handle("MODIFIED", moved)
+    drive(runner, lambda: api.pods[("ns", "eng")]["status"]["podIP"] == "127.77.1.5")
+    assert len(api.patches) == sent + 1
+    assert api.pods[("ns", "eng")]["status"]["podIPs"] == [{"ip": "127.77.1.5"}]
+    # Nothing changes after that: no patch per tick.
+    for _ in range(5):
+        runner._supervise(runner.runs["uid-eng"])
+    assert len(api.patches) == sent + 1
+    runner._shutdown()

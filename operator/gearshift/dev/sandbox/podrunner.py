@@ -136,6 +136,8 @@ class PodRun:
     error: str | None = None
     deleting: bool = False
     last_sent: str = ""
+    pod_ip: str = ""
+    """The IP its containers were started on; the runner, as the kubelet, reports it as the pod's."""
 
     @property
     def key(self) -> str:
@@ -299,6 +301,14 @@ class PodRunner:
             return
         if run:
             run.pod = pod
+            seen = (pod.get("status") or {}).get("podIP")
+            if run.pod_ip and seen != run.pod_ip:
+                # kwok can play its assign stage twice on one pod before its cache sees the first patch,
+                # each play taking a new IP from the node's pool (measured: two patches 17 ms apart, the
+                # engine bound to the first IP, the EndpointSlice and router got the second, and every
+                # request to the pod failed to connect). The process listens on the first: say so again.
+                _log(f"{run.key}: pod IP in the API is {seen}, its containers run on {run.pod_ip}: restoring")
+                run.last_sent = ""
             return
         if uid in self.finished or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
             return
@@ -379,6 +389,7 @@ class PodRunner:
         self.runs[uid] = run
         try:
             ip = podspec.check_pod_ip(pod.get("status", {}).get("podIP"))
+            run.pod_ip = ip
             if spec.get("initContainers"):
                 raise podspec.PodSpecError("spec.initContainers are not supported by the sandbox runner")
             gpu_model = (node.get("metadata", {}).get("annotations") or {}).get("gearshift.io/gpu-model", "")
@@ -615,7 +626,10 @@ class PodRunner:
             "Ready": (flag, reason, why),
             "ContainersReady": (flag, reason, why),
         }
-        body = {"phase": phase, "containerStatuses": statuses}
+        body: dict[str, Any] = {"phase": phase, "containerStatuses": statuses}
+        if run.pod_ip:
+            body["podIP"] = run.pod_ip
+            body["podIPs"] = [{"ip": run.pod_ip}]
         if run.error:
             body["message"] = run.error
             body["reason"] = "CreateContainerConfigError"
