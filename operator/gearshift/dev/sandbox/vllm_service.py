@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gearshift.dev.sandbox.harness import Kubectl, apply, get_json, pod_ready, pods, wait_until
 from gearshift.dev.sandbox.layout import Layout
 from gearshift.dev.sandbox.podspec import pod_dir_name
+from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.services import ROUTER_PORT
 
@@ -193,6 +194,11 @@ def engine_log(pod: dict[str, Any]) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def _quiet(log: str) -> str:
+    """A log without its probe and scrape lines (``GET /health``, ``GET /metrics``), which fill a tail."""
+    return "\n".join(ln for ln in log.splitlines() if "GET /health" not in ln and "GET /metrics" not in ln)
+
+
 def container_pid(pod: dict[str, Any]) -> int:
     """The process id of the pod's first container (``containerID`` ``gearshift-sandbox://PID``)."""
     cid = pod["status"]["containerStatuses"][0]["containerID"]
@@ -259,11 +265,16 @@ class VllmService:
         Raises:
             AssertionError: not HTTP 200 (the body, kubectl's view and each engine's log tail in the message).
         """
-        status, body = post(
-            f"{self.router}/v1/completions",
-            {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-            timeout=timeout_s,
-        )
+        try:
+            status, body = post(
+                f"{self.router}/v1/completions",
+                {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                timeout=timeout_s,
+            )
+        except (TimeoutError, urllib.error.URLError) as exc:
+            raise AssertionError(
+                f"completion through the router: no answer within {timeout_s:g} s ({exc})\n{self.diagnose()}"
+            ) from None
         if status != 200:
             raise AssertionError(
                 f"completion through the router: HTTP {status}: {body[:500]!r}\n{self.diagnose()}"
@@ -280,7 +291,11 @@ class VllmService:
             self.cluster.kubectl("get", "pds,gs,sts,pods", "-n", self.ns, "-o", "wide", check=False).stdout
         ]
         for p in pods(self.cluster, self.ns, "app.kubernetes.io/managed-by=gearshift"):
-            out.append(f"--- {p['metadata']['name']} engine.log tail:\n{engine_log(p)[-1500:]}")
+            out.append(f"--- {p['metadata']['name']} engine.log tail:\n{_quiet(engine_log(p))[-3000:]}")
+        for p in pods(self.cluster, self.ns, f"{names.LABEL_COMPONENT}={names.COMPONENT_ROUTER}"):
+            log = pod_dir(p) / "router.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            out.append(f"--- {p['metadata']['name']} router.log tail:\n{_quiet(text)[-3000:]}")
         if operator_log:
             out.append(f"--- operator log tail:\n{operator_log}")
         return "\n".join(out)
