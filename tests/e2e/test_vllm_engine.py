@@ -31,14 +31,13 @@ Service B (prefill gear ``two``: two stages, layers 3 + 1, on two nodes; decode 
       greedy output equals service A's one-stage output;
   (e) the head process is killed: the operator recreates that pipeline replica (handlers/replicas.py; under
       a new KV epoch, so the decode pod handshakes the new engines) and the service is Ready again, with the
-      same output, without a hand;
+      same output, without a hand (the restarted head starts beside two engines);
   (f) the decode pod is held back past half the KV lease: the router sends it the request without the KV, it
       prefills the prompt itself, the client gets the same output and nothing reads freed blocks.
 Service C (aggregated, ``spec.serving``: one GearSet of role both, gears ``one`` and ``two`` = layers 3 + 1):
   (g) under steady load through the router it shifts live to the uneven two-stage gear and back: 0 failed
       requests, every answer the same greedy text, and the role Service names a gear only while a head pod
       of that gear is Ready.
-      (the restarted head starts beside two engines).
 """
 
 from __future__ import annotations
