@@ -401,22 +401,6 @@ class TestHealthAndOverrides:
         codes, decisions, _, _ = run([CALM], overrides=Overrides(force), **health)
         assert codes == "H" and decisions[0].reason == reason
 
-    def test_force_gear_and_pause_act_without_signals(self):
-        # No sample (the new gear's pods not scraped yet): a forced gear still moves, a pause still holds,
-        # anything else waits for signals; and a shift in progress is not restarted by the force.
-        t = table()
-        other = next(g.name for g in t.gears if g.name != t.active)
-        _s, d = decide(DecisionState(), None, ShiftRules(), t, 0, overrides=Overrides(other))
-        assert d.kind is DecisionKind.SHIFT and d.target == other and d.trigger == "forced"
-        _s, d = decide(DecisionState(), None, ShiftRules(), t, 0, overrides=Overrides(other, paused=True))
-        assert d.kind is DecisionKind.HOLD and d.reason == REASON_PAUSED
-        _s, d = decide(DecisionState(), None, ShiftRules(), t, 0, overrides=Overrides(other), busy=True)
-        assert d.kind is DecisionKind.NO_SIGNALS
-        _s, d = decide(DecisionState(), None, ShiftRules(), t, 0, overrides=Overrides("nope"))
-        assert d.kind is DecisionKind.HOLD and d.reason == REASON_FORCE_UNKNOWN
-        _s, d = decide(DecisionState(), None, ShiftRules(), t, 0)
-        assert d.kind is DecisionKind.NO_SIGNALS
-
     def test_paused_and_busy_hold(self):
         codes, decisions, _state, _ = run([SLOW] * 5, overrides=Overrides(paused=True))
         assert codes == "HHHHH" and decisions[-1].reason == REASON_PAUSED

@@ -3,8 +3,7 @@
 Per sample (every ``sampleIntervalSeconds``, seed 002):
 
 1. no sample (Prometheus down, series missing) → ``NoSignals``; the consecutive counts restart, so a
-   shift needs ``enterSamples`` fresh samples after the signals return; ``spec.paused`` and
-   ``spec.forceGear`` (step 4) act without a sample;
+   shift needs ``enterSamples`` fresh samples after the signals return;
 2. EMA of the sample (:func:`~gearshift.control.smoothing.smooth`);
 3. hysteresis per trigger: its condition must hold ``enterSamples`` samples in a row to *latch*, and
    fail ``exitSamples`` in a row to unlatch;
@@ -267,15 +266,7 @@ def decide(
     active = table.active_gear
     if sample is None:
         tracks = {t: _unlatched(tr) for t, tr in state.tracks.items()}
-        blind = replace(state, tracks=tracks)
-        # An operator's word needs no signals: a gear forced while a new gear's pods are not yet (or no
-        # longer) scraped must still move, and a pause must still hold (CI saw a forceGear wait 20 min
-        # on a missing series).
-        if overrides.paused:
-            return blind, Decision(DecisionKind.HOLD, REASON_PAUSED, "spec.paused is true; no shifts")
-        if overrides.force_gear and not busy:
-            return _forced(blind, table, overrides.force_gear, now, policy)
-        return blind, Decision(
+        return replace(state, tracks=tracks), Decision(
             DecisionKind.NO_SIGNALS, DecisionKind.NO_SIGNALS.value, "no signals from Prometheus; holding"
         )
 
