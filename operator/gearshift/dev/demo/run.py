@@ -666,7 +666,9 @@ def _twin(
             workload=workload,
             initial_gear=spec.get("initialGear") if role == "both" else None,
             max_model_len=rep.result.max_model_len,
-            planned=planned or None,
+            # An aggregated service's own gears are what the twin's combined engines run; a PD service's
+            # prefill gears hold only prefill's share of the fleet, so the twin plans the whole fleet.
+            planned=(planned or None) if role == "both" else None,
         )
     except (ValueError, OSError) as exc:  # a bad --model or --fleet (ModelConfigError is a ValueError)
         ctx.notes.append(f"The twin could not replay the window: {exc}")
