@@ -28,7 +28,7 @@ import resource
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
 from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy  # noqa: E402
-from gearshift.control.adapt import gear_views, policy_from_api  # noqa: E402
-from gearshift.control.capacity import initial_gear as capacity_gear  # noqa: E402
+from gearshift.control.adapt import policy_from_api  # noqa: E402
 from gearshift.control.policy import ShiftRules  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
 from gearshift.dev.twin import (  # noqa: E402
@@ -58,9 +57,9 @@ from gearshift.dev.twin import (  # noqa: E402
     shift_lead_s,
     with_max_batch,
 )
+from gearshift.dev.twin.compare import dynamic_start  # noqa: E402
 from gearshift.dev.twin.constants import TAIL_S  # noqa: E402
 from gearshift.facts.model import ModelArch, load_hf_config  # noqa: E402
-from gearshift.planner.inputs import initial_gear  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "gears.json"
 
@@ -280,11 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = scen.trace(args.trace)
         # The load a user expects when the role starts (policy.expectedArrivalRps): unless --policy
         # gives it, the scenario's first minute.
-        first_minute = float(np.sum(trace.t < WINDOW_S)) / WINDOW_S
-        scen_policy = policy if expected_given else replace(policy, expected_arrival_rps=first_minute)
-        start = capacity_gear(gear_views([g.api for g in gears]), scen_policy) or initial_gear(
-            [g.api for g in gears], None
-        )
+        scen_policy, start = dynamic_start(gears, policy, trace, expected_given=expected_given)
         results = []
         statics = [v for v in wanted if v in specs]
         for v in [*statics, *(x for x in wanted if x not in specs)]:

@@ -1,8 +1,9 @@
 """E2E smoke test of ``gearshift demo``: a short replay on the sandbox, end to end, and its report.
 
 Runs the real command (sandbox reuse, local operator, profiles, example PDService with auto GearSets,
-router on its loopback pod IP, load generator, Prometheus queries, plots) with a 30 s replay of the
-Azure trace at its recorded speed, in a namespace of its own, and checks what it wrote. Bounded: the
+router on its loopback pod IP, load generator, Prometheus queries, the twin's comparison, plots) with a
+30 s replay of the default window (Llama-3-70B aggregated; the Azure trace at 7.5x, every 25th request: about
+40 requests), in a namespace of its own, and checks what it wrote. Bounded: the
 command gets at most ``DEMO_TIMEOUT_S``. The report's numbers are the load generator's and the router's
 own; this test reads them back, it does not recompute them.
 """
@@ -61,8 +62,6 @@ def test_short_demo_writes_a_report_from_measurements(
         "demo",
         "--duration",
         "30",
-        "--time-scale",
-        "1",
         "--namespace",
         demo_namespace,
         "--report-dir",
@@ -81,13 +80,22 @@ def test_short_demo_writes_a_report_from_measurements(
 
     # Step 1: every GPU node profiled, the table printed.
     assert "$ kubectl get gpup" in out and "profiles: " in out
-    # Step 2: the planner's gears shown for both roles.
-    assert "prefill (auto, GearSet" in out and "decode (auto, GearSet" in out and "← active" in out
+    # Step 2: the planner's gears of the aggregated role shown, uneven pipelines among them.
+    assert "both (auto, GearSet" in out and "← active" in out
+    assert "stage(s)" in out and "gear throughput (throughput): 1 stage(s)" not in out
     # Step 3: traffic only to the router's loopback pod IP.
     assert "the router's pod IP is http://127." in out
 
     md = (report_dir / "report.md").read_text()
-    for heading in ("## Results", "## Gear shifts", "## Plots", "## The fleet", "## Explore"):
+    for heading in (
+        "## Results",
+        "## Gear shifts",
+        "## Plots",
+        "## The fleet",
+        "## Explore",
+        "## Cost",
+        "## Goals",
+    ):
         assert heading in md
     for png in ("traffic.png", "utilization.png", "placement.png"):
         data = (report_dir / png).read_bytes()
@@ -103,4 +111,10 @@ def test_short_demo_writes_a_report_from_measurements(
 
     # Step 5: the cluster stays up with the service in it.
     pds = sandbox.kubectl_json("get", "pdservices", "-n", demo_namespace)["items"]
-    assert [p["metadata"]["name"] for p in pds] == ["llama3-8b"]
+    assert [p["metadata"]["name"] for p in pds] == ["llama3-70b"]
+
+    # The twin's comparison: the shifting loop, every static gear and the peer layouts, with the goals.
+    summary = json.loads((report_dir / "summary.json").read_text())
+    kinds = [r["kind"] for r in summary["cost"]["twin"]["rows"]]
+    assert kinds[0] == "dynamic" and "static" in kinds and "peer" in kinds
+    assert "planned_vs_best_peer" in summary["goals"] and "wall_time" in summary["goals"]

@@ -569,7 +569,7 @@ class TestBadInputTouchesNothing:
             return build_parser().parse_args(["demo", *argv])
 
         _preflight(args())  # the defaults are good
-        with pytest.raises(DemoError, match=r"--start/--duration/--time-scale: no trace request"):
+        with pytest.raises(DemoError, match=r"--time-scale/--keep-every: no trace request"):
             _preflight(args("--start", "999999"))
         bad = tmp_path / "cfg.json"
         bad.write_text("not json")
@@ -650,13 +650,14 @@ class TestLoopbackOnly:
 class TestSummary:
     """summary.json / bench/results/demo.json: the demo's own measurements, rearranged, never recomputed."""
 
-    def test_default_time_scale_leaves_headroom_and_still_bursts(self) -> None:
-        from gearshift.dev.demo import DEFAULT_DURATION_S, DEFAULT_TIME_SCALE, DEFAULT_TRACE
+    def test_pd_demo_time_scale_leaves_headroom_and_still_bursts(self) -> None:
+        from gearshift.dev.demo import DEFAULT_DURATION_S, DEFAULT_TRACE
         from gearshift.dev.loadgen import load_trace
 
         if not DEFAULT_TRACE.exists():
             pytest.skip("the shared trace is not on this machine")
-        w = tw.window(load_trace(DEFAULT_TRACE), DEFAULT_TIME_SCALE, DEFAULT_DURATION_S)
+        # The 8B PD demo's flags (PD_DEMO_ARGS): every request at 3x.
+        w = tw.window(load_trace(DEFAULT_TRACE), 3.0, DEFAULT_DURATION_S)
         _, rates = tw.offered_rate(w.due_s, 20.0, w.run_s)
         # The sandbox fleet serves about 24 req/s of this trace: two thirds on average, bursts above 80%.
         assert w.mean_rate() < 0.7 * 24 and max(rates) > 0.8 * 24

@@ -107,35 +107,51 @@ class TestTraceFromRequests:
             twin.trace_from_requests([TraceRequest(0.0, 1, 1)], 0.0)
 
 
-class TestTwinStatic:
-    def test_every_gear_holds_its_cards_for_the_whole_span(self) -> None:
+class TestTwinCompare:
+    def test_every_static_gear_and_peer_holds_its_cards_for_the_whole_span(self) -> None:
         # 40 short requests over 39 s at 2x: light enough for every gear; the planner's gears of the mixed
-        # fleet, each replayed alone.
+        # fleet and the peers' uniform layouts, each replayed alone, and the shifting loop.
         reqs = [TraceRequest(2.0 * i, 64, 8) for i in range(40)]
-        out = cost.twin_static(
+        out = cost.twin_compare(
             reqs, 2.0, arch=load_hf_config(twin.MODEL), fleet=twin.FLEET, slo_ttft_ms=200, slo_itl_ms=50
         )
         assert out["requests"] == 40 and out["span_s"] == pytest.approx(39.0)
         assert out["workload"] == [64, 8]
-        names = [g["gear"] for g in out["gears"]]
-        assert sorted(names) == sorted(set(names)) and len(names) >= 2
-        for g in out["gears"]:
+        kinds = [r["kind"] for r in out["rows"]]
+        assert kinds[0] == "dynamic" and "static" in kinds and "peer" in kinds
+        assert kinds == sorted(kinds, key=["dynamic", "static", "peer"].index)
+        names = [r["variant"] for r in out["rows"]]
+        assert len(names) == len(set(names))
+        for r in out["rows"][1:]:
             # A static gear holds its cards from 0 to the last arrival and nothing else.
-            assert g["gpu_hours"] == pytest.approx(g["gpus"] * 39.0 / 3600, abs=1e-4)
-            assert g["failed"] == 0 and 0 <= g["slo_met"] <= 40
-            if g["slo_met"]:
-                assert g["slo_met_per_gpu_hour"] == pytest.approx(
-                    g["slo_met"] / (g["gpus"] * 39.0 / 3600), rel=2e-3
+            assert r["gpu_hours"] == pytest.approx(r["gpus"] * 39.0 / 3600, abs=1e-4)
+            assert r["failed"] == 0 and 0 <= r["slo_met"] <= 40
+            if r["slo_met"]:
+                assert r["slo_met_per_gpu_hour"] == pytest.approx(
+                    r["slo_met"] / (r["gpus"] * 39.0 / 3600), rel=2e-3
                 )
+        assert out["initial_gear"] in out["gears"]
 
     def test_rows_longer_than_the_context_are_clipped_as_the_load_generator_clips_them(self) -> None:
         reqs = [TraceRequest(0.0, 20_000, 10), TraceRequest(1.0, 64, 8)]
         arch = load_hf_config(twin.MODEL)
         args = {"arch": arch, "fleet": twin.FLEET, "slo_ttft_ms": 200, "slo_itl_ms": 50}
-        unclipped = cost.twin_static(reqs, 1.0, **args)
-        clipped = cost.twin_static(reqs, 1.0, max_model_len=8192, **args)
-        assert all(g["rejected_too_long"] == 1 for g in unclipped["gears"])
-        assert all(g["rejected_too_long"] == 0 for g in clipped["gears"])
+        unclipped = cost.twin_compare(reqs, 1.0, **args)
+        clipped = cost.twin_compare(reqs, 1.0, max_model_len=8192, **args)
+        assert all(r["rejected_too_long"] == 1 for r in unclipped["rows"])
+        assert all(r["rejected_too_long"] == 0 for r in clipped["rows"])
+
+    def test_an_initial_gear_that_is_not_planned_is_refused(self) -> None:
+        with pytest.raises(ValueError, match=r"initialGear 'nope' names no planned gear"):
+            cost.twin_compare(
+                [TraceRequest(0.0, 64, 8)],
+                1.0,
+                arch=load_hf_config(twin.MODEL),
+                fleet=twin.FLEET,
+                slo_ttft_ms=200,
+                slo_itl_ms=50,
+                initial_gear="nope",
+            )
 
 
 def _cost_doc() -> dict[str, Any]:
@@ -153,54 +169,70 @@ def _cost_doc() -> dict[str, Any]:
             "workload": [1179, 242],
             "requests": 1000,
             "span_s": 99.5,
-            "gears": [
-                {
-                    "gear": "latency",
-                    "gpus": 2,
-                    "slo_met": 950,
-                    "slo_attainment": 0.95,
-                    "goodput_rps": 9.5,
-                    "gpu_hours": 0.05,
-                    "slo_met_per_gpu_hour": 19000.0,
-                    "failed": 0,
-                    "rejected_too_long": 0,
-                },
-                {
-                    "gear": "throughput",
-                    "gpus": 4,
-                    "slo_met": 600,
-                    "slo_attainment": 0.6,
-                    "goodput_rps": 6.0,
-                    "gpu_hours": 0.1,
-                    "slo_met_per_gpu_hour": 6000.0,
-                    "failed": 0,
-                    "rejected_too_long": 0,
-                },
+            "initial_gear": "latency",
+            "gears": {"latency": {"layers": [32]}, "throughput": {"layers": [20, 12]}},
+            "peer_layouts": [
+                {"gear": "peer-h100-80gb", "gpu_model": "H100-80GB", "cards": 2},
+                {"gpu_model": "T4-16GB", "cards": 2, "skipped": "no even split fits its cards' memory"},
+            ],
+            "rows": [
+                _row("dynamic", "dynamic", None, 960, 0.96, 9.6, 0.07, 13714.3, mean_gpus=2.5, shifts=2),
+                _row("static-latency", "static", 2, 950, 0.95, 9.5, 0.05, 19000.0),
+                _row("static-throughput", "static", 4, 600, 0.6, 6.0, 0.1, 6000.0),
+                _row("peer-h100-80gb", "peer", 2, 300, 0.3, 3.0, 0.05, 6000.0, failed=40),
             ],
         },
     }
 
 
+def _row(
+    variant: str,
+    kind: str,
+    gpus: int | None,
+    met: int,
+    share: float,
+    goodput: float,
+    hours: float,
+    per_hour: float,
+    *,
+    failed: int = 0,
+    mean_gpus: float | None = None,
+    shifts: int = 0,
+) -> dict[str, Any]:
+    return {
+        "variant": variant,
+        "kind": kind,
+        "gpus": gpus,
+        "slo_met": met,
+        "slo_attainment": share,
+        "goodput_rps": goodput,
+        "gpu_hours": hours,
+        "slo_met_per_gpu_hour": per_hour,
+        "failed": failed,
+        "rejected_too_long": 0,
+        "mean_gpus": mean_gpus if mean_gpus is not None else gpus,
+        "shifts": shifts,
+    }
+
+
 class TestReport:
-    def test_cost_section_puts_the_run_beside_each_static_gear(self) -> None:
-        text = "\n".join(report.cost_section(_cost_doc(), 3.0, 1000))
+    def test_cost_section_puts_the_run_beside_the_twin_rows(self) -> None:
+        doc = _cost_doc()
+        doc["run"]["failed"] = 0
+        text = "\n".join(report.cost_section(doc, 3.0, 1000))
         assert "**0.1000 GPU-hours** (mean 3.60 cards, peak 5)" in text
         assert "**9,000 SLO-met per GPU-hour**" in text
-        # run 9,000 per GPU-hour against latency's 19,000 and throughput's 6,000.
-        assert "| twin: static `latency` | 2 | 950 (95%) | 9.50 | 0.0500 | 19,000 | 0.47× |" in text
-        assert "| twin: static `throughput` | 4 | 600 (60%) | 6.00 | 0.1000 | 6,000 | 1.50× |" in text
-        assert "| this run (measured) | mean 3.60 | 900 (90%) | 9.00 | 0.1000 | 9,000 | 1.00× |" in text
-        # Best by goodput: latency (9.5 req/s); the run's 900 / 100 s = 9.0 req/s is 0.95x, on 2x its
-        # GPU-hours.
-        assert "`latency` (2 cards): this run reached 0.95× its goodput on 2.00× its GPU-hours." in text
+        # The run: 900 SLO-met over its 100 s = 9.00 req/s.
+        assert "| this run (measured) | mean 3.60 | 900 (90%) | 0 | 9.00 | 0.1000 | 9,000 |" in text
+        assert "| twin: `dynamic` (2 shifts) | mean 2.50 | 960 (96%) | 0 | 9.60 | 0.0700 | 13,714 |" in text
+        assert "| twin: static `latency` (32) | 2 | 950 (95%) | 0 | 9.50 | 0.0500 | 19,000 |" in text
+        assert "| twin: static `throughput` (20+12) | 4 | 600 (60%) | 0 | 6.00 | 0.1000 | 6,000 |" in text
+        assert "| twin: peer `peer-h100-80gb` | 2 | 300 (30%) | 40 | 3.00 | 0.0500 | 6,000 |" in text
+        assert "Card types that hold the model in no uniform even split: T4-16GB (2 cards)." in text
+        assert "(`dynamic`, from `latency`)" in text
 
-    def test_failures_show_and_the_run_is_charged_its_whole_span(self) -> None:
-        doc = _cost_doc()
-        doc["run"]["failed"] = 7
-        doc["twin"]["gears"][1]["failed"] = 40
-        text = "\n".join(report.cost_section(doc, 3.0, 1000))
-        assert "| this run (measured) | mean 3.60 | 900 (90%; 7 failed) | 9.00 |" in text
-        assert "| twin: static `throughput` | 4 | 600 (60%; 40 failed) |" in text
+    def test_the_run_is_charged_its_whole_span(self) -> None:
+        text = "\n".join(report.cost_section(_cost_doc(), 3.0, 1000))
         assert "over the 100 s of the run (issuing, then finishing what was issued)" in text
 
     def test_nothing_measured_no_section(self) -> None:
@@ -210,7 +242,7 @@ class TestReport:
         doc = _cost_doc()
         del doc["run"]
         text = "\n".join(report.cost_section(doc, 3.0, 1000))
-        assert "this run" not in text and "| twin: static `latency` | 2 |" in text and "| – |" in text
+        assert "this run" not in text and "| twin: static `latency` (32) | 2 |" in text
 
     def test_summary_carries_the_cost(self) -> None:
         doc = summary.build(
@@ -230,4 +262,9 @@ class TestReport:
             cost=_cost_doc(),
         )
         assert doc["cost"]["run"]["slo_met_per_gpu_hour"] == 9000.0
-        assert [g["gear"] for g in doc["cost"]["twin"]["gears"]] == ["latency", "throughput"]
+        assert [r["variant"] for r in doc["cost"]["twin"]["rows"]] == [
+            "dynamic",
+            "static-latency",
+            "static-throughput",
+            "peer-h100-80gb",
+        ]

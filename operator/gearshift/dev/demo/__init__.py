@@ -21,18 +21,40 @@ from gearshift.dev.loadgen import DEFAULT_TRACE, finite_number
 
 #: The repository root (operator/gearshift/dev/demo/__init__.py → four levels up).
 REPO_ROOT = Path(__file__).resolve().parents[4]
-DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "demo" / "pdservice-demo.yaml"
+#: Llama-3-70B aggregated: a model no card of the mixed fleet holds, so its gears are uneven pipelines.
+DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "demo" / "pdservice-demo-70b.yaml"
+#: The Llama-3-8B prefill/decode demo (run it with ``--example`` and :data:`PD_DEMO_ARGS`).
+PD_EXAMPLE = REPO_ROOT / "examples" / "demo" / "pdservice-demo.yaml"
 DEFAULT_FLEET = REPO_ROOT / "examples" / "fleets/mixed.yaml"
 DEFAULT_NAMESPACE = "gearshift-demo"
 #: Issuing time of a default run, s: with up to 60 s of drain and about a minute of set-up and report,
 #: the whole command stays within the issue's 10 minutes on a sandbox that is already built.
 DEFAULT_DURATION_S = 480.0
-#: Default replay speed (trace seconds per run second). The sandbox fleet's decode gear serves about
-#: 24 req/s of this trace on 2 shared cores (the simulated engines and the router are Python processes);
-#: at 3x the first 24 trace minutes offer 15.6 req/s on average (two thirds of that) and climb to 20 req/s
-#: in 20 s bins at the end, so the bursts push the service without drowning it. Fitting the whole trace
-#: into 480 s (7.3x, 40 req/s) would only measure an overloaded queue.
-DEFAULT_TIME_SCALE = 3.0
+#: Default replay speed (trace seconds per run second) and thinning (every Nth request of the window), for
+#: the default 70B example: at 7.5x the 480 s replay covers the trace's whole hour, whose load swings 2.6x
+#: (3.2 req/s in its first minute, 8.5 in minute 31, 3.8 in minute 57); one request in 25 brings that to
+#: 1.2-2.3 req/s (1.67 on average), around what the planner's 70B gears serve on the mixed fleet (0.74,
+#: 1.57 and 2.28 req/s predicted). examples/demo/pdservice-demo-70b.yaml says more. The 8B PD example ran
+#: at 3x with every request (:data:`PD_DEMO_ARGS`): its sandbox fleet serves about 24 req/s of this trace.
+DEFAULT_TIME_SCALE = 7.5
+DEFAULT_KEEP_EVERY = 25
+#: The flags that run the 8B PD demo as it ran before the 70B default.
+PD_DEMO_ARGS = "--example examples/demo/pdservice-demo.yaml --time-scale 3 --keep-every 1"
+
+
+def positive_int(flag: str) -> Any:
+    """An argparse type for an integer >= 1 whose error names ``flag``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} wants a whole number >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} wants a whole number >= 1, got {value}")
+        return value
+
+    return parse
 
 
 def register(subparsers: Any) -> None:
@@ -53,6 +75,13 @@ def register(subparsers: Any) -> None:
         "into --duration)",
     )
     p.add_argument(
+        "--keep-every",
+        type=positive_int("--keep-every"),
+        default=DEFAULT_KEEP_EVERY,
+        help=f"replay every Nth request of the window: the trace's shape at 1/N of its load "
+        f"({DEFAULT_KEEP_EVERY}; 1 for every request)",
+    )
+    p.add_argument(
         "--duration",
         type=finite_number(0, False, "seconds"),
         default=DEFAULT_DURATION_S,
@@ -66,9 +95,18 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="fleet file for the sandbox's GPU nodes")
     p.add_argument(
-        "--model", type=Path, default=None, help="HF config.json of the model to serve (default: Llama-3-8B)"
+        "--model",
+        type=Path,
+        default=None,
+        help="HF config.json of the model to serve (default: the example's)",
     )
-    p.add_argument("--example", type=Path, default=DEFAULT_EXAMPLE, help="PDService + GearSets to apply")
+    p.add_argument(
+        "--example",
+        type=Path,
+        default=DEFAULT_EXAMPLE,
+        help="PDService + GearSets to apply (default: Llama-3-70B aggregated, "
+        "examples/demo/pdservice-demo-70b.yaml; the 8B PD demo: " + PD_DEMO_ARGS + ")",
+    )
     p.add_argument(
         "--namespace", default=DEFAULT_NAMESPACE, help=f"namespace to deploy in ({DEFAULT_NAMESPACE})"
     )

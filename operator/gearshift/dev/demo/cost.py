@@ -7,11 +7,12 @@ NVIDIA time-slicing a card is advertised ``nvidia.com/gpu.replicas`` times, so a
 rounded up to physical cards and capped at the cards it has (:func:`cards_held`). GPU-seconds are the
 held cards integrated over the run (:func:`gpu_seconds`): what the cluster reserved for the service.
 
-**The twin's static gears** (:func:`twin_static`) replay the same requests at the same time scale in
-virtual time (:mod:`gearshift.dev.twin`): the planner's gears on the same fleet file, each served alone
-from the first request to the last, with the same SLO. The twin runs each gear's engines in the combined
-prefill+decode role (it does not model PD disaggregation), so the rows say what one static gear of the
-fleet would have cost for the same traffic, beside what the run's disaggregated, shifting service cost.
+**The twin** (:func:`twin_compare`) replays the same requests at the same time scale in virtual time
+(:mod:`gearshift.dev.twin`): with the operator's shifting loop over the planner's gears (``dynamic``),
+on each of those gears alone, and on each layout a peer system would deploy (uniform one-model pipelines
+with even splits), with the same SLO and policy. The twin runs engines in the combined prefill+decode
+role (it does not model PD disaggregation): for an aggregated service (role ``both``) that is the
+service's own shape; for a PD service the rows say what one combined gear of the fleet would have cost.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gearshift.api.gearset import Gear as ApiGear
 from gearshift.api.gearset import ShiftPolicy
 from gearshift.control.adapt import policy_from_api
 from gearshift.dev.loadgen import TraceRequest, clip_to_context
-from gearshift.dev.twin import Slo, plan_gears, run_variant, trace_from_requests
+from gearshift.dev.twin import Slo, plan_gears, trace_from_requests
+from gearshift.dev.twin.compare import replay_window
+from gearshift.dev.twin.gears import gears_from_api, peer_gears
 from gearshift.facts.model import ModelArch
 from gearshift.k8s.placement import pod_gpus
 from gearshift.profiling.profiles import node_view
@@ -117,7 +121,7 @@ def run_cost(samples: Sequence[CardSample], run_s: float, slo_met: int | None) -
     }
 
 
-def twin_static(
+def twin_compare(
     requests: Sequence[TraceRequest],
     time_scale: float,
     *,
@@ -125,49 +129,82 @@ def twin_static(
     fleet: Path,
     slo_ttft_ms: float,
     slo_itl_ms: float,
+    role: str = "prefill",
+    policy: Mapping[str, Any] | None = None,
+    workload: tuple[int, int] | None = None,
+    initial_gear: str | None = None,
     max_model_len: int | None = None,
+    planned: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Every static gear the planner makes of ``fleet`` for ``arch``, replayed in the twin on ``requests``
-    (trace seconds from the window's start) at ``time_scale``, clipped to ``max_model_len`` as the load
-    generator clipped them. The gears are planned for the window's own mean prompt and output lengths.
+    """The demo's window replayed in the twin every way the report compares: the shifting loop
+    (``dynamic``), each gear the planner makes of ``fleet`` for ``arch`` alone (``static``), and each peer
+    layout alone (``peer``: uniform one-model pipelines with even splits,
+    :func:`gearshift.dev.twin.gears.peer_gears`), on ``requests`` (trace seconds from the window's start) at
+    ``time_scale``, clipped to ``max_model_len`` as the load generator clipped them.
 
-    Returns ``{"workload": [prompt, output], "requests", "span_s", "gears": [row, ...]}``, one row per gear:
-    ``gear``, ``gpus``, ``slo_met``, ``slo_attainment``, ``goodput_rps``, ``gpu_hours``,
-    ``slo_met_per_gpu_hour``, ``failed``, ``rejected_too_long``, ``ttft_p99_ms``, ``tpot_p99_ms``,
-    ``cpu_s`` (virtual time: ``gpu_hours`` is over the replay's seconds, as the run's).
+    ``policy`` is the GearSet's ``spec.policy`` (camelCase; the API's defaults when None) read for ``role``
+    (``prefill`` or ``both``: the latency triggers read TTFT); ``workload`` its ``spec.plan.workload``
+    (prompt, output tokens; the window's own means when None); ``initial_gear`` its ``spec.initialGear``
+    (the dynamic run starts there, else where the operator's capacity controller starts,
+    :func:`gearshift.dev.twin.compare.dynamic_start`); ``planned`` the GearSet's planned gears (API
+    documents, camelCase): the twin replays those, the very gears the run served; without them it plans
+    the fleet file's datasheet profiles itself.
+
+    Returns ``{"workload": [prompt, output], "requests", "span_s", "initial_gear", "peer_layouts",
+    "rows": [row, ...]}`` (rows as :func:`gearshift.dev.twin.compare.row`: dynamic, the gears, the peers;
+    virtual time, so ``gpu_hours`` is over the replay's seconds, as the run's).
 
     Raises:
-        ValueError: no request, or a non-positive ``time_scale``; the planner's
-            :class:`~gearshift.planner.errors.PlanError` (a ValueError) when it finds no gear.
+        ValueError: no request, a non-positive ``time_scale``, a bad ``policy`` or ``initial_gear`` naming
+            no planned gear; the planner's :class:`~gearshift.planner.errors.PlanError` (a ValueError)
+            when it finds no gear.
     """
     rows = [clip_to_context(r, max_model_len) for r in requests]
     trace = trace_from_requests(rows, time_scale)
-    workload = (round(float(trace.prompt.mean())), round(float(trace.output.mean())))
-    policy = policy_from_api(ShiftPolicy(), role="prefill", ttft_slo_ms=slo_ttft_ms, itl_slo_ms=slo_itl_ms)
-    gears, _, _ = plan_gears(arch, policy, workload, fleet=fleet, even=False)
-    slo = Slo(slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0)
-    out = []
-    for g in gears:
-        r = run_variant(g.name, arch, trace, policy, gears, g.name, dynamic=False, slo=slo)
-        out.append(
-            {
-                "gear": g.name,
-                "gpus": g.gpus,
-                "slo_met": r["slo_met"],
-                "slo_attainment": r["slo_attainment"],
-                "goodput_rps": r["goodput_rps"],
-                "gpu_hours": r["gpu_hours"],
-                "slo_met_per_gpu_hour": r["slo_met_per_gpu_hour"],
-                "failed": r["failed"],
-                "rejected_too_long": r["rejected_too_long"],
-                "ttft_p99_ms": r["ttft_ms"]["p99"],
-                "tpot_p99_ms": r["tpot_ms"]["p99"],
-                "cpu_s": r["cpu_s"],
-            }
+    if workload is None:
+        workload = (round(float(trace.prompt.mean())), round(float(trace.output.mean())))
+    api_policy = ShiftPolicy.model_validate(dict(policy or {}))
+    rules = policy_from_api(api_policy, role=role, ttft_slo_ms=slo_ttft_ms, itl_slo_ms=slo_itl_ms)
+    if planned:
+        gears = gears_from_api([ApiGear.model_validate(dict(g)) for g in planned], arch, rules, fleet)
+    else:
+        gears, _, _ = plan_gears(arch, rules, workload, fleet=fleet, even=False)
+    if initial_gear is not None and initial_gear not in {g.name for g in gears}:
+        raise ValueError(
+            f"initialGear {initial_gear!r} names no planned gear ({', '.join(g.name for g in gears)})"
         )
+    # The peers batch as the planner's deepest-batching gear does, so the rows differ in layout only.
+    widest = max(gears, key=lambda g: (g.api.micro_batch, g.api.max_batch or 0))
+    peers, peer_info = peer_gears(
+        arch, rules, workload, fleet, micro_batch=widest.api.micro_batch, max_batch=widest.api.max_batch or 64
+    )
+    out = replay_window(
+        arch,
+        trace,
+        rules,
+        gears,
+        peers,
+        slo=Slo(slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0),
+        expected_given="expectedArrivalRps" in (policy or {}),
+        initial=initial_gear,
+    )
     return {
         "workload": list(workload),
         "requests": len(rows),
         "span_s": round(trace.duration_s, 1),
-        "gears": out,
+        "initial_gear": out["initial_gear"],
+        "expected_arrival_rps": out["expected_arrival_rps"],
+        "gears_from": "the GearSet's planned gears" if planned else "planned here from the fleet file",
+        "gears": {
+            g.name: {
+                "gpus": g.gpus,
+                "layers": [s.end - s.start for s in g.api.stages],
+                "nodes": [list(s.nodes) for s in g.api.stages],
+                "copies": g.heads,
+                "predicted_rps": g.predicted_rps,
+            }
+            for g in gears
+        },
+        "peer_layouts": peer_info,
+        "rows": out["rows"],
     }

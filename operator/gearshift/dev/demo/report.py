@@ -97,52 +97,69 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
         out += [
             "",
             f"The twin (`gearshift.dev.twin`, virtual time) replayed the same {twin['requests']} requests "
-            f"at the same {time_scale:g}× on each static gear the planner makes of the whole fleet "
-            f"(planned for the window's mean {w[0]} prompt / {w[1]} output tokens). Its engines run "
-            "prefill and decode together (the twin does not model disaggregation), so its gears are the "
-            "planner's gears of the whole fleet for one combined role: they share the intents' names "
-            "(latency, balanced, throughput) with the service's prefill and decode gears, not their "
-            "cards. A row is what one static gear of this fleet would have cost for this traffic; a gear "
-            "too small for it fails requests (client timeout) and meets the SLO for few. The run's "
-            "simulated engines keep wall-clock time on the sandbox's shared cores beside the control "
-            "plane, the router and the load generator, the twin's keep virtual time: part of a gap in SLO"
-            " met is this machine's, not the gears'. The run is charged its whole duration (the cards "
-            "stay held until the last request ends), the twin's rows their arrival span, as "
-            "`bench/gears.py` charges them (their tails last seconds of virtual time).",
+            f"at the same {time_scale:g}× on the same fleet and SLO: with the operator's shifting loop over "
+            f"the planner's gears (`dynamic`, from `{twin.get('initial_gear')}`), on each of those gears "
+            "alone (`static`), and on each layout a user of a peer system (LWS, KServe, llm-d) would deploy "
+            "(`peer`: uniform pipelines of one card type with even layer splits, on only the card types "
+            f"that hold the model that way). Gears planned for {w[0]} prompt / {w[1]} output tokens. The "
+            "twin's engines run prefill and decode together: for an aggregated service that is its own "
+            "shape, for a PD service one combined gear of the fleet. The run's simulated engines keep "
+            "wall-clock time on the sandbox's shared cores beside the control plane, the router and the "
+            "load generator; the twin's keep virtual time. The run is charged its whole duration, the "
+            "twin's rows their arrival span, as `bench/gears.py` charges them.",
             "",
-            "| serving | cards | SLO met | goodput (req/s) | GPU-hours | SLO-met per GPU-hour | "
-            "run ÷ row, per GPU-hour |",
+            "| serving | cards | SLO met | failed | goodput (req/s) | GPU-hours | SLO-met per GPU-hour |",
             "| --- " * 7 + "|",
         ]
-        mine = run.get("slo_met_per_gpu_hour") if run else None
         if run:
             met = run["slo_met"]
             good = None if met is None or span <= 0 else met / span
-            failed = f"; {run['failed']} failed" if run.get("failed") else ""
-            share = "–" if met is None or not requests else f"{met} ({met / requests:.0%}{failed})"
+            share = "–" if met is None or not requests else f"{met} ({met / requests:.0%})"
             out.append(
                 f"| this run (measured) | mean {_num(run['mean_gpus'], '.2f')} | {share} | "
-                f"{_num(good, '.2f')} | {run['gpu_hours']:.4f} | {_num(mine, ',.0f')} | 1.00× |"
+                f"{run.get('failed', '–')} | {_num(good, '.2f')} | {run['gpu_hours']:.4f} | "
+                f"{_num(run.get('slo_met_per_gpu_hour'), ',.0f')} |"
             )
-        for g in twin.get("gears") or []:
-            theirs = g.get("slo_met_per_gpu_hour")
-            ratio = f"{mine / theirs:.2f}×" if mine and theirs else "–"
-            failed = f"; {g['failed']} failed" if g.get("failed") else ""
+        layouts = twin.get("gears") or {}
+        for r in twin.get("rows") or []:
+            name = r["variant"]
+            if r["kind"] == "dynamic":
+                label = f"twin: `dynamic` ({r['shifts']} shifts)"
+                cards = f"mean {_num(r.get('mean_gpus'), '.2f')}"
+            else:
+                gear = name.removeprefix("static-")
+                info = layouts.get(gear) or {}
+                split = "+".join(str(x) for x in info.get("layers") or [])
+                label = f"twin: {r['kind']} `{gear}`" + (f" ({split})" if split else "")
+                cards = str(r.get("gpus"))
             out.append(
-                f"| twin: static `{g['gear']}` | {g['gpus']} | {g['slo_met']} ({g['slo_attainment']:.0%}"
-                f"{failed}) | "
-                f"{g['goodput_rps']:.2f} | {g['gpu_hours']:.4f} | {_num(theirs, ',.0f')} | {ratio} |"
+                f"| {label} | {cards} | {r['slo_met']} ({r['slo_attainment']:.0%}) | {r['failed']} | "
+                f"{r['goodput_rps']:.2f} | {r['gpu_hours']:.4f} | "
+                f"{_num(r.get('slo_met_per_gpu_hour'), ',.0f')} |"
             )
-        gears = twin.get("gears") or []
-        if gears:
-            best = max(gears, key=lambda g: (g["goodput_rps"], -g["gpus"]))
-            line = f"The best static gear by goodput is `{best['gear']}` ({best['gpus']} cards)"
-            if run and run.get("slo_met") is not None and span > 0 and best["goodput_rps"] > 0:
-                ratio_g = run["slo_met"] / span / best["goodput_rps"]
-                ratio_h = run["gpu_hours"] / best["gpu_hours"] if best["gpu_hours"] else math.nan
-                line += f": this run reached {ratio_g:.2f}× its goodput on {ratio_h:.2f}× its GPU-hours"
-            out += ["", line + "."]
+        skipped = [p for p in twin.get("peer_layouts") or [] if p.get("skipped")]
+        if skipped:
+            out += [
+                "",
+                "Card types that hold the model in no uniform even split: "
+                + ", ".join(f"{p['gpu_model']} ({p['cards']} cards)" for p in skipped)
+                + ".",
+            ]
     return out
+
+
+def goal_lines(goals: Mapping[str, Mapping[str, Any]]) -> str:
+    """The report's "Goals" section (issue 30's goals as :func:`gearshift.dev.demo.goals.evaluate` judged
+    them), or "" without goals."""
+    if not goals:
+        return ""
+    out = ["", "## Goals", "", "| goal | value | target | met | why |", "| --- " * 5 + "|"]
+    for name, g in goals.items():
+        out.append(
+            f"| {name} | {g.get('value')} | {g.get('goal')} | {'yes' if g.get('met') else '**no**'} | "
+            f"{g.get('why', '')} |"
+        )
+    return "\n".join(out) + "\n"
 
 
 def render(d: ReportData) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from gearshift.dev.demo import cost, live, plots, report, series, summary
+from gearshift.dev.demo import cost, goals, live, plots, report, series, summary
 from gearshift.dev.demo import trace as tracewin
 from gearshift.dev.demo.gears import gearset_table, stage_nodes
 from gearshift.dev.demo.kube import DemoError, Kube, Prometheus, http_get, wait_until
@@ -333,6 +333,21 @@ def load_example(path: Path, model_config: Path | None) -> list[dict[str, Any]]:
     return docs
 
 
+#: PDService spec section → the role of the GearSet it names (aggregated ``serving``: role ``both``).
+SECTION_ROLES = {"prefill": "prefill", "decode": "decode", "serving": "both"}
+
+
+def service_gearsets(pds: dict[str, Any]) -> dict[str, str]:
+    """Role → GearSet name of a PDService document: ``prefill`` and ``decode`` (disaggregated) or ``both``
+    (aggregated, ``spec.serving``), in that order."""
+    spec = pds.get("spec") or {}
+    return {
+        role: str(spec[section]["gearSetRef"]["name"])
+        for section, role in SECTION_ROLES.items()
+        if isinstance(spec.get(section), dict) and "gearSetRef" in spec[section]
+    }
+
+
 def _remove_previous_run(ctx: Ctx, docs: list[dict[str, Any]]) -> None:
     """Delete the example's objects left by an earlier demo in the namespace and wait for their pods.
 
@@ -374,7 +389,7 @@ def _apply_service(ctx: Ctx) -> dict[str, dict[str, Any]]:
         f"(model {pds['spec']['model'].get('name')})"
     )
     ctx.say.block(ctx.kube.apply_docs(docs, namespace=ns))
-    refs = {r: pds["spec"][r]["gearSetRef"]["name"] for r in names.ROLES}
+    refs = service_gearsets(pds)
 
     def planned() -> dict[str, dict[str, Any]] | None:
         out = {}
@@ -578,9 +593,11 @@ def _prom_util(ctx: Ctx, rep: Replay) -> dict[str, list[series.Series]]:
         ctx.notes.append(f"Prometheus range query for stage utilisation failed: {exc}")
         return {}
     out: dict[str, list[series.Series]] = {}
-    for role in names.ROLES:
+    for role in (*names.ROLES, "both"):
         part = [r for r in res if (r.get("metric") or {}).get("gearshift_io_role") == role]
-        out[role] = series.matrix_series(part, rep.t0, ["gearshift_io_gear", "stage"])
+        # An aggregated service has no prefill or decode pods: name only the roles that have series.
+        if part:
+            out[role] = series.matrix_series(part, rep.t0, ["gearshift_io_gear", "stage"])
     return out
 
 
@@ -596,6 +613,8 @@ def _prom_engine(ctx: Ctx, rep: Replay) -> dict[str, float]:
         ("prefill_ttft_p99_ms", "vllm:time_to_first_token_seconds_bucket", "prefill"),
         ("decode_itl_p99_ms", "vllm:inter_token_latency_seconds_bucket", "decode"),
         ("decode_ttft_p99_ms", "vllm:time_to_first_token_seconds_bucket", "decode"),
+        ("both_ttft_p99_ms", "vllm:time_to_first_token_seconds_bucket", "both"),
+        ("both_itl_p99_ms", "vllm:inter_token_latency_seconds_bucket", "both"),
     ):
         pick = f'{metric}{{{sel},gearshift_io_role="{role}"}}'
         expr = f"histogram_quantile(0.99, sum by (le) (increase({pick}[{rng}])))"
@@ -610,27 +629,51 @@ def _prom_engine(ctx: Ctx, rep: Replay) -> dict[str, float]:
     return out
 
 
-def _twin(ctx: Ctx, rep: Replay, win: tracewin.Window) -> dict[str, Any] | None:
-    """The twin's static gears on the replayed window (virtual time; CPU only), or None with a note."""
+def _twin(
+    ctx: Ctx, rep: Replay, win: tracewin.Window, gearsets: dict[str, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The twin's replays of the window (virtual time; CPU only): the shifting loop, each static gear and
+    each peer layout, or None with a note. The model is the PDService's, the policy, workload and initial
+    gear those of its aggregated GearSet (or its prefill GearSet, for a PD service)."""
+    from gearshift.api.pdservice import ModelSpec
     from gearshift.dev import twin
-    from gearshift.facts.model import load_hf_config
 
-    ctx.say(f"twin: replaying the same {len(win.requests)} requests on each static gear (virtual time)")
+    assert ctx.inputs is not None  # main sets it from _preflight
+    pds = next(d for d in ctx.inputs.docs if d.get("kind") == "PDService")
+    role = "both" if "both" in gearsets else "prefill"
+    gs = gearsets.get(role) or {}
+    spec = gs.get("spec") or {}
+    planned = (
+        spec.get("gears") if spec.get("mode") == "explicit" else (gs.get("status") or {}).get("plannedGears")
+    )
+    wl = (spec.get("plan") or {}).get("workload") or {}
+    workload = (int(wl["promptTokens"]), int(wl["outputTokens"])) if wl else None
+    ctx.say(
+        f"twin: replaying the same {len(win.requests)} requests with the shifting loop, on each static gear "
+        "and on each peer layout (virtual time)"
+    )
     t = time.monotonic()
     try:
-        out = cost.twin_static(
+        out = cost.twin_compare(
             win.requests,
             win.time_scale,
-            arch=load_hf_config(ctx.args.model or twin.MODEL),
+            arch=ModelSpec.model_validate(pds["spec"]["model"]).to_model_arch(),
             fleet=ctx.args.fleet,
             slo_ttft_ms=float(ctx.slo.get("ttftMs") or twin.SLO_TTFT_S * 1000),
             slo_itl_ms=float(ctx.slo.get("itlMs") or twin.SLO_ITL_S * 1000),
+            role=role,
+            policy=spec.get("policy") or {},
+            workload=workload,
+            initial_gear=spec.get("initialGear") if role == "both" else None,
             max_model_len=rep.result.max_model_len,
+            # An aggregated service's own gears are what the twin's combined engines run; a PD service's
+            # prefill gears hold only prefill's share of the fleet, so the twin plans the whole fleet.
+            planned=(planned or None) if role == "both" else None,
         )
     except (ValueError, OSError) as exc:  # a bad --model or --fleet (ModelConfigError is a ValueError)
-        ctx.notes.append(f"The twin's static gears could not be replayed: {exc}")
+        ctx.notes.append(f"The twin could not replay the window: {exc}")
         return None
-    ctx.say(f"twin: {len(out['gears'])} gears in {time.monotonic() - t:.0f} s")
+    ctx.say(f"twin: {len(out['rows'])} replays in {time.monotonic() - t:.0f} s")
     return out
 
 
@@ -736,7 +779,7 @@ def _write_report(
         )
     else:
         ctx.notes.append("No poll of the service's pods succeeded: the run's GPU-hours are not known.")
-    twin_rows = _twin(ctx, rep, win)
+    twin_rows = _twin(ctx, rep, win, gearsets_end)
     if twin_rows is not None:
         spend["twin"] = twin_rows
     for role, gs in gearsets_end.items():
@@ -787,27 +830,37 @@ def _write_report(
         explore=explore,
         notes=ctx.notes,
     )
-    (out_dir / "report.md").write_text(report.render(data))
     (out_dir / "load.json").write_text(json.dumps(rep.result.to_dict(), indent=2))
+    wall_s = time.monotonic() - ctx.say.start
+    shift_list = summary.shifts(
+        {role: (gs.get("status") or {}).get("history") or [] for role, gs in gearsets_end.items()}, rep.t0
+    )
+    met = goals.evaluate(
+        rows=(twin_rows or {}).get("rows") or [],
+        live_slo_met=rep.result.slo_met,
+        live_failed=rep.result.failed,
+        shifts=shift_list,
+        issue_s=win.run_s,
+        wall_s=wall_s,
+    )
+    (out_dir / "report.md").write_text(report.render(data) + report.goal_lines(met))
     doc = summary.build(
         command=data.command,
         started=data.started,
-        wall_s=time.monotonic() - ctx.say.start,
+        wall_s=wall_s,
         time_scale=win.time_scale,
         window_start_s=win.start_s,
         window_span_s=win.span_s,
         load=data.load,
         router_totals=totals,
         engine=data.engine,
-        shift_list=summary.shifts(
-            {role: (gs.get("status") or {}).get("history") or [] for role, gs in gearsets_end.items()},
-            rep.t0,
-        ),
+        shift_list=shift_list,
         policies={role: gs["spec"].get("policy") or {} for role, gs in gearsets_end.items()},
         first_gears=rep.first_gears,
         final_gears={role: (gs.get("status") or {}).get("activeGear") for role, gs in gearsets_end.items()},
         cost=spend,
         notes=ctx.notes,
+        goals=met,
     )
     text = json.dumps(doc, indent=2) + "\n"
     (out_dir / "summary.json").write_text(text)
@@ -836,9 +889,9 @@ def _preflight(args: argparse.Namespace) -> Inputs:
     trace = load_trace(args.trace)
     try:
         scale = args.time_scale or tracewin.auto_time_scale(trace, args.duration)
-        window = tracewin.window(trace, scale, args.duration, args.start)
+        window = tracewin.window(trace, scale, args.duration, args.start, getattr(args, "keep_every", 1))
     except ValueError as exc:
-        raise DemoError(f"--start/--duration/--time-scale: {exc}") from None
+        raise DemoError(f"--start/--duration/--time-scale/--keep-every: {exc}") from None
     if args.model is not None:
         from gearshift.facts.model import load_hf_config
 

@@ -82,12 +82,13 @@ def build(
     final_gears: Mapping[str, str | None],
     cost: Mapping[str, Any] | None = None,
     notes: Sequence[str] = (),
+    goals: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The summary document: what ran, the load generator's figures, the router's totals, the engines'
     P99s from Prometheus, the shifts and their outcomes, the policy times (run and trace seconds), and
     ``cost``: the run's GPU-hours and SLO-met per GPU-hour (``run``, measured from the pods' GPUs) beside
-    the twin's static gears on the same window (``twin``), as :mod:`gearshift.dev.demo.cost` computes
-    them."""
+    the twin's replays of the same window (``twin``: shifting loop, static gears, peer layouts), as
+    :mod:`gearshift.dev.demo.cost` computes them; ``goals``: :func:`gearshift.dev.demo.goals.evaluate`."""
     issued = int(load.get("issued") or 0)
     return {
         "command": command,
@@ -119,6 +120,7 @@ def build(
         "shift_outcomes": outcome_counts(shift_list),
         "policy_times": {role: policy_times(p, time_scale) for role, p in policies.items()},
         "cost": dict(cost or {}),
+        "goals": dict(goals or {}),
         "source": "load generator (load.json), router /metrics, Prometheus, GearSet status.history, the "
         "service's pods (GPU time), the twin (gearshift.dev.twin, virtual time: cost.twin)",
         "notes": list(notes),

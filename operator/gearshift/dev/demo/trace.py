@@ -59,23 +59,31 @@ def auto_time_scale(trace: Sequence[TraceRequest], duration_s: float) -> float:
 
 
 def window(
-    trace: Sequence[TraceRequest], time_scale: float, duration_s: float, start_s: float = 0.0
+    trace: Sequence[TraceRequest],
+    time_scale: float,
+    duration_s: float,
+    start_s: float = 0.0,
+    keep_every: int = 1,
 ) -> Window:
-    """The requests of ``trace`` that arrive within ``duration_s`` run seconds from ``start_s``.
+    """The requests of ``trace`` that arrive within ``duration_s`` run seconds from ``start_s``; with
+    ``keep_every`` N > 1 only the 1st, (N+1)th, ... of them (the trace's shape at 1/N of its load).
 
     Args:
         trace: requests sorted by offset (``gearshift.dev.loadgen.load_trace``).
         time_scale: trace seconds per run second (> 0).
         duration_s: cap on the run's issuing time, s (> 0).
         start_s: where in the trace to start, trace seconds.
+        keep_every: keep every Nth request of the window (>= 1).
 
     Raises:
-        ValueError: non-positive scale or duration, or a window holding no request.
+        ValueError: non-positive scale or duration, ``keep_every`` < 1, or a window holding no request.
     """
     if time_scale <= 0 or duration_s <= 0:
         raise ValueError("time_scale and duration_s must be positive")
+    if keep_every < 1:
+        raise ValueError(f"keep_every must be >= 1, got {keep_every}")
     end = start_s + duration_s * time_scale
-    picked = [r for r in trace if start_s <= r.offset_s < end]
+    picked = [r for r in trace if start_s <= r.offset_s < end][::keep_every]
     if not picked:
         raise ValueError(f"no trace request in [{start_s:g}, {end:g}) s of the trace")
     last = picked[-1].offset_s - start_s

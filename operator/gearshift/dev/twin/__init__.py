@@ -1,8 +1,9 @@
 """The twin: the operator's gears and control loop on simulated engines, in virtual time.
 
-``bench/gears.py`` runs it over whole trace hours; ``gearshift demo`` runs the static gears of the
-demo's fleet on the trace window it replayed, so its report puts the run's GPU-hours beside what one
-static gear would have cost.
+``bench/gears.py`` runs it over whole trace hours; ``gearshift demo`` replays the window it served with the
+shifting loop, on each of the service's gears and on each layout a peer system would deploy
+(:mod:`~gearshift.dev.twin.compare`, :func:`~gearshift.dev.twin.gears.peer_gears`), so its report puts
+the live run beside them on the same requests.
 
 What is real and what is modelled:
 
@@ -42,7 +43,9 @@ are within the SLO (DESIGN.md's 200 ms and 50 ms by default; TPOT as DistServe's
 OSDI 2024). Goodput = requests meeting the SLO / trace duration (requests/s).
 
 Modules: :mod:`~gearshift.dev.twin.trace` (arrivals), :mod:`~gearshift.dev.twin.gears` (the planner's
-gears as the twin runs them), :mod:`~gearshift.dev.twin.engines` (the simulated world),
+gears, a GearSet's planned gears and the peers' uniform layouts as the twin runs them),
+:mod:`~gearshift.dev.twin.compare` (one window replayed dynamic, per gear and per peer layout),
+:mod:`~gearshift.dev.twin.engines` (the simulated world),
 :mod:`~gearshift.dev.twin.variant` (one replay and its figures). No Kubernetes, HTTP or wall-clock
 sleeps: a replay is CPU only.
 """

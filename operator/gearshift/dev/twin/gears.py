@@ -4,6 +4,7 @@ but for reading the fleet file)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,13 +74,8 @@ def plan_gears(
         gearshift.planner.errors.PlanError: the planner finds no gear (or the even split does not fit).
         gearshift.facts.fleet.FleetError: a bad fleet file.
     """
-    fl = fleet_mod.load_fleet(fleet)
-    doc = fleet_mod.datasheet_profile(fl)
-    for n in doc["nodes"]:  # as gearshift.planner.inputs.resource_profile: usable memory only
-        n["memory_gb"] = round(n["memory_gb"] * MEMORY_UTILIZATION, 6)
-    profile = planner.parse_profile(doc)
-    shape = planner.RooflineAssumptions(prompt_tokens=workload[0], output_tokens=workload[1], role="both")
-    cost = planner.RooflineCostModel(arch, shape)
+    fl, doc, profile = _fleet_profile(fleet)
+    cost = _cost(arch, workload)
     result = planner.plan(profile, cost, sim_requests=PLAN_SIM_REQUESTS)
     specs = []
     for g in result.gears:
@@ -94,25 +90,10 @@ def plan_gears(
     cuts = planner.even_split(cost.at(thr.api.micro_batch), order)
     gpu = {n.name: n.gpu.model for n in fl.nodes}
     reps = thr.api.stages[0].replicas
-    stages = [
-        {
-            "layers": [a, b],
-            "replicas": reps,
-            "gpus": 1,
-            "nodes": [thr.api.stages[k].nodes[r] for r in range(reps)],
-            "gpuModel": gpu[ids[0]],
-        }
-        for k, (a, b, ids) in enumerate(cuts)
-    ]
-    even_api = ApiGear.model_validate(
-        {
-            "name": "even",
-            "intent": "throughput",
-            "stages": stages,
-            "microBatch": thr.api.micro_batch,
-            "maxBatch": thr.api.max_batch,
-        }
-    )
+    even_api = _uniform_gear(
+        "even", cuts, [[thr.api.stages[k].nodes[r] for k in range(len(cuts))] for r in range(reps)], gpu,
+        thr.api.micro_batch, thr.api.max_batch,
+    )  # fmt: skip
     even_spec = _spec(even_api, profile, arch, policy)
     bottleneck, times, _ = planner.evaluate(
         profile, cost.at(thr.api.micro_batch), [(a, b, [ids[0]]) for a, b, ids in cuts]
@@ -124,6 +105,153 @@ def plan_gears(
         "stage_ms": [round(x, 3) for x in times],
     }
     return specs, even_spec, info
+
+
+def gears_from_api(
+    api_gears: Sequence[ApiGear], arch: ModelArch, policy: ShiftRules, fleet: Path = FLEET
+) -> list[GearSpec]:
+    """The twin's specs of gears the operator planned (a GearSet's ``status.plannedGears`` or explicit
+    ``spec.gears``), on ``fleet``'s nodes (their GPU models and links), so that the twin replays the very
+    gears a live run served.
+
+    Raises:
+        gearshift.facts.fleet.FleetError: a bad fleet file.
+        gearshift.planner.errors.PlanError: a gear names a node the fleet does not have.
+    """
+    _, _, profile = _fleet_profile(fleet)
+    ids = {n.node_id for n in profile.nodes}
+    for g in api_gears:
+        missing = sorted({n for st in g.stages for n in st.nodes} - ids)
+        if missing:
+            raise planner.PlanError(f"gear {g.name!r} names nodes the fleet file does not have: {missing}")
+    return [_spec(g, profile, arch, policy) for g in api_gears]
+
+
+def peer_gears(
+    arch: ModelArch,
+    policy: ShiftRules,
+    workload: tuple[int, int] = (512, 128),
+    fleet: Path = FLEET,
+    *,
+    micro_batch: int,
+    max_batch: int,
+) -> tuple[list[GearSpec], list[dict[str, Any]]]:
+    """The layouts a user of a peer system (LWS, KServe, llm-d) deploys on ``fleet``: per GPU model, uniform
+    pipelines of that model alone with an even layer split, of the fewest stages whose even split fits the
+    cards' memory, copied over as many of that model's cards as hold whole copies (a model whose even split
+    fits no number of its cards gives no layout). Each runs at ``micro_batch`` and ``max_batch`` (the
+    planner's gears' values, so the rows differ in layout only), or, where the model does not fit that way,
+    at the largest halving of ``max_batch`` (KV reserved for fewer sequences) that lets it fit on as few
+    cards (the micro-batch capped at it): what a peer user does with ``--max-num-seqs``.
+
+    The same rule as :func:`gearshift.planner.fleetplan.peer_configs` (even splits of one class, the
+    fewest stages that fit), on the fleet's own nodes rather than its classes, so the twin can run them.
+
+    Returns ``(gears named "peer-<gpu model>", [{"gear", "gpu_model", "stages", "copies", "layers",
+    "skipped"}])``: the second lists every GPU model, with why it gives no layout.
+
+    Raises:
+        gearshift.facts.fleet.FleetError: a bad fleet file.
+    """
+    fl, _, profile = _fleet_profile(fleet)
+    # Largest first: a peer user lowers the batch (vLLM --max-num-seqs, the KV the planner reserves per
+    # stage) until the model fits, before adding cards: max_batch, halved down to 1.
+    batches = [max_batch >> i for i in range(max_batch.bit_length())]
+    gpu = {n.name: n.gpu.model for n in fl.nodes}
+    by_model: dict[str, list[str]] = {}
+    for n in fl.nodes:
+        by_model.setdefault(n.gpu.model, []).append(n.name)
+    specs: list[GearSpec] = []
+    info: list[dict[str, Any]] = []
+    for model, ids in by_model.items():
+        fitted: tuple[int, int, list[tuple[int, int, list[str]]]] | None = None
+        for k in range(1, min(len(ids), arch.num_layers) + 1):
+            for seqs in batches:
+                m = min(micro_batch, seqs)
+                costs = _cost(arch, workload, seqs).at(m)
+                cuts = planner.even_split(costs, ids[:k])
+                try:
+                    planner.evaluate(profile, costs, cuts)
+                except planner.PlanError:
+                    continue  # the even split does not fit k cards at this micro-batch
+                fitted = (k, seqs, cuts)
+                break
+            if fitted is not None:
+                break
+        if fitted is None:
+            info.append(
+                {"gpu_model": model, "cards": len(ids), "skipped": "no even split fits its cards' memory"}
+            )
+            continue
+        k, seqs, cuts = fitted
+        m = min(micro_batch, seqs)
+        copies = len(ids) // k
+        name = f"peer-{model.lower()}"
+        replicas = [ids[r * k : (r + 1) * k] for r in range(copies)]
+        api = _uniform_gear(name, cuts, replicas, gpu, m, seqs)
+        specs.append(_spec(api, profile, arch, policy))
+        info.append(
+            {
+                "gear": name,
+                "gpu_model": model,
+                "cards": len(ids),
+                "stages": k,
+                "copies": copies,
+                "micro_batch": m,
+                "max_batch": seqs,
+                "layers": [b - a for a, b, _ in cuts],
+            }
+        )
+    return specs, info
+
+
+def _fleet_profile(fleet: Path) -> tuple[fleet_mod.Fleet, dict[str, Any], planner.Profile]:
+    """The fleet file, its datasheet profile document and the planner's profile (usable memory only)."""
+    fl = fleet_mod.load_fleet(fleet)
+    doc = fleet_mod.datasheet_profile(fl)
+    for n in doc["nodes"]:  # as gearshift.planner.inputs.resource_profile: usable memory only
+        n["memory_gb"] = round(n["memory_gb"] * MEMORY_UTILIZATION, 6)
+    return fl, doc, planner.parse_profile(doc)
+
+
+def _cost(arch: ModelArch, workload: tuple[int, int], kv_sequences: int = 64) -> planner.RooflineCostModel:
+    """The planner's cost model for requests of ``workload`` (prompt, output) tokens in the combined role,
+    KV reserved per stage for ``kv_sequences`` sequences (the gear's maxBatch; the planner's default 64)."""
+    shape = planner.RooflineAssumptions(
+        prompt_tokens=workload[0], output_tokens=workload[1], role="both", kv_sequences=kv_sequences
+    )
+    return planner.RooflineCostModel(arch, shape)
+
+
+def _uniform_gear(
+    name: str,
+    cuts: list[tuple[int, int, list[str]]],
+    replicas: list[list[str]],
+    gpu: dict[str, str],
+    micro_batch: int,
+    max_batch: int,
+) -> ApiGear:
+    """An API gear of the layer ranges of ``cuts``, pipeline replica r on the nodes ``replicas[r]`` (one
+    node per stage), one GPU per stage pod."""
+    stages = [
+        {
+            "layers": [a, b],
+            "replicas": len(replicas),
+            "gpus": 1,
+            "nodes": [rep[k] for rep in replicas],
+            "gpuModel": gpu[replicas[0][k]],
+        }
+        for k, (a, b, _) in enumerate(cuts)
+    ]
+    return ApiGear.model_validate(
+        {
+            "name": name,
+            "intent": "throughput",
+            "stages": stages,
+            "microBatch": micro_batch,
+            "maxBatch": max_batch,
+        }
+    )
 
 
 def with_max_batch(spec: GearSpec, max_batch: int) -> GearSpec:
