@@ -24,6 +24,7 @@ from gearshift.control.reconcile import (
     Readiness,
     RoleState,
     bound_nodes,
+    current_ready,
     degraded_condition,
     desired_state,
     gearset_status_patch,
@@ -322,14 +323,28 @@ def test_unschedulable_pods_sorted() -> None:
 
 
 def _stage_sts(
-    gear: str, k: int, ready: int = 1, updated: int = 1, generation: int = 2, seen: int = 2
+    gear: str,
+    k: int,
+    ready: int = 1,
+    updated: int = 1,
+    generation: int = 2,
+    seen: int = 2,
+    update: str = "r1",
+    current: str = "r1",
 ) -> Any:
     return {
         "metadata": {
             "name": names.stage_statefulset_name(SERVICE, "prefill", gear, k),
             "generation": generation,
         },
-        "status": {"readyReplicas": ready, "updatedReplicas": updated, "observedGeneration": seen},
+        "status": {
+            "readyReplicas": ready,
+            "replicas": 1,
+            "updatedReplicas": updated,
+            "observedGeneration": seen,
+            "updateRevision": update,
+            "currentRevision": current,
+        },
     }
 
 
@@ -357,13 +372,43 @@ class TestRoleReadiness:
         sts = _balanced_sts()
         del sts[names.stage_statefulset_name(SERVICE, "prefill", "balanced", 2)]
         assert role_readiness(_active(_explicit()), sts, _pds(), SERVICE, NS, Images()) == Readiness(
-            0, 1, False, 0
+            0, 1, False, 0, "StatefulSet llama3-8b-prefill-balanced-s2 not created yet"
         )
 
     def test_a_stage_behind_its_generation_is_ready_but_rolling(self) -> None:
         sts = _balanced_sts(**{"1": {"seen": 1}})
         assert role_readiness(_active(_explicit()), sts, _pds(), SERVICE, NS, Images()) == Readiness(
-            1, 1, False, 1
+            1,
+            1,
+            False,
+            1,
+            "StatefulSet llama3-8b-prefill-balanced-s1 has not observed generation 2 yet (status of 1)",
+        )
+
+    def test_an_old_revision_pod_that_serves_does_not_count(self) -> None:
+        # #31 (dynamo#3567's class): the StatefulSet has the new updateRevision, and its one pod, still
+        # Ready, is of the old revision: nothing of the current spec serves.
+        sts = _balanced_sts(**{"0": {"updated": 0, "update": "r2", "current": "r1"}})
+        assert role_readiness(_active(_explicit()), sts, _pds(), SERVICE, NS, Images()) == Readiness(
+            0,
+            1,
+            False,
+            0,
+            "StatefulSet llama3-8b-prefill-balanced-s0: 0/1 pods at the new revision r2, 0 Ready",
+        )
+
+    def test_a_rollout_is_done_when_the_current_revision_is_the_update_revision(self) -> None:
+        # Every pod updated and Ready, but the controller has not yet called the rollout complete.
+        sts = _balanced_sts(**{"3": {"update": "r2", "current": "r1"}})
+        got = role_readiness(_active(_explicit()), sts, _pds(), SERVICE, NS, Images())
+        assert (got.ready, got.rolled, got.pipelines) == (1, False, 1)
+        assert (
+            got.waiting
+            == "StatefulSet llama3-8b-prefill-balanced-s3: 1/1 pods at the new revision r2, 1 Ready"
+        )
+        sts = _balanced_sts(**{"3": {"update": "r2", "current": "r2"}})
+        assert role_readiness(_active(_explicit()), sts, _pds(), SERVICE, NS, Images()) == Readiness(
+            1, 1, True, 1
         )
 
     def test_a_stage_not_updated_is_rolling(self) -> None:
@@ -372,7 +417,35 @@ class TestRoleReadiness:
 
     def test_no_active_gear(self) -> None:
         rs = _explicit()  # pick_active not run: no active gear
-        assert role_readiness(rs, _balanced_sts(), _pds(), SERVICE, NS, Images()) == Readiness(0, 0, False, 0)
+        assert role_readiness(rs, _balanced_sts(), _pds(), SERVICE, NS, Images()) == Readiness(
+            0, 0, False, 0, "no active gear yet"
+        )
+
+
+class TestCurrentReady:
+    """Ready pods of the current spec: a lower bound from readyReplicas, replicas and updatedReplicas."""
+
+    @pytest.mark.parametrize(
+        ("ready", "pods", "updated", "seen", "want"),
+        [
+            (3, 3, 3, 2, 3),  # rolled out
+            (3, 3, 1, 2, 1),  # two old pods, both may be among the Ready three
+            (2, 3, 1, 2, 0),  # the updated pod is one of those not Ready, at worst
+            (1, 1, 0, 2, 0),  # the one Ready pod is of the old revision
+            (2, 2, 1, 1, 2),  # generation not observed: the counts are of the older spec, as read
+        ],
+    )
+    def test_lower_bound(self, ready: int, pods: int, updated: int, seen: int, want: int) -> None:
+        sts = {
+            "metadata": {"generation": 2},
+            "status": {
+                "readyReplicas": ready,
+                "replicas": pods,
+                "updatedReplicas": updated,
+                "observedGeneration": seen,
+            },
+        }
+        assert current_ready(sts) == want
 
 
 class TestReadinessPatch:
@@ -459,9 +532,31 @@ class TestServiceVerdict:
 
     def test_rolling_out_while_serving(self) -> None:
         v = _verdict(readiness={"prefill": Readiness(1, 2, False, 0), "decode": Readiness(1, 1, True, 1)})
-        assert v.conditions[2].reason == "RollingOut"
-        assert v.conditions[3].message == "ready pipelines: prefill 1/2, decode 1/1; router ready"
+        assert v.conditions[2] == ConditionUpdate(
+            "Progressing", "True", "RollingOut", "prefill gear balanced: rolling out"
+        )
+        assert (
+            v.conditions[3].message
+            == "prefill gear balanced: rolling out; ready pipelines: prefill 1/2, decode 1/1; router ready"
+        )
         assert v.phase == "Progressing"
+
+    def test_every_pod_ready_but_a_new_revision_rolling_is_not_ready(self) -> None:
+        # #31: the counts are all there (pods of the old revision serve) but decode rolls to a new spec.
+        why = "StatefulSet d-s0: 1/1 pods at the new revision r2, 1 Ready"
+        v = _verdict(
+            readiness={"prefill": Readiness(1, 1, True, 1), "decode": Readiness(1, 1, False, 1, why)}
+        )
+        assert v.conditions[2:] == [
+            ConditionUpdate("Progressing", "True", "RollingOut", f"decode gear balanced: {why}"),
+            ConditionUpdate(
+                "Ready",
+                "False",
+                "NotReady",
+                f"decode gear balanced: {why}; ready pipelines: prefill 1/1, decode 1/1; router ready",
+            ),
+        ]
+        assert (v.phase, v.ready) == ("Progressing", False)
 
     def test_scaled_to_zero_is_served(self) -> None:
         v = _verdict(readiness={"prefill": Readiness(0, 0, True, 0), "decode": Readiness(1, 1, True, 1)})
@@ -569,8 +664,19 @@ class TestGearSetStatusPatch:
 
     def test_nothing_to_write(self) -> None:
         first = gearset_status_patch(_active(_explicit()), NOW)
-        rs = _active(_explicit(activeGear="balanced", phase="Stable", selector=first["selector"]))
+        rs = _active(
+            _explicit(activeGear="balanced", phase="Stable", selector=first["selector"], observedGeneration=3)
+        )
         assert gearset_status_patch(rs, NOW) == {}
+
+    def test_a_spec_edit_alone_is_observed_at_once(self) -> None:
+        # #31: a gear's microBatch edited changes nothing else this patch writes; the GearSet still says
+        # that this generation was read (it lagged 27 s behind the edit under load).
+        first = gearset_status_patch(_active(_explicit()), NOW)
+        rs = _active(
+            _explicit(activeGear="balanced", phase="Stable", selector=first["selector"], observedGeneration=2)
+        )
+        assert gearset_status_patch(rs, NOW) == {"observedGeneration": 3}
 
     def test_a_shift_in_flight_keeps_the_active_gear(self) -> None:
         rs = _active(_explicit(activeGear="gone", phase="Warming", executor={"step": "Warming"}))

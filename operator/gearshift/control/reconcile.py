@@ -159,16 +159,24 @@ class DesiredState:
 
 
 class Readiness(NamedTuple):
-    """A role's active gear as its StatefulSets report it (:func:`role_readiness`)."""
+    """A role's active gear as its StatefulSets report it (:func:`role_readiness`).
+
+    Counts are of pods of the current revision only: a pod of an older revision that still serves does
+    not count toward the ready pipelines (:func:`current_ready`)."""
 
     ready: int
-    """Ready pods of the narrowest stage."""
+    """Ready pods of the current revision of the narrowest stage."""
     desired: int
     """Pods the narrowest stage wants."""
     rolled: bool
-    """Every stage's StatefulSet has observed its generation and has all its pods updated and Ready."""
+    """Every stage's StatefulSet has observed its generation, finished its rollout (``currentRevision``
+    = ``updateRevision``) and has all its pods updated and Ready: what ``kubectl rollout status`` waits
+    for."""
     pipelines: int
     """Ready pipeline replicas (every stage has its share of Ready pods), as ``GearSet.status.replicas``."""
+    waiting: str = ""
+    """Why the gear is not rolled out (the first stage that is not), a sentence for conditions; ``""``
+    when it is."""
 
 
 @dataclass(frozen=True)
@@ -797,7 +805,10 @@ def gearset_status_patch(rs: RoleState, now: datetime) -> dict[str, Any]:
         patch["scaling"] = None
         kept = patch.get("conditions", [c.to_json() for c in st.conditions])
         patch["conditions"] = [c for c in kept if c.get("type") != COND_SCALING_ACTIVE]
-    if patch:
+    if patch or st.observed_generation != generation:
+        # Written as soon as this reconcile has read (and goes on to apply) the GearSet's spec, not only
+        # with other news: a spec edit that changes nothing else here (a gear's microBatch) would
+        # otherwise leave it behind until the shifting loop's next write (#31: 27 s under load).
         patch["observedGeneration"] = generation
     return patch
 
@@ -841,6 +852,49 @@ def stale_gear_services(
 
 
 # --- readiness and the PDService's status -----------------------------------------------------------
+def current_ready(sts: Mapping[str, Any]) -> int:
+    """Ready pods of a StatefulSet that run its current spec, at least (a lower bound).
+
+    Its status counts Ready pods of every revision (``readyReplicas``) and pods of the update revision
+    (``updatedReplicas``) among the pods it has (``replicas``); every pod not updated may be one of the
+    Ready ones, so ``readyReplicas - (replicas - updatedReplicas)`` are Ready *and* updated. Exact once
+    the rollout ends. Until the controller has observed the StatefulSet's generation its counts are of
+    the previous spec (as read: the caller does not call the gear rolled out meanwhile)."""
+    meta, s = sts.get("metadata") or {}, sts.get("status") or {}
+    ready = int(s.get("readyReplicas") or 0)
+    if s.get("observedGeneration") != meta.get("generation"):
+        return ready
+    updated = int(s.get("updatedReplicas") or 0)
+    pods = int(s["replicas"]) if s.get("replicas") is not None else max(ready, updated)
+    return max(0, ready - max(0, pods - updated))
+
+
+def rollout_wait(sts: Mapping[str, Any] | None, name: str, want: int) -> str:
+    """Why StatefulSet ``name`` (``sts``, None: not there) has not rolled out ``want`` pods of its
+    current spec, as ``kubectl rollout status`` judges it; ``""`` when it has.
+
+    In order: not created, generation not observed yet (status is of an older spec), rollout to the
+    update revision not complete (``currentRevision`` ≠ ``updateRevision``, or pods not updated), pods
+    not Ready."""
+    if sts is None:
+        return f"StatefulSet {name} not created yet"
+    s, gen = sts.get("status") or {}, (sts.get("metadata") or {}).get("generation")
+    seen = s.get("observedGeneration")
+    if seen != gen:
+        return f"StatefulSet {name} has not observed generation {gen} yet (status of {seen})"
+    updated, ready = int(s.get("updatedReplicas") or 0), int(s.get("readyReplicas") or 0)
+    update_rev, current_rev = s.get("updateRevision"), s.get("currentRevision")
+    if updated < want or (update_rev and current_rev and update_rev != current_rev):
+        rev = f" {update_rev}" if update_rev else ""
+        return (
+            f"StatefulSet {name}: {min(updated, want)}/{want} pods at the new revision{rev}, "
+            f"{min(current_ready(sts), want)} Ready"
+        )
+    if ready < want:
+        return f"StatefulSet {name}: {ready}/{want} pods Ready"
+    return ""
+
+
 def role_readiness(
     rs: RoleState,
     sts: Mapping[str, Mapping[str, Any]],
@@ -852,7 +906,7 @@ def role_readiness(
     """The :class:`Readiness` of a role's active gear from the service's StatefulSets (``sts``, by name);
     all zero and not rolled out while the role has no active gear."""
     if not rs.active:
-        return Readiness(0, 0, False, 0)
+        return Readiness(0, 0, False, 0, "no active gear yet")
     gear = next(g for g in rs.gears if g.name == rs.active)
     desire = RoleDesire(rs.role, [gear], rs.active, rs.gs.spec.replicas)
     ctx = engine_context(service, ns, pds.spec, desire, images, gear)
@@ -860,18 +914,16 @@ def role_readiness(
     desired = min(want) if want else 0
     ready = desired
     pipelines = ctx.pipeline_replicas
-    rolled = True
+    waiting = ""
     for k in range(len(gear.stages)):
-        obj = sts.get(names.stage_statefulset_name(service, rs.role, gear.name, k))
-        s = (obj or {}).get("status") or {}
-        r = int(s.get("readyReplicas") or 0)
+        name = names.stage_statefulset_name(service, rs.role, gear.name, k)
+        obj = sts.get(name)
+        r = 0 if obj is None else current_ready(obj)
         ready = min(ready, r)
         per = want[k] // ctx.pipeline_replicas if ctx.pipeline_replicas else 0
         pipelines = min(pipelines, r // per) if per else pipelines
-        gen_ok = obj is not None and s.get("observedGeneration") == obj["metadata"].get("generation")
-        if obj is None or not gen_ok or int(s.get("updatedReplicas") or 0) < want[k] or r < want[k]:
-            rolled = False
-    return Readiness(ready, desired, rolled, pipelines)
+        waiting = waiting or rollout_wait(obj, name, want[k])
+    return Readiness(ready, desired, not waiting, pipelines, waiting)
 
 
 _COPIES_ATTR = {"readyCopies": "ready_copies", "desiredCopies": "desired_copies", "ready": "ready"}
@@ -960,6 +1012,19 @@ def service_phase(lost: bool, ready: bool, unplaced: bool, serving_any: bool) ->
     return "Progressing"
 
 
+def progressing_condition(rolling: Sequence[str], router_is_ready: bool) -> ConditionUpdate:
+    """The Progressing condition: True (``RollingOut``) while some role's active gear rolls out
+    (``rolling``: one ``"<role> gear <gear>: <why>"`` per such role) or the router has no available
+    replica, else False (``Reconciled``)."""
+    if rolling:
+        return ConditionUpdate(COND_PROGRESSING, "True", REASON_ROLLING_OUT, "; ".join(rolling))
+    if not router_is_ready:
+        return ConditionUpdate(
+            COND_PROGRESSING, "True", REASON_ROLLING_OUT, "the router Deployment has no available replica"
+        )
+    return ConditionUpdate(COND_PROGRESSING, "False", REASON_RECONCILED, "owned objects match the spec")
+
+
 def role_status(rs: RoleState, readiness: Readiness) -> dict[str, Any]:
     """A role's entry in the PDService status (``status.prefill``, ``status.decode``, ``status.serving``)."""
     return {
@@ -986,8 +1051,14 @@ def service_verdict(
     roles_st = {role: role_status(rs, readiness[role]) for role, rs in roles.items()}
     # Scaled to zero (GearSet replicas 0) is a served state too: every wanted pipeline is there.
     all_ready = all(r.ready >= r.desired for r in readiness.values())
-    rolled = all(r.rolled for r in readiness.values())
-    ready = all_ready and router_is_ready
+    # Ready means served by the current spec (#31): a role whose StatefulSets still roll to a new
+    # revision is served, if at all, by pods of the old one, so it is not Ready however many pods are.
+    rolling = [
+        f"{role} gear {roles[role].active or '-'}: {r.waiting or 'rolling out'}"
+        for role, r in readiness.items()
+        if not r.rolled
+    ]
+    ready = all_ready and not rolling and router_is_ready
     placed_msgs = [*want.missing, *want.problems, *unsched]
     serving = "prefill, decode" if len(roles_st) > 1 else "the serving pipelines"
     waiting = ", ".join(f"{r} {s['readyReplicas']}/{s['desiredReplicas']}" for r, s in roles_st.items())
@@ -995,18 +1066,15 @@ def service_verdict(
     conditions = [
         placed_condition(want.missing, want.problems, unsched, plan_failed),
         degraded_condition(want.lost),
-        ConditionUpdate(COND_PROGRESSING, "False", REASON_RECONCILED, "owned objects match the spec")
-        if rolled and router_is_ready
-        else ConditionUpdate(
-            COND_PROGRESSING, "True", REASON_ROLLING_OUT, "pods of the active gears are rolling out"
-        ),
+        progressing_condition(rolling, router_is_ready),
         ConditionUpdate(COND_READY, "True", REASON_ALL_READY, f"{serving} and the router serve")
         if ready
         else ConditionUpdate(
             COND_READY,
             "False",
             REASON_NOT_READY,
-            f"ready pipelines: {waiting}; router {'ready' if router_is_ready else 'not ready'}",
+            "".join(f"{r}; " for r in rolling)
+            + f"ready pipelines: {waiting}; router {'ready' if router_is_ready else 'not ready'}",
         ),
     ]
     serving_any = any(s["readyReplicas"] for s in roles_st.values())

@@ -1,0 +1,225 @@
+"""Status that tells the truth under change (#31) on the sandbox twin, with the simulated engine.
+
+One aggregated PDService (sim engine, one one-stage gear on a private A10 node, the operator watching only
+this module's namespace) serves; it reads the sandbox's Prometheus.
+
+- Ready means served by the current spec (dynamo#3567's class): editing the active gear's ``microBatch``
+  rolls its StatefulSet; from the reconcile that applies the new revision until its pod serves, the
+  PDService is not Ready and is Progressing (message naming the role and gear), never both Ready and
+  Progressing, and never Ready while the StatefulSet has not rolled out (``kubectl rollout status``'s
+  rule) past the time one status write takes; the GearSet's ``observedGeneration`` follows the edit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gearshift.dev.sandbox.harness import (
+    LLAMA_3_2_1B,
+    GpuNodes,
+    OperatorProcess,
+    install_crds,
+    teardown_run,
+    wait_until,
+)
+from gearshift.handlers.kubeapi import RestKubeApi
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SERVICE = "truth"
+GEARSET = "truth"
+G = "gearshift.io/v1alpha1"
+STS = f"{SERVICE}-both-one-s0"
+#: Seconds the API objects are read apart while a rollout is watched (REST calls, not kubectl).
+POLL_S = 0.1
+#: Seconds a status write may trail the StatefulSet controller: the reconcile that applies a revision
+#: writes Ready=False itself, but the controller may publish the new revision a moment before that write.
+WRITE_GRACE_S = 1.0
+
+
+def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any]]:
+    """The aggregated GearSet (one one-stage gear ``one`` on the ``a10`` selector) and the PDService."""
+    layers = LLAMA_3_2_1B["numLayers"]
+    gearset = {
+        "apiVersion": G,
+        "kind": "GearSet",
+        "metadata": {"name": GEARSET, "namespace": ns},
+        "spec": {
+            "serviceName": SERVICE,
+            "role": "both",
+            "mode": "explicit",
+            "gears": [
+                {"name": "one", "intent": "latency", "microBatch": 4, "maxBatch": 64,
+                 "stages": [{"layers": [0, layers], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+            ],
+            "policy": {"sampleIntervalS": 1},
+        },
+    }  # fmt: skip
+    pds = {
+        "apiVersion": G,
+        "kind": "PDService",
+        "metadata": {"name": SERVICE, "namespace": ns},
+        "spec": {
+            "model": LLAMA_3_2_1B,
+            "engine": "sim",
+            "serving": {"gearSetRef": {"name": GEARSET}},
+            "router": {"policy": "shortest-queue"},
+            "slo": {"ttftMs": 200, "itlMs": 50},
+            "prometheusUrl": prom_url,
+        },
+    }
+    return [gearset, pds]
+
+
+def _cond(body: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    conds = ((body or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c.get("type") == type_), {})
+
+
+def sts_rolled(sts: dict[str, Any] | None) -> bool:
+    """``kubectl rollout status``'s rule for a StatefulSet: generation observed, every pod Ready and
+    updated, the rollout complete (``currentRevision == updateRevision``)."""
+    if sts is None:
+        return False
+    s, want = sts.get("status") or {}, int(sts["spec"].get("replicas", 1))
+    return (
+        s.get("observedGeneration") == sts["metadata"]["generation"]
+        and int(s.get("readyReplicas") or 0) >= want
+        and int(s.get("updatedReplicas") or 0) >= want
+        and s.get("currentRevision") == s.get("updateRevision")
+    )
+
+
+def _diagnose(api: RestKubeApi, ns: str, op: OperatorProcess) -> str:
+    pds = api.get(G, "PDService", ns, SERVICE)
+    sts = api.get("apps/v1", "StatefulSet", ns, STS)
+    return (
+        f"PDService status: {(pds or {}).get('status')}\nStatefulSet status: {(sts or {}).get('status')}\n"
+        f"operator log (tail):\n{op.log_tail(3000)}"
+    )
+
+
+@pytest.fixture(scope="module")
+def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if not sandbox.prometheus_url:
+        pytest.skip("needs the sandbox's Prometheus")
+    if not getattr(sandbox, "is_sandbox", False):
+        pytest.skip("needs the gearshift sandbox (private GPU nodes on loopback pod IPs)")
+    install_crds(sandbox)
+    ns = f"e2e-truth-{uuid.uuid4().hex[:6]}"
+    sandbox.kubectl("create", "namespace", ns)
+    nodes = GpuNodes(sandbox, "e2e-truth", cidr_base=110, gpu_replicas=1)
+    op: OperatorProcess | None = None
+    api = RestKubeApi(sandbox.api_client())
+    try:
+        nodes.add("A10-24GB", "a10")
+        sandbox.apply(manifests(ns, sandbox.prometheus_url, {"gearshift.io/node-pool": nodes.pool("a10")}))
+        op = OperatorProcess(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
+        try:
+            wait_until(
+                lambda: _cond(api.get(G, "PDService", ns, SERVICE), "Ready").get("status") == "True",
+                240,
+                "the PDService Ready",
+                interval_s=0.5,
+            )
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{_diagnose(api, ns, op)}") from None
+        yield {"ns": ns, "api": api, "op": op}
+    finally:
+        left = teardown_run(sandbox, ns, op, nodes)
+        assert not left, f"not deleted: {left}"
+
+
+def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, Any]) -> None:
+    ns, api, op = env["ns"], env["api"], env["op"]
+    t_start = time.monotonic()
+    before = api.get("apps/v1", "StatefulSet", ns, STS)
+    assert sts_rolled(before), before.get("status")
+    old_revision = before["status"]["updateRevision"]
+    polls: list[tuple[float, dict[str, Any], dict[str, Any], dict[str, Any], bool]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        end = time.monotonic() + 180  # bounded, whatever the test does
+        while not stop.is_set() and time.monotonic() < end:
+            pds = api.get(G, "PDService", ns, SERVICE) or {}
+            sts = api.get("apps/v1", "StatefulSet", ns, STS)
+            gs = api.get(G, "GearSet", ns, GEARSET) or {}
+            polls.append((time.monotonic(), pds, gs, (sts or {}).get("status") or {}, sts_rolled(sts)))
+            time.sleep(POLL_S)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        time.sleep(1.0)  # a few polls of the settled state first
+        sandbox.kubectl("patch", "gearset", GEARSET, "-n", ns, "--type=json", "-p",
+                        '[{"op":"replace","path":"/spec/gears/0/microBatch","value":2}]')  # fmt: skip
+        edited = time.monotonic()
+
+        def served_again() -> bool:
+            if not polls or polls[-1][0] < edited:
+                return False
+            _, pds, gs, sts_status, rolled = polls[-1]
+            return (
+                rolled
+                and sts_status.get("updateRevision") != old_revision
+                and _cond(pds, "Ready").get("status") == "True"
+                and gs["status"].get("observedGeneration") == gs["metadata"]["generation"]
+            )
+
+        try:
+            wait_until(served_again, 150, "the new revision rolled out and the PDService Ready again", 0.2)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{_diagnose(api, ns, op)}") from None
+    finally:
+        stop.set()
+        watcher.join(10)
+    after = [p for p in polls if p[0] >= edited]
+
+    # Ready and Progressing never say both: one write computes them together.
+    def says(pds: dict[str, Any], type_: str) -> bool:
+        return _cond(pds, type_).get("status") == "True"
+
+    both = [
+        (round(t - edited, 2), _cond(pds, "Progressing").get("message"))
+        for t, pds, *_ in after
+        if says(pds, "Ready") and says(pds, "Progressing")
+    ]
+    assert both == [], f"Ready=True and Progressing=True at once (s after the edit, message): {both[:5]}"
+    # Never Ready while the StatefulSet rolls, beyond the moment one status write may trail the controller.
+    unrolled = [t for t, *_, rolled in after if not rolled]
+    assert unrolled, "the StatefulSet never showed the rollout"
+    first = unrolled[0]
+    early = [
+        (round(t - edited, 2), sts)
+        for t, pds, _, sts, rolled in after
+        if not rolled and t > first + WRITE_GRACE_S and says(pds, "Ready")
+    ]
+    assert early == [], f"Ready=True while the StatefulSet had not rolled out: {early[:3]}"
+    # The window was reported as it should: Progressing=True naming the role and gear, phase Progressing.
+    rolling = [pds for _, pds, *_ in after if _cond(pds, "Progressing").get("status") == "True"]
+    assert rolling, "Progressing=True never seen during the rollout"
+    assert any("both gear one" in _cond(p, "Progressing").get("message", "") for p in rolling), [
+        _cond(p, "Progressing") for p in rolling[:3]
+    ]
+    assert any((p.get("status") or {}).get("phase") == "Progressing" for p in rolling)
+    # The GearSet said it had read the edit well before the rollout ended.
+    gs_seen = next(
+        t for t, _, gs, *_ in after if gs["status"].get("observedGeneration") == gs["metadata"]["generation"]
+    )
+    assert gs_seen - edited < 10.0, (
+        f"GearSet observedGeneration followed the edit {gs_seen - edited:.1f} s late"
+    )
+    final = api.get(G, "PDService", ns, SERVICE)
+    assert final["status"]["phase"] == "Ready"
+    assert final["status"]["observedGeneration"] == final["metadata"]["generation"]
+    print(
+        f"\nrollout: Ready again {polls[-1][0] - edited:.1f} s after the edit; not Ready/Progressing "
+        f"for {len(rolling)} of {len(after)} polls; test {time.monotonic() - t_start:.0f} s"
+    )
