@@ -15,7 +15,8 @@ The tests run in order on the same service (GPUs in the shared sandbox are few):
 3. Prometheus unreachable (the PDService points at a closed loopback port; the sandbox's Prometheus is
    shared and offers no stop) → ``SignalsAvailable=False`` and no shift; restored → the shift runs;
 4. (#20 rows 2, 3) a stub Prometheus on loopback whose latency quantiles are NaN, +Inf, then absent:
-   the status keeps being written, without a latency, and says ``LatencyUnavailable``;
+   the status keeps being written, without a latency, and says ``LatencyUnavailable`` (with
+   ``SignalsAvailable=False`` since #31: missing is never fine);
 5. (#20 row 6) a ``forceGear`` reverted while its target warms cancels the shift;
 6. (#20 row 6) a gear marked unhealthy is held while unchanged and tried again once edited;
 7. (#20 row 6) the GearSet deleted in mid-shift takes its shadows with it.
@@ -466,7 +467,7 @@ def _sample_time(sandbox: Any, ns: str) -> str | None:
 
 def _latency_cond(sandbox: Any, ns: str) -> dict[str, Any] | None:
     for c in _status(sandbox, ns).get("conditions") or []:
-        if c["type"] == "SignalsAvailable" and c["status"] == "True" and c["reason"] == "LatencyUnavailable":
+        if c["type"] == "SignalsAvailable" and c["status"] == "False" and c["reason"] == "LatencyUnavailable":
             return dict(c)
     return None
 
@@ -476,7 +477,8 @@ def test_signals_that_are_not_numbers_or_missing_never_freeze_the_status(
 ) -> None:
     """#20 rows 2 and 3: a quantile Prometheus gives as NaN or +Inf is no data and never reaches the status
     patch (the API server refused the JSON and ``sampleTime`` froze); a latency histogram that is missing
-    while the gear serves is not zero: ``SignalsAvailable`` says ``LatencyUnavailable``, with an event."""
+    while the gear serves is not zero: ``SignalsAvailable=False`` (#31) says ``LatencyUnavailable``, with an
+    event."""
     ns, op = env["ns"], env["op"]
     _force(sandbox, ns, None)
     stub = StubPrometheus()
@@ -499,7 +501,8 @@ def test_signals_that_are_not_numbers_or_missing_never_freeze_the_status(
             assert 0 < signals["qps"] <= 0.5  # the moving average of the stub's 0.5 req/s
         assert stub.queries > 0
         cond = _latency_cond(sandbox, ns)
-        assert cond is not None and "P99 has no data" in cond["message"] and stub.url in cond["message"]
+        assert cond is not None and stub.url in cond["message"]
+        assert "vllm:time_to_first_token_seconds P99 (missing)" in cond["message"], cond["message"]
         events = sandbox.kubectl_json(
             "get", "events", "-n", ns, "--field-selector", "reason=LatencyUnavailable"
         )

@@ -1,13 +1,19 @@
 """Status that tells the truth under change (#31) on the sandbox twin, with the simulated engine.
 
 One aggregated PDService (sim engine, one one-stage gear on a private A10 node, the operator watching only
-this module's namespace) serves; it reads the sandbox's Prometheus.
+this module's namespace) serves; its Prometheus URL is a loopback proxy of the sandbox's Prometheus
+(:class:`DroppingPrometheus`) that can answer chosen queries with an empty vector, as a dropped scrape, a
+relabel rule or an engine without that histogram would.
 
 - Ready means served by the current spec (dynamo#3567's class): editing the active gear's ``microBatch``
   rolls its StatefulSet; from the reconcile that applies the new revision until its pod serves, the
   PDService is not Ready and is Progressing (message naming the role and gear), never both Ready and
   Progressing, and never Ready while the StatefulSet has not rolled out (``kubectl rollout status``'s
   rule) past the time one status write takes; the GearSet's ``observedGeneration`` follows the edit.
+- Missing is never fine (aibrix#2592's class): while requests flow to the head pod, the proxy drops the
+  TTFT histogram's series; the GearSet says ``SignalsAvailable=False`` (``LatencyUnavailable``, naming
+  the series) within a few sample intervals, with one Warning event however many samples it lasts, and
+  clears by itself once the series is back.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from gearshift.dev.sandbox.harness import (
     GpuNodes,
     OperatorProcess,
     install_crds,
+    pod_ready,
+    pods,
     teardown_run,
     wait_until,
 )
 from gearshift.handlers.kubeapi import RestKubeApi
+from gearshift.k8s.engine import ENGINE_PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -77,6 +86,60 @@ def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any
     return [gearset, pds]
 
 
+class DroppingPrometheus:
+    """A loopback HTTP proxy of Prometheus' query API that answers every query containing one of
+    :attr:`drop` with an empty vector (the series are not there) and forwards the rest."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import urllib.parse
+        import urllib.request
+
+        assert upstream.startswith("http://127."), upstream  # loopback only
+        self.drop: tuple[str, ...] = ()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *_: Any) -> None:
+                pass
+
+            def _answer(self, query: str, forward: urllib.request.Request) -> None:
+                if any(d in query for d in proxy.drop):
+                    body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
+                    code = 200
+                else:
+                    try:
+                        with urllib.request.urlopen(forward, timeout=10) as r:
+                            body, code = r.read(), r.status
+                    except Exception as exc:
+                        body, code = str(exc).encode(), 502
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                parsed = urllib.parse.urlsplit(self.path)
+                query = " ".join(urllib.parse.parse_qs(parsed.query).get("query", []))
+                self._answer(query, urllib.request.Request(upstream + self.path))
+
+            def do_POST(self) -> None:
+                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                query = " ".join(urllib.parse.parse_qs(data.decode()).get("query", []))
+                headers = {"Content-Type": self.headers.get("Content-Type", "")}
+                self._answer(query, urllib.request.Request(upstream + self.path, data=data, headers=headers))
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def _cond(body: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     conds = ((body or {}).get("status") or {}).get("conditions") or []
     return next((c for c in conds if c.get("type") == type_), {})
@@ -115,11 +178,12 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     ns = f"e2e-truth-{uuid.uuid4().hex[:6]}"
     sandbox.kubectl("create", "namespace", ns)
     nodes = GpuNodes(sandbox, "e2e-truth", cidr_base=110, gpu_replicas=1)
+    prom = DroppingPrometheus(sandbox.prometheus_url)
     op: OperatorProcess | None = None
     api = RestKubeApi(sandbox.api_client())
     try:
         nodes.add("A10-24GB", "a10")
-        sandbox.apply(manifests(ns, sandbox.prometheus_url, {"gearshift.io/node-pool": nodes.pool("a10")}))
+        sandbox.apply(manifests(ns, prom.url, {"gearshift.io/node-pool": nodes.pool("a10")}))
         op = OperatorProcess(sandbox, ns, tmp_path_factory.mktemp("operator") / "operator.log")
         try:
             wait_until(
@@ -130,8 +194,9 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
             )
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{_diagnose(api, ns, op)}") from None
-        yield {"ns": ns, "api": api, "op": op}
+        yield {"ns": ns, "api": api, "op": op, "prom": prom}
     finally:
+        prom.close()
         left = teardown_run(sandbox, ns, op, nodes)
         assert not left, f"not deleted: {left}"
 
@@ -222,4 +287,115 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
     print(
         f"\nrollout: Ready again {polls[-1][0] - edited:.1f} s after the edit; not Ready/Progressing "
         f"for {len(rolling)} of {len(after)} polls; test {time.monotonic() - t_start:.0f} s"
+    )
+
+
+class HeadLoad:
+    """Small completions to the head pod's loopback IP, ``rps`` a second, until stopped (at most
+    ``max_s``); counts answers and failures."""
+
+    def __init__(self, url: str, rps: float = 2.0, max_s: float = 150.0) -> None:
+        assert url.startswith("http://127."), url  # loopback only
+        self.url, self.period, self.max_s = url, 1.0 / rps, max_s
+        self.ok, self.failed = 0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import json
+        import urllib.request
+
+        body = json.dumps({"model": LLAMA_3_2_1B["name"], "prompt": "hello " * 16, "max_tokens": 4}).encode()
+        end = time.monotonic() + self.max_s
+        while not self.stop.is_set() and time.monotonic() < end:
+            req = urllib.request.Request(
+                f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    r.read()
+                self.ok += 1
+            except Exception:
+                self.failed += 1
+            self.stop.wait(self.period)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(15)
+
+
+def _gs_signals(api: RestKubeApi, ns: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(SignalsAvailable condition, status.signals)`` of the GearSet."""
+    gs = api.get(G, "GearSet", ns, GEARSET) or {}
+    return _cond(gs, "SignalsAvailable"), (gs.get("status") or {}).get("signals") or {}
+
+
+def _warnings(api: RestKubeApi, ns: str, reason: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in api.list("v1", "Event", ns)
+        if e.get("reason") == reason
+        and e.get("type") == "Warning"
+        and (e.get("involvedObject") or {}).get("kind") == "GearSet"
+    ]
+
+
+def test_a_missing_latency_series_while_requests_flow_is_reported_once(
+    sandbox: Any, env: dict[str, Any]
+) -> None:
+    ns, api, op, prom = env["ns"], env["api"], env["op"], env["prom"]
+    t_start = time.monotonic()
+    heads = [
+        p for p in pods(sandbox, ns, f"gearshift.io/service={SERVICE},gearshift.io/stage=0") if pod_ready(p)
+    ]
+    assert heads, "no Ready head pod"
+    load = HeadLoad(f"http://{heads[0]['status']['podIP']}:{ENGINE_PORT}")
+    try:
+        try:
+            wait_until(
+                lambda: (
+                    (c := _gs_signals(api, ns))[0].get("reason") == "SignalsOk" and (c[1].get("qps") or 0) > 0
+                ),
+                120,
+                "SignalsOk with requests served",
+                interval_s=0.5,
+            )
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}: {_gs_signals(api, ns)}\n{op.log_tail(2000)}") from None
+        assert not _warnings(api, ns, "LatencyUnavailable")
+        prom.drop = ("vllm:time_to_first_token_seconds_bucket",)
+        dropped = time.monotonic()
+
+        def reported() -> dict[str, Any] | None:
+            cond = _gs_signals(api, ns)[0]
+            return cond if cond.get("status") == "False" else None
+
+        try:
+            cond = wait_until(reported, 60, "SignalsAvailable=False", interval_s=0.2)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}: {_gs_signals(api, ns)[0]}") from None
+        lag = time.monotonic() - dropped
+        assert cond["reason"] == "LatencyUnavailable", cond
+        assert "vllm:time_to_first_token_seconds P99 (missing)" in cond["message"], cond["message"]
+        assert "p99-high" in cond["message"], cond["message"]
+        assert lag < 10.0, f"reported {lag:.1f} s after the series went (sample interval 1 s)"
+        # Several more samples without the series: still False, and still one event.
+        time.sleep(5.0)
+        assert _gs_signals(api, ns)[0].get("status") == "False"
+        assert len(_warnings(api, ns, "LatencyUnavailable")) == 1
+        prom.drop = ()
+        restored = time.monotonic()
+        wait_until(
+            lambda: _gs_signals(api, ns)[0].get("status") == "True", 60, "SignalsAvailable=True again", 0.2
+        )
+        cleared = time.monotonic() - restored
+    finally:
+        prom.drop = ()
+        load.close()
+    assert len(_warnings(api, ns, "LatencyUnavailable")) == 1
+    assert load.ok > 0 and load.failed == 0, (load.ok, load.failed)
+    print(
+        f"\nmissing TTFT series: reported after {lag:.1f} s, cleared after {cleared:.1f} s; "
+        f"{load.ok} requests; test {time.monotonic() - t_start:.0f} s"
     )

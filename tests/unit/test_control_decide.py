@@ -546,3 +546,58 @@ class TestSaturationNoPingPong:
         # no shift to the gear with less capacity while a burst is on (p99-high passes over lat); after a
         # burst the 1-minute P99 lags the emptied queue, so seed 002's p99-high may still pick lat then
         assert all((t % 300) >= 90 for t, target, _ in shifts if target == "lat")
+
+
+class TestHeldTriggers:
+    """#31: a series that should have a value and has none holds the triggers that read it; the moving
+    average would otherwise go on from its last value as if it were fresh."""
+
+    def test_which_triggers_read_what(self):
+        from gearshift.control.decide import held_triggers
+        from gearshift.control.policy import LatencyMetric
+
+        p99 = {Trigger.SATURATION, Trigger.LATENCY_HIGH, Trigger.LATENCY_LOW}
+        assert held_triggers(["ttft_p99_ms"], LatencyMetric.TTFT) == p99
+        assert held_triggers(["ttft_p99_ms"], LatencyMetric.ITL) == set()  # decode reads ITL
+        assert held_triggers(["itl_p99_ms", "ttft_p50_ms"], LatencyMetric.ITL) == p99
+        assert held_triggers(["arrival_rps"], LatencyMetric.TTFT) == {Trigger.LOAD_HIGH, Trigger.LOAD_LOW}
+        assert held_triggers(["e2e_p50_ms"], LatencyMetric.TTFT) == set()
+
+    def test_a_latched_p99_trigger_does_not_fire_on_a_missing_p99(self):
+        policy = ShiftRules(target_p99_ms=TARGET)
+        state, now = DecisionState(), 0.0
+        for i in range(2):  # two slow samples: p99-high one short of latching (enterSamples 3)
+            now = 2.0 * i
+            state, d = decide(state, smp(now, p99=400.0, qps=3.0), policy, table(), now)
+            assert d.kind is DecisionKind.HOLD
+        before = state.tracks[Trigger.LATENCY_HIGH]
+        assert (before.on, before.latched) == (2, False)
+        # Three samples whose P99 is missing while requests flow: the EMA still reads 400 ms (its last
+        # value), but the P99 triggers neither count nor fire; the streak is kept for when it returns.
+        for i in range(2, 5):
+            now = 2.0 * i
+            state, d = decide(
+                state, smp(now, p99=None, qps=3.0), policy, table(), now, unavailable=("ttft_p99_ms",)
+            )
+            assert (d.kind, d.reason) == (DecisionKind.HOLD, "Steady")
+            assert "held for series without a value: saturation, p99-high, p99-low" in d.message
+            assert state.smoothed is not None and state.smoothed.ttft_p99_ms == 400.0
+            assert state.tracks[Trigger.LATENCY_HIGH] == before
+        # The P99 is back and still slow: the third sample in a row latches and shifts to the latency gear.
+        state, d = decide(state, smp(10.0, p99=400.0, qps=3.0), policy, table(), 10.0)
+        assert (d.kind, d.trigger, d.target) == (DecisionKind.SHIFT, "p99-high", "lat")
+
+    def test_without_the_hold_the_stale_average_would_shift(self):
+        # The same samples, the missing P99 not reported (as before #31): the EMA's last value latches.
+        policy = ShiftRules(target_p99_ms=TARGET)
+        codes, _, _, _ = run([SLOW, SLOW, {"p99": None, "qps": 3.0}], policy=policy)
+        assert codes == "HHS"
+
+    def test_other_triggers_run_while_the_p99_is_held(self):
+        policy = ShiftRules(target_p99_ms=TARGET)
+        state, d = DecisionState(), None
+        for i in range(3):
+            now = 2.0 * i
+            sample = smp(now, p99=None, util=(0.97, 0.3, 0.3, 0.3), qps=3.0)
+            state, d = decide(state, sample, policy, table(), now, unavailable=("ttft_p99_ms",))
+        assert d is not None and (d.kind, d.trigger, d.target) == (DecisionKind.SHIFT, "imbalance", "thr")

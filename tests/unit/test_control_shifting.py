@@ -442,16 +442,23 @@ class TestSignalsCondition:
             COND_SIGNALS_AVAILABLE, "True", "SignalsOk", f"Prometheus at {self.url} answers"
         )
 
-    def test_no_stage_balance_comes_first(self) -> None:
-        r = Reading(Sample(at=T0, qps=2.0), UtilizationSource.NONE, note="no stage times")
+    def test_no_stage_balance(self) -> None:
+        r = Reading(Sample(at=T0, qps=2.0, ttft_p99_ms=100.0), UtilizationSource.NONE, note="no stage times")
         c = self.cond(r)
         assert (c.status, c.reason, c.warning) == ("True", "StageBalanceUnavailable", False)
         assert "no stage times" in c.message and "engine vllm" in c.message
+        # A series without a value while requests flow comes first (#31: missing is never fine).
+        r = Reading(Sample(at=T0, qps=2.0), UtilizationSource.NONE, note="no stage times")
+        assert (self.cond(r).status, self.cond(r).reason) == ("False", "LatencyUnavailable")
 
     def test_served_without_latency_warns(self) -> None:
         c = self.cond(Reading(Sample(at=T0, qps=2.0, itl_p99_ms=20.0)))  # TTFT is the metric: no data
-        assert (c.status, c.reason, c.warning) == ("True", "LatencyUnavailable", True)
-        assert "vllm:time_to_first_token_seconds_bucket" in c.message
+        assert (c.status, c.reason, c.warning) == ("False", "LatencyUnavailable", True)
+        assert c.message == (
+            f"Prometheus at {self.url} answers and the gear serves requests, but these series have no "
+            "value: vllm:time_to_first_token_seconds P99 (not-a-number) (are they exported by the head "
+            "pods and scraped?); the p99-high, p99-low, saturation trigger(s) hold"
+        )
         idle = self.cond(Reading(Sample(at=T0, qps=0.0)))  # nothing served: no latency is expected
         assert idle.reason == "SignalsOk"
 

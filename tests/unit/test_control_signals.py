@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,3 +112,89 @@ def test_unreachable_prometheus_raises_signals_unavailable():
         port = s.getsockname()[1]
     with pytest.raises(SignalsUnavailable, match="did not answer"):
         fetch_reading(f"http://127.0.0.1:{port}", SEL, 0.0, timeout_s=1.0)
+
+
+class TestSeriesHealth:
+    """#31: every optional series of a sample is ok, missing or not a number; while requests flow the
+    ones that should have a value and have none are reported."""
+
+    def test_classes(self):
+        from gearshift.control.signals import SeriesHealth, series_health
+
+        assert series_health([]) is SeriesHealth.MISSING
+        assert series_health([{"metric": {}, "value": [0, "NaN"]}]) is SeriesHealth.NOT_A_NUMBER
+        assert series_health([{"metric": {}, "value": [0, "+Inf"]}]) is SeriesHealth.NOT_A_NUMBER
+        assert series_health([{"metric": {}, "value": [0, "0"]}]) is SeriesHealth.OK
+
+    def _reading(self, qps: str, drop: tuple[str, ...] = (), nan: tuple[str, ...] = ()) -> Any:
+        from gearshift.control.signals import GearSelector, reading_from_results, signal_queries
+
+        q = signal_queries(GearSelector("ns", "svc", "prefill", "g"))
+        vec = lambda v: [{"metric": {}, "value": [0, v]}]  # noqa: E731
+        answers: dict[str, Any] = {
+            q.stage_utilization: [{"metric": {"stage": "0"}, "value": [0, "0.5"]}],
+            q.queue: vec("0"),
+            q.running: vec("1"),
+            q.qps: vec(qps),
+            q.arrivals: vec(qps),
+        }
+        for name, query in q.quantiles.items():
+            answers[query] = vec("NaN" if name in nan else "0.1")
+        for name in drop:
+            answers.pop(q.quantiles.get(name, q.arrivals))
+        return reading_from_results(0.0, q, answers)
+
+    def test_reading_records_each_series(self):
+        from gearshift.control.signals import SeriesHealth
+
+        r = self._reading("2", drop=("ttft_p50_ms", "arrival_rps"), nan=("itl_p99_ms",))
+        assert r.health == {
+            "ttft_p50_ms": SeriesHealth.MISSING,
+            "ttft_p99_ms": SeriesHealth.OK,
+            "itl_p50_ms": SeriesHealth.OK,
+            "itl_p99_ms": SeriesHealth.NOT_A_NUMBER,
+            "e2e_p50_ms": SeriesHealth.OK,
+            "e2e_p99_ms": SeriesHealth.OK,
+            "arrival_rps": SeriesHealth.MISSING,
+        }
+        assert r.sample.ttft_p50_ms is None and r.sample.arrival_rps is None and r.sample.ttft_p99_ms == 100.0
+
+    def test_unavailable_only_while_requests_flow(self):
+        from gearshift.control.policy import LatencyMetric
+        from gearshift.control.signals import SeriesHealth, unavailable_series
+
+        idle = self._reading("0", drop=("ttft_p50_ms",), nan=("e2e_p99_ms", "ttft_p99_ms"))
+        assert unavailable_series(idle, LatencyMetric.TTFT) == {}
+        busy = self._reading("2", drop=("ttft_p50_ms",), nan=("e2e_p99_ms", "itl_p50_ms", "itl_p99_ms"))
+        # Missing is always reported; NaN where every completed request observes it (E2E) or the policy
+        # reads it: ITL's NaN is a one-token prefill leg's, unless ITL is the policy's metric.
+        assert unavailable_series(busy, LatencyMetric.TTFT) == {
+            "ttft_p50_ms": SeriesHealth.MISSING,
+            "e2e_p99_ms": SeriesHealth.NOT_A_NUMBER,
+        }
+        assert unavailable_series(busy, LatencyMetric.ITL) == {
+            "ttft_p50_ms": SeriesHealth.MISSING,
+            "itl_p50_ms": SeriesHealth.NOT_A_NUMBER,
+            "itl_p99_ms": SeriesHealth.NOT_A_NUMBER,
+            "e2e_p99_ms": SeriesHealth.NOT_A_NUMBER,
+        }
+
+    def test_a_reading_without_health_reports_an_absent_policy_p99(self):
+        from gearshift.control.policy import LatencyMetric
+        from gearshift.control.signals import Reading, SeriesHealth, unavailable_series
+        from gearshift.control.smoothing import Sample
+
+        r = Reading(Sample(at=0.0, qps=3.0, itl_p99_ms=20.0))
+        assert unavailable_series(r, LatencyMetric.TTFT) == {"ttft_p99_ms": SeriesHealth.NOT_A_NUMBER}
+        assert unavailable_series(r, LatencyMetric.ITL) == {}
+
+    def test_description_names_each_series_in_a_stable_order(self):
+        from gearshift.control.signals import SeriesHealth, describe_series
+
+        text = describe_series(
+            {"arrival_rps": SeriesHealth.MISSING, "ttft_p99_ms": SeriesHealth.NOT_A_NUMBER}
+        )
+        assert text == (
+            "vllm:time_to_first_token_seconds P99 (not-a-number), arrival rate (vllm:request_success_total, "
+            "vllm:num_requests_running, vllm:num_requests_waiting) (missing)"
+        )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -22,9 +23,11 @@ from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Phase, SelectGear, ShiftState
 from gearshift.control.policy import ShiftRules
 from gearshift.control.signals import (
+    SERIES_NAMES,
     GearSelector,
     PipelineShape,
     Reading,
+    SeriesHealth,
     SignalsUnavailable,
     UtilizationSource,
     reading_from_results,
@@ -395,7 +398,8 @@ class TestTicks:
 
     def test_served_requests_without_latency_histograms_warn_once(self, world: FakeKubeApi) -> None:
         # #20 row 3: the head pods serve (qps > 0) but export no TTFT histogram: the P99 triggers are
-        # blind, which the condition and one Warning event say (SignalsAvailable stays True).
+        # blind, which the condition and one Warning event say; #31: missing is never fine, so
+        # SignalsAvailable is False while it lasts.
         class NoHistograms(FakeSignals):
             def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
                 return Sample(at=at, stage_utilization=(0.5, 0.5), qps=3.0)
@@ -403,11 +407,35 @@ class TestTicks:
         for k in range(3):
             run(world, NoHistograms(), T0 + 5 * k)
         cond = _signals_condition(world)
-        assert (cond["status"], cond["reason"]) == ("True", "LatencyUnavailable")
-        assert "vllm:time_to_first_token_seconds_bucket" in cond["message"]  # prefill role: TTFT
+        assert (cond["status"], cond["reason"]) == ("False", "LatencyUnavailable")
+        assert "vllm:time_to_first_token_seconds P99" in cond["message"]  # prefill role: TTFT
         warned = [e for e in world.events if e["reason"] == "LatencyUnavailable"]
         assert len(warned) == 1 and warned[0]["type"] == "Warning"
         run(world, FakeSignals(), T0 + 20)
+        assert _signals_condition(world)["reason"] == "SignalsOk"
+
+    def test_a_missing_arrival_rate_while_serving_is_reported_once_and_clears(
+        self, world: FakeKubeApi
+    ) -> None:
+        # #31: missing is never fine. The arrival-rate series is absent while requests complete: False
+        # with SeriesMissing naming it, one Warning event over several ticks, and back by itself.
+        class NoArrivals(FakeSignals):
+            def sample(self, url: str, sel: GearSelector, at: float, **kw: Any) -> Reading:
+                r = super().sample(url, sel, at, **kw)
+                health = {k: SeriesHealth.OK for k in SERIES_NAMES} | {"arrival_rps": SeriesHealth.MISSING}
+                return replace(r, health=health)
+
+        for k in range(3):
+            run(world, NoArrivals(), T0 + 2 * k)
+        cond = _signals_condition(world)
+        assert (cond["status"], cond["reason"]) == ("False", "SeriesMissing")
+        assert (
+            "arrival rate (vllm:request_success_total" in cond["message"] and "(missing)" in cond["message"]
+        )
+        assert "load-high, load-low trigger(s) hold" in cond["message"]
+        warned = [e for e in world.events if e["reason"] == "SeriesMissing"]
+        assert len(warned) == 1 and warned[0]["type"] == "Warning"
+        run(world, FakeSignals(), T0 + 10)
         assert _signals_condition(world)["reason"] == "SignalsOk"
 
     def test_signals_to_status_shows_latency_only_with_completions(self) -> None:
@@ -723,8 +751,13 @@ class VllmProm(FakeSignals):
         answers = {q.queue: _vec(self.waiting), q.running: _vec("24"), q.qps: _vec("3")}
         if q.concurrency is not None:
             answers[q.concurrency] = _vec(self.concurrency)
-        answers[q.quantiles["ttft_p99_ms"]] = _vec(self.ttft_p99_s)
-        answers[q.quantiles["itl_p99_ms"]] = _vec("NaN")  # histogram_quantile without data
+        # Every series a vLLM head exports: TTFT and E2E quantiles with values; ITL's NaN, as
+        # histogram_quantile gives over buckets that did not move (one-token prefill legs).
+        for name, query in q.quantiles.items():
+            value = self.ttft_p99_s if name.startswith("ttft_") else "0.4"
+            answers[query] = _vec("NaN" if name.startswith("itl_") else value)
+        if q.arrivals is not None:
+            answers[q.arrivals] = _vec("3")
         return reading_from_results(at, q, answers, shape)
 
 

@@ -3,7 +3,11 @@
 Per sample (every ``sampleIntervalSeconds``, seed 002):
 
 1. no sample (Prometheus down, series missing) → ``NoSignals``; the consecutive counts restart, so a
-   shift needs ``enterSamples`` fresh samples after the signals return;
+   shift needs ``enterSamples`` fresh samples after the signals return. A sample some of whose series
+   have no value while requests flow (``unavailable``,
+   :func:`gearshift.control.signals.unavailable_series`) holds the triggers that read them
+   (:func:`held_triggers`): their streaks neither grow nor reset and they do not fire, since the moving
+   average would otherwise go on from the last value as if it were fresh; the other triggers run;
 2. EMA of the sample (:func:`~gearshift.control.smoothing.smooth`);
 3. hysteresis per trigger: its condition must hold ``enterSamples`` samples in a row to *latch*, and
    fail ``exitSamples`` in a row to unlatch;
@@ -26,6 +30,7 @@ The function never reads the clock: ``now`` (s) is passed in.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -33,8 +38,8 @@ from typing import Any
 from gearshift.control import capacity
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.cost import CostBenefit, cost_benefit
-from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules
-from gearshift.control.smoothing import Sample, smooth
+from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules
+from gearshift.control.smoothing import Sample, p99_field, smooth
 from gearshift.control.triggers import (
     LOAD_TRIGGERS,
     TRIGGER_INTENT,
@@ -165,6 +170,23 @@ class Overrides:
     paused: bool = False
 
 
+#: The triggers that read the policy's latency P99, and those that read the arrival rate.
+P99_TRIGGERS = (Trigger.SATURATION, Trigger.LATENCY_HIGH, Trigger.LATENCY_LOW)
+ARRIVAL_TRIGGERS = LOAD_TRIGGERS
+
+
+def held_triggers(unavailable: Collection[str], metric: LatencyMetric) -> frozenset[Trigger]:
+    """The triggers that read one of the ``unavailable`` :class:`Sample` fields: the P99 triggers when the
+    P99 of the policy's latency ``metric`` has no value, the load triggers when the arrival rate has
+    none."""
+    held: set[Trigger] = set()
+    if p99_field(metric) in unavailable:
+        held |= set(P99_TRIGGERS)
+    if "arrival_rps" in unavailable:
+        held |= set(ARRIVAL_TRIGGERS)
+    return frozenset(held)
+
+
 def _hysteresis(track: TriggerTrack, met: bool, policy: ShiftRules) -> TriggerTrack:
     if met:
         on = track.on + 1
@@ -244,6 +266,7 @@ def decide(
     *,
     overrides: Overrides = Overrides(),
     busy: bool = False,
+    unavailable: Collection[str] = (),
 ) -> tuple[DecisionState, Decision]:
     """Fold one sample into the decision state and say whether to shift, and where.
 
@@ -256,6 +279,9 @@ def decide(
         overrides: ``spec.forceGear`` and ``spec.paused``.
         busy: a shift is in progress (the executor is not ``Stable``); signals are still smoothed, the
             trigger streaks restart and the dwell restarts at ``now``.
+        unavailable: :class:`Sample` fields of ``sample`` that should have had a value and have none
+            (:func:`gearshift.control.signals.unavailable_series`); the triggers that read them hold
+            (:func:`held_triggers`).
 
     Returns:
         ``(new_state, decision)``. On ``SHIFT`` the new state starts the dwell at ``now``.
@@ -281,14 +307,16 @@ def decide(
     overloaded = saturated(smoothed, policy, active.pipelines)
     measured = smoothed.p99_ms(policy.latency_metric)
     before = tracks
-    tracks = {t: _hysteresis(before[t], met[t], policy) for t in TRIGGERS}
+    held = held_triggers(unavailable, policy.latency_metric)
+    tracks = {t: before[t] if t in held else _hysteresis(before[t], met[t], policy) for t in TRIGGERS}
     estimates = capacity.estimates_for(table.gears, state.capacity, policy)
     load = smoothed.arrival_rps
     capacity_mode = load is not None and estimates[active.name].capacity_rps is not None
     if capacity_mode and load is not None:
-        if not busy:
+        if not busy and not held:
             # Only a settled active gear measures its own capacity: while a shift runs, the samples mix
-            # the old gear's, the new one's and the transition's.
+            # the old gear's, the new one's and the transition's; and only from fresh numbers (a held
+            # series' average is its last value).
             estimates[active.name] = capacity.observe(
                 estimates[active.name],
                 arrival_rps=load,
@@ -301,7 +329,7 @@ def decide(
                 now=now,
             )
         load_met = _load_conditions(load, active, table, estimates, policy, measured, overloaded)
-        tracks |= {t: _hysteresis(before[t], load_met[t], policy) for t in LOAD_TRIGGERS}
+        tracks |= {t: _hysteresis(before[t], load_met[t], policy) for t in LOAD_TRIGGERS if t not in held}
     last_shift = state.last_shift_at
     if capacity_mode and last_shift is None:
         # The first gear counts as shifted to at the first sample with an arrival rate, so the dwell
@@ -334,7 +362,7 @@ def decide(
 
     skipped: list[str] = []
     for trigger in TRIGGERS:
-        if not tracks[trigger].latched:
+        if not tracks[trigger].latched or trigger in held:
             continue
         if capacity_mode and load is not None:
             target, passed = _capacity_target(trigger, table, active, estimates, load, policy)
@@ -396,6 +424,9 @@ def decide(
         return hold(
             REASON_NO_HEALTHY_GEAR, f"wanted gears are unhealthy: {names}", tuple(sorted(set(skipped)))
         )
+    if held:
+        names = ", ".join(t.value for t in TRIGGERS if t in held)
+        return hold(REASON_STEADY, f"no trigger latched; held for series without a value: {names}")
     return hold(REASON_STEADY, "no trigger latched")
 
 

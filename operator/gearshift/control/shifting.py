@@ -20,7 +20,7 @@ from gearshift.api.common import (
 )
 from gearshift.api.gearset import Gear, GearHealth, GearSet
 from gearshift.control.adapt import shift_request
-from gearshift.control.decide import MANUAL, Decision, DecisionKind
+from gearshift.control.decide import MANUAL, Decision, DecisionKind, held_triggers
 from gearshift.control.executor import (
     FAIL_P99,
     Action,
@@ -40,7 +40,15 @@ from gearshift.control.executor_status import from_time
 from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules
 from gearshift.control.scaling import NodeRank, NodeView, StageNeed, place_replicas
 from gearshift.control.shift_status import gear_fingerprint
-from gearshift.control.signals import E2E, ITL, TTFT, Engine, PipelineShape, Reading, UtilizationSource
+from gearshift.control.signals import (
+    QUANTILE_SERIES,
+    Engine,
+    PipelineShape,
+    Reading,
+    UtilizationSource,
+    describe_series,
+    unavailable_series,
+)
 from gearshift.control.smoothing import Sample
 from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
 from gearshift.k8s import names
@@ -55,17 +63,14 @@ REASON_SIGNALS_OK = "SignalsOk"
 #: and the gear's stage times, which the derivation needs, are unknown (or nothing completed yet); the
 #: imbalance trigger is off, the others run.
 REASON_STAGE_BALANCE_UNAVAILABLE = "StageBalanceUnavailable"
-#: Condition reason (SignalsAvailable=True, a Warning event) when requests are served but the latency
-#: metric the P99 triggers read has no data: its histogram is not exported or not scraped (#20 row 3).
+#: Condition reason (SignalsAvailable=False, a Warning event) when requests are served but latency
+#: quantiles have no data: their histogram is not exported, not scraped or dropped (#20 row 3, #31).
 REASON_LATENCY_UNAVAILABLE = "LatencyUnavailable"
+#: Condition reason (SignalsAvailable=False, a Warning event) when requests are served but series other
+#: than latency quantiles (the arrival rate) have no data (#31).
+REASON_SERIES_MISSING = "SeriesMissing"
 #: Condition reason when neither the PDService nor the operator names a Prometheus.
 REASON_NO_PROMETHEUS = "NoPrometheus"
-#: The histogram each latency metric is read from (vLLM's names).
-LATENCY_HISTOGRAM = {
-    LatencyMetric.TTFT: TTFT,
-    LatencyMetric.ITL: ITL,
-    LatencyMetric.E2E: E2E,
-}
 #: Hold reasons that are the loop's normal state, not news: no event when a decision holds for them.
 QUIET_HOLDS = ("Steady", "ShiftInProgress", "ForcedGear")
 
@@ -376,12 +381,28 @@ def signals_condition(
     """``SignalsAvailable`` after this tick's sample (``reading``, ``None`` when there was none: ``why``
     says what failed; ``url`` is the Prometheus asked, ``None``/empty when none is configured).
 
-    True with ``StageBalanceUnavailable`` when the reading has no stage utilisation, with
-    ``LatencyUnavailable`` (a warning) when requests were served (``qps`` > 0) but ``metric``'s P99 has no
-    data, else ``SignalsOk``; False (a warning) with ``NoPrometheus`` or ``SignalsMissing``.
+    Missing is never fine (#31): False (a warning) with ``LatencyUnavailable`` (only latency quantiles)
+    or ``SeriesMissing`` when requests were served but series that should have a value have none
+    (:func:`~gearshift.control.signals.unavailable_series`; the message names each series, its health
+    and the triggers that hold, and stays the same while they do, so the event comes once); True with
+    ``StageBalanceUnavailable`` when the reading has no stage utilisation, else ``SignalsOk``; False (a
+    warning) with ``NoPrometheus`` or ``SignalsMissing`` when there was no sample.
     """
     cond = COND_SIGNALS_AVAILABLE
     sample = reading.sample if reading is not None else None
+    missing = unavailable_series(reading, metric) if reading is not None else {}
+    if missing:
+        latency_only = all(name in QUANTILE_SERIES for name in missing)
+        held = [t.value for t in held_triggers(missing, metric)]
+        return ConditionUpdate(
+            cond,
+            "False",
+            REASON_LATENCY_UNAVAILABLE if latency_only else REASON_SERIES_MISSING,
+            f"Prometheus at {url} answers and the gear serves requests, but these series have no value: "
+            f"{describe_series(missing)} (are they exported by the head pods and scraped?); "
+            + (f"the {', '.join(sorted(held))} trigger(s) hold" if held else "no trigger reads them"),
+            warning=True,
+        )
     if reading is not None and reading.source is UtilizationSource.NONE:
         return ConditionUpdate(
             cond,
@@ -389,16 +410,6 @@ def signals_condition(
             REASON_STAGE_BALANCE_UNAVAILABLE,
             f"Prometheus at {url} answers (engine {engine}); {reading.note}: the imbalance trigger is off "
             "for this gear, the saturation and P99 triggers run",
-        )
-    if sample is not None and sample.qps > 0 and sample.p99_ms(metric) is None:
-        return ConditionUpdate(
-            cond,
-            "True",
-            REASON_LATENCY_UNAVAILABLE,
-            f"Prometheus at {url} answers and the gear serves requests, but {metric.value} P99 has no data: "
-            f"is {LATENCY_HISTOGRAM[metric]}_bucket exported by the head pods and scraped? "
-            "The P99 triggers are off; the saturation and imbalance triggers run",
-            warning=True,
         )
     if sample is not None:
         return ConditionUpdate(cond, "True", REASON_SIGNALS_OK, f"Prometheus at {url} answers")

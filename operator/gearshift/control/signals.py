@@ -22,6 +22,13 @@ Per-stage utilisation has two sources, chosen by the PDService's ``spec.engine``
 Prometheus spells "no value" as ``NaN`` (``histogram_quantile`` over buckets that did not move) and a
 division by zero as ``±Inf``; every non-finite value is *no data* here and never reaches a Sample.
 
+Missing is never fine (#31): every optional series of a sample (each latency quantile, the arrival rate)
+is classified per sample as ok, missing (no series: not exported, not scraped, dropped
+by a relabel rule) or not a number (:class:`SeriesHealth`, :attr:`Reading.health`), and
+:func:`unavailable_series` says which of them should have had a value because requests flow; the
+shifting tick reports those (``SignalsAvailable=False``) and the decision holds the triggers that read
+them (:func:`gearshift.control.decide.held_triggers`).
+
 Everything here is pure: :mod:`gearshift.adapters.prometheus` sends the queries and hands the answers to
 :func:`reading_from_results`.
 
@@ -34,11 +41,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
-from gearshift.control.smoothing import Sample
+from gearshift.control.policy import LatencyMetric
+from gearshift.control.smoothing import Sample, p99_field
 
 
 class SignalsUnavailable(RuntimeError):
@@ -396,6 +404,43 @@ def stage_values(result: Sequence[Mapping[str, Any]], query: str) -> tuple[float
     return tuple(by_stage[k] for k in range(len(by_stage)))
 
 
+class SeriesHealth(StrEnum):
+    """What one query of a sample gave (:func:`series_health`)."""
+
+    OK = "ok"
+    MISSING = "missing"
+    """No series at all: the metric is not exported or not scraped (or a rule drops it)."""
+    NOT_A_NUMBER = "not-a-number"
+    """Series there, value NaN or ±Inf (``histogram_quantile`` over buckets that did not move)."""
+
+
+#: The latency quantiles of a sample, by :class:`Sample` field, and the histogram and quantile of each.
+QUANTILE_SERIES: Mapping[str, tuple[str, int]] = {
+    f"{name}_p{q}_ms": (hist, q)
+    for name, hist in (("ttft", TTFT), ("itl", ITL), ("e2e", E2E))
+    for q in (50, 99)
+}
+#: What each optional series of a sample is, by its :class:`Sample` field, for condition messages.
+SERIES_NAMES: Mapping[str, str] = {
+    **{field_: f"{hist} P{q}" for field_, (hist, q) in QUANTILE_SERIES.items()},
+    "arrival_rps": f"arrival rate ({SUCCESS_TOTAL}, {RUNNING}, {WAITING})",
+}
+#: Series every completed request observes: with requests completing in the window they have a value.
+ALWAYS_OBSERVED = ("e2e_p50_ms", "e2e_p99_ms", "arrival_rps")
+
+
+def series_health(result: Sequence[Mapping[str, Any]], query: str = "") -> SeriesHealth:
+    """The :class:`SeriesHealth` of an aggregated query's ``data.result`` (its first value).
+
+    Raises:
+        SignalsUnavailable: a malformed result (naming the query).
+    """
+    values = parse_vector(result, query)
+    if not values:
+        return SeriesHealth.MISSING
+    return SeriesHealth.OK if math.isfinite(values[0][1]) else SeriesHealth.NOT_A_NUMBER
+
+
 @dataclass(frozen=True)
 class Reading:
     """One sample and how its stage utilisation was obtained."""
@@ -407,6 +452,42 @@ class Reading:
     note: str = ""
     """Why ``sample.stage_utilization`` is empty (source ``none``); a stable sentence, no numbers that
     change from sample to sample (it goes into a condition message)."""
+    health: Mapping[str, SeriesHealth] = field(default_factory=dict)
+    """Each optional series of this sample (a key of :data:`SERIES_NAMES`) as Prometheus gave it; the
+    required ones (queue, running, served rate, the sim's stage utilisation) fail the sample instead, and
+    vLLM's phase-time rates, when absent, leave the stage utilisation unknown (:attr:`note`)."""
+
+
+def unavailable_series(reading: Reading, metric: LatencyMetric) -> dict[str, SeriesHealth]:
+    """The series of ``reading`` that have no value although they should: ``{Sample field: health}``.
+
+    Only while requests flow (``qps`` > 0: requests completed in the window; an idle gear's quantiles
+    are absent because there was nothing to measure). Then a series that is missing is always reported;
+    one that is not a number only when every completed request observes it (E2E latency, the arrival
+    rate) or it is the policy's latency ``metric`` (the P99 triggers read it): an ITL quantile of
+    one-token requests (a PD prefill leg) has nothing to measure. A reading without health (a source
+    that does not classify) reports the policy's P99 when it is absent.
+    """
+    if reading.sample.qps <= 0:
+        return {}
+    out: dict[str, SeriesHealth] = {}
+    for name, health in reading.health.items():
+        if health is SeriesHealth.MISSING or (
+            health is SeriesHealth.NOT_A_NUMBER
+            and (name in ALWAYS_OBSERVED or name.startswith(f"{metric.value}_"))
+        ):
+            out[name] = health
+    p99 = p99_field(metric)
+    if p99 not in reading.health and reading.sample.p99_ms(metric) is None:
+        out[p99] = SeriesHealth.NOT_A_NUMBER
+    return out
+
+
+def describe_series(unavailable: Mapping[str, SeriesHealth]) -> str:
+    """``"<series> (<health>), ..."`` in :data:`SERIES_NAMES`' order; stable for a stable input."""
+    order = list(SERIES_NAMES)
+    names = sorted(unavailable, key=lambda n: order.index(n) if n in order else len(order))
+    return ", ".join(f"{SERIES_NAMES.get(n, n)} ({unavailable[n].value})" for n in names)
 
 
 def sample_from_results(at: float, queries: SignalQueries, results: Mapping[str, Sequence[Any]]) -> Sample:
@@ -450,6 +531,9 @@ def reading_from_results(
         field_: None if (v := scalar(results.get(q, []), q, required=False)) is None else v * 1000.0
         for field_, q in queries.quantiles.items()
     }
+    health = {field_: series_health(results.get(q, []), q) for field_, q in queries.quantiles.items()}
+    if queries.arrivals is not None:
+        health["arrival_rps"] = series_health(results.get(queries.arrivals, []), queries.arrivals)
     base = Sample(
         at=at,
         stage_utilization=stages,
@@ -462,19 +546,19 @@ def reading_from_results(
         **quantiles,
     )
     if queries.stage_utilization is not None:
-        return Reading(base, UtilizationSource.ENGINE)
+        return Reading(base, UtilizationSource.ENGINE, health=health)
     if queries.concurrency is None:
         raise ValueError("queries have neither a stage utilisation nor a concurrency query")
     if shape is None:
         note = "the sampled gear is not in the GearSet's gears, so its stage times are unknown"
-        return Reading(base, UtilizationSource.NONE, note=note)
+        return Reading(base, UtilizationSource.NONE, note=note, health=health)
     concurrency = scalar(results.get(queries.concurrency, []), queries.concurrency, required=False)
     if concurrency is None:
         note = (
             f"gear {shape.gear!r}: the head's {PREFILL_TIME} and {DECODE_TIME} rates have no value "
             "(fewer than two scrapes of them in the window: just started, or a vLLM without them)"
         )
-        return Reading(base, UtilizationSource.NONE, note=note)
+        return Reading(base, UtilizationSource.NONE, note=note, health=health)
     busy = seat_occupancy(concurrency, shape.max_num_seqs)
     stages_u = derived_stage_utilization(busy, shape.stage_times_ms, shape.stage_replicas or ())
     if stages_u is None:
@@ -484,7 +568,10 @@ def reading_from_results(
             "predictedTimeMs (an explicit gear without the planner's predictions), so per-stage "
             "utilisation cannot be derived from vLLM's metrics"
         )
-        return Reading(base, UtilizationSource.NONE, pipeline_utilization=busy, note=note)
+        return Reading(base, UtilizationSource.NONE, pipeline_utilization=busy, note=note, health=health)
     return Reading(
-        replace(base, stage_utilization=stages_u), UtilizationSource.DERIVED, pipeline_utilization=busy
+        replace(base, stage_utilization=stages_u),
+        UtilizationSource.DERIVED,
+        pipeline_utilization=busy,
+        health=health,
     )

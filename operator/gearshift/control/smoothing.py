@@ -9,6 +9,11 @@ from typing import Any
 from gearshift.control.policy import LatencyMetric
 
 
+def p99_field(metric: LatencyMetric) -> str:
+    """The :class:`Sample` field of ``metric``'s P99 (``ttft_p99_ms``, ``itl_p99_ms``, ``e2e_p99_ms``)."""
+    return f"{metric.value}_p99_ms"
+
+
 @dataclass(frozen=True)
 class Sample:
     """The signals of one GearSet at one instant (raw from Prometheus, or smoothed).
@@ -39,11 +44,8 @@ class Sample:
 
     def p99_ms(self, metric: LatencyMetric) -> float | None:
         """The P99 the latency triggers read, ms."""
-        return {
-            LatencyMetric.TTFT: self.ttft_p99_ms,
-            LatencyMetric.ITL: self.itl_p99_ms,
-            LatencyMetric.E2E: self.e2e_p99_ms,
-        }[metric]
+        value: float | None = getattr(self, p99_field(metric))
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (for ``GearSet.status``)."""

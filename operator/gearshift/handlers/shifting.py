@@ -15,7 +15,10 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
    ``SignalsAvailable=False`` and the decision holds (no shift starts; a shift already running still
    finishes, its steps need no signals). A vLLM sample without derivable stage utilisation (a
    multi-stage gear without stage times, or no completions yet) is still a sample:
-   ``SignalsAvailable=True`` with reason ``StageBalanceUnavailable`` and the imbalance trigger off;
+   ``SignalsAvailable=True`` with reason ``StageBalanceUnavailable`` and the imbalance trigger off. A
+   sample whose latency quantiles or arrival rate have no value while requests flow is one too, but
+   ``SignalsAvailable=False`` (``LatencyUnavailable`` / ``SeriesMissing``, naming each series, one
+   Warning event) and the triggers that read them hold (#31: missing is never fine);
 4. :func:`gearshift.control.decide.decide` → :func:`gearshift.control.adapt.shift_request` →
    :func:`gearshift.control.executor.step`; when the active gear holds stages on a time-limited node the
    reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``),
@@ -107,7 +110,13 @@ from gearshift.control.shifting import (
     signals_condition,
     statefulsets_by_gear,
 )
-from gearshift.control.signals import GearSelector, Reading, SignalsUnavailable, sample_window
+from gearshift.control.signals import (
+    GearSelector,
+    Reading,
+    SignalsUnavailable,
+    sample_window,
+    unavailable_series,
+)
 from gearshift.control.smoothing import Sample
 from gearshift.handlers import metrics
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
@@ -294,8 +303,16 @@ def _step(api: KubeApi, t: _Inputs, seen: _Seen, now: float) -> _Stepped:
     table = GearTable(views, active=state.active, arch=t.pds.spec.model.to_model_arch())
     t0 = time.perf_counter()
     overrides = Overrides(force_gear=gs.spec.force_gear, paused=gs.spec.paused)
+    unavailable = () if seen.reading is None else unavailable_series(seen.reading, t.policy.latency_metric)
     control, decision = decide(
-        t.control, seen.sample, t.policy, table, now, overrides=overrides, busy=state.busy
+        t.control,
+        seen.sample,
+        t.policy,
+        table,
+        now,
+        overrides=overrides,
+        busy=state.busy,
+        unavailable=tuple(unavailable),
     )
     metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
     request, window_warning = executor_request(decision, table, gs, state)
