@@ -363,3 +363,47 @@ class TestNodeEvent:
         self.event(world, fleet_node("gpu-a10-0"), "DELETED")
         self.event(world, {"metadata": {"name": "cpu-0"}, "status": {"capacity": {"cpu": "8"}}})
         assert world.api.calls == []
+
+
+class OldCrdApi(ProfilingApi):
+    """The in-memory API whose GPUProfile CRD is older than the operator: the server prunes ``probe``
+    from every status write (what a structural schema without it does). The pruning report is an Event
+    the handler posts itself (not through kopf)."""
+
+    def patch_status(
+        self, api_version: str, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        kept = {k: v for k, v in status.items() if not (kind == "GPUProfile" and k == "probe")}
+        return super().patch_status(api_version, kind, namespace, name, kept)
+
+    def create_event(self, event: Mapping[str, Any]) -> None:
+        FakeKubeApi.create_event(self, event)
+
+
+def test_a_pruned_profile_status_write_stops_the_step_and_reports_once(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # #31 item 6: GPUProfile status writes go through the pruning check GearSet and PDService writes have.
+    api = OldCrdApi(probe=SETTINGS)
+    api.store = world.api.store
+    monkeypatch.setattr(world, "api", api)
+    monkeypatch.setattr(world.rt, "_api", api)
+    with pytest.raises(kopf.TemporaryError, match=r"status\.probe") as exc:
+        world.step()
+    assert exc.value.delay == gpuprofile.PRUNED_RETRY_S
+    (event,) = api.events
+    assert (event["type"], event["reason"]) == ("Warning", "FieldsPruned")
+    # A cluster-scoped object's Event goes to `default`: the only namespace the API server accepts for it.
+    assert event["metadata"]["namespace"] == "default"
+    assert event["involvedObject"]["kind"] == "GPUProfile" and event["involvedObject"]["name"] == NODE
+    conds = {c["type"]: c for c in api.profile()["status"]["conditions"]}
+    assert (conds["CRDCurrent"]["status"], conds["CRDCurrent"]["reason"]) == ("False", "FieldsPruned")
+    assert world.events == []  # the step stopped before its own events: nothing acts on a lost write
+    # Tried again: still refused, the event is not repeated; a deleted profile's reports are forgotten.
+    with pytest.raises(kopf.TemporaryError):
+        world.step()
+    assert len(api.events) == 1
+    uid = api.profile()["metadata"]["uid"]
+    assert world.rt.pruned.known(uid)
+    nodes.gpuprofile_event_forget(type="DELETED", name=NODE, memo=world.memo, body=api.profile())  # type: ignore[arg-type]
+    assert not world.rt.pruned.known(uid)

@@ -27,6 +27,10 @@ REASON_GEAR_ENSURED = "GearEnsured"  # a gear's StatefulSets were applied
 REASON_GEAR_DELETED = "GearDeleted"  # a gear's StatefulSets and headless Service were deleted
 
 EVENT_SOURCE = "gearshift-operator"
+#: Namespace of the core/v1 Events about cluster-scoped objects (GPUProfiles): the API server accepts an
+#: Event whose involved object has no namespace only in ``default`` (or none), so that is where it goes
+#: (k8s.io/kubernetes pkg/apis/core/validation/events.go, "does not match event.namespace").
+CLUSTER_EVENT_NAMESPACE = "default"
 
 
 def now_utc() -> datetime:
@@ -37,13 +41,17 @@ def now_utc() -> datetime:
 def event_body(
     involved: Mapping[str, Any], reason: str, message: str, warning: bool, now: datetime
 ) -> dict[str, Any]:
-    """A core/v1 Event about ``involved`` (a full object body with apiVersion, kind, metadata)."""
+    """A core/v1 Event about ``involved`` (a full object body with apiVersion, kind, metadata), in its
+    namespace (a cluster-scoped object's: :data:`CLUSTER_EVENT_NAMESPACE`)."""
     meta = involved.get("metadata", {})
     ts = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     return {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"generateName": f"{meta.get('name', 'gearshift')}.", "namespace": meta.get("namespace")},
+        "metadata": {
+            "generateName": f"{meta.get('name', 'gearshift')}.",
+            "namespace": meta.get("namespace") or CLUSTER_EVENT_NAMESPACE,
+        },
         "involvedObject": {
             "apiVersion": involved.get("apiVersion"),
             "kind": involved.get("kind"),

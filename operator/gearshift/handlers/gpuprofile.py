@@ -25,7 +25,7 @@ import kopf
 
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus, ProfileOverride
-from gearshift.handlers import nodes
+from gearshift.handlers import common, nodes
 from gearshift.handlers.kubeapi import GPUP, JOB, NODE, POD, KubeApi, KubeApiError
 from gearshift.handlers.runtime import ProfileMemory, Runtime, runtime_of
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
@@ -52,6 +52,9 @@ TICK_S = 2.0
 #: its GPU changed, a declared window, a re-probe due, the fleet's classes), and an idle fleet of many
 #: nodes would otherwise keep the operator busy with do-nothing ticks (issue 6: no hot loop when idle).
 READY_TICK_S = 10.0
+#: Seconds before a step whose status write was pruned (an older CRD) is tried again: nothing changes
+#: until the CRD is upgraded, and each try may start work (a probe Job) whose record would be dropped.
+PRUNED_RETRY_S = 60.0
 
 
 def _rv(body: kopf.Body | dict[str, Any]) -> int:
@@ -101,9 +104,23 @@ def _delete_job(api: KubeApi, namespace: str, name: str) -> None:
     api.delete(*JOB, namespace, name)  # background propagation: its pods go too; gone already is fine
 
 
-def _write_status(api: KubeApi, memory: ProfileMemory, name: str, status: GPUProfileStatus) -> None:
-    obj = api.patch_status(*GPUP, None, name, dump_status(status))
-    memory.wrote(name, _rv(obj), obj.get("status") or {})
+def _write_status(rt: Runtime, name: str, status: GPUProfileStatus) -> None:
+    """Write ``status`` and remember what was stored (``Runtime.profiles``).
+
+    Through the same pruning check as GearSet and PDService writes (:func:`common.patch_status`): a
+    GPUProfile CRD older than the operator would drop fields the life cycle goes on from (a probe Job's
+    name: the next tick would start another probe).
+
+    Raises:
+        kopf.TemporaryError: fields were pruned, after the ``FieldsPruned`` Warning event and
+            ``CRDCurrent=False`` (once per profile and loss); the step stops there and is tried again.
+        KubeApiError: the patch failed.
+    """
+    try:
+        obj = common.patch_status(rt.api, *GPUP, None, name, dump_status(status), rt.pruned)
+    except common.StatusPruned as exc:
+        raise kopf.TemporaryError(str(exc), delay=PRUNED_RETRY_S) from None
+    rt.profiles.wrote(name, _rv(obj), obj.get("status") or {})
 
 
 def _known_status(memory: ProfileMemory, name: str, body: kopf.Body) -> GPUProfileStatus:
@@ -228,7 +245,7 @@ def _step(
     step = complete_step(step, status, node, pspec.override, fleet_class, now=now, generation=generation)
     current = status
     if step is not None:
-        _write_status(api, rt.profiles, name, step.status)
+        _write_status(rt, name, step.status)
         _emit(body, step)
         current = step.status
     if node is not None:

@@ -78,8 +78,11 @@ def node_event(type: str | None, name: str, body: kopf.Body, logger: Any, memo: 
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def gpuprofile_event_forget(type: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """Forget a deleted GPUProfile (the status last written, that it exists): the profile of an existing
-    GPU node is created again on the node's next event."""
+def gpuprofile_event_forget(
+    type: str | None, name: str, memo: kopf.Memo, body: kopf.Body | None = None, **_: Any
+) -> None:
+    """Forget a deleted GPUProfile (the status last written, that it exists, its pruned-write reports):
+    the profile of an existing GPU node is created again on the node's next event."""
     if type == "DELETED":
-        runtime_of(memo).forget_profile(name)
+        uid = (body.get("metadata") or {}).get("uid") if body is not None else None
+        runtime_of(memo).forget_profile(name, uid)

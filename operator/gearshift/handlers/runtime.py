@@ -427,9 +427,12 @@ class Runtime:
         if uid:
             self.pruned.forget(uid)
 
-    def forget_profile(self, name: str) -> None:
-        """A GPUProfile was deleted: drop its last written status and that it exists."""
+    def forget_profile(self, name: str, uid: str | None = None) -> None:
+        """A GPUProfile was deleted: drop its last written status, that it exists and its pruned-write
+        reports."""
         self.profiles.forget(name)
+        if uid:
+            self.pruned.forget(uid)
 
 
 def runtime_of(memo: Mapping[str, Any]) -> Runtime:
