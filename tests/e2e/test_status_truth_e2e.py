@@ -8,8 +8,8 @@ relabel rule or an engine without that histogram would.
 - Ready means served by the current spec (dynamo#3567's class): editing the active gear's ``microBatch``
   rolls its StatefulSet; from the reconcile that applies the new revision until its pod serves, the
   PDService is not Ready and is Progressing (message naming the role and gear), never both Ready and
-  Progressing, and never Ready while the StatefulSet has not rolled out (``kubectl rollout status``'s
-  rule) past the time one status write takes; the GearSet's ``observedGeneration`` follows the edit.
+  Progressing, and never Ready in a status written after the StatefulSet showed its rollout (not rolled
+  out by ``kubectl rollout status``'s rule); the GearSet's ``observedGeneration`` follows the edit.
 - Missing is never fine (aibrix#2592's class): while requests flow to the head pod, the proxy drops the
   TTFT histogram's series; the GearSet says ``SignalsAvailable=False`` (``LatencyUnavailable``, naming
   the series) within a few sample intervals, with one Warning event however many samples it lasts, and
@@ -47,9 +47,6 @@ G = "gearshift.io/v1alpha1"
 STS = f"{SERVICE}-both-one-s0"
 #: Seconds the API objects are read apart while a rollout is watched (REST calls, not kubectl).
 POLL_S = 0.1
-#: Seconds a status write may trail the StatefulSet controller: the reconcile that applies a revision
-#: writes Ready=False itself, but the controller may publish the new revision a moment before that write.
-WRITE_GRACE_S = 1.0
 
 
 def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any]]:
@@ -216,7 +213,7 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
             pds = api.get(G, "PDService", ns, SERVICE) or {}
             sts = api.get("apps/v1", "StatefulSet", ns, STS)
             gs = api.get(G, "GearSet", ns, GEARSET) or {}
-            polls.append((time.monotonic(), pds, gs, (sts or {}).get("status") or {}, sts_rolled(sts)))
+            polls.append((time.monotonic(), pds, gs, sts or {}, sts_rolled(sts)))
             time.sleep(POLL_S)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -230,10 +227,10 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
         def served_again() -> bool:
             if not polls or polls[-1][0] < edited:
                 return False
-            _, pds, gs, sts_status, rolled = polls[-1]
+            _, pds, gs, sts, rolled = polls[-1]
             return (
                 rolled
-                and sts_status.get("updateRevision") != old_revision
+                and sts["status"].get("updateRevision") != old_revision
                 and _cond(pds, "Ready").get("status") == "True"
                 and gs["status"].get("observedGeneration") == gs["metadata"]["generation"]
             )
@@ -257,16 +254,18 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
         if says(pds, "Ready") and says(pds, "Progressing")
     ]
     assert both == [], f"Ready=True and Progressing=True at once (s after the edit, message): {both[:5]}"
-    # Never Ready while the StatefulSet rolls, beyond the moment one status write may trail the controller.
-    unrolled = [t for t, *_, rolled in after if not rolled]
+    # Never Ready while the StatefulSet rolls, in a status written after it was seen rolling: the
+    # sandbox's one etcd orders every write, so resourceVersions of the two objects compare (a status
+    # read with an older one was written before the rollout showed and may trail it by a poll or two).
+    unrolled = [int(sts["metadata"]["resourceVersion"]) for *_, sts, rolled in after if not rolled]
     assert unrolled, "the StatefulSet never showed the rollout"
     first = unrolled[0]
     early = [
-        (round(t - edited, 2), sts)
+        (round(t - edited, 2), sts["status"])
         for t, pds, _, sts, rolled in after
-        if not rolled and t > first + WRITE_GRACE_S and says(pds, "Ready")
+        if not rolled and int(pds["metadata"]["resourceVersion"]) > first and says(pds, "Ready")
     ]
-    assert early == [], f"Ready=True while the StatefulSet had not rolled out: {early[:3]}"
+    assert early == [], f"Ready=True written after the StatefulSet showed its rollout: {early[:3]}"
     # The window was reported as it should: Progressing=True naming the role and gear, phase Progressing.
     rolling = [pds for _, pds, *_ in after if _cond(pds, "Progressing").get("status") == "True"]
     assert rolling, "Progressing=True never seen during the rollout"
