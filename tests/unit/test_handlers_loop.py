@@ -79,3 +79,50 @@ async def test_an_idle_tick_waits_the_idle_interval(monkeypatch):
     assert times[1] - times[0] >= 1.5 - 0.1
     # Back to the 0.01 s sample interval; the bound leaves room for a loaded machine's scheduling.
     assert times[2] - times[1] < 1.0
+
+
+def test_missed_samples_of_a_long_turn():
+    from gearshift.handlers.loop import missed_samples
+
+    # At 2 s: the next turn starts at once after an overrun, in place of the latest instant passed.
+    assert [missed_samples(e, 2.0) for e in (0.0, 1.9, 2.0, 2.5, 3.99, 4.0, 4.5, 10.1)] == [
+        0,
+        0,
+        0,
+        0,
+        0,
+        1,
+        1,
+        4,
+    ]
+
+
+async def test_a_turn_longer_than_the_interval_is_counted_and_logged(caplog):
+    # #31 item 3: the loop never falls behind silently.
+    from gearshift.handlers import metrics
+
+    stopped = _Stopped()
+    calls: list[float] = []
+
+    def tick(ns: str, name: str) -> object:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            time.sleep(0.26)  # five intervals of 0.05 s and a bit: four instants missed
+        else:
+            stopped.flag.set()
+        return SimpleNamespace()
+
+    counter = metrics.SAMPLES_MISSED.labels("slow tick")
+    before = counter._value.get()
+    body = {"spec": {"policy": {"sampleIntervalS": 0.05}}}
+    with caplog.at_level("WARNING", logger="gearshift.loop"):
+        await asyncio.wait_for(
+            every_sample_interval(
+                "ns", "gs", body, stopped, tick, what="slow tick", floor_s=0.01, expected=()
+            ),
+            timeout=5,
+        )
+    missed = counter._value.get() - before
+    assert missed >= 4  # floor(0.26 / 0.05) - 1; a loaded machine may stretch the sleep, never shorten it
+    assert any("slow tick took" in r.getMessage() and "missed" in r.getMessage() for r in caplog.records)
+    assert len(calls) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -413,6 +414,19 @@ class TestTicks:
         assert len(warned) == 1 and warned[0]["type"] == "Warning"
         run(world, FakeSignals(), T0 + 20)
         assert _signals_condition(world)["reason"] == "SignalsOk"
+
+    def test_each_written_sample_records_its_lag_to_the_status(self, world: FakeKubeApi) -> None:
+        # #31 item 3: the sample → status lag is measured (gearshift_operator_sample_to_status_seconds).
+        from gearshift.handlers import metrics
+
+        def count() -> float:
+            (fam,) = metrics.SAMPLE_TO_STATUS_SECONDS.collect()
+            return next(x.value for x in fam.samples if x.name.endswith("_count"))
+
+        before = count()
+        run(world, FakeSignals(), time.time())
+        run(world, FakeSignals(), time.time())
+        assert count() - before == 2
 
     def test_a_missing_arrival_rate_while_serving_is_reported_once_and_clears(
         self, world: FakeKubeApi

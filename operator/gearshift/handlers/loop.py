@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
+from gearshift.handlers import metrics
 from gearshift.handlers.kubeapi import GS, PDS, KubeApi
 
 log = logging.getLogger("gearshift.loop")
@@ -29,6 +31,16 @@ DEFAULT_INTERVAL_S = 2.0
 #: services would otherwise keep the operator busy (issue 6: no hot loop when idle); enabling the
 #: feature takes effect within this time.
 IDLE_INTERVAL_S = 30.0
+
+
+def missed_samples(elapsed_s: float, interval_s: float) -> int:
+    """Sample instants a turn of ``elapsed_s`` passed without a sample of their own, at one sample every
+    ``interval_s`` (> 0): the turn started at instant 0, and the next starts at once when it overran, in
+    place of the latest instant that passed; every earlier one that passed is missed.
+
+    E.g. at 2 s: a 1.9 s turn misses none, a 2.5 s one none (the next sample is 0.5 s late), a 4.5 s one
+    the instant at 2 s."""
+    return max(0, math.floor(elapsed_s / interval_s) - 1)
 
 
 def sample_interval(body: Mapping[str, Any], floor_s: float) -> float:
@@ -56,7 +68,9 @@ async def every_sample_interval(
     A tick that returns an object with a truthy ``skipped`` logs it at debug level; one with a truthy
     ``idle`` waits :data:`IDLE_INTERVAL_S` before the next turn; an ``expected`` error is a warning,
     anything else is logged with its traceback; the loop goes on either way until kopf stops the daemon.
-    The interval is re-read from ``body`` (kopf keeps it current) every round.
+    The interval is re-read from ``body`` (kopf keeps it current) every round. A turn longer than the
+    interval never goes by silently (#31): the sample instants it missed (:func:`missed_samples`) are
+    counted (``gearshift_operator_samples_missed_total``) and logged as a warning.
     """
     while not stopped:
         start = time.monotonic()
@@ -71,7 +85,15 @@ async def every_sample_interval(
         except Exception:
             log.exception("GearSet %s/%s: %s failed", namespace, name, what)
         interval = max(sample_interval(body, floor_s), IDLE_INTERVAL_S if idle else 0.0)
-        await stopped.wait(max(0.0, interval - (time.monotonic() - start)))
+        elapsed = time.monotonic() - start
+        missed = missed_samples(elapsed, interval)
+        if missed:
+            metrics.SAMPLES_MISSED.labels(what).inc(missed)
+            log.warning(
+                "GearSet %s/%s: %s took %.1f s at a %.1f s interval: %d sample(s) missed",
+                namespace, name, what, elapsed, interval, missed,
+            )  # fmt: skip
+        await stopped.wait(max(0.0, interval - elapsed))
 
 
 def load_gearset_and_service(

@@ -40,6 +40,20 @@ DECISION_SECONDS = Histogram(
     "Time of one gear-shift decision (signals to decision), s.",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
 )
+#: Per sampling loop (``shifting tick``, ``autoscale tick``, ``adaptive batch tick``): #31 item 3, the
+#: loop never falls behind silently.
+SAMPLES_MISSED = Counter(
+    "gearshift_operator_samples_missed_total",
+    "Sample instants a GearSet's loop passed without a sample of their own (a turn longer than the "
+    "sample interval), by loop.",
+    ["loop"],
+)
+SAMPLE_TO_STATUS_SECONDS = Histogram(
+    "gearshift_operator_sample_to_status_seconds",
+    "Time from a shifting tick's sample to its GearSet status stored (status.signals.sampleTime to the "
+    "write's answer), s.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60),
+)
 SERVICES = Gauge("gearshift_operator_pdservices", "PDServices known to this operator, by phase.", ["phase"])
 LEADER = Gauge(
     "gearshift_operator_leader",

@@ -428,6 +428,8 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: SignalS
     seen = _observe(api, t, rt.settings, signals, now)
     done = _step(api, t, seen, now)
     book = _write_status(rt, t, seen, done, now)
+    # Sample → status lag (#31 item 3): ``now`` is when the sample was taken, on the same wall clock.
+    metrics.SAMPLE_TO_STATUS_SECONDS.observe(max(0.0, time.time() - now))
     _act(rt, t, done.operations)
     _mark_warming(api, t, seen.pods, done.state)
     metrics.record_gears(namespace, t.gs.spec.service_name, t.gs.spec.role, done.state.active, seen.gpus)
