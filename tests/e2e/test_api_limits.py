@@ -114,8 +114,14 @@ def test_a_large_user_annotation_does_not_stop_reconciling(world: World) -> None
     world.apply(_gearset("big-prefill", "big", "prefill", [{**whole[0], "nodes": [p]}]))
     world.apply(_gearset("big-decode", "big", "decode", [{**whole[0], "nodes": [d]}]))
     world.apply(_service("big", {ANNOTATION: "x" * ANNOTATION_BYTES}))
-    sts = wait_until(lambda: _statefulsets(world, "big") or None, 120, "the service's StatefulSets")
-    assert {s["metadata"]["labels"]["gearshift.io/role"] for s in sts} == {"prefill", "decode"}
+
+    def both_roles() -> list[dict[str, Any]] | None:
+        # The reconcile creates the StatefulSets one after another: wait for both, not the first.
+        sts = _statefulsets(world, "big")
+        roles = {s["metadata"]["labels"]["gearshift.io/role"] for s in sts}
+        return sts if roles == {"prefill", "decode"} else None
+
+    wait_until(both_roles, 120, "the service's prefill and decode StatefulSets")
     # kopf writes its diff base once the handler returns, which may come after the StatefulSets.
     notes = wait_until(
         lambda: (n := world.get("pds", "big")["metadata"]["annotations"]).get(DIFFBASE) and n,
