@@ -265,6 +265,11 @@ def _node_differs(node: Any, manifest: dict[str, Any]) -> bool:
     return any(capacity.get(k) != v for k, v in manifest["status"]["capacity"].items())
 
 
+def _ready_timeout(nodes: int) -> float:
+    """How long ``up`` waits for the nodes to be Ready: 60 s, or 0.1 s a node for large fleets."""
+    return max(NODES_READY_TIMEOUT_S, nodes / 10)
+
+
 def wait_nodes_ready(layout: Layout, names: list[str], timeout_s: float = NODES_READY_TIMEOUT_S) -> None:
     """Wait until every node of ``names`` has condition Ready=True. Raises SandboxError at the deadline."""
     from kubernetes import client
@@ -375,7 +380,7 @@ def _ensure_prometheus(layout: Layout, state: dict[str, Any], say: Say) -> str:
 # ---------------------------------------------------------------------------------------- pod runner
 
 
-def _runner_argv(layout: Layout) -> list[str]:
+def _runner_argv(layout: Layout, light: bool = False) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -389,6 +394,7 @@ def _runner_argv(layout: Layout) -> list[str]:
         "--hostpath-root",
         str(layout.hostpath_root),
         *(["--vllm-bin", str(layout.vllm_bin)] if layout.vllm_installed else []),
+        *(["--light"] if light else []),
     ]
 
 
@@ -400,16 +406,17 @@ def code_fingerprint(*modules: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say) -> int:
+def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say, light: bool = False) -> int:
     pidfile = layout.run_dir / "podrunner.pid"
     code = code_fingerprint("podrunner", "podspec", "procs", "nodes", "mountns")
     code += "+vllm" if layout.vllm_installed else ""
+    code += "+light" if light else ""
     pid = procs.running(pidfile)
     if pid is not None and state.get("podrunner_code") == code:
         return pid
     if procs.stop(pidfile):
         say("pod runner: code changed, restarting (its pods' processes restart too)")
-    pid = procs.start(pidfile, _runner_argv(layout), layout.logs_dir / "podrunner.log").pid
+    pid = procs.start(pidfile, _runner_argv(layout, light), layout.logs_dir / "podrunner.log").pid
     state["podrunner_code"] = code
     say(f"pod runner: started (pid {pid}, log {layout.logs_dir / 'podrunner.log'})")
     return pid
@@ -440,8 +447,12 @@ def up(
     cpu_nodes: int = 2,
     prometheus: bool = True,
     say: Say | None = None,
+    light_pods: bool = False,
 ) -> dict[str, Any]:
     """Bring the sandbox up (or check and repair it) and return its state.
+
+    ``light_pods`` runs the pod runner in light mode (containers are forks of it, see ``podrunner``):
+    for fleets of hundreds of nodes, whose probe Jobs and engine pods could not run as programs.
 
     Raises:
         SandboxConfigError: binaries missing (names them and the build command).
@@ -450,10 +461,12 @@ def up(
     """
     say = say or Progress()
     with _locked(layout, say):
-        return _up(layout, fleet_path, cpu_nodes, prometheus, say)
+        return _up(layout, fleet_path, cpu_nodes, prometheus, say, light_pods)
 
 
-def _up(layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say: Say) -> dict[str, Any]:
+def _up(
+    layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say: Say, light_pods: bool = False
+) -> dict[str, Any]:
     missing = layout.missing_binaries()
     if missing:
         raise SandboxConfigError(
@@ -475,7 +488,7 @@ def _up(layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say:
         state = {k: v for k, v in state.items() if k == "prometheus_port"}
         state["created"] = time.time()
     sync_nodes(layout, manifests, say)
-    wait_nodes_ready(layout, [m["metadata"]["name"] for m in manifests])
+    wait_nodes_ready(layout, [m["metadata"]["name"] for m in manifests], _ready_timeout(len(manifests)))
     state.update(
         {
             "name": layout.name,
@@ -492,7 +505,8 @@ def _up(layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say:
         procs.stop(layout.run_dir / "prometheus.pid")
         procs.stop(layout.run_dir / "promsd.pid")
         state["prometheus_url"] = None
-    state["podrunner_pid"] = _ensure_runner(layout, state, say)
+    state["podrunner_pid"] = _ensure_runner(layout, state, say, light_pods)
+    state["light_pods"] = light_pods
     _write_state(layout, state)
     return state
 
