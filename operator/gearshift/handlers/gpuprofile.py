@@ -26,8 +26,9 @@ import kopf
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus, ProfileOverride
 from gearshift.handlers import nodes
-from gearshift.handlers.kubeapi import GPUP, JOB, NODE, POD, KubeApi, KubeApiError
+from gearshift.handlers.kubeapi import GPUP, JOB, NODE, KubeApi, KubeApiError
 from gearshift.handlers.runtime import ProfileMemory, Runtime, runtime_of
+from gearshift.k8s.names import COMPONENT_PROBE, LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGED_BY
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
 from gearshift.profiling.lifecycle import (
     ProbeSettings,
@@ -89,12 +90,11 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _read_job(api: KubeApi, namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """The probe Job and its pods (API dicts), or ``(None, [])`` when the Job is gone."""
-    job = api.get(*JOB, namespace, name)
-    if job is None:
-        return None, []
-    return job, api.list(*POD, namespace, labels={"batch.kubernetes.io/job-name": name})
+def _read_job(rt: Runtime, namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The probe Job and its pods (API dicts), or ``(None, [])`` when the Job is gone: from the listing of
+    every probe Job that all profiles share (:class:`~gearshift.handlers.runtime.ProbeJobs`)."""
+    selector = {LABEL_COMPONENT: COMPONENT_PROBE, LABEL_MANAGED_BY: MANAGED_BY}
+    return rt.probe_jobs.job(rt.api, namespace, name, selector)
 
 
 def _delete_job(api: KubeApi, namespace: str, name: str) -> None:
@@ -221,7 +221,7 @@ def _step(
         step = _node_gone(api, s, status, pspec.node_name, now, generation, logger)
     elif job is not None:
         peers = _all_nodes(gpu_nodes)
-        step = _probe_outcome(api, s, status, job, node, pspec.override, peers, now, generation)
+        step = _probe_outcome(rt, s, status, job, node, pspec.override, peers, now, generation)
     else:
         step = _start_if_due(api, s, body, status, node, pspec.override, now, generation)
     fleet_class = fleet_classes(profile_scores).get(name)
@@ -257,7 +257,7 @@ def _node_gone(
 
 
 def _probe_outcome(
-    api: KubeApi,
+    rt: Runtime,
     s: ProbeSettings,
     status: GPUProfileStatus,
     job_name: str,
@@ -270,7 +270,7 @@ def _probe_outcome(
     """Read the probe Job ``job_name`` in flight; the status once it finished (a Job that would not finish
     by itself is deleted)."""
     started = status.probe.started_time if status.probe else None
-    job, pods = _read_job(api, s.job.namespace, job_name)
+    job, pods = _read_job(rt, s.job.namespace, job_name)
     outcome = job_outcome(
         job,
         pods,
@@ -280,7 +280,7 @@ def _probe_outcome(
         expected_kinds=s.expected_kinds,
     )
     if outcome.delete_job:
-        _delete_job(api, s.job.namespace, job_name)
+        _delete_job(rt.api, s.job.namespace, job_name)
     return probe_finished(
         status, node, outcome, override=override, peers=peers, now=now, generation=generation, settings=s
     )
