@@ -536,7 +536,10 @@ class PodRunner:
             run.containers = []
             _log(f"{run.key}: cannot run: {exc}")
         _log(f"{run.key}: accepted on {spec.get('nodeName')} ({pod['status'].get('podIP')})")
-        self._report(run)
+        if not self.light or run.error is not None:
+            # Light mode starts the container on the next pass: its Running report is the first (one
+            # status write fewer per pod; the runner writes them one at a time).
+            self._report(run)
 
     def _spawn(self, run: PodRun, c: ContainerRun) -> None:
         with contextlib.suppress(FileNotFoundError):
