@@ -378,3 +378,25 @@ class TestNodeEvent:
         self.event(world, fleet_node("gpu-a10-0"), "DELETED")
         self.event(world, {"metadata": {"name": "cpu-0"}, "status": {"capacity": {"cpu": "8"}}})
         assert world.api.calls == []
+
+
+class _ChangingIndex(dict):  # type: ignore[type-arg]
+    """A kopf index the event loop changes while a handler thread reads it: the first reads fail."""
+
+    def __init__(self, data: dict[str, list[Any]], failures: int) -> None:
+        super().__init__(data)
+        self.failures = failures
+
+    def items(self):  # type: ignore[no-untyped-def]
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("dictionary changed size during iteration")
+        return super().items()
+
+
+def test_fleet_classes_reads_an_index_that_changes_under_it() -> None:
+    """58 profile timers failed (and waited 60 s) on this race while 1,000 nodes were profiled."""
+    index = _ChangingIndex({"a": [1.0], "b": [0.1], "c": []}, failures=3)
+    assert gpuprofile.fleet_classes(index) == gpuprofile.fleet_classes({"a": [1.0], "b": [0.1]})  # type: ignore[arg-type]
+    assert index.failures == 0
+    assert gpuprofile.index_snapshot(_ChangingIndex({"n": ["v"]}, failures=2)) == [("n", ["v"])]  # type: ignore[arg-type]
