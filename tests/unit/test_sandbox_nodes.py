@@ -154,3 +154,23 @@ class TestCpuNode:
         assert "taints" not in cpu["spec"]
         assert not any(k.startswith("nvidia.com/") for k in cpu["metadata"]["labels"])
         assert cpu["metadata"]["labels"]["gearshift.io/node-pool"] == "cpu"
+
+
+def test_a_node_whose_ttl_the_controller_set_does_not_differ():
+    """kube-controller-manager's TTL controller owns node.alpha.kubernetes.io/ttl (0-60 s by cluster
+    size): a second ``up`` of a 1,000-node sandbox must not rewrite every node for it."""
+    from types import SimpleNamespace
+
+    from gearshift.dev.sandbox.cluster import _node_differs
+
+    one = parse_fleet({"name": "f", "nodePools": [{"name": "t", "gpu": "T4-16GB", "nodes": 1}]})
+    (m,) = sandbox_nodes(one, OCTET, cpu_nodes=0)
+    ttl = {**m["metadata"]["annotations"], "node.alpha.kubernetes.io/ttl": "30"}
+    live = SimpleNamespace(
+        metadata=SimpleNamespace(labels=dict(m["metadata"]["labels"]), annotations=ttl),
+        spec=SimpleNamespace(taints=[SimpleNamespace(**t) for t in m["spec"]["taints"]]),
+        status=SimpleNamespace(capacity=dict(m["status"]["capacity"])),
+    )  # fmt: skip
+    assert not _node_differs(live, m)
+    live.metadata.annotations["gearshift.io/gpu-model"] = "A10-24GB"
+    assert _node_differs(live, m)

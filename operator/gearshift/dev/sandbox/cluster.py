@@ -250,13 +250,22 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
     say(f"nodes: {created} created, {updated} updated, {len(stale)} removed")
 
 
+#: Node annotations a controller owns once the node exists: kube-controller-manager's TTL controller sets
+#: ``node.alpha.kubernetes.io/ttl`` by cluster size (0 s up to 100 nodes, then 15, 30, 60), so comparing
+#: it made a second ``up`` of a 1,000-node sandbox rewrite every node (6.5 min), and the controller set
+#: it back.
+CONTROLLER_OWNED_ANNOTATIONS = frozenset({"node.alpha.kubernetes.io/ttl"})
+
+
 def _node_differs(node: Any, manifest: dict[str, Any]) -> bool:
-    """True when the live node lacks a label, annotation, taint or capacity figure of ``manifest``."""
+    """True when the live node lacks a label, annotation (but those of
+    :data:`CONTROLLER_OWNED_ANNOTATIONS`), taint or capacity figure of ``manifest``."""
     meta, live_status = manifest["metadata"], node.status
     labels, annotations = node.metadata.labels or {}, node.metadata.annotations or {}
     if any(labels.get(k) != v for k, v in meta["labels"].items()):
         return True
-    if any(annotations.get(k) != v for k, v in meta["annotations"].items()):
+    mine = {k: v for k, v in meta["annotations"].items() if k not in CONTROLLER_OWNED_ANNOTATIONS}
+    if any(annotations.get(k) != v for k, v in mine.items()):
         return True
     taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in node.spec.taints or []]
     if any(t not in taints for t in manifest["spec"].get("taints", [])):
