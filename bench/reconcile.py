@@ -45,24 +45,40 @@ G = "gearshift.io/v1alpha1"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def objects(name: str) -> list[dict[str, Any]]:
-    """A PDService and its two explicit GearSets (2 and 3 stages placed by GPU-model labels)."""
+def objects(
+    name: str,
+    replicas: int = 0,
+    engine: str = "vllm",
+    decode_last: str = "A10-24GB",
+    policy: dict[str, Any] | None = None,
+    second_gear: bool = False,
+) -> list[dict[str, Any]]:
+    """A PDService and its two explicit GearSets (2 and 3 stages placed by GPU-model labels).
+
+    ``replicas``, ``engine``, the GPU model of decode's last stage, the GearSets' ``spec.policy`` and
+    ``second_gear`` (a prefill gear ``g2`` on L40S + A100-80GB, for ``spec.forceGear``) are the fleet
+    benchmark's knobs (bench/fleet_operator.py)."""
     model = {"name": "meta-llama/Meta-Llama-3-8B", "numLayers": 32, "hiddenSize": 4096, "numHeads": 32,
              "numKvHeads": 8, "headDim": 128, "intermediateSize": 14336, "vocabSize": 128256}  # fmt: skip
 
-    def gs(role: str, stages: list[tuple[int, int, str]]) -> dict[str, Any]:
-        return {
-            "apiVersion": G, "kind": "GearSet", "metadata": {"name": f"{name}-{role}"},
-            "spec": {"serviceName": name, "role": role, "mode": "explicit", "replicas": 0, "gears": [{
-                "name": "g1", "qpsRange": [0, 10], "stages": [
-                    {"layers": [a, b], "nodeSelector": {names.NODE_GPU_MODEL: m}} for a, b, m in stages]}]},
-        }  # fmt: skip
+    def gear(gname: str, stages: list[tuple[int, int, str]]) -> dict[str, Any]:
+        return {"name": gname, "qpsRange": [0, 10], "stages": [
+            {"layers": [a, b], "nodeSelector": {names.NODE_GPU_MODEL: m}} for a, b, m in stages]}  # fmt: skip
 
+    def gs(role: str, gears: list[dict[str, Any]]) -> dict[str, Any]:
+        spec = {"serviceName": name, "role": role, "mode": "explicit", "replicas": replicas, "gears": gears}
+        if policy:
+            spec["policy"] = policy
+        return {"apiVersion": G, "kind": "GearSet", "metadata": {"name": f"{name}-{role}"}, "spec": spec}
+
+    prefill = [gear("g1", [(0, 24, "H100-80GB"), (24, 32, "A100-40GB")])]
+    if second_gear:
+        prefill.append(gear("g2", [(0, 16, "L40S-48GB"), (16, 32, "A100-80GB")]))
     return [
-        gs("prefill", [(0, 24, "H100-80GB"), (24, 32, "A100-40GB")]),
-        gs("decode", [(0, 12, "A100-40GB"), (12, 22, "A10-24GB"), (22, 32, "A10-24GB")]),
+        gs("prefill", prefill),
+        gs("decode", [gear("g1", [(0, 12, "A100-40GB"), (12, 22, "A10-24GB"), (22, 32, decode_last)])]),
         {"apiVersion": G, "kind": "PDService", "metadata": {"name": name},
-         "spec": {"model": model, "engine": "vllm", "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
+         "spec": {"model": model, "engine": engine, "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
                   "decode": {"gearSetRef": {"name": f"{name}-decode"}}}},
     ]  # fmt: skip
 
@@ -91,6 +107,57 @@ def apply(kubeconfig: Path, ns: str, objs: list[dict[str, Any]]) -> None:
     kubectl(kubeconfig, "-n", ns, "apply", "-f", "-", input="\n---\n".join(json.dumps(o) for o in objs))
 
 
+def sandbox_kubeconfig() -> Path:
+    """``$KUBECONFIG``, else this checkout's sandbox's; the pinned kubectl first on ``PATH``."""
+    kubeconfig = Path(os.environ.get("KUBECONFIG") or "")
+    if not kubeconfig.is_file():
+        kubeconfig = next((REPO / ".sandbox" / "kwok" / "clusters").glob("*/kubeconfig.yaml"))
+    bins = sorted(Path.home().glob(".cache/gearshift/bin/kubernetes-*"))
+    os.environ["PATH"] = os.pathsep.join([str(b) for b in bins] + [os.environ.get("PATH", "")])
+    os.environ["KUBECONFIG"] = str(kubeconfig)
+    return kubeconfig
+
+
+def rest_api(kubeconfig: Path) -> RestKubeApi:
+    from kubernetes import client, config
+
+    config.load_kube_config(str(kubeconfig))
+    return RestKubeApi(client.ApiClient())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_operator(
+    kubeconfig: Path,
+    ns: str,
+    metrics_port: int,
+    log: Any,
+    extra: list[str],
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``gearshift operator`` watching ``ns`` (its log to ``log``), metrics on ``metrics_port``."""
+    return subprocess.Popen(
+        # handlers.main directly: the CLI imports every sub-command module, any of which may be mid-edit.
+        [sys.executable, "-c", "import argparse, sys; from gearshift.handlers import main as m; "
+         "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))",
+         "--kubeconfig", str(kubeconfig), "--namespace", ns, *extra,
+         "--probe-port", "0", "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def stop_operator(op: subprocess.Popen[bytes]) -> None:
+    op.send_signal(signal.SIGINT)
+    try:
+        op.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        op.kill()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--latency-n", type=int, default=10)
@@ -100,34 +167,20 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "reconcile.json")
     args = ap.parse_args()
 
-    kubeconfig = Path(os.environ.get("KUBECONFIG") or "")
-    if not kubeconfig.is_file():
-        kubeconfig = next((REPO / ".sandbox" / "kwok" / "clusters").glob("*/kubeconfig.yaml"))
-    bins = sorted(Path.home().glob(".cache/gearshift/bin/kubernetes-*"))
-    env_path = os.pathsep.join([str(b) for b in bins] + [os.environ.get("PATH", "")])
-    os.environ["PATH"] = env_path
-    os.environ["KUBECONFIG"] = str(kubeconfig)
-    from kubernetes import client, config
-
-    config.load_kube_config(str(kubeconfig))
-    api = RestKubeApi(client.ApiClient())
+    kubeconfig = sandbox_kubeconfig()
+    api = rest_api(kubeconfig)
     ns = f"bench-reconcile-{uuid.uuid4().hex[:6]}"
     kubectl(kubeconfig, "create", "namespace", ns)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        mport = s.getsockname()[1]
+    mport = free_port()
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{ns}-operator.log"
     log = log_path.open("w")  # the operator's log, for a failed run; not a result
-    op = subprocess.Popen(
-        # handlers.main directly: the CLI imports every sub-command module, any of which may be mid-edit.
-        [sys.executable, "-c", "import argparse, sys; from gearshift.handlers import main as m; "
-         "p = argparse.ArgumentParser(); m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))",
-         "--kubeconfig", str(kubeconfig),
-         "--namespace", ns, "--disable", "gearshift.handlers.nodes",
-         "--disable", "gearshift.handlers.gpuprofile",
-         "--probe-port", "0", "--metrics-port", str(mport), "--log-level", "WARNING"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    op = start_operator(
+        kubeconfig,
+        ns,
+        mport,
+        log,
+        ["--disable", "gearshift.handlers.nodes", "--disable", "gearshift.handlers.gpuprofile"],
+    )
     time.sleep(0.5)
     load = os.getloadavg()
     result: dict[str, Any] = {
@@ -212,11 +265,7 @@ def main() -> int:
         # need it, and a namespace deleted after it stopped stays Terminating in the shared sandbox.
         kc = ["kubectl", "--kubeconfig", str(kubeconfig)]
         subprocess.run([*kc, "delete", "namespace", ns, "--timeout=240s"], capture_output=True, timeout=300)
-        op.send_signal(signal.SIGINT)
-        try:
-            op.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            op.kill()
+        stop_operator(op)
         log.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -135,10 +135,12 @@ class World:
     def finish_job(self, message: str, exit_code: int = 0) -> None:
         (job,) = self.api.jobs()
         name = job["metadata"]["name"]
+        # The Job controller's pod: the template's labels and the job-name label.
+        labels = {**job["spec"]["template"]["metadata"]["labels"], "batch.kubernetes.io/job-name": name}
         self.api.put(
             {"apiVersion": "v1", "kind": "Pod",
              "metadata": {"name": f"{name}-x", "namespace": NS, "creationTimestamp": "2025-01-31T18:00:01Z",
-                          "labels": {"batch.kubernetes.io/job-name": name}},
+                          "labels": labels},
              "status": {"containerStatuses": [{"name": "probe", "state": {"terminated": {
                  "exitCode": exit_code, "message": message, "reason": "Completed"}}}]}}
         )  # fmt: skip
@@ -176,14 +178,26 @@ def test_a_new_profile_creates_one_probe_job_and_writes_probing(world: World) ->
     gpuprofile._step(
         world.rt, NODE, body, body["spec"], body["metadata"], world.gpu_nodes, {}, _Logger(), world.now
     )  # type: ignore[arg-type]
-    assert world.api.verbs() == [("get", "Job"), ("list", "Pod")]
-    assert world.api.calls[1] == (
-        "list",
-        "Pod",
-        NS,
-        f"batch.kubernetes.io/job-name={job['metadata']['name']}",
-    )
+    # One listing of every probe Job and probe pod, which every profile's step shares for a second.
+    selector = "app.kubernetes.io/component=probe,app.kubernetes.io/managed-by=gearshift"
+    assert world.api.calls == [("list", "Job", NS, selector), ("list", "Pod", NS, selector)]
     assert len(world.api.jobs()) == 1
+
+
+def test_probe_steps_share_one_listing_of_the_probe_jobs(world: World) -> None:
+    """1,000 probes in flight made 2,000 calls every 2 s (a GET and a label-selected LIST each); the steps
+    of every profile now share two LISTs a second, and a Job created after the listing is read directly."""
+    world.step()
+    body = world.api.profile()
+    world.api.calls.clear()
+    for _ in range(3):
+        gpuprofile._step(
+            world.rt, NODE, body, body["spec"], body["metadata"], world.gpu_nodes, {}, _Logger(), world.now
+        )  # type: ignore[arg-type]
+    assert world.api.verbs() == [("list", "Job"), ("list", "Pod")]
+    world.api.calls.clear()
+    job, pods = world.rt.probe_jobs.job(world.api, NS, "gsprobe-made-after-the-listing", {})
+    assert (job, pods) == (None, []) and world.api.verbs() == [("get", "Job")]
 
 
 def test_a_finished_probe_makes_the_profile_ready_and_labels_the_node(world: World) -> None:
@@ -218,15 +232,16 @@ def test_a_stuck_image_pull_deletes_the_job_and_backs_off(world: World) -> None:
     world.step()
     (job,) = world.api.jobs()
     name = job["metadata"]["name"]
+    labels = {**job["spec"]["template"]["metadata"]["labels"], "batch.kubernetes.io/job-name": name}
     world.api.put(
         {"apiVersion": "v1", "kind": "Pod",
-         "metadata": {"name": f"{name}-x", "namespace": NS, "labels": {"batch.kubernetes.io/job-name": name}},
+         "metadata": {"name": f"{name}-x", "namespace": NS, "labels": labels},
          "status": {"containerStatuses": [
              {"name": "probe", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}}
     )  # fmt: skip
     world.step()
     assert world.api.verbs() == [
-        ("get", "Job"),
+        ("list", "Job"),
         ("list", "Pod"),
         ("delete", "Job"),
         ("patch_status", "GPUProfile"),
@@ -407,3 +422,25 @@ def test_a_pruned_profile_status_write_stops_the_step_and_reports_once(
     assert world.rt.pruned.known(uid)
     nodes.gpuprofile_event_forget(type="DELETED", name=NODE, memo=world.memo, body=api.profile())  # type: ignore[arg-type]
     assert not world.rt.pruned.known(uid)
+
+
+class _ChangingIndex(dict):  # type: ignore[type-arg]
+    """A kopf index the event loop changes while a handler thread reads it: the first reads fail."""
+
+    def __init__(self, data: dict[str, list[Any]], failures: int) -> None:
+        super().__init__(data)
+        self.failures = failures
+
+    def items(self):  # type: ignore[no-untyped-def]
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("dictionary changed size during iteration")
+        return super().items()
+
+
+def test_fleet_classes_reads_an_index_that_changes_under_it() -> None:
+    """58 profile timers failed (and waited 60 s) on this race while 1,000 nodes were profiled."""
+    index = _ChangingIndex({"a": [1.0], "b": [0.1], "c": []}, failures=3)
+    assert gpuprofile.fleet_classes(index) == gpuprofile.fleet_classes({"a": [1.0], "b": [0.1]})  # type: ignore[arg-type]
+    assert index.failures == 0
+    assert gpuprofile.index_snapshot(_ChangingIndex({"n": ["v"]}, failures=2)) == [("n", ["v"])]  # type: ignore[arg-type]

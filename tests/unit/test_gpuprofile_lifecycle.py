@@ -258,6 +258,15 @@ class TestLabelsAndOverrides:
         assert links["gpu-a10-0"]["bandwidthGbps"] == 25
         assert links["gpu-a10-0"]["latencyUs"] == 10
 
+    def test_datasheet_interconnect_of_a_fleet_past_the_limit_is_empty(self) -> None:
+        """Not the first ``limit`` peers by name (an arbitrary part of a large fleet, 16 KB per profile at
+        1,000 nodes): none, and the planner's fallback computes every pair from the same annotations."""
+        nodes = [n for n in (node_view(x) for x in fleet_nodes()) if n]
+        h100 = view("gpu-h100-0")
+        peers = len([n for n in nodes if n.name != h100.name])
+        assert len(datasheet_interconnect(h100, nodes, peers)) == peers
+        assert datasheet_interconnect(h100, nodes, peers - 1) == []
+
 
 class TestJobOutcome:
     def test_valid_simulated_document_succeeds(self) -> None:

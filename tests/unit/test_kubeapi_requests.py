@@ -128,3 +128,35 @@ def test_status_write_goes_to_the_subresource() -> None:
         "application/merge-patch+json",
         {"status": {"phase": "Probing"}},
     )
+
+
+def test_every_request_is_counted_by_verb_and_resource() -> None:
+    """gearshift_operator_api_requests_total: the fleet benchmark's count of the operator's own calls."""
+    from gearshift.handlers.metrics import API_REQUESTS
+
+    def count(verb: str, resource: str) -> float:
+        return API_REQUESTS.labels(verb, resource)._value.get()
+
+    before = count("PATCH", "gpuprofiles/status"), count("GET", "jobs")
+    api = RestKubeApi(FakeApiClient((200, {"status": {}}), (404, None)))
+    api.patch_status("gearshift.io/v1alpha1", "GPUProfile", None, "gpu-a", {"phase": "Ready"})
+    assert api.get(*JOB, "probes", "gsprobe-a") is None
+    assert (count("PATCH", "gpuprofiles/status"), count("GET", "jobs")) == (before[0] + 1, before[1] + 1)
+
+
+@pytest.mark.parametrize(
+    ("path", "resource"),
+    [
+        ("/apis/apps/v1/namespaces/n/statefulsets/x", "statefulsets"),
+        ("/apis/apps/v1/namespaces/n/statefulsets?labelSelector=a", "statefulsets"),
+        ("/api/v1/nodes/x/status", "nodes/status"),
+        ("/api/v1/pods", "pods"),
+        ("/api/v1/namespaces/n/pods", "pods"),
+        ("/api/v1/namespaces/n", "namespaces"),
+        ("/apis/gearshift.io/v1alpha1/gpuprofiles/a/status", "gpuprofiles/status"),
+    ],
+)
+def test_resource_of_path(path: str, resource: str) -> None:
+    from gearshift.handlers.kubeapi import resource_of_path
+
+    assert resource_of_path(path) == resource

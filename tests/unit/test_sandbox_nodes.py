@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import itertools
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,47 @@ class TestAddressPlan:
             node_pod_cidr(octet, index)
 
     def test_too_many_nodes(self):
-        big = parse_fleet({"name": "big", "nodePools": [{"name": "t", "gpu": "T4-16GB", "nodes": 253}]})
-        with pytest.raises(NodeLayoutError, match="at most 254"):
+        big = parse_fleet({"name": "big", "nodePools": [{"name": "t", "gpu": "T4-16GB", "nodes": 1975}]})
+        with pytest.raises(NodeLayoutError, match="at most 1976"):
             sandbox_nodes(big, OCTET)
+
+
+@pytest.fixture(scope="module")
+def big():
+    fleet = parse_fleet({"name": "big", "nodePools": [
+        {"name": "t4", "gpu": "T4-16GB", "nodes": 1000, "gpusPerNode": 2},
+        {"name": "h100", "gpu": "H100-80GB", "nodes": 974, "gpusPerNode": 8}]})  # fmt: skip
+    return sandbox_nodes(fleet, OCTET)
+
+
+class TestDensePlan:
+    """More than 254 nodes (the fleet-scale benchmark): a /27 per node, still inside 127.<octet>/16."""
+
+    def test_small_fleet_keeps_the_24_plan(self):
+        fleet = parse_fleet({"name": "f", "nodePools": [{"name": "t", "gpu": "T4-16GB", "nodes": 252}]})
+        nets = {ipaddress.ip_network(n["spec"]["podCIDR"]) for n in sandbox_nodes(fleet, OCTET)}
+        assert {n.prefixlen for n in nets} == {24}
+
+    def test_disjoint_loopback_pod_cidrs_and_node_ips(self, big):
+        assert len(big) == 1976
+        nets = sorted(ipaddress.ip_network(n["spec"]["podCIDR"]) for n in big)
+        octet_net = ipaddress.ip_network(f"127.{OCTET}.0.0/16")
+        kwok_net = ipaddress.ip_network(f"127.{OCTET}.255.0/24")
+        assert all(n.prefixlen == 27 and n.subnet_of(octet_net) and not n.overlaps(kwok_net) for n in nets)
+        assert all(not a.overlaps(b) for a, b in itertools.pairwise(nets))
+        ips = [
+            ipaddress.ip_address(a["address"])
+            for n in big
+            for a in n["status"]["addresses"]
+            if a["type"] == "InternalIP"
+        ]
+        assert len(set(ips)) == len(ips) == len(big)
+        assert all(ip in octet_net and ip not in kwok_net for ip in ips)
+        assert not any(ip in net for ip in ips for net in nets[:2] + nets[-2:])
+        assert max(ips) < min(n.network_address for n in nets)
+
+    def test_pods_capacity_fits_the_cidr(self, big):
+        assert {n["status"]["capacity"]["pods"] for n in big} == {"30"}
 
 
 class TestGpuNode:
@@ -115,3 +154,23 @@ class TestCpuNode:
         assert "taints" not in cpu["spec"]
         assert not any(k.startswith("nvidia.com/") for k in cpu["metadata"]["labels"])
         assert cpu["metadata"]["labels"]["gearshift.io/node-pool"] == "cpu"
+
+
+def test_a_node_whose_ttl_the_controller_set_does_not_differ():
+    """kube-controller-manager's TTL controller owns node.alpha.kubernetes.io/ttl (0-60 s by cluster
+    size): a second ``up`` of a 1,000-node sandbox must not rewrite every node for it."""
+    from types import SimpleNamespace
+
+    from gearshift.dev.sandbox.cluster import _node_differs
+
+    one = parse_fleet({"name": "f", "nodePools": [{"name": "t", "gpu": "T4-16GB", "nodes": 1}]})
+    (m,) = sandbox_nodes(one, OCTET, cpu_nodes=0)
+    ttl = {**m["metadata"]["annotations"], "node.alpha.kubernetes.io/ttl": "30"}
+    live = SimpleNamespace(
+        metadata=SimpleNamespace(labels=dict(m["metadata"]["labels"]), annotations=ttl),
+        spec=SimpleNamespace(taints=[SimpleNamespace(**t) for t in m["spec"]["taints"]]),
+        status=SimpleNamespace(capacity=dict(m["status"]["capacity"])),
+    )  # fmt: skip
+    assert not _node_differs(live, m)
+    live.metadata.annotations["gearshift.io/gpu-model"] = "A10-24GB"
+    assert _node_differs(live, m)

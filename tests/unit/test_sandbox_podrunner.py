@@ -7,6 +7,7 @@ sandbox's API server.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -184,3 +185,49 @@ def test_pod_ip_changed_under_a_running_pod_is_restored(tmp_path):
         runner._supervise(runner.runs["uid-eng"])
     assert len(api.patches) == sent + 1
     runner._shutdown()
+
+
+def make_light_runner(tmp_path: Path) -> tuple[PodRunner, RecordingApi]:
+    api = RecordingApi()
+    runner = PodRunner.__new__(PodRunner)
+    PodRunner.__init__(runner, api, tmp_path / "kubeconfig", tmp_path / "pods", VENV_BIN, light=True)
+    runner.core = api
+    return runner, api
+
+
+def test_light_mode_runs_the_simulated_probe_in_a_fork(tmp_path):
+    """Light mode (the fleet benchmark's 1,000 probe Jobs): the probe's own main in a fork of the runner;
+    its termination message is the probe's compact report of the node's datasheet GPU."""
+    runner, api = make_light_runner(tmp_path)
+    p = pod("probe", ["gearshift-probe", "device"])
+    c = p["spec"]["containers"][0]
+    c["env"] = [
+        {"name": "GEARSHIFT_PROBE_SIMULATED", "value": "1"},
+        {"name": "GEARSHIFT_NODE_NAME", "value": "gpu-t4-0"},
+        {"name": "GEARSHIFT_GPU_COUNT", "value": "1"},
+        {"name": "GEARSHIFT_NODE_ANNOTATIONS", "value": '{"gearshift.io/gpu-model": "T4-16GB"}'},
+    ]
+    api.pods[("ns", "probe")] = p
+    runner._handle("ADDED", p)
+    drive(runner, lambda: api.patches and api.patches[-1]["phase"] in ("Succeeded", "Failed"))
+    term = api.patches[-1]["containerStatuses"][0]["state"]["terminated"]
+    assert api.patches[-1]["phase"] == "Succeeded", term
+    doc = json.loads(term["message"])
+    got = (doc["probe"], doc["kind"], doc["gpuModel"], doc["node"])
+    assert got == ("device", "simulated", "T4-16GB", "gpu-t4-0")
+
+
+def test_light_mode_other_containers_sleep_ready_until_deleted(tmp_path):
+    runner, api = make_light_runner(tmp_path)
+    p = pod("engine", ["gearshift-sim", "--port", "8000"], restart="Always")
+    p["spec"]["containers"][0]["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}}
+    api.pods[("ns", "engine")] = p
+    runner._handle("ADDED", p)
+    drive(runner, lambda: api.patches and api.patches[-1]["phase"] == "Running")
+    ready = {c["type"]: c["status"] for c in api.patches[-1]["conditions"]}
+    assert ready["Ready"] == "True"  # no readiness probe runs against a sleeping fork
+    (run,) = runner.runs.values()
+    proc = run.containers[0].proc
+    assert proc is not None and proc.poll() is None
+    runner._delete(run)
+    assert proc.poll() is not None and api.deleted == ["engine"]

@@ -6,6 +6,8 @@ status, events.
 paths in :data:`RESOURCES`). Applies use server-side apply with field manager ``gearshift`` and
 ``force=true`` (the operator owns these objects), so applying the same manifest twice is a no-op that
 leaves ``resourceVersion`` unchanged, and a changed manifest patches only the fields that changed.
+Every call counts in :data:`gearshift.handlers.metrics.API_REQUESTS` (by verb and resource), the
+operator's own API traffic (kopf's watches and its own patches are not in it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from gearshift.api.common import API_VERSION
+from gearshift.handlers.metrics import API_REQUESTS
 
 # --- the (apiVersion, kind) of every object the handlers read or write: one place ------------------------
 PDS = (API_VERSION, "PDService")
@@ -138,6 +141,18 @@ class KubeApi(Protocol):
         ...
 
 
+def resource_of_path(path: str) -> str:
+    """The resource a REST path names, with its subresource: ``/apis/apps/v1/namespaces/n/statefulsets/x``
+    → ``statefulsets``, ``/api/v1/nodes/x/status`` → ``nodes/status``, ``/api/v1/pods`` → ``pods``."""
+    parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) != 2:
+        rest = rest[2:]
+    if not rest:
+        return ""
+    return f"{rest[0]}/{rest[2]}" if len(rest) >= 3 else rest[0]
+
+
 class RestKubeApi:
     """:class:`KubeApi` over a ``kubernetes.client.ApiClient`` (sync; call it from threads)."""
 
@@ -155,6 +170,7 @@ class RestKubeApi:
     ) -> Any:
         from kubernetes.client.exceptions import ApiException
 
+        API_REQUESTS.labels(method, resource_of_path(path)).inc()
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type

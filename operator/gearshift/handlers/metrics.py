@@ -26,6 +26,12 @@ RECONCILE_SECONDS = Histogram(
     ["kind"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+API_REQUESTS = Counter(
+    "gearshift_operator_api_requests_total",
+    "Kubernetes API requests the handlers made (kopf's own watches and patches aside), by HTTP verb and "
+    "resource (with subresource, e.g. gpuprofiles/status).",
+    ["verb", "resource"],
+)
 APPLIED = Counter(
     "gearshift_operator_applied_objects_total", "Objects server-side applied by reconciles.", ["kind"]
 )

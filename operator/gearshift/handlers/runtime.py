@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gearshift.api.gearset import Gear
 from gearshift.handlers.common import PrunedReports
-from gearshift.handlers.kubeapi import GPUP, NODE, KubeApi, RestKubeApi
+from gearshift.handlers.kubeapi import GPUP, JOB, NODE, POD, KubeApi, RestKubeApi
 from gearshift.handlers.signals import LiveSignals, PrometheusSignals, ScaleSignalSource, SignalSource
 from gearshift.k8s.desired import Images
 from gearshift.profiling.lifecycle import ProbeSettings
@@ -134,6 +134,60 @@ class FleetCache:
         """Drop the cached fleet (a Node or GPUProfile changed)."""
         with self._lock:
             self._entry = None
+
+
+#: Seconds a listing of the probe Jobs and their pods serves every GPUProfile's step (its tick is 2 s).
+PROBE_JOBS_TTL_S = 1.0
+
+
+class ProbeJobs:
+    """The probe Jobs of one namespace and their pods, by Job name, listed at most every ``ttl_s`` s and
+    shared by every GPUProfile's step.
+
+    A profile whose probe runs reads its Job and the Job's pods on every step (2 s). Read one by one, a
+    fleet probing 1,000 nodes at once made 1,000 GETs and 1,000 label-selected pod LISTs every 2 s, each LIST
+    filtering all 1,000 probe pods in the API server: O(probes²) work, and through the operator's 8 handler
+    threads a finished probe waited 95 s (P99) for its profile's step (bench/fleet_operator.py). Two LISTs
+    a second serve them all. A Job this process created after the listing is not in it: :meth:`job` then
+    reads it directly, so a young Job never looks lost.
+    """
+
+    def __init__(self, ttl_s: float = PROBE_JOBS_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entry: tuple[KubeApi, str, float, dict[str, Any], dict[str, list[Any]]] | None = None
+
+    def job(
+        self, api: KubeApi, namespace: str, name: str, labels: Mapping[str, str]
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The Job ``name`` and its pods (``(None, [])`` when it is gone), from a listing of the Jobs and
+        pods labelled ``labels`` in ``namespace`` younger than ``ttl_s`` s. Raises KubeApiError."""
+        now = self._clock()
+        with self._lock:
+            hit = self._entry
+            fresh = hit is not None and hit[0] is api and hit[1] == namespace and now - hit[2] < self.ttl_s
+            if not fresh:
+                # Under the lock: the threads that find the listing stale wait for one read, not one each.
+                jobs = {j["metadata"]["name"]: j for j in api.list(*JOB, namespace, labels)}
+                pods: dict[str, list[Any]] = {}
+                for pod in api.list(*POD, namespace, labels):
+                    owner = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_NAME_LABEL, "")
+                    pods.setdefault(owner, []).append(pod)
+                hit = self._entry = (api, namespace, now, jobs, pods)
+        assert hit is not None
+        job = hit[3].get(name)
+        if job is None:
+            # Created after the listing (or gone): read it and its pods directly.
+            job = api.get(*JOB, namespace, name)
+            if job is None:
+                return None, []
+            return job, api.list(*POD, namespace, {JOB_NAME_LABEL: name})
+        return job, list(hit[4].get(name, []))
+
+
+#: The label the Job controller puts on a Job's pods.
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 
 class PlanCache:
@@ -385,6 +439,7 @@ class Runtime:
         self.services = ServiceMemory()
         self.gearsets = GearSetMemory()
         self.profiles = ProfileMemory()
+        self.probe_jobs = ProbeJobs()
         self.fleet_prints = FleetPrints()
         self.pruned = PrunedReports()
         self._lock = threading.Lock()

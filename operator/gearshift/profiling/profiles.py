@@ -324,8 +324,15 @@ def datasheet_interconnect(
     """``status.interconnect`` from the nodes' ``gearshift.io/nic-gbps`` and ``latency-us`` annotations.
 
     The slower NIC bounds a link and the larger latency counts, as :meth:`gearshift.facts.fleet.Fleet.link`
-    does; peers without the annotations are left out; at most ``limit`` peers, by name. This is the
-    datasheet fallback used until pairwise link probes run (the profile's ``source`` says ``datasheet``).
+    does; peers without the annotations are left out. This is the datasheet fallback used until pairwise
+    link probes run (the profile's ``source`` says ``datasheet``).
+
+    A fleet with more than ``limit`` such peers gets none: the first ``limit`` by name would be an
+    arbitrary part of it (at 1,000 nodes an A100 node listed 256 T4 and A10 peers and none of the cards it
+    pipelines with), and the planner computes every pair from the same annotations where a profile lists
+    no link (:func:`gearshift.planner.inputs.resource_profile`), so the list only cost bytes: 16 KB in
+    each of 1,000 profiles, in every status write and in every copy the operator holds
+    (bench/fleet_operator.py).
     """
 
     def nic(v: GpuNodeView) -> tuple[float, float] | None:
@@ -339,11 +346,13 @@ def datasheet_interconnect(
     mine = nic(node)
     if mine is None:
         return []
-    out = []
+    out: list[dict[str, Any]] = []
     for peer in sorted(peers, key=lambda p: p.name):
         theirs = nic(peer)
         if peer.name == node.name or theirs is None:
             continue
+        if len(out) >= limit:
+            return []
         out.append(
             {
                 "peer": peer.name,
@@ -351,6 +360,4 @@ def datasheet_interconnect(
                 "latencyUs": max(mine[1], theirs[1]),
             }
         )
-        if len(out) >= limit:
-            break
     return out

@@ -32,6 +32,12 @@ def register(subparsers: Any) -> None:
     up.add_argument("--cpu-nodes", type=int, default=2, help="plain CPU nodes besides the GPU nodes (2)")
     up.add_argument("--no-prometheus", action="store_true", help="do not run Prometheus")
     up.add_argument("--quiet", action="store_true", help="print only the summary")
+    up.add_argument(
+        "--light-pods",
+        action="store_true",
+        help="run pods as forks of the pod runner (simulated probes in-process, engines asleep and "
+        "Ready): fleets of hundreds of nodes (bench/fleet_operator.py)",
+    )
     up.set_defaults(func=_up)
 
     down = sub.add_parser("down", help="stop everything the sandbox started and delete its cluster")
@@ -82,6 +88,7 @@ def _up(args: argparse.Namespace) -> int:
             cpu_nodes=args.cpu_nodes,
             prometheus=not args.no_prometheus,
             say=say,
+            light_pods=args.light_pods,
         )
     except (SandboxConfigError, cluster.SandboxError, FleetError, OSError) as exc:
         print(f"gearshift sandbox up: {exc}", file=sys.stderr)

@@ -250,19 +250,33 @@ def sync_nodes(layout: Layout, manifests: list[dict[str, Any]], say: Say) -> Non
     say(f"nodes: {created} created, {updated} updated, {len(stale)} removed")
 
 
+#: Node annotations a controller owns once the node exists: kube-controller-manager's TTL controller sets
+#: ``node.alpha.kubernetes.io/ttl`` by cluster size (0 s up to 100 nodes, then 15, 30, 60), so comparing
+#: it made a second ``up`` of a 1,000-node sandbox rewrite every node (6.5 min), and the controller set
+#: it back.
+CONTROLLER_OWNED_ANNOTATIONS = frozenset({"node.alpha.kubernetes.io/ttl"})
+
+
 def _node_differs(node: Any, manifest: dict[str, Any]) -> bool:
-    """True when the live node lacks a label, annotation, taint or capacity figure of ``manifest``."""
+    """True when the live node lacks a label, annotation (but those of
+    :data:`CONTROLLER_OWNED_ANNOTATIONS`), taint or capacity figure of ``manifest``."""
     meta, live_status = manifest["metadata"], node.status
     labels, annotations = node.metadata.labels or {}, node.metadata.annotations or {}
     if any(labels.get(k) != v for k, v in meta["labels"].items()):
         return True
-    if any(annotations.get(k) != v for k, v in meta["annotations"].items()):
+    mine = {k: v for k, v in meta["annotations"].items() if k not in CONTROLLER_OWNED_ANNOTATIONS}
+    if any(annotations.get(k) != v for k, v in mine.items()):
         return True
     taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in node.spec.taints or []]
     if any(t not in taints for t in manifest["spec"].get("taints", [])):
         return True
     capacity = live_status.capacity or {}
     return any(capacity.get(k) != v for k, v in manifest["status"]["capacity"].items())
+
+
+def _ready_timeout(nodes: int) -> float:
+    """How long ``up`` waits for the nodes to be Ready: 60 s, or 0.1 s a node for large fleets."""
+    return max(NODES_READY_TIMEOUT_S, nodes / 10)
 
 
 def wait_nodes_ready(layout: Layout, names: list[str], timeout_s: float = NODES_READY_TIMEOUT_S) -> None:
@@ -375,7 +389,7 @@ def _ensure_prometheus(layout: Layout, state: dict[str, Any], say: Say) -> str:
 # ---------------------------------------------------------------------------------------- pod runner
 
 
-def _runner_argv(layout: Layout) -> list[str]:
+def _runner_argv(layout: Layout, light: bool = False) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -389,6 +403,7 @@ def _runner_argv(layout: Layout) -> list[str]:
         "--hostpath-root",
         str(layout.hostpath_root),
         *(["--vllm-bin", str(layout.vllm_bin)] if layout.vllm_installed else []),
+        *(["--light"] if light else []),
     ]
 
 
@@ -400,16 +415,17 @@ def code_fingerprint(*modules: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say) -> int:
+def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say, light: bool = False) -> int:
     pidfile = layout.run_dir / "podrunner.pid"
     code = code_fingerprint("podrunner", "podspec", "procs", "nodes", "mountns")
     code += "+vllm" if layout.vllm_installed else ""
+    code += "+light" if light else ""
     pid = procs.running(pidfile)
     if pid is not None and state.get("podrunner_code") == code:
         return pid
     if procs.stop(pidfile):
         say("pod runner: code changed, restarting (its pods' processes restart too)")
-    pid = procs.start(pidfile, _runner_argv(layout), layout.logs_dir / "podrunner.log").pid
+    pid = procs.start(pidfile, _runner_argv(layout, light), layout.logs_dir / "podrunner.log").pid
     state["podrunner_code"] = code
     say(f"pod runner: started (pid {pid}, log {layout.logs_dir / 'podrunner.log'})")
     return pid
@@ -440,8 +456,12 @@ def up(
     cpu_nodes: int = 2,
     prometheus: bool = True,
     say: Say | None = None,
+    light_pods: bool = False,
 ) -> dict[str, Any]:
     """Bring the sandbox up (or check and repair it) and return its state.
+
+    ``light_pods`` runs the pod runner in light mode (containers are forks of it, see ``podrunner``):
+    for fleets of hundreds of nodes, whose probe Jobs and engine pods could not run as programs.
 
     Raises:
         SandboxConfigError: binaries missing (names them and the build command).
@@ -450,10 +470,12 @@ def up(
     """
     say = say or Progress()
     with _locked(layout, say):
-        return _up(layout, fleet_path, cpu_nodes, prometheus, say)
+        return _up(layout, fleet_path, cpu_nodes, prometheus, say, light_pods)
 
 
-def _up(layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say: Say) -> dict[str, Any]:
+def _up(
+    layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say: Say, light_pods: bool = False
+) -> dict[str, Any]:
     missing = layout.missing_binaries()
     if missing:
         raise SandboxConfigError(
@@ -475,7 +497,7 @@ def _up(layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say:
         state = {k: v for k, v in state.items() if k == "prometheus_port"}
         state["created"] = time.time()
     sync_nodes(layout, manifests, say)
-    wait_nodes_ready(layout, [m["metadata"]["name"] for m in manifests])
+    wait_nodes_ready(layout, [m["metadata"]["name"] for m in manifests], _ready_timeout(len(manifests)))
     state.update(
         {
             "name": layout.name,
@@ -492,7 +514,8 @@ def _up(layout: Layout, fleet_path: Path, cpu_nodes: int, prometheus: bool, say:
         procs.stop(layout.run_dir / "prometheus.pid")
         procs.stop(layout.run_dir / "promsd.pid")
         state["prometheus_url"] = None
-    state["podrunner_pid"] = _ensure_runner(layout, state, say)
+    state["podrunner_pid"] = _ensure_runner(layout, state, say, light_pods)
+    state["light_pods"] = light_pods
     _write_state(layout, state)
     return state
 

@@ -26,6 +26,15 @@ and leaves it Pending (see ``stages``); the runner then, for each container:
 
 Pods that cannot run (a program not allowed, an unsupported env source) get a clear message in their
 status: Job pods fail, others stay Pending with ``CreateContainerConfigError`` as the kubelet does.
+
+*Light* mode (``--light``, ``gearshift sandbox up --light-pods``: the fleet-scale benchmark's 1,000 probe
+Jobs and hundreds of engine pods on 2 cores) starts no program: each container is a fork of the runner
+(no interpreter start, no imports, pages shared with the runner). A simulated probe
+(``gearshift-probe`` with ``GEARSHIFT_PROBE_SIMULATED``) runs the probe's own ``main`` in the fork, with
+the container's arguments and environment, so its termination message is the one the program writes;
+any other container's fork sleeps until it is stopped and counts as Ready at once (no engine, no HTTP:
+readiness probes are not run). Everything else (pod IPs, status, exit codes, deletion) is as above, and
+pods are supervised every ``LIGHT_SUPERVISE_S`` instead of every ``TICK_S``.
 Run as ``python -m gearshift.dev.sandbox.podrunner`` (``gearshift sandbox up`` does).
 """
 
@@ -58,6 +67,8 @@ from gearshift.k8s.names import GPU_RESOURCE
 
 LABEL_SELECTOR = f"{SANDBOX_RUN_LABEL}=true"
 TICK_S = 0.1
+#: Longest time one pass of the main loop handles watch events before it supervises the runs, s.
+MAX_EVENTS_S = 1.0
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
 #: A container that ran this long has its back-off reset (the kubelet uses 10 min).
@@ -66,6 +77,10 @@ MAX_GRACE_S = 10.0
 #: Probe period before the first success (see the module docstring), s.
 FAST_PROBE_S = 1.0
 WATCH_TIMEOUT_S = 60
+#: Light mode: seconds between two supervision passes over the runs (each pass polls every process).
+LIGHT_SUPERVISE_S = 1.0
+#: Light mode: the program whose simulated run happens inside the fork.
+PROBE_COMMAND = "gearshift-probe"
 #: Lifetime of a pod's ServiceAccount token, s. The token is bound to the pod (revoked when it is
 #: deleted) and not rotated, so it outlives any sandbox session.
 TOKEN_TTL_S = 7 * 24 * 3600
@@ -77,6 +92,61 @@ def _now() -> str:
 
 def _log(msg: str) -> None:
     print(f"{_now()} {msg}", flush=True)
+
+
+class ForkedProcess:
+    """A light-mode container: a fork of the runner, with the part of ``Popen``'s interface used here."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+
+def _light_child(argv: list[str], env: dict[str, str], log_fd: int) -> None:
+    """The body of a light-mode fork (never returns): the simulated probe, or sleep until signalled."""
+    code = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        simulated = env.get("GEARSHIFT_PROBE_SIMULATED", "") in ("1", "true", "yes")
+        if Path(argv[0]).name == PROBE_COMMAND and simulated:
+            from gearshift.probe.__main__ import main as probe_main
+
+            os.environ.clear()
+            os.environ.update(env)
+            code = probe_main(argv[1:])
+        else:
+            while True:
+                signal.pause()
+    except BaseException as exc:  # the fork must never return into the runner's loop
+        print(f"light container failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
 
 @dataclass
@@ -92,7 +162,7 @@ class ContainerRun:
     message_file: Path
     pidfile: Path
     message_policy: str
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     started_at: str | None = None
     started_mono: float = 0.0
     restarts: int = 0
@@ -155,6 +225,7 @@ class PodRunner:
         venv_bin: Path,
         vllm_bin: Path | None = None,
         hostpath_root: Path | None = None,
+        light: bool = False,
     ) -> None:
         from kubernetes import client
 
@@ -180,6 +251,15 @@ class PodRunner:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.waiting: dict[str, dict[str, Any]] = {}
         self.nodes_listed = 0.0
+        self.light = light
+        if light:
+            # Imported before any fork: a fork imports nothing (the import lock may be another thread's).
+            import gearshift.probe.__main__
+            import gearshift.probe.report
+            import gearshift.probe.run
+            import gearshift.probe.simulated  # noqa: F401
+        #: The runner's own command line: the pid file of a fork records it (``procs`` checks it).
+        self.own_argv = [a.decode() for a in Path("/proc/self/cmdline").read_bytes().split(b"\0")[:-1]]
 
     # ------------------------------------------------------------------------------------ watching
 
@@ -228,19 +308,26 @@ class PodRunner:
         """Run until ``self.stop`` is set; then stop every process it started."""
         watcher = threading.Thread(target=self._watch, name="watch", daemon=True)
         watcher.start()
-        _log(f"pod runner watching pods with {LABEL_SELECTOR}")
+        _log(f"pod runner watching pods with {LABEL_SELECTOR}{' (light mode)' if self.light else ''}")
+        supervised = 0.0
         try:
             while not self.stop.is_set():
                 try:
                     kind, obj = self.events.get(timeout=TICK_S)
                     self._handle(kind, obj)
-                    while True:
+                    # Bounded: a steady stream of events (a thousand probe pods at once) must not starve
+                    # the supervision below, which starts the containers.
+                    until = time.monotonic() + MAX_EVENTS_S
+                    while time.monotonic() < until:
                         kind, obj = self.events.get_nowait()
                         self._handle(kind, obj)
                 except queue.Empty:
                     pass
                 for pod in list(self.waiting.values()):
                     self._handle("RETRY", pod)
+                if self.light and time.monotonic() - supervised < LIGHT_SUPERVISE_S:
+                    continue
+                supervised = time.monotonic()
                 for run in list(self.runs.values()):
                     try:
                         self._supervise(run)
@@ -446,7 +533,7 @@ class PodRunner:
                     image=c.get("image", ""),
                     argv=argv,
                     env=full,
-                    probe=podspec.readiness_target(c, ip),
+                    probe=None if self.light else podspec.readiness_target(c, ip),
                     log=pod_dir / f"{c['name']}.log",
                     message_file=msg_file,
                     pidfile=pod_dir / f"{c['name']}.pid",
@@ -460,15 +547,22 @@ class PodRunner:
             run.containers = []
             _log(f"{run.key}: cannot run: {exc}")
         _log(f"{run.key}: accepted on {spec.get('nodeName')} ({pod['status'].get('podIP')})")
-        self._report(run)
+        if not self.light or run.error is not None:
+            # Light mode starts the container on the next pass: its Running report is the first (one
+            # status write fewer per pod; the runner writes them one at a time).
+            self._report(run)
 
     def _spawn(self, run: PodRun, c: ContainerRun) -> None:
         with contextlib.suppress(FileNotFoundError):
             c.message_file.unlink()
         c.message_file.touch()
         with c.log.open("ab") as out:
-            out.write(f"--- {_now()} starting {' '.join(c.argv)}\n".encode())
+            light = " (light)" if self.light else ""
+            out.write(f"--- {_now()} starting {' '.join(c.argv)}{light}\n".encode())
             out.flush()
+            if self.light:
+                self._fork(run, c, out.fileno())
+                return
             try:
                 c.proc = subprocess.Popen(
                     c.argv,
@@ -484,6 +578,19 @@ class PodRunner:
                 _log(f"{run.key}: {run.error}")
                 return
         write_pidfile(c.pidfile, c.proc.pid, c.argv)
+        self._started(run, c)
+
+    def _fork(self, run: PodRun, c: ContainerRun, log_fd: int) -> None:
+        """Light mode: the container as a fork of the runner (see the module docstring)."""
+        pid = os.fork()
+        if pid == 0:
+            _light_child(c.argv, c.env, log_fd)
+        c.proc = ForkedProcess(pid)
+        write_pidfile(c.pidfile, pid, self.own_argv)
+        self._started(run, c)
+
+    def _started(self, run: PodRun, c: ContainerRun) -> None:
+        assert c.proc is not None
         c.started_at, c.started_mono = _now(), time.monotonic()
         c.state = {"running": {"startedAt": c.started_at}}
         c.ready, c.successes, c.failures = c.probe is None, 0, 0
@@ -735,6 +842,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hostpath-root", type=Path, default=None, help="where hostPath volumes live (default: pods dir)"
     )
+    parser.add_argument(
+        "--light", action="store_true", help="containers are forks of the runner (see the module docstring)"
+    )
     args = parser.parse_args(argv)
     from kubernetes import config as kconfig
 
@@ -746,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         args.venv_bin,
         vllm_bin=args.vllm_bin,
         hostpath_root=args.hostpath_root,
+        light=args.light,
     )
     signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
     signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
