@@ -34,6 +34,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SERVICE = "llama3-8b"
 PREFILL_GS = "llama3-8b-prefill"
+#: The 8B prefill/decode example, whose service and GearSet names are the two above.
+PD_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "demo" / "pdservice-demo.yaml"
 #: Replay seconds: a forced shift takes about 56 s on the sandbox (30 s warm, drain, 20 s rollback window).
 REPLAY_S = 100
 #: Start-up (~60 s on a reused sandbox), the replay, up to 60 s of drain, the report.
@@ -94,6 +96,9 @@ def test_every_dashboard_panel_has_data_during_a_demo(
         "demo",
         "--duration", str(REPLAY_S),
         "--time-scale", "1",
+        # The PD demo: the dashboard's panels are prefill's and decode's (the default is the 70B aggregated).
+        "--example", str(PD_EXAMPLE),
+        "--keep-every", "1",
         "--namespace", ns,
         "--report-dir", str(tmp_path / "report"),
         "--install", "local",
