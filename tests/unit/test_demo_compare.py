@@ -295,7 +295,7 @@ class TestDefaultDemo:
     def test_bad_keep_every_names_the_flag(self, value: str, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["demo", "--keep-every", value])
-        assert "--keep-every wants a whole number >= 1" in capsys.readouterr().err
+        assert f"argument --keep-every: {value!r}: give a whole number >= 1" in capsys.readouterr().err
 
     def test_pd_demo_args_parse(self) -> None:
         from gearshift.dev.demo import PD_DEMO_ARGS

@@ -243,13 +243,14 @@ def finite_number(minimum: float, inclusive: bool, unit: str) -> Any:
     return parse
 
 
-def _at_least_one(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type for an integer >= 1 (argparse names the flag before the message)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of requests") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give at least 1 request")
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
     return value
 
 
@@ -516,7 +517,7 @@ def register(subparsers: Any) -> None:
                    "conversation trace)")  # fmt: skip
     p.add_argument("--time-scale", type=finite_number(0, False, "a speed-up factor"), default=1.0,
                    help="divide arrival offsets by this (default 1)")  # fmt: skip
-    p.add_argument("--max-requests", type=_at_least_one, default=100,
+    p.add_argument("--max-requests", type=positive_int, default=100,
                    help="most requests to issue (default 100)")  # fmt: skip
     p.add_argument("--max-duration", type=finite_number(0, False, "seconds"), default=60.0,
                    help="most seconds to issue for (default 60)")  # fmt: skip

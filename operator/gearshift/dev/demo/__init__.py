@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gearshift.dev.loadgen import DEFAULT_TRACE, finite_number
+from gearshift.dev.loadgen import DEFAULT_TRACE, finite_number, positive_int
 
 #: The repository root (operator/gearshift/dev/demo/__init__.py → four levels up).
 REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -42,21 +42,6 @@ DEFAULT_KEEP_EVERY = 25
 PD_DEMO_ARGS = "--example examples/demo/pdservice-demo.yaml --time-scale 3 --keep-every 1"
 
 
-def positive_int(flag: str) -> Any:
-    """An argparse type for an integer >= 1 whose error names ``flag``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} wants a whole number >= 1, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} wants a whole number >= 1, got {value}")
-        return value
-
-    return parse
-
-
 def register(subparsers: Any) -> None:
     """Add ``gearshift demo``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -76,7 +61,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--keep-every",
-        type=positive_int("--keep-every"),
+        type=positive_int,
         default=DEFAULT_KEEP_EVERY,
         help=f"replay every Nth request of the window: the trace's shape at 1/N of its load "
         f"({DEFAULT_KEEP_EVERY}; 1 for every request)",
