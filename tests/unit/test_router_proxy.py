@@ -967,3 +967,45 @@ async def test_aggregated_request_is_held_until_a_pod_has_kv_headroom(make_route
     eng["b0"].kv_usage = 0.5
     assert (await asyncio.wait_for(task, 5)).status == 200
     assert eng["b0"].requests == [_body(10, 10)]
+
+
+@dataclass
+class KvNeverComes(FakeEngine):
+    """A decode engine that, like vLLM 0.32's push-mode decode whose KV never arrives, never answers a
+    request that carries ``kv_transfer_params``; it answers the client's own request at once."""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("kv_transfer_params"):
+            self.requests.append(body)
+            await asyncio.sleep(30.0)
+        return await super().completions(request)
+
+
+async def test_decode_leg_stuck_waiting_for_kv_is_prefilled_on_a_decode_pod_after_the_lease(
+    make_router: Factory,
+) -> None:
+    """A non-streamed decode leg handed the KV that gives no answer within the lease + 1 s a token is given
+    up (its connection closed) and the client's request goes to a decode pod without the KV."""
+    from gearshift.router import proxy as proxy_mod
+
+    stuck = KvNeverComes("d0")
+    client, router, eng = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", stuck)}, proxy=ProxyConfig(kv_lease_s=0.3)
+    )
+    body = {"model": "m", "prompt": "hello world", "max_tokens": 2, "temperature": 0}
+    bound = proxy_mod.kv_wait_bound_s(0.3, 2)
+    assert bound == pytest.approx(0.3 + 2 * proxy_mod.DECODE_SLACK_S_PER_TOKEN)
+    t0 = asyncio.get_running_loop().time()
+    resp = await client.post("/v1/completions", json=body)
+    waited = asyncio.get_running_loop().time() - t0
+    assert resp.status == 200, await resp.text()
+    first, second = eng["d0"].requests
+    assert first["kv_transfer_params"] == nixl_params("p0")
+    assert second == body  # the client's request, no KV
+    assert bound <= waited < bound + 2.0, (waited, bound)
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gearshift_router_kv_reprefills_total{pod="d0"} 1.0' in metrics
+    assert router.pool.backends["d0"].inflight == 0
+    # an unknown lease (0) bounds nothing
+    assert proxy_mod.kv_wait_bound_s(0.0, 2) is None

@@ -219,8 +219,9 @@ def make_metrics() -> RouterMetrics:
         ),
         kv_reprefills=Counter(
             "gearshift_router_kv_reprefills",
-            "PD requests whose decode pod did not answer within the KV hand-off bound (half the prefill's "
-            "KV lease) and so prefilled the prompt itself instead of reading KV the prefill may have freed.",
+            "PD requests a decode pod prefilled itself instead of reading the prefill's KV: its pod did "
+            "not answer within the hand-off bound (half the KV lease), or a non-streamed decode leg "
+            "handed the KV gave no answer within the lease plus 1 s a requested token.",
             ["pod"],
             registry=reg,
         ),

@@ -198,6 +198,31 @@ def leg_headers(request_id: str, authorization: str | None = None) -> dict[str, 
 #: ``nixl/base_worker.py``) room; past it the decode pod gets the client's request without
 #: ``kv_transfer_params`` and prefills the prompt itself (``gearshift_router_kv_reprefills``).
 KV_HANDOFF_SHARE = 0.5
+#: Seconds a non-streamed PD decode leg that was handed the KV may take per requested token, on top of the
+#: KV lease, before the router presumes it waits for KV that will never come (:func:`kv_wait_bound_s`).
+#: Generous on purpose: 1 s a token is slower than any engine the router serves (the sandbox's CPU vLLM
+#: decodes the tiny model at ~0.05 s a token), so only a stuck leg reaches the bound.
+DECODE_SLACK_S_PER_TOKEN = 1.0
+
+
+def kv_wait_bound_s(kv_lease_s: float, max_tokens: int) -> float | None:
+    """How long a non-streamed decode leg handed ``kv_transfer_params`` may take before the router gives
+    it up and sends the client's request to a decode pod without them (which prefills the prompt), s;
+    None (no bound) when the lease is unknown (0).
+
+    Why: vLLM 0.32's push-mode decode engine never fails a request whose KV does not come (the D-side
+    watchdog in ``nixl/push_scheduler.py`` only drops the registration), and the prefill frees the blocks
+    at the end of the lease, so past the lease such a leg can only hang until the client's timeout.
+    Measured on the sandbox (2 cores, two-stage prefill, 20 s lease): the prefill's P->D handshake timed
+    out (``push_handshake_failed``) or a rank never saw the decode's PUSH_REG, and the decode leg hung
+    until the test's 180 s timeout. The bound is the lease plus :data:`DECODE_SLACK_S_PER_TOKEN` per
+    requested token, so a leg that got its KV and is still generating is never cut.
+    """
+    if kv_lease_s <= 0:
+        return None
+    return kv_lease_s + DECODE_SLACK_S_PER_TOKEN * max(1, max_tokens)
+
+
 #: A decode pod's ``/health`` answer at most this old when the prefill leg ends counts as current, s;
 #: an older one (a long prefill) is asked again within the hand-off bound.
 HANDOFF_FRESH_S = 1.0
@@ -1044,7 +1069,7 @@ class Proxy:
                     rid,
                 )
             decode_peer = pb
-        db, dresp = await self._open(
+        open_decode = self._open(
             "decode" if pd else "both",
             req,
             decode_peer,
@@ -1056,6 +1081,40 @@ class Proxy:
             # Plain mode forwards the client's bytes unchanged unless the usage chunk is asked for.
             raw=None if pd or withhold else await request.read(),
         )
+        bound = kv_wait_bound_s(self.cfg.kv_lease_s, req.max_tokens)
+        handed_kv = pd and upstream_body.get("kv_transfer_params") is not body.get("kv_transfer_params")
+        if handed_kv and bound is not None and not body.get("stream"):
+            # A non-streamed answer's headers come with its last token: no headers within the bound means
+            # the leg is stuck on KV (see kv_wait_bound_s). Cancelling closes the connection, which vLLM
+            # takes as an abort and frees the decode's blocks.
+            try:
+                db, dresp = await asyncio.wait_for(open_decode, bound)
+            except TimeoutError:
+                assert decode_choice is not None and decode_peer is not None
+                log.warning(
+                    "decode pod %s gave no answer within %g s (the %g s KV lease + %g s a token for %d "
+                    "tokens) of the KV from prefill pod %s: request %s is prefilled on a decode pod",
+                    decode_choice.info.name,
+                    bound,
+                    self.cfg.kv_lease_s,
+                    DECODE_SLACK_S_PER_TOKEN,
+                    req.max_tokens,
+                    decode_peer.info.name,
+                    rid,
+                )
+                self.metrics.kv_reprefills.labels(decode_choice.info.name).inc()
+                db, dresp = await self._open(
+                    "decode",
+                    req,
+                    None,
+                    request.path,
+                    with_usage_requested(body) if withhold else body,
+                    timeout,
+                    headers,
+                    first=serving,
+                )
+        else:
+            db, dresp = await open_decode
         labels["decode"] = db.info.name
         if not pd:
             labels["prefill"] = db.info.name
