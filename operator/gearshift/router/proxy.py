@@ -1028,7 +1028,8 @@ class Proxy:
         # One X-Request-Id for both legs (and for a retry of either): see REQUEST_ID_HEADER.
         headers = leg_headers(rid, request.headers.get("Authorization"))
         withhold = usage_withheld(body)
-        upstream_body = with_usage_requested(body) if withhold else body
+        # What the client asked, as an engine gets it; the decode leg adds the prefill's KV parameters.
+        client_body = upstream_body = with_usage_requested(body) if withhold else body
         decode_peer: Backend | None = None
         decode_choice: Backend | None = None
         serving = await self._place_serving("decode" if pd else "both", req, relay)
@@ -1108,7 +1109,7 @@ class Proxy:
                     req,
                     None,
                     request.path,
-                    with_usage_requested(body) if withhold else body,
+                    client_body,
                     timeout,
                     headers,
                     first=serving,
