@@ -85,8 +85,8 @@ class TestPipeline:
     def test_period_is_max_of_latency_and_micro_batches_times_bottleneck(self) -> None:
         pipe = parse_pipeline(self.doc(2), ARCH)
         m = PerfModel(ARCH, pipe, PerfParams(mbu=0.7))
-        batch, ctx = 8, 500
-        mbs = 4  # ceil(8 / 2)
+        batch, ctx = 3, 500
+        mbs = 2  # ceil(3 / 2)
         per_mb = batch / mbs
         s0 = (1 * LAYER_BYTES + 1 * KV_TOKEN_LAYER * per_mb * (ctx + 1)) / (3350e9 * 0.7)
         s1 = (3 * LAYER_BYTES + LM_HEAD_BYTES + 3 * KV_TOKEN_LAYER * per_mb * (ctx + 1)) / (600e9 * 0.7)
@@ -96,6 +96,19 @@ class TestPipeline:
         assert t.latency_s == pytest.approx(s0 + s1 + link, rel=1e-9)
         assert t.period_s == pytest.approx(max(s0 + s1 + link, mbs * max(s0, s1)), rel=1e-9)
         assert t.stage_busy_s == pytest.approx([mbs * s0, mbs * s1], rel=1e-9)
+
+    def test_at_most_one_micro_batch_per_stage_is_in_flight(self) -> None:
+        # vLLM V1's batch queue holds pipeline-parallel-size batches: 8 sequences at micro-batch 2 on two
+        # stages run as 2 micro-batches of 4 (each stage reads its weights twice per step), not 4 of 2.
+        pipe = parse_pipeline(self.doc(2), ARCH)
+        m = PerfModel(ARCH, pipe, PerfParams(mbu=0.7))
+        batch, ctx = 8, 500
+        per_mb = batch / 2
+        s0 = (1 * LAYER_BYTES + 1 * KV_TOKEN_LAYER * per_mb * (ctx + 1)) / (3350e9 * 0.7)
+        s1 = (3 * LAYER_BYTES + LM_HEAD_BYTES + 3 * KV_TOKEN_LAYER * per_mb * (ctx + 1)) / (600e9 * 0.7)
+        t = m.step([Work(1, ctx)] * batch)
+        assert t.micro_batches == 2
+        assert t.stage_busy_s == pytest.approx([2 * s0, 2 * s1], rel=1e-9)
 
     def test_kv_pool_is_bounded_by_the_tightest_stage(self) -> None:
         m = PerfModel(ARCH, parse_pipeline(self.doc(1), ARCH))

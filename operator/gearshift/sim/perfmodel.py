@@ -17,12 +17,18 @@ Prefill is compute-bound and decode memory-bound (Splitwise, Patel et al. ISCA 2
 et al. OSDI 2024 §2); the max picks whichever holds for the batch at hand, so mixed (chunked-prefill)
 steps are covered too.
 
-Pipeline: ``m = ceil(sequences / micro_batch)`` micro-batches flow through stages ``s0..sK-1`` joined by
-links (activation ``h · dtype_bytes`` per token, :attr:`ModelArch.activation_bytes_per_token`). One
-micro-batch takes ``L = Σ stage times + Σ link times``; the slowest stage ``B`` admits one micro-batch
-per ``B``. Every sequence advances one step per period ``max(L, m · B)`` (GPipe, Huang et al. NeurIPS
-2019, fill/drain; a micro-batch's next token needs its previous one out of the last stage). A
-single-stage pipeline runs the batch as one micro-batch (micro-batching only re-reads weights there).
+Pipeline: ``m = min(K, ceil(sequences / micro_batch))`` micro-batches flow through stages ``s0..sK-1``
+joined by links (activation ``h · dtype_bytes`` per token, :attr:`ModelArch.activation_bytes_per_token`).
+One micro-batch takes ``L = Σ stage times + Σ link times``; the slowest stage ``B`` admits one
+micro-batch per ``B``. Every sequence advances one step per period ``max(L, m · B)`` (GPipe, Huang et al.
+NeurIPS 2019, fill/drain; a micro-batch's next token needs its previous one out of the last stage). At
+most ``K`` (the stage count) micro-batches are in flight, as in vLLM V1: its engine core keeps a batch
+queue of ``max_concurrent_batches`` = the pipeline-parallel size (``vllm/v1/engine/core.py``,
+``EngineCore.__init__`` and ``step_with_batch_queue``; ``vllm/v1/executor/multiproc_executor.py``), and
+each scheduled batch takes every running sequence not already in flight, within the token budget. So
+more running sequences make each micro-batch larger -- one read of a stage's weights serves them all --
+instead of adding micro-batches that each re-read the weights. A single-stage pipeline runs the batch
+as one micro-batch.
 
 Efficiency constants (configurable in :class:`PerfParams`):
   - ``mbu = 0.70``: model bandwidth utilisation in decode. Tuned CUDA serving stacks (vLLM,
@@ -336,7 +342,7 @@ class PerfModel:
 
     def _pipeline_step(self, new: float, ctx: float, attn: float, seqs: int) -> StepTiming:
         n = len(self.pipeline.stages)
-        m = 1 if n == 1 else max(1, math.ceil(seqs / self.pipeline.micro_batch))
+        m = 1 if n == 1 else min(n, max(1, math.ceil(seqs / self.pipeline.micro_batch)))
         times = [self.stage_time_s(k, new / m, attn / m, ctx / m, seqs / m) for k in range(n)]
         act = self.arch.activation_bytes_per_token * new / m
         links = sum(ln.transfer_s(act) for ln in self.pipeline.links)
