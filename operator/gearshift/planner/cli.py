@@ -91,6 +91,13 @@ def register(sub: Any) -> None:
         default=None,
         help="KV tokens reserved per sequence (HF config only; default: 1.2 x (prompt + output))",
     )
+    p.add_argument(
+        "--itl-ms",
+        type=_positive_qps,
+        default=None,
+        help="TPOT target, ms (role both/decode, HF config): a gear's capacity is then the load whose "
+        "predicted time per output token meets it (default: none, capacity is the busy rate)",
+    )
     p.add_argument("--seed", type=_seed, default=0, help="seed of the simulated arrivals")
     fleet = p.add_argument_group(
         "fleet-scale questions (--fleet)",
@@ -230,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
             qps=args.qps,
             single_pipeline=args.single_pipeline,
             seed=args.seed,
+            itl_target_ms=args.itl_ms,
         )
     except PlanError as exc:
         print(f"gearshift plan: {exc}", file=sys.stderr)

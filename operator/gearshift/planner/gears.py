@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gearshift.planner.costs import CostModel, LayerCosts
+from gearshift.planner.costs import CostModel, LayerCosts, RooflineCostModel
 from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError, StageLimitError
 from gearshift.planner.partition import (
     DEFAULT_WORK_CAP,
@@ -65,6 +65,7 @@ from gearshift.planner.partition import (
 )
 from gearshift.planner.profile import Profile
 from gearshift.planner.simulate import SimResult, simulate
+from gearshift.planner.tpot import DecodeTimes, tpot_capacity, tpot_ms
 from gearshift.planner.windows import Windows
 
 INTENTS: dict[str, tuple[int, ...]] = {"latency": (1, 2, 4), "balanced": (4, 8), "throughput": (8, 16)}
@@ -74,6 +75,10 @@ TARGET_UTILISATION = 0.8
 MAX_PIPELINES = 8
 #: Default offered load when none is given: this share of the best capacity found.
 DEFAULT_QPS_SHARE = 0.25
+#: Share of a TPOT target the *mean* predicted TPOT may reach: a request's TPOT scatters around the mean
+#: with the prompts that land during its decode, and the SLO judges every request (as TARGET_UTILISATION
+#: keeps queues short below capacity).
+TPOT_HEADROOM = 0.8
 
 
 @dataclass(frozen=True)
@@ -116,9 +121,12 @@ class Prediction:
     p99_ms: float
     saturated: bool
     mean_batch: float
+    itl_ms: float | None = None
+    """Mean time per output token of a request at ``qps`` (role ``both``/``decode`` under the roofline
+    model: :func:`predicted_itl_ms`), ms; None when the cost model cannot say."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "throughput_rps": round(self.throughput_rps, 4),
             "qps": round(self.qps, 4),
             "p50_ms": round(self.p50_ms, 3),
@@ -126,6 +134,9 @@ class Prediction:
             "saturated": self.saturated,
             "mean_batch": round(self.mean_batch, 3),
         }
+        if self.itl_ms is not None:
+            out["itl_ms"] = round(self.itl_ms, 3) if math.isfinite(self.itl_ms) else None
+        return out
 
 
 @dataclass(frozen=True)
@@ -195,10 +206,12 @@ class _Candidate:
     costs: LayerCosts
     nodes: list[list[str]]
     decode_batch: int | None = None
-    """Sequences per decode step when not the micro-batch (one-stage gears batch all running ones)."""
+    """Sequences per micro-batch of a decode step when not the micro-batch (continuous batching: the
+    running sequences over the stages, :func:`_batched_decode`)."""
     effective_ms: float = 0.0
     capacity: float = 0.0
     sim: SimResult | None = None
+    itl_ms: float | None = None
 
 
 def _stage_ms(costs: LayerCosts, start: int, end: int, score: float) -> float:
@@ -403,6 +416,7 @@ def _candidates(
     max_stages: int | None = None,
     max_stages_why: str = "",
     whole_pipelines: bool = False,
+    short_balanced: bool = False,
 ) -> list[_Candidate]:
     if not single_pipeline and not cheap and max_stages is None and _large_pool(profile):
         fleet = _fleet_candidates(profile, model, intent)
@@ -454,6 +468,10 @@ def _candidates(
             caps = [None] if kmin == len(profile.nodes) else [kmin, None]
         elif intent == "latency":
             caps = sorted({kmin, max(kmin, 4)})
+        elif short_balanced:
+            # Up to 8 stages, and the fewer-stage caps latency tries: when a TPOT target caps capacity
+            # (aggregated serving), a deep pipeline of slow stages can serve less than a short one.
+            caps = sorted({kmin, max(kmin, 4), max(kmin, 8)})
         else:
             caps = [max(kmin, 8)]
         if max_stages is not None:
@@ -472,8 +490,8 @@ def _candidates(
                 if secured is None:
                     continue
                 c = _Candidate(intent, mb, p, costs, secured)
-                if len(p.stages) == 1 and kv_batch > mb:
-                    _one_stage_decode(profile, model, c, kv_batch, ids)
+                if math.ceil(kv_batch / len(p.stages)) > mb:
+                    _batched_decode(profile, model, c, kv_batch, ids)
                 out.append(c)
                 if not single_pipeline and not (whole_pipelines and len(p.stages) > 1):
                     # Extras are a variant, not forced: a slower extra card raises capacity but can raise
@@ -489,23 +507,34 @@ def _candidates(
     return out
 
 
-def _one_stage_decode(
+def _batched_decode(
     profile: Profile, model: CostModel, c: _Candidate, kv_batch: int, node_ids: Sequence[str]
 ) -> None:
-    """Re-price a one-stage candidate whose decode steps batch ``kv_batch`` sequences (its max batch).
+    """Re-price a candidate whose decode steps batch the running sequences, ``kv_batch`` (its max batch)
+    over its ``K`` stages: ``ceil(kv_batch / K)`` sequences per micro-batch of a step.
 
-    The engine runs a one-stage pipeline's whole batch as one micro-batch (gearshift.sim.perfmodel: there
-    micro-batching would only re-read the weights), so a decode step reads the weights once for every
-    running sequence, not once per planner micro-batch.
+    Continuous batching keeps at most one micro-batch per stage in flight and puts every running sequence
+    into one of them (vLLM V1's batch queue of pipeline-parallel-size batches, ``vllm/v1/engine/core.py``;
+    :mod:`gearshift.sim.perfmodel` runs the same), so a decode step reads a stage's weights once per
+    ``kv_batch / K`` sequences, not once per planner micro-batch: at micro-batch 1 a deep pipeline of a
+    large model would otherwise be priced a whole weight read per request per token. The stages keep
+    their layers (the per-layer cost changes by one factor, bar the LM head folded into the last layer).
     """
-    costs = model.at(c.micro_batch, kv_batch)
-    st = c.pipeline.stages[0]
-    bottleneck, times, _ = evaluate(profile, costs, [(st.start, st.end, st.node_ids)])
-    stage = PipelineStage(st.start, st.end, st.node_ids, times[0], st.memory_gb)
-    lb = lower_bound_ms(costs, [profile.node(n) for n in node_ids], c.pipeline.replicas)
-    c.pipeline = replace(c.pipeline, stages=(stage,), bottleneck_ms=bottleneck, lower_bound_ms=lb)
+    n = len(c.pipeline.stages)
+    d = math.ceil(kv_batch / n)
+    costs = model.at(c.micro_batch, d)
+    cuts = [(st.start, st.end, st.node_ids) for st in c.pipeline.stages]
+    bottleneck, times, transfers = evaluate(profile, costs, cuts)
+    stages = tuple(
+        PipelineStage(st.start, st.end, st.node_ids, t, st.memory_gb)
+        for st, t in zip(c.pipeline.stages, times, strict=True)
+    )
+    lb = lower_bound_ms(costs, [profile.node(n_) for n_ in node_ids], c.pipeline.replicas)
+    c.pipeline = replace(
+        c.pipeline, stages=stages, bottleneck_ms=bottleneck, lower_bound_ms=lb, link_ms=tuple(transfers)
+    )
     c.costs = costs
-    c.decode_batch = kv_batch
+    c.decode_batch = d
 
 
 def _finish(profile: Profile, model: CostModel, c: _Candidate) -> None:
@@ -517,13 +546,88 @@ def _finish(profile: Profile, model: CostModel, c: _Candidate) -> None:
     c.capacity = c.micro_batch * 1000.0 / c.effective_ms
 
 
+def _max_batch(c: _Candidate, model: CostModel | None = None, kv_batch: int | None = None) -> int:
+    """Running sequences per pipeline (the gear's ``max_batch``; see :func:`_gear`)."""
+    kv = kv_batch if kv_batch is not None else kv_resident_sequences(model) if model is not None else 0
+    return max(c.micro_batch * len(c.pipeline.stages), kv)
+
+
+def _output_tokens(model: CostModel) -> int:
+    assumptions = getattr(model, "assumptions", None)
+    return int(getattr(assumptions, "output_tokens", 1) or 1)
+
+
+def _decode_times(profile: Profile, model: CostModel, c: _Candidate) -> DecodeTimes | None:
+    """One pipeline replica's decode-step, link and prompt times
+    (:class:`~gearshift.planner.tpot.DecodeTimes`) on the slowest node of each stage; None unless
+    ``model`` is the roofline model of a role that decodes (a layer-cost file states no decode step)."""
+    if not isinstance(model, RooflineCostModel) or model.assumptions.role not in ("both", "decode"):
+        return None
+    decode = RooflineCostModel(model.arch, replace(model.assumptions, role="decode"))
+    per_token_mb = model.arch.activation_bytes_per_token / 1e6
+    scores = [min(profile.node(n).compute_score for n in ids) for ids in c.nodes]
+    cuts = [(st.start, st.end) for st in c.pipeline.stages]
+    memo: dict[int, list[float]] = {}
+
+    def step_ms(d: float) -> list[float]:
+        key = max(1, math.ceil(d - 1e-9))
+        if key not in memo:
+            lat = decode.at(key).pass_ms
+            memo[key] = [sum(lat[a:b]) / sc for (a, b), sc in zip(cuts, scores, strict=True)]
+        return memo[key]
+
+    links = []
+    for a, b in zip(c.nodes, c.nodes[1:], strict=False):
+        pairs = [p for p in (profile.link(x, y) for x, y in zip(a, b, strict=False)) if p is not None]
+        if pairs:
+            links.append(max(pairs, key=lambda p: p.transfer_ms(1.0)))
+
+    def link_ms(d: float) -> float:
+        return sum(p.transfer_ms(d * per_token_mb) for p in links)
+
+    if model.assumptions.role == "decode":
+        prefill = [0.0] * len(cuts)
+    else:
+        first = model.at(1).pass_ms
+        prefill = [sum(first[a:b]) / sc for (a, b), sc in zip(cuts, scores, strict=True)]
+    return DecodeTimes(step_ms, link_ms, prefill)
+
+
+def _cap_by_tpot(profile: Profile, model: CostModel, c: _Candidate, target_ms: float) -> None:
+    """Lower ``c.capacity`` to the load at which its predicted mean TPOT stays within
+    :data:`TPOT_HEADROOM` × ``target_ms`` (no change when the model cannot predict TPOT)."""
+    times = _decode_times(profile, model, c)
+    if times is None:
+        return
+    r = c.pipeline.replicas
+    per_pipeline = tpot_capacity(
+        times, TPOT_HEADROOM * target_ms, _output_tokens(model), _max_batch(c, model), c.capacity / r
+    )
+    c.capacity = min(c.capacity, per_pipeline * r)
+
+
 def _simulate(
     profile: Profile, model: CostModel, c: _Candidate, qps: float, requests: int, seed: int
 ) -> None:
     stage_ms, link_ms, busy_ms = _tables(profile, model, c)
     window = c.pipeline.replicas * len(c.pipeline.stages)
+    slack = 0.0
+    times = _decode_times(profile, model, c)
+    if times is not None and isinstance(model, RooflineCostModel) and model.assumptions.role == "both":
+        # Continuous batching spreads a request's decode over its decode's span (simulate's busy_slack_ms).
+        out = _output_tokens(model)
+        tpot = tpot_ms(times, qps / c.pipeline.replicas, out, _max_batch(c, model))
+        slack = (out - 1) * tpot if math.isfinite(tpot) else 0.0
     c.sim = simulate(
-        stage_ms, link_ms, c.micro_batch, window, qps, requests=requests, seed=seed, busy_ms=busy_ms
+        stage_ms,
+        link_ms,
+        c.micro_batch,
+        window,
+        qps,
+        requests=requests,
+        seed=seed,
+        busy_ms=busy_ms,
+        busy_slack_ms=slack,
     )
 
 
@@ -540,6 +644,7 @@ def plan(
     max_stages: int | None = None,
     max_stages_why: str = "",
     whole_pipelines: bool = False,
+    itl_target_ms: float | None = None,
 ) -> PlanResult:
     """Plan the gears of ``model`` on ``profile``.
 
@@ -559,6 +664,11 @@ def plan(
         max_stages_why: why the limit holds, quoted in the error when the model does not fit within it.
         whole_pipelines: the engine replicates whole pipelines only (vLLM): no hot-stage extras on gears
             of several stages (module docstring).
+        itl_target_ms: the TPOT target (the SLO's ``itlMs``), ms. With the roofline model of role ``both``
+            or ``decode``, a gear's capacity is then the load its predicted mean TPOT meets within
+            :data:`TPOT_HEADROOM` of it (:func:`gearshift.planner.tpot.tpot_capacity`), when that is lower
+            than the rate that keeps its stages busy: a deep pipeline of slow stages can be busy only part
+            of the time and still give every token too late. None: capacity is the busy rate alone.
 
     Returns:
         A :class:`PlanResult` with one :class:`Gear` per intent, in the order asked.
@@ -589,14 +699,31 @@ def plan(
                 )
         cheap = windows.cheap_only(ids)
     pools = {
-        i: _candidates(profile, model, i, single_pipeline, cheap, max_stages, max_stages_why, whole_pipelines)
+        i: _candidates(
+            profile,
+            model,
+            i,
+            single_pipeline,
+            cheap,
+            max_stages,
+            max_stages_why,
+            whole_pipelines,
+            short_balanced=itl_target_ms is not None,
+        )
         for i in intents
     }
     for cands in pools.values():
         for c in cands:
             _finish(profile, model, c)
+    busy_capacity = max(c.capacity for cands in pools.values() for c in cands)
+    if itl_target_ms is not None:
+        if itl_target_ms <= 0:
+            raise PlanError(f"itl_target_ms must be > 0, got {itl_target_ms}")
+        for cands in pools.values():
+            for c in cands:
+                _cap_by_tpot(profile, model, c, itl_target_ms)
     best_capacity = max(c.capacity for cands in pools.values() for c in cands)
-    load = qps if qps is not None else DEFAULT_QPS_SHARE * best_capacity
+    load = qps if qps is not None else DEFAULT_QPS_SHARE * (best_capacity or busy_capacity)
     chosen: dict[str, _Candidate] = {}
     for intent, cands in pools.items():
         if intent == "throughput":
@@ -623,6 +750,10 @@ def plan(
             else:
                 pick = max(ok, key=lambda c: c.capacity / c.sim.p99_ms)  # type: ignore[union-attr]
         chosen[intent] = pick
+    for c in chosen.values():
+        times = _decode_times(profile, model, c)
+        if times is not None:
+            c.itl_ms = tpot_ms(times, load / c.pipeline.replicas, _output_tokens(model), _max_batch(c, model))
     ranges = _qps_ranges({i: c.capacity for i, c in chosen.items()})
     kv_batch = kv_resident_sequences(model)
     gears = tuple(_gear(profile, chosen[i], ranges[i], kv_batch) for i in intents)
@@ -662,7 +793,9 @@ def _gear(profile: Profile, c: _Candidate, qps_range: tuple[float, float], kv_ba
     for st, ids in zip(c.pipeline.stages, c.nodes, strict=True):
         t = max(_stage_ms(c.costs, st.start, st.end, profile.node(n).compute_score) for n in ids)
         stages.append(Stage((st.start, st.end), ids[0], tuple(ids), t, st.memory_gb))
-    pred = Prediction(c.capacity, c.sim.qps, c.sim.p50_ms, c.sim.p99_ms, c.sim.saturated, c.sim.mean_batch)
+    pred = Prediction(
+        c.capacity, c.sim.qps, c.sim.p50_ms, c.sim.p99_ms, c.sim.saturated, c.sim.mean_batch, c.itl_ms
+    )
     if math.isnan(pred.p99_ms):
         raise PlanError("the simulator produced no latency; raise sim_requests")
     return Gear(
@@ -672,7 +805,7 @@ def _gear(profile: Profile, c: _Candidate, qps_range: tuple[float, float], kv_ba
         # Running sequences per pipeline (vLLM's --max-num-seqs): at least enough micro-batches to keep
         # every stage busy, and as many as the KV cache reserved on every stage holds -- decode steps
         # batch all running sequences, so capping at micro-batch × stages would serialise decode.
-        max_batch=max(c.micro_batch * len(stages), kv_batch),
+        max_batch=_max_batch(c, kv_batch=kv_batch),
         pipelines=c.pipeline.replicas,
         bottleneck_ms=c.pipeline.bottleneck_ms,
         effective_ms=c.effective_ms,

@@ -16,6 +16,7 @@ Pure: takes plain dicts (the API server's JSON) and pydantic models; no I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -355,6 +356,11 @@ def api_gear(
             "bottleneckMs": round(gear.bottleneck_ms, 6),
             "throughputQps": round(gear.predicted.throughput_rps, 6),
             "p99Ms": round(gear.predicted.p99_ms, 6),
+            **(
+                {"itlMs": round(gear.predicted.itl_ms, 6)}
+                if gear.predicted.itl_ms is not None and math.isfinite(gear.predicted.itl_ms)
+                else {}
+            ),
         },
     }
     return ApiGear.model_validate(doc)

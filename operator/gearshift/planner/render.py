@@ -58,7 +58,8 @@ def _gear_table(gear: Gear, models: Mapping[str, str | None] | None = None) -> l
         f"together take a micro-batch every {gear.effective_ms:.2f} ms",
         f"  predicted {p.throughput_rps:.1f} req/s; simulated requests at {p.qps:.1f} req/s, replicas "
         f"serving in parallel: P50 {p.p50_ms:.1f} ms, P99 {p.p99_ms:.1f} ms"
-        f"{' (saturated)' if p.saturated else ''}; suits "
+        f"{' (saturated)' if p.saturated else ''}"
+        f"{f', TPOT {p.itl_ms:.1f} ms' if p.itl_ms is not None else ''}; suits "
         f"{gear.qps_range[0]:.1f}–{gear.qps_range[1]:.1f} req/s",
     ]
     longest = max(s.time_ms for s in gear.stages) or 1.0

@@ -53,6 +53,7 @@ def simulate(
     requests: int = 2000,
     seed: int = 0,
     busy_ms: Sequence[Sequence[Sequence[float]]] | None = None,
+    busy_slack_ms: float = 0.0,
 ) -> SimResult:
     """Simulate ``requests`` Poisson arrivals at ``qps`` through a gear.
 
@@ -67,6 +68,12 @@ def simulate(
         busy_ms: like ``stage_ms``, how long a micro-batch keeps its server busy when that is longer than
             its passage (a request's decode steps occupy the stage after its first token has left);
             None: ``stage_ms``.
+        busy_slack_ms: how far behind a server's work beyond passages may fall before it holds the next
+            micro-batch, ms. 0: a micro-batch waits until the earlier ones' whole busy time is done (one
+            batch at a time). Under continuous batching a request's decode steps are spread over its
+            decode (about ``(o − 1)`` × TPOT) and interleave with later prompts, which wait for at most a
+            step; the slack lets that work trail by as long, so prompts queue only when the stage's work
+            outruns it (the stage is over capacity).
 
     Raises:
         ValueError: ``qps`` ≤ 0, no stages, or tables of the wrong length.
@@ -83,6 +90,7 @@ def simulate(
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1000.0 / qps, size=requests)).tolist()
     free = [[0.0] * len(servers) for servers in stage_ms]
+    work = [[0.0] * len(servers) for servers in stage_ms]
     done: list[float] = []
     latency = [0.0] * requests
     batches = 0
@@ -96,12 +104,14 @@ def simulate(
             n += 1
         ready = t
         for k, servers in enumerate(stage_ms):
-            best_j, best_end = 0, float("inf")
+            best_j, best_start, best_end = 0, 0.0, float("inf")
             for j, table in enumerate(servers):
-                end = max(ready, free[k][j]) + table[n - 1]
+                start = max(ready, free[k][j], work[k][j] - busy_slack_ms)
+                end = start + table[n - 1]
                 if end < best_end:
-                    best_j, best_end = j, end
-            free[k][best_j] = max(ready, free[k][best_j]) + busy[k][best_j][n - 1]
+                    best_j, best_start, best_end = j, start, end
+            free[k][best_j] = best_end
+            work[k][best_j] = max(work[k][best_j], best_start) + busy[k][best_j][n - 1]
             ready = best_end + (link_ms[k][n - 1] if k < len(link_ms) else 0.0)
         done.append(ready)
         for r in range(i, i + n):
