@@ -401,8 +401,16 @@ def plan_gears(
         # vLLM runs a stage's replicas as whole pipeline copies (k8s.statefulset.stage_replicas): a hot
         # stage cannot get extras of its own there.
         whole_pipelines=pds.spec.engine == "vllm",
+        itl_target_ms=plan_itl_target(pds, gs),
     )
     return [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
+
+
+def plan_itl_target(pds: PDService, gs: GearSet) -> float | None:
+    """The TPOT target an aggregated GearSet's gears are planned for (its service's ``slo.itlMs``, ms):
+    a gear of role ``both`` serves every token, so its capacity is the load whose TPOT meets it. None for
+    the PD roles, whose plans keep the busy-rate capacity."""
+    return pds.spec.slo.itl_ms if gs.spec.role == "both" else None
 
 
 def plan_key(
@@ -425,6 +433,9 @@ def plan_key(
         parts.append({"maxStages": limit.max_stages})
     if pds.spec.engine == "vllm":  # whole-pipeline replicas only (plan_gears)
         parts.append({"wholePipelines": True})
+    itl = plan_itl_target(pds, gs)
+    if itl is not None:  # aggregated only: PD plans keep their hash
+        parts.append({"itlTargetMs": itl})
     return inputs_hash(*parts, window_states) if window_states else inputs_hash(*parts)
 
 

@@ -168,7 +168,8 @@ def twin_compare(
     if planned:
         gears = gears_from_api([ApiGear.model_validate(dict(g)) for g in planned], arch, rules, fleet)
     else:
-        gears, _, _ = plan_gears(arch, rules, workload, fleet=fleet, even=False)
+        itl_target = slo_itl_ms if role == "both" else None
+        gears, _, _ = plan_gears(arch, rules, workload, fleet=fleet, even=False, itl_target_ms=itl_target)
     if initial_gear is not None and initial_gear not in {g.name for g in gears}:
         raise ValueError(
             f"initialGear {initial_gear!r} names no planned gear ({', '.join(g.name for g in gears)})"

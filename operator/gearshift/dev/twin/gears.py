@@ -62,6 +62,7 @@ def plan_gears(
     fleet: Path = FLEET,
     *,
     even: bool = True,
+    itl_target_ms: float | None = None,
 ) -> tuple[list[GearSpec], GearSpec | None, dict[str, Any]]:
     """The planner's three gears on the whole ``fleet`` file, and (``even``) the even layer split over the
     throughput gear's nodes (the deepest gear: every node of the fleet), with the same pipeline replicas and
@@ -69,6 +70,8 @@ def plan_gears(
 
     ``workload``: (mean prompt, mean output) tokens the planner prices requests with (a GearSet's
     ``spec.plan.workload``); engines run the combined role, so the planner prices both phases.
+    ``itl_target_ms``: the SLO's TPOT target, which caps each gear's capacity as the operator plans an
+    aggregated GearSet (:func:`gearshift.planner.plan`); None: capacity is the busy rate.
 
     Raises:
         gearshift.planner.errors.PlanError: the planner finds no gear (or the even split does not fit).
@@ -76,7 +79,7 @@ def plan_gears(
     """
     fl, doc, profile = _fleet_profile(fleet)
     cost = _cost(arch, workload)
-    result = planner.plan(profile, cost, sim_requests=PLAN_SIM_REQUESTS)
+    result = planner.plan(profile, cost, sim_requests=PLAN_SIM_REQUESTS, itl_target_ms=itl_target_ms)
     specs = []
     for g in result.gears:
         api = api_gear(g, g.name, doc, {})
