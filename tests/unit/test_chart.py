@@ -370,7 +370,9 @@ class TestRbac:
             f"gearshift-{NS}-workloads": f"gearshift-{NS}-workloads",
         }
         probes = one(docs, "Role", "gearshift-probes")
-        assert verbs(probes, "batch", "jobs") == {"get", "create", "delete"}
+        # list: in-flight probes share one label-selected listing (runtime.ProbeJobs); without it every
+        # profile stays Probing under the chart's ServiceAccount.
+        assert verbs(probes, "batch", "jobs") == {"get", "list", "create", "delete"}
 
     def test_namespaced_install_binds_per_namespace(self):
         docs = render("watchNamespaces={team-a,team-b}", "profiling.enabled=false")
