@@ -5,6 +5,7 @@ earlier requests' decodes), and its agreement with the simulated engine (the twi
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,11 @@ from gearshift import planner
 from gearshift.api.gearset import ShiftPolicy
 from gearshift.control.adapt import policy_from_api
 from gearshift.dev.twin.constants import Slo
-from gearshift.dev.twin.gears import plan_gears
+from gearshift.dev.twin.gears import fleet_profile, gears_from_api
 from gearshift.dev.twin.trace import Trace
 from gearshift.dev.twin.variant import run_variant
 from gearshift.facts.model import load_hf_config
+from gearshift.planner.inputs import api_gear
 from gearshift.planner.partition import evaluate
 from gearshift.planner.simulate import simulate
 from gearshift.planner.tpot import DecodeTimes, period_ms, tpot_capacity, tpot_ms
@@ -59,6 +61,13 @@ class TestModel:
         assert tpot_capacity(_flat(), 24.0, 128, 64, 100.0) == pytest.approx(10 / 3, rel=1e-6)
         assert tpot_capacity(_flat(), 19.0, 128, 64, 100.0) == 0.0  # a lone request is already too slow
         assert tpot_capacity(_flat(), 1e6, 128, 64, 7.0) == 7.0  # never binding below the busy rate
+
+    def test_capacity_keeps_the_decoding_sequences_within_the_max_batch(self) -> None:
+        # Flat 10 ms steps on 2 stages with no prompt cost: TPOT is 20 ms at any load, so the TPOT target
+        # never binds; Little's law does: λ · (101 − 1) · 20 ms ≤ 8 sequences  ⇔  λ ≤ 4 req/s.
+        flat = _flat(prefill=0.0)
+        assert tpot_capacity(flat, 150.0, 101, 8, 100.0) == pytest.approx(4.0, rel=1e-6)
+        assert tpot_capacity(flat, 150.0, 101, 16, 100.0) == pytest.approx(8.0, rel=1e-6)
 
     def test_bad_arguments_are_refused(self) -> None:
         with pytest.raises(ValueError, match="rps >= 0"):
@@ -116,18 +125,40 @@ class TestPlanner:
         with pytest.raises(planner.PlanError, match="itl_target_ms"):
             planner.plan(profile, self._cost(), itl_target_ms=-1.0)
 
+    def test_smaller_kv_budgets_compete_only_under_a_tpot_target(self) -> None:
+        cost = self._cost()
+        budgets = [m.assumptions.kv_sequences for m in planner.gears._kv_budgets(cost)]
+        k, expected = cost.assumptions.kv_sequences, []
+        while k >= planner.gears.MIN_KV_SEQUENCES:
+            expected.append(k)
+            k //= 2
+        assert budgets == expected and budgets[0] == cost.assumptions.kv_sequences
+        assert planner.gears._kv_budgets(self._cost("decode")) == [self._cost("decode")]
+        profile = planner.load_cluster(FLEET)
+        free = planner.plan(profile, cost)
+        assert {g.max_batch for g in free.gears} == {cost.assumptions.kv_sequences}
+        capped = planner.plan(profile, cost, itl_target_ms=150.0)
+        for g in capped.gears:
+            assert g.max_batch in expected
+            # each stage is sized for its gear's own budget, and every node of it holds that
+            own = replace(cost, assumptions=replace(cost.assumptions, kv_sequences=g.max_batch))
+            costs = own.at(g.micro_batch)
+            for st in g.stages:
+                need = sum(costs.memory_gb(i) for i in range(*st.layers))
+                assert st.memory_gb == pytest.approx(need, rel=1e-9)
+                assert all(need <= profile.node(n).memory_gb * (1 + 1e-12) for n in st.nodes)
+        # the budget is a trade the planner makes: a smaller one lets some gear use fewer cards
+        assert min(len(g.stages) for g in capped.gears) < min(len(g.stages) for g in free.gears)
+
     def test_the_prediction_agrees_with_the_simulated_engine(self) -> None:
         # The twin (gearshift.sim's engine in virtual time) serves the planned gear at steady Poisson loads;
         # the planner's mean TPOT must sit at or a little above the engine's median (it stretches every
         # step by the prompts' mean share), and its capacity where the engine's TTFT starts to run away.
         rules = policy_from_api(ShiftPolicy(), role="both", ttft_slo_ms=2500, itl_slo_ms=150)
-        specs, _, _ = plan_gears(
-            ARCH_70B, rules, (PROMPT, OUTPUT), fleet=FLEET, even=False, itl_target_ms=150
-        )
-        spec = next(s for s in specs if s.name == "latency")
-        profile = planner.load_cluster(FLEET)
+        _, doc, profile = fleet_profile(FLEET)  # the profile the twin plans on (usable memory)
         for lam in (0.5, 1.5):
             gear = planner.plan(profile, self._cost(), itl_target_ms=150.0, qps=lam).gear("latency")
+            (spec,) = gears_from_api([api_gear(gear, gear.name, doc, {})], ARCH_70B, rules, FLEET)
             n = int(lam * 600)
             t = np.cumsum(np.random.default_rng(1).exponential(1 / lam, n))
             trace = Trace(t, np.full(n, PROMPT), np.full(n, OUTPUT))

@@ -212,6 +212,9 @@ class _Candidate:
     capacity: float = 0.0
     sim: SimResult | None = None
     itl_ms: float | None = None
+    model: CostModel | None = None
+    """The cost model the candidate was planned with when not the plan's (a smaller KV budget:
+    :func:`_kv_budgets`)."""
 
 
 def _stage_ms(costs: LayerCosts, start: int, end: int, score: float) -> float:
@@ -698,30 +701,43 @@ def plan(
                     f"({windows.dwell_s:g} + {windows.margin_s:g} s): {', '.join(sorted(gone))}"
                 )
         cheap = windows.cheap_only(ids)
-    pools = {
-        i: _candidates(
-            profile,
-            model,
-            i,
-            single_pipeline,
-            cheap,
-            max_stages,
-            max_stages_why,
-            whole_pipelines,
-            short_balanced=itl_target_ms is not None,
-        )
-        for i in intents
-    }
+    if itl_target_ms is not None and itl_target_ms <= 0:
+        raise PlanError(f"itl_target_ms must be > 0, got {itl_target_ms}")
+    budgets = _kv_budgets(model) if itl_target_ms is not None else [model]
+    pools: dict[str, list[_Candidate]] = {}
+    for i in intents:
+        pools[i] = []
+        first_error: PlanError | None = None
+        for m in budgets:
+            try:
+                found = _candidates(
+                    profile,
+                    m,
+                    i,
+                    single_pipeline,
+                    cheap,
+                    max_stages,
+                    max_stages_why,
+                    whole_pipelines,
+                    short_balanced=itl_target_ms is not None,
+                )
+            except PlanError as exc:
+                first_error = first_error or exc
+                continue
+            for c in found:
+                c.model = m
+            pools[i] += found
+        if not pools[i]:
+            assert first_error is not None
+            raise first_error
     for cands in pools.values():
         for c in cands:
             _finish(profile, model, c)
     busy_capacity = max(c.capacity for cands in pools.values() for c in cands)
     if itl_target_ms is not None:
-        if itl_target_ms <= 0:
-            raise PlanError(f"itl_target_ms must be > 0, got {itl_target_ms}")
         for cands in pools.values():
             for c in cands:
-                _cap_by_tpot(profile, model, c, itl_target_ms)
+                _cap_by_tpot(profile, _model_of(c, model), c, itl_target_ms)
     best_capacity = max(c.capacity for cands in pools.values() for c in cands)
     load = qps if qps is not None else DEFAULT_QPS_SHARE * (best_capacity or busy_capacity)
     chosen: dict[str, _Candidate] = {}
@@ -734,14 +750,14 @@ def plan(
             fewest = min(len(c.pipeline.stages) for c in top)
             top = [c for c in top if len(c.pipeline.stages) == fewest]
             for c in top:
-                _simulate(profile, model, c, load, sim_requests, seed)
+                _simulate(profile, _model_of(c, model), c, load, sim_requests, seed)
             pick = min(top, key=lambda c: (c.sim.p99_ms, _cards(c)))  # type: ignore[union-attr]
         else:
             ok = [c for c in cands if c.capacity * TARGET_UTILISATION >= load] or [
                 max(cands, key=lambda c: c.capacity)
             ]
             for c in ok:
-                _simulate(profile, model, c, load, sim_requests, seed)
+                _simulate(profile, _model_of(c, model), c, load, sim_requests, seed)
             if intent == "latency":
                 # Equal P99, fewer cards: the simulator hands a micro-batch to whichever server ends it
                 # first, so an extra slower card that never helped leaves P99 unchanged there, while a
@@ -751,13 +767,44 @@ def plan(
                 pick = max(ok, key=lambda c: c.capacity / c.sim.p99_ms)  # type: ignore[union-attr]
         chosen[intent] = pick
     for c in chosen.values():
-        times = _decode_times(profile, model, c)
+        m = _model_of(c, model)
+        times = _decode_times(profile, m, c)
         if times is not None:
-            c.itl_ms = tpot_ms(times, load / c.pipeline.replicas, _output_tokens(model), _max_batch(c, model))
+            c.itl_ms = tpot_ms(times, load / c.pipeline.replicas, _output_tokens(m), _max_batch(c, m))
     ranges = _qps_ranges({i: c.capacity for i, c in chosen.items()})
-    kv_batch = kv_resident_sequences(model)
-    gears = tuple(_gear(profile, chosen[i], ranges[i], kv_batch) for i in intents)
+    gears = tuple(
+        _gear(profile, chosen[i], ranges[i], kv_resident_sequences(_model_of(chosen[i], model)))
+        for i in intents
+    )
     return PlanResult(model.name, gears, load)
+
+
+#: The smallest KV budget (sequences per pipeline) :func:`_kv_budgets` tries.
+MIN_KV_SEQUENCES = 8
+
+
+def _kv_budgets(model: CostModel) -> list[CostModel]:
+    """``model`` and, for the roofline model of role ``both``, the same with the KV cache reserved for half
+    as many sequences, halved again down to :data:`MIN_KV_SEQUENCES`.
+
+    A smaller budget lets a pipeline fit fewer, faster cards (Llama-3-70B at 1155 + 211 tokens: 64
+    sequences need a third card beside two H100s, 16 do not) at the cost of a smaller max batch, which
+    :func:`gearshift.planner.tpot.tpot_capacity` charges (Little's law). The peers' layouts make the same
+    trade with ``--max-num-seqs`` (:func:`gearshift.dev.twin.gears.peer_gears`); here every budget
+    competes and each intent's rule picks.
+    """
+    if not isinstance(model, RooflineCostModel) or model.assumptions.role != "both":
+        return [model]
+    out: list[CostModel] = [model]
+    k = model.assumptions.kv_sequences // 2
+    while k >= MIN_KV_SEQUENCES:
+        out.append(replace(model, assumptions=replace(model.assumptions, kv_sequences=k)))
+        k //= 2
+    return out
+
+
+def _model_of(c: _Candidate, model: CostModel) -> CostModel:
+    return c.model if c.model is not None else model
 
 
 def _cards(c: _Candidate) -> int:

@@ -86,22 +86,28 @@ def tpot_capacity(
     times: DecodeTimes, target_ms: float, output_tokens: int, max_batch: int, upper_rps: float
 ) -> float:
     """The highest load (requests/s into this pipeline, at most ``upper_rps``) whose TPOT is ≤
-    ``target_ms``; 0 when even a lone request's is above it. TPOT rises with load (more sequences per step,
-    more prompts between steps), so a bisection finds it.
+    ``target_ms`` and whose decoding sequences (Little's law: ``λ · (o − 1) · TPOT``) fit ``max_batch``
+    (beyond, each new request waits for a running one to finish: the queue grows without bound); 0 when
+    even a lone request's TPOT is above the target. Both rise with load, so a bisection finds it.
 
     Raises:
         ValueError: ``target_ms`` ≤ 0 or ``upper_rps`` < 0.
     """
     if target_ms <= 0 or upper_rps < 0:
         raise ValueError(f"need target_ms > 0 and upper_rps >= 0; got {target_ms}, {upper_rps}")
-    if tpot_ms(times, 0.0, output_tokens, max_batch) > target_ms:
+
+    def fits(rps: float) -> bool:
+        tpot = tpot_ms(times, rps, output_tokens, max_batch)
+        return tpot <= target_ms and rps * max(output_tokens - 1, 0) * tpot / 1000.0 <= max_batch
+
+    if not fits(0.0):
         return 0.0
-    if tpot_ms(times, upper_rps, output_tokens, max_batch) <= target_ms:
+    if fits(upper_rps):
         return upper_rps
     lo, hi = 0.0, upper_rps
     for _ in range(BISECTIONS):
         mid = (lo + hi) / 2.0
-        if tpot_ms(times, mid, output_tokens, max_batch) <= target_ms:
+        if fits(mid):
             lo = mid
         else:
             hi = mid

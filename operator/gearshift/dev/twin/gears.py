@@ -77,7 +77,7 @@ def plan_gears(
         gearshift.planner.errors.PlanError: the planner finds no gear (or the even split does not fit).
         gearshift.facts.fleet.FleetError: a bad fleet file.
     """
-    fl, doc, profile = _fleet_profile(fleet)
+    fl, doc, profile = fleet_profile(fleet)
     cost = _cost(arch, workload)
     result = planner.plan(profile, cost, sim_requests=PLAN_SIM_REQUESTS, itl_target_ms=itl_target_ms)
     specs = []
@@ -121,7 +121,7 @@ def gears_from_api(
         gearshift.facts.fleet.FleetError: a bad fleet file.
         gearshift.planner.errors.PlanError: a gear names a node the fleet does not have.
     """
-    _, _, profile = _fleet_profile(fleet)
+    _, _, profile = fleet_profile(fleet)
     ids = {n.node_id for n in profile.nodes}
     for g in api_gears:
         missing = sorted({n for st in g.stages for n in st.nodes} - ids)
@@ -156,7 +156,7 @@ def peer_gears(
     Raises:
         gearshift.facts.fleet.FleetError: a bad fleet file.
     """
-    fl, _, profile = _fleet_profile(fleet)
+    fl, _, profile = fleet_profile(fleet)
     # Largest first: a peer user lowers the batch (vLLM --max-num-seqs, the KV the planner reserves per
     # stage) until the model fits, before adding cards: max_batch, halved down to 1.
     batches = [max_batch >> i for i in range(max_batch.bit_length())]
@@ -208,7 +208,7 @@ def peer_gears(
     return specs, info
 
 
-def _fleet_profile(fleet: Path) -> tuple[fleet_mod.Fleet, dict[str, Any], planner.Profile]:
+def fleet_profile(fleet: Path) -> tuple[fleet_mod.Fleet, dict[str, Any], planner.Profile]:
     """The fleet file, its datasheet profile document and the planner's profile (usable memory only)."""
     fl = fleet_mod.load_fleet(fleet)
     doc = fleet_mod.datasheet_profile(fl)
