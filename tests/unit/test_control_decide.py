@@ -346,8 +346,10 @@ class TestCostBenefit:
         assert two.weight_bytes(ARCH) - one.weight_bytes(ARCH) == ARCH.stage_weight_bytes(0, 16)
 
     def test_small_gain_is_vetoed(self):
-        # thr predicts 1 % more throughput than bal: gain 0.01 × 600 s = 6 s; cost ≈ 16.1 GB / 2 GB/s ≈ 8 s.
-        g = (gears()[1], replace(gears()[2], predicted_throughput_rps=16.16))
+        # thr predicts 0.1 % more throughput than bal: gain 0.001 × 600 s = 0.6 s. Its 8 pods load at once,
+        # so the cost is its largest pod's: the first or last 4 layers with the embedding or LM head
+        # (128256 × 4096 bf16 = 1.05 GB) ≈ 1.9 GB / 2 GB/s ≈ 0.96 s.
+        g = (gears()[1], replace(gears()[2], predicted_throughput_rps=16.016))
         policy = ShiftRules(target_p99_ms=TARGET)
         state = DecisionState()
         codes = ""
@@ -355,9 +357,23 @@ class TestCostBenefit:
             state, d = decide(state, smp(2 * i, **HOT_STAGE), policy, GearTable(g, "bal", ARCH), 2 * i)
             codes += CODE[d.kind]
         assert codes == "HHV"
-        assert d.cost is not None and d.cost.gain_s == pytest.approx(6.0)
-        assert d.cost.cost_s == pytest.approx(8.03e9 * 2 / 2e9, rel=0.01)
+        assert d.cost is not None and d.cost.gain_s == pytest.approx(0.6)
+        layer = (8.03e9 - 2 * 128256 * 4096) * 2 / 32  # Llama-3-8B's bytes per decoder layer
+        assert d.cost.cost_s == pytest.approx((4 * layer + 128256 * 4096 * 2) / 2e9, rel=0.02)
+        assert d.cost.weight_bytes == pytest.approx(8.03e9 * 2, rel=0.01)  # every byte is still reported
         assert d.reason == "Imbalance"
+
+    def test_pods_load_at_once_so_the_largest_stage_sets_the_cost(self):
+        # Both gears move the whole model, but the 8-stage gear's pods each load an eighth of it in parallel.
+        policy = ShiftRules(target_p99_ms=TARGET)
+        lat = cost_benefit(Trigger.IMBALANCE, gears()[1], gears()[0], smp(0), policy, ARCH)
+        thr = cost_benefit(Trigger.IMBALANCE, gears()[1], gears()[2], smp(0), policy, ARCH)
+        assert lat.weight_bytes == pytest.approx(thr.weight_bytes, rel=1e-9)
+        assert lat.cost_s == pytest.approx(ARCH.stage_weight_bytes(0, 16) / 2e9)
+        assert thr.cost_s == pytest.approx(
+            max(ARCH.stage_weight_bytes(a, a + 4) for a in range(0, 32, 4)) / 2e9
+        )
+        assert thr.cost_s < lat.cost_s / 1.5
 
     def test_large_gain_passes_and_latency_gain_uses_the_measured_p99(self):
         policy = ShiftRules(target_p99_ms=TARGET)

@@ -488,8 +488,9 @@ class ShiftPolicy(SpecModel):
         default=2.0,
         gt=0,
         le=1e5,
-        description="Rate a shift loads weights and KV onto the new gear's cards, GB/s, for the cost-benefit "
-        "check (default: a local NVMe read; set the cluster's measured load rate).",
+        description="Rate one pod of a shift's new gear loads its weights and KV, GB/s (pods load at once, "
+        "so the largest stage sets the shift's cost in the cost-benefit check; default: a local NVMe read; "
+        "set the cluster's measured per-node load rate).",
     )
     avg_context_tokens: int = Field(
         default=1024,

@@ -2,10 +2,17 @@
 
 Both sides are in *seconds of full service*:
 
-  - cost = bytes moved / ``transferGBps``. Bytes moved are the weights every pod of the new gear loads
-    (each replica of each stage, ``ModelArch.stage_weight_bytes``) plus the KV cache of the requests
-    running now (``running × avgContextTokens × kv_bytes_per_token``), which the new gear must rebuild.
-    During that time the shadow competes with the serving gear (seed 002 §4.1), so we charge it whole.
+  - cost = the time the shift moves bytes at ``transferGbps``: the new gear's pods load at once, each its
+    own stage on its own node (``transferGbps`` is one node's load rate: "a local NVMe read"), so the
+    largest stage's weights (``ModelArch.stage_weight_bytes``) set it, plus the KV cache of the requests
+    running now (``running × avgContextTokens × kv_bytes_per_token``), which the new gear must rebuild
+    (counted whole, as if one pod rebuilt it all). During that time the shadow competes with the serving
+    gear (seed 002 §4.1), so we charge it whole. The twin times a shadow's load the same way
+    (:mod:`gearshift.dev.twin.gears`: the largest stage over ``transferGbps``); charging every pod's bytes
+    in series instead vetoed Llama-3-70B's escape from a saturated two-H100 gear to a three-card one (146 GB,
+    73 s, against a 72 s gain) while the twin loaded that gear in 29 s: in the twin's replay of the demo's
+    window at ``--keep-every 40`` the shifting loop stayed on the two H100s and met the SLO for 47 of 485
+    requests (377 with this cost). The event still reports every byte moved.
   - gain = relative improvement × ``dwellSeconds``, the least time the new gear will serve:
     throughput gears (``imbalance``, ``saturation``, ``p99-low``): ``(thr_new − thr_old) / thr_old``
     from the gears' predicted throughput; the latency gear (``p99-high``): ``(p99_now − p99_new) /
@@ -82,7 +89,7 @@ def cost_benefit(
     With no prediction the check cannot judge and does not veto (the event says so).
     """
     weights, kv = shift_cost_bytes(new, arch, smoothed.running, policy.avg_context_tokens)
-    cost_s = (weights + kv) / (policy.transfer_gbps * GB)
+    cost_s = (new.pod_weight_bytes(arch) + kv) / (policy.transfer_gbps * GB)
     imp = improvement(trigger, old, new, smoothed, policy)
     gain_s = None if imp is None else imp * policy.dwell_s
     veto = gain_s is not None and gain_s < policy.min_benefit_cost_ratio * cost_s

@@ -208,6 +208,11 @@ class GearView:
         """Weights all pods of this gear load, bytes (every replica of every stage)."""
         return sum(s.replicas * arch.stage_weight_bytes(s.start, s.end) for s in self.stages)
 
+    def pod_weight_bytes(self, arch: ModelArch) -> int:
+        """Weights the gear's largest stage pod loads, bytes: pods load at once, each on its own node, so
+        the slowest of them sets when the gear can serve (0 for a gear without stages)."""
+        return max((arch.stage_weight_bytes(s.start, s.end) for s in self.stages), default=0)
+
 
 @dataclass(frozen=True)
 class GearTable:
