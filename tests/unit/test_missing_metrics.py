@@ -150,3 +150,28 @@ def test_autoscaler_kv_query_falls_back_to_the_old_name(tmp_path: Path) -> None:
 def _via(prom: Any) -> Any:
     """A fake with prometheus-api-client's ``custom_query`` as PrometheusSource's ``query``."""
     return lambda queries: {q: prom.custom_query(q) for q in queries}
+
+
+@needs_promtool
+def test_arrivals_come_from_the_router_else_from_the_engines(tmp_path: Path) -> None:
+    # The router counts 2 + 1 req/s for this service's role (two router pods); the gear's engines completed
+    # 0.5 req/s with nothing queued: the router's count is the load. Another service's router is ignored.
+    from gearshift.control.signals import GearSelector, arrival_query
+
+    sel = GearSelector("ns", "svc", "both", "g")
+    expr = arrival_query(sel, "2m")
+    svc = 'namespace="ns",gearshift_io_service="svc",gearshift_io_role="both"'
+    engine = {
+        f'vllm:request_success_total{{{svc},gearshift_io_gear="g",pod="h"}}': "0+30x3",
+        f'vllm:num_requests_running{{{svc},gearshift_io_gear="g",pod="h"}}': "4x3",
+        f'vllm:num_requests_waiting{{{svc},gearshift_io_gear="g",pod="h"}}': "0x3",
+    }
+    routers = {
+        f'gearshift_router_arrivals_total{{{svc},pod="r1"}}': "0+120x3",
+        f'gearshift_router_arrivals_total{{{svc},pod="r2"}}': "0+60x3",
+        'gearshift_router_arrivals_total{namespace="ns",gearshift_io_service="other",'
+        'gearshift_io_role="both",pod="r3"}': "0+600x3",
+    }
+    _promtool(tmp_path, {**engine, **routers}, expr, [{"labels": "{}", "value": 3.0}])
+    # no router series (a router of another version, or none scraped): the engines' estimate
+    _promtool(tmp_path, engine, expr, [{"labels": "{}", "value": 0.5}])

@@ -608,6 +608,32 @@ async def test_queue_full_is_429(make_router: Factory) -> None:
     assert 'gearshift_router_rejects_total{reason="queue_full"} 1.0' in metrics
 
 
+async def test_arrivals_count_every_request_per_role_refused_ones_too(make_router: Factory) -> None:
+    # Three requests at a router that admits one and queues one: all three arrived (one refused with 429),
+    # which is the load the operator must see; the engines served only two of them.
+    cfg = ProxyConfig(max_inflight=1, max_queue=1, service="svc", roles=("both",))
+    client, _router, _ = await make_router({"b0": ("both", FakeEngine("b0", delay_s=0.5))}, proxy=cfg)
+    tasks = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"})) for _ in range(3)]
+    assert sorted([(await t).status for t in tasks]) == [200, 200, 429]
+    metrics = await (await client.get("/metrics")).text()
+    assert (
+        'gearshift_router_arrivals_total{gearshift_io_role="both",gearshift_io_service="svc"} 3.0' in metrics
+    )
+    # a PD router counts each request once for each role that serves it
+    pd = ProxyConfig(service="svc", roles=("prefill", "decode"))
+    client, _router, _ = await make_router(
+        {"p0": ("prefill", FakeEngine("p0")), "d0": ("decode", FakeEngine("d0"))}, proxy=pd
+    )
+    for _ in range(2):
+        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    for role in ("prefill", "decode"):
+        assert (
+            f'gearshift_router_arrivals_total{{gearshift_io_role="{role}",gearshift_io_service="svc"}} 2.0'
+            in metrics
+        )
+
+
 async def test_queue_timeout_is_503_and_request_timeout_504(make_router: Factory) -> None:
     client, _router, _ = await make_router(
         {"b0": ("both", FakeEngine("b0", delay_s=0.4))},

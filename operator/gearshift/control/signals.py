@@ -65,6 +65,8 @@ RUNNING = "vllm:num_requests_running"
 SUCCESS_TOTAL = "vllm:request_success_total"
 E2E = "vllm:e2e_request_latency_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
+#: The router's count of client requests per PDService and role (:mod:`gearshift.router.metrics`).
+ROUTER_ARRIVALS = "gearshift_router_arrivals_total"
 ITL = "vllm:inter_token_latency_seconds"
 #: Per request, seconds from first scheduled to first token, and from first to last token; observed when
 #: the request finishes (vLLM 0.32.0 ``vllm/v1/metrics/stats.py`` ``update_from_finished_request``;
@@ -100,13 +102,14 @@ class GearSelector:
     role: str
     gear: str
 
-    def matchers(self) -> str:
-        """The label matchers, ``{namespace="..",gearshift_io_service="..",...}``."""
+    def matchers(self, *, with_gear: bool = True) -> str:
+        """The label matchers, ``{namespace="..",gearshift_io_service="..",...}`` (without the gear's when
+        not ``with_gear``: series of the whole role, such as the router's)."""
         pairs = (
             (LABEL_NAMESPACE, self.namespace),
             (LABEL_SERVICE, self.service),
             (LABEL_ROLE, self.role),
-            (LABEL_GEAR, self.gear),
+            *(((LABEL_GEAR, self.gear),) if with_gear else ()),
         )
         return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
 
@@ -188,13 +191,24 @@ def quantile_query(histogram: str, q: float, sel: GearSelector, window: str = "1
 
 
 def arrival_query(sel: GearSelector, window: str = "1m") -> str:
-    """Requests arriving per second at the gear's head pods over ``window``: completions plus the growth
-    of the requests in flight, ``rate(success) + deriv(running) + deriv(waiting)`` (neither vLLM nor the
-    sim counts arrivals; a request that arrives either finishes or is still running or waiting)."""
+    """Requests arriving per second for the gear over ``window``: the service's routers' count of the
+    role's arrivals (``gearshift_router_arrivals_total``, counted before admission: every request the
+    router serves, holds or refuses), else, with no router series, the engines' completions plus the
+    growth of their requests in flight, ``rate(success) + deriv(running) + deriv(waiting)`` (neither vLLM
+    nor the sim counts arrivals).
+
+    The router's count comes first because the engines see only what the router lets through: with the
+    gear's pods at their batch cap the router holds requests (and refuses them after its queue timeout),
+    and the engines' estimate reads the gear's own throughput however many arrive. On the demo's
+    Llama-3-70B window that read 0.6 req/s while 1.7 arrived, so load-high never fired and the router
+    refused 493 of 775 requests (bench/results/demo.json). The sampled gear is the one the router sends
+    the role's traffic to, so the role's arrivals are the gear's.
+    """
     m = sel.matchers()
+    router = GearSelector(sel.namespace, sel.service, sel.role, "").matchers(with_gear=False)
     return (
-        f"sum(rate({SUCCESS_TOTAL}{m}[{window}])) + sum(deriv({RUNNING}{m}[{window}])) "
-        f"+ sum(deriv({WAITING}{m}[{window}]))"
+        f"sum(rate({ROUTER_ARRIVALS}{router}[{window}])) or (sum(rate({SUCCESS_TOTAL}{m}[{window}])) "
+        f"+ sum(deriv({RUNNING}{m}[{window}])) + sum(deriv({WAITING}{m}[{window}])))"
     )
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gearshift.control.signals import LABEL_ROLE, LABEL_SERVICE
+
 #: Latency buckets, s: sub-millisecond router overheads up to multi-second prefill queues.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 #: Inter-token latency buckets, s (vLLM's ITL buckets start at 10 ms).
@@ -146,6 +148,7 @@ class RouterMetrics:
 
     registry: CollectorRegistry
     requests: Counter
+    arrivals: Counter
     picks: Counter
     queue_time: Histogram
     ttft: Histogram
@@ -175,6 +178,16 @@ def make_metrics() -> RouterMetrics:
             "Client requests by policy, chosen prefill and decode pod, and outcome "
             "(ok, client_error, upstream_error, timeout, rejected, no_pod, client_disconnected, cancelled).",
             ["policy", "prefill_pod", "decode_pod", "outcome"],
+            registry=reg,
+        ),
+        arrivals=Counter(
+            "gearshift_router_arrivals",
+            "Client requests that arrived, counted before admission (served, queued or refused alike), by "
+            "the PDService and the role whose pods serve them (both; or prefill and decode, one each): the "
+            "load the operator compares with a gear's capacity, which the engines' own counts miss while "
+            "the router holds requests for admission or a batch slot.",
+            # the engines' label names for the PDService and role: one selector reads both
+            [LABEL_SERVICE, LABEL_ROLE],
             registry=reg,
         ),
         picks=Counter(

@@ -255,6 +255,11 @@ class ProxyConfig:
     kv_lease_s: float = 0.0
     """How long prefill pods hold a finished request's KV for its decode pod (PDService ``kvLeaseS``,
     vLLM's ``kv_lease_duration``), s; 0: unknown, no hand-off bound (:data:`KV_HANDOFF_SHARE`)."""
+    service: str = ""
+    """The PDService whose arrivals ``gearshift_router_arrivals`` counts (``--service``; empty with
+    ``--backend``)."""
+    roles: tuple[str, ...] = ("prefill", "decode")
+    """The roles whose pods serve each request (``--roles``): each arrival is counted once per role."""
 
 
 def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
@@ -917,6 +922,13 @@ class Proxy:
             self.metrics.retries.labels(role, b.info.name).inc()
         raise AssertionError("unreachable")
 
+    def _arrivals(self, role: str) -> Any:
+        key = ("arrivals", role)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.metrics.arrivals.labels(self.cfg.service, role)
+        return child
+
     def _child(self, series: str, value: str) -> Any:
         """``self.metrics.<series>`` (or ``self.metrics.client.<series>`` for ``client.*``) labelled with
         ``value``, cached. A model name comes from the client: past 256 cached children, no more are kept."""
@@ -945,6 +957,8 @@ class Proxy:
                     400, f"request body is not JSON: {exc}", "BadRequestError", "client_error"
                 ) from None
             rid = request_id_for(request.headers, body, self._new_id)
+            for role in self.cfg.roles:
+                self._arrivals(role).inc()
             await self.admit()
         except RequestError as err:
             self.metrics.requests.labels(policy, "-", "-", err.outcome).inc()

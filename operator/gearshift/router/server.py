@@ -634,6 +634,8 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             prefill_ms_per_token=prefill_ms_per_token(a.model),
             text_tokens=a.text_tokens,
             kv_lease_s=a.kv_lease_s,
+            service=a.service or "",
+            roles=ROLE_SETS[a.roles],
         ),
         served_model_name=a.served_model_name,
         prometheus_url=a.prometheus,
