@@ -33,8 +33,9 @@ DEFAULT_DURATION_S = 480.0
 #: Default replay speed (trace seconds per run second) and thinning (every Nth request of the window), for
 #: the default 70B example: at 7.5x the 480 s replay covers the trace's whole hour, whose load swings 2.6x
 #: (3.2 req/s in its first minute, 8.5 in minute 31, 3.8 in minute 57); one request in 25 brings that to
-#: 1.2-2.3 req/s (1.67 on average), around what the planner's 70B gears serve on the mixed fleet (0.74,
-#: 1.57 and 2.28 req/s predicted). examples/demo/pdservice-demo-70b.yaml says more. The 8B PD example ran
+#: 1.2-2.3 req/s (1.67 on average): above what the two H100s serve within the SLO (1.0 req/s predicted:
+#: the peer's layout and the `latency` gear), within the three-card gear's 2.3 req/s.
+#: examples/demo/pdservice-demo-70b.yaml says more. The 8B PD example ran
 #: at 3x with every request (:data:`PD_DEMO_ARGS`): its sandbox fleet serves about 24 req/s of this trace.
 DEFAULT_TIME_SCALE = 7.5
 DEFAULT_KEEP_EVERY = 25

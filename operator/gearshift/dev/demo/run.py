@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 import yaml
 
+import gearshift
 from gearshift.dev.demo import cost, goals, live, plots, report, series, summary
 from gearshift.dev.demo import trace as tracewin
 from gearshift.dev.demo.gears import gearset_table, stage_nodes
@@ -174,6 +176,11 @@ def _start_operator(ctx: Ctx) -> None:
             "podAnnotations.prometheus\\.io/scrape=true",
             "--set-string",
             f"podAnnotations.prometheus\\.io/port={CHART_METRICS_PORT}",
+            # The operator pod runs this checkout's code: a digest of it rolls the pod when the code changed
+            # since the last run on a kept sandbox (Helm's "automatically roll deployments" checksum
+            # annotation); otherwise the new code would wait for the pod's next restart.
+            "--set-string",
+            f"podAnnotations.gearshift\\.io/code-digest={_code_digest()}",
             "--wait",
             "--timeout",
             "180s",
@@ -629,12 +636,23 @@ def _prom_engine(ctx: Ctx, rep: Replay) -> dict[str, float]:
     return out
 
 
+def _code_digest() -> str:
+    """A SHA-256 (first 16 hex digits) of the gearshift package's Python sources, names and contents."""
+    root = Path(gearshift.__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _twin(
     ctx: Ctx, rep: Replay, win: tracewin.Window, gearsets: dict[str, dict[str, Any]]
 ) -> dict[str, Any] | None:
     """The twin's replays of the window (virtual time; CPU only): the shifting loop, each static gear and
-    each peer layout, or None with a note. The model is the PDService's, the policy, workload and initial
-    gear those of its aggregated GearSet (or its prefill GearSet, for a PD service)."""
+    each peer layout, or None with a note. The model is the PDService's, the policy and workload those of
+    its aggregated GearSet (or its prefill GearSet, for a PD service), the initial gear the one the live run
+    started on."""
     from gearshift.api.pdservice import ModelSpec
     from gearshift.dev import twin
 
@@ -664,7 +682,9 @@ def _twin(
             role=role,
             policy=spec.get("policy") or {},
             workload=workload,
-            initial_gear=spec.get("initialGear") if role == "both" else None,
+            # The shifting loop starts where the live run started (its initialGear, else the capacity
+            # controller's pick at the policy's expectedArrivalRps), so both runs face the window alike.
+            initial_gear=(spec.get("initialGear") or rep.first_gears.get(role)) if role == "both" else None,
             max_model_len=rep.result.max_model_len,
             # An aggregated service's own gears are what the twin's combined engines run; a PD service's
             # prefill gears hold only prefill's share of the fleet, so the twin plans the whole fleet.
