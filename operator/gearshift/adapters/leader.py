@@ -280,7 +280,6 @@ class LeaderElector:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        sent = time.monotonic()
         try:
             lease = self._leases.read(self.name, self.namespace)
         except ApiException as exc:
@@ -294,6 +293,9 @@ class LeaderElector:
                 metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace), spec=spec
             )
             try:
+                # Timed from the write's sending, not the GET's: a standby times the lease from when it
+                # sees the record change, which is after the server stored this write.
+                sent = time.monotonic()
                 return self._wrote(sent, self._leases.create(self.namespace, body))
             except ApiException:
                 return False
@@ -313,6 +315,7 @@ class LeaderElector:
         spec.holder_identity, spec.renew_time = self.identity, now
         spec.lease_duration_seconds = self.times.lease_duration_s
         lease.spec = spec
+        sent = time.monotonic()
         try:
             return self._wrote(sent, self._leases.replace(self.name, self.namespace, lease))
         except ApiException:
@@ -372,7 +375,7 @@ class LeaderElector:
             return f"now held by {holder}" if holder else "was released by someone else"
         self._lease = current  # ours still: the next PUT (at once, sent now) carries its resourceVersion
         with contextlib.suppress(ApiException):  # logged by _Leases; retried at the next period
-            self._wrote(sent, self._leases.replace(self.name, self.namespace, current))
+            self._wrote(time.monotonic(), self._leases.replace(self.name, self.namespace, current))
         return None
 
     def _watch(self) -> None:
