@@ -122,4 +122,3 @@ def test_kopf_requests_are_fenced_in_one_place(monkeypatch: pytest.MonkeyPatch):
 
     asyncio.run(go())
     assert sent == [("get", "/version"), ("patch", "/x")]
-
