@@ -90,7 +90,8 @@ ROWS: dict[str, dict[str, Any]] = {
     },
     "7 peering at start-up": {
         "fix": "adapters/leader.py: Lease leader election (the kubernetes client's LeaderElection/LeaseLock) "
-        "instead of kopf peering; a standby starts no kopf; a renew-deadline watchdog; release on SIGTERM",
+        "instead of kopf peering; a standby starts no kopf; a renew-deadline watchdog; release on SIGTERM "
+        "(the client's loop since replaced by gearshift's own: #31 item 5 below)",
         "tests": [
             "tests/e2e/test_leader_election.py",
             "tests/unit/test_leader_elector.py",
