@@ -389,3 +389,21 @@ class TestReexecOnLoss:
         assert env == {"X": "1"}
         assert main.Reexec.take(env) == main.Reexec()
         assert main.Reexec.take({main.REEXEC_ENV: "not json"}) == main.Reexec()
+
+
+def test_a_release_with_a_stale_resource_version_reads_and_still_releases(store: Store):
+    a, b = Candidate(store, "a"), Candidate(store, "b")
+    a.elector.start()
+    assert wait(lambda: a.elector.leading, 5)
+    b.elector.start()
+    a.elector._release.set()  # stop renewing first, so that nothing moves the version after the next line
+    a.elector._thread.join(5)
+    a.elector._release.clear()
+    with store.lock:
+        assert store.lease is not None
+        store.put(store.lease)  # the server's copy moved on: a's cached resourceVersion is stale
+    t0 = time.monotonic()
+    a.elector.release()
+    assert store.holder() is None or store.holder() == "b"  # released (b may already have taken it)
+    assert wait(lambda: b.elector.leading, 5)
+    assert time.monotonic() - t0 < TIMES.lease_duration_s  # released, not waited out

@@ -444,10 +444,21 @@ class LeaderElector:
         lease = self._lease
         if lease is None or lease.spec is None or lease.spec.holder_identity != self.identity:
             return
-        lease.spec.holder_identity = None
-        lease.spec.lease_duration_seconds = 1
-        try:
-            self._leases.replace(self.name, self.namespace, lease)
-        except ApiException:  # logged by _Leases (a 409: someone else wrote it, so it is not ours)
-            return
-        log.info("released Lease %s/%s", self.namespace, self.name)
+        for _ in range(2):
+            lease.spec.holder_identity = None
+            lease.spec.lease_duration_seconds = 1
+            try:
+                self._leases.replace(self.name, self.namespace, lease)
+                log.info("released Lease %s/%s", self.namespace, self.name)
+                return
+            except ApiException as exc:  # other failures were logged by _Leases
+                if exc.status != 409:
+                    return
+            # A stale resourceVersion: a renewal of ours that timed out was stored after all, or someone
+            # else wrote the Lease. Release it only if it still names this replica.
+            try:
+                lease = self._leases.read(self.name, self.namespace)
+            except ApiException:
+                return
+            if lease.spec is None or lease.spec.holder_identity != self.identity:
+                return
