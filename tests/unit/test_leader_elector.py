@@ -25,7 +25,9 @@ from urllib3.exceptions import MaxRetryError
 
 from gearshift.adapters.leader import LeaderElector, LeaseTimes
 from gearshift.handlers import main
+from gearshift.handlers.crds import StaleCRDs
 from gearshift.handlers.fence import FENCE
+from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.handlers.metrics import LEADER_LOSSES
 
 TIMES = LeaseTimes(lease_duration_s=4, renew_deadline_s=2, retry_period_s=1)
@@ -407,3 +409,38 @@ def test_a_release_with_a_stale_resource_version_reads_and_still_releases(store:
     assert store.holder() is None or store.holder() == "b"  # released (b may already have taken it)
     assert wait(lambda: b.elector.leading, 5)
     assert time.monotonic() - t0 < TIMES.lease_duration_s  # released, not waited out
+
+
+class TestStartUpAfterAReexec:
+    """The re-executed operator's first API call (the CRD check) waits for an API server that does not
+    answer, instead of exiting: that exit would be the container restart the re-exec avoids."""
+
+    def calls(self, outcomes: list[BaseException | None], retry: bool) -> tuple[int, list[float]]:
+        n, slept = 0, []
+
+        def call() -> None:
+            nonlocal n
+            n += 1
+            exc = outcomes.pop(0)
+            if exc is not None:
+                raise exc
+
+        main._until_answered(call, retry=retry, sleep=slept.append)
+        return n, slept
+
+    def test_no_answer_is_tried_again_every_2_s_after_a_reexec(self):
+        no_answer: list[BaseException | None] = [
+            MaxRetryError(None, "/apis", "connection refused"),  # type: ignore[arg-type]
+            KubeApiError("GET /apis/...: 0 timed out", 0),
+            KubeApiError("GET /apis/...: 503 Service Unavailable", 503),
+            None,
+        ]
+        assert self.calls(no_answer, retry=True) == (4, [2.0, 2.0, 2.0])
+
+    def test_an_answer_or_a_first_start_fails_at_once(self):
+        with pytest.raises(KubeApiError):
+            self.calls([KubeApiError("GET: 403 Forbidden", 403), None], retry=True)
+        with pytest.raises(StaleCRDs):
+            self.calls([StaleCRDs("gearsets: spec.x missing"), None], retry=True)
+        with pytest.raises(MaxRetryError):
+            self.calls([MaxRetryError(None, "/apis", "refused"), None], retry=False)  # type: ignore[arg-type]

@@ -46,6 +46,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.handlers.crds import StaleCRDs, check_installed_crds
 
     try:
-        check_installed_crds(rt.api)
+        _until_answered(lambda: check_installed_crds(rt.api), retry=reexec.attempt > 0)
     except StaleCRDs as exc:
         log.error("%s", exc)
         return EXIT_STALE_CRDS
@@ -261,6 +262,45 @@ def run(args: argparse.Namespace) -> int:
             elector.release()
             LEADER.set(0)
     return 0
+
+
+#: After a re-exec, how often the start-up's API call is tried again while the API server does not answer, s.
+STARTUP_RETRY_S = 2.0
+
+
+def _until_answered(
+    call: Callable[[], None], retry: bool, sleep: Callable[[float], None] = time.sleep
+) -> None:
+    """Run ``call``; when ``retry``, again every :data:`STARTUP_RETRY_S` while the API server gives no
+    answer (no connection, a time-out, a 5xx), instead of ending the process.
+
+    Only after a re-exec (``retry``): the Lease was lost because the API server did not answer, and it may
+    still not, and an exit there is the container restart the re-exec avoids. The kubelet's liveness
+    probe has no ``/healthz`` to ask meanwhile (the chart's: 3 failures 20 s apart), so it restarts the
+    container only when the API server stays away about a minute. A first start fails at once, as before.
+
+    Raises:
+        Exception: whatever ``call`` raises that is an answer (a 4xx, a stale CRD) or no API error at
+            all (a bug), or anything when not ``retry``.
+    """
+    import urllib3
+
+    from gearshift.handlers.kubeapi import KubeApiError
+
+    while True:
+        try:
+            call()
+            return
+        except KubeApiError as exc:
+            if not retry or 0 < exc.status < 500:
+                raise
+            problem = str(exc)
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # no connection, a time-out: no answer at all
+            if not retry:
+                raise
+            problem = f"{type(exc).__name__}: {exc}"
+        log.warning("the API server does not answer (%s); trying again in %g s", problem, STARTUP_RETRY_S)
+        sleep(STARTUP_RETRY_S)
 
 
 def build_runtime(args: argparse.Namespace) -> Runtime:
