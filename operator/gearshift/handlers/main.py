@@ -22,8 +22,8 @@ container restart, and the kubelet waits 10 s, 20 s, 40 s ... up to 5 min before
 (CrashLoopBackOff, reset after 10 min of running), so a starved API server that costs a few Leases in a
 row keeps the operator down for minutes and shows as a crash loop. Measured on the busy sandbox with two
 12 s API server outages, each requiring a loss (``bench/lease.py``, ``bench/results/reliability.json``
-``lease``; controller-runtime's times): exiting, 2 restarts and 66.3 s without a leader; re-executing,
-0 restarts and 18.9 s (the back-off, the outage's rest and the start-up). A shift in flight resumes under
+``lease``; controller-runtime's times): exiting, 2 restarts and 64.8 s without a leader; re-executing,
+0 restarts and 19.3 s (the back-off, the outage's rest and the start-up). A shift in flight resumes under
 the next leader from its GearSet's status, as after any restart (both runs completed 2/2).
 
 State: one :class:`~gearshift.handlers.runtime.Runtime` (settings from the flags, the API, what the handlers
