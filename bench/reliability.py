@@ -90,11 +90,23 @@ ROWS: dict[str, dict[str, Any]] = {
     },
     "7 peering at start-up": {
         "fix": "adapters/leader.py: Lease leader election (the kubernetes client's LeaderElection/LeaseLock) "
-        "instead of kopf peering; a standby starts no kopf; a renew-deadline watchdog; release on SIGTERM",
+        "instead of kopf peering; a standby starts no kopf; a renew-deadline watchdog; release on SIGTERM "
+        "(the client's loop since replaced by gearshift's own: #31 item 5 below)",
         "tests": [
             "tests/e2e/test_leader_election.py",
             "tests/unit/test_leader_elector.py",
             "tests/e2e/test_helm.py::test_upgrade_rolls_the_operator_not_the_serving_pods",
+        ],
+    },
+    "#31 item 5 no crash loop": {
+        "fix": "adapters/leader.py: one resourceVersion-guarded PUT per renewal, paced from its sending; "
+        "handlers/fence.py: no write (ours or kopf's) while not leading; handlers/main.py: on a loss, "
+        "re-exec in place and campaign again after 4 s doubling to 60 s (exit 4 only if the exec fails)",
+        "tests": [
+            "tests/e2e/test_lease_starved.py",
+            "tests/unit/test_leader_elector.py",
+            "tests/unit/test_leader_fence.py",
+            "bench/lease.py (this file's lease section: busy machine, starved API server)",
         ],
     },
 }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 import pytest
 
@@ -86,17 +85,16 @@ def test_identity_names_the_pod(monkeypatch: pytest.MonkeyPatch):
     assert a.startswith("gearshift-7d9f-abcde_") and b.startswith("gearshift-7d9f-abcde_") and a != b
 
 
-def test_client_chatter_and_our_release_are_filtered():
-    quiet = leader._Quiet()
-
-    def record(level: int, exc: BaseException | None = None) -> logging.LogRecord:
-        info = (type(exc), exc, None) if exc else None
-        return logging.LogRecord("leaderelection", level, __file__, 1, "m", (), info)
-
-    assert not quiet.filter(record(logging.INFO))
-    assert not quiet.filter(record(logging.ERROR, leader._Released()))
-    assert quiet.filter(record(logging.ERROR, RuntimeError("boom")))
-    assert quiet.filter(record(logging.WARNING))
+def test_recampaign_backoff_doubles_from_4_s_to_60_s_and_resets_after_a_long_term():
+    b = leader.Backoff()
+    # 4 s doubling, capped at 60 s: 4, 8, 16, 32, 60, 60 (written out, not computed from the class).
+    assert [b.delay_s(n) for n in range(0, 8)] == [0.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert b.delay_s(10_000) == 60.0  # no overflow on a long run of losses
+    # A term shorter than 2 x 60 s continues the run; a longer one (or none) starts it again.
+    assert b.next_attempt(3, 119.9) == 4
+    assert b.next_attempt(3, 120.0) == 1
+    assert b.next_attempt(0, 5.0) == 1
+    assert b.next_attempt(5, None) == 6
 
 
 @pytest.mark.parametrize("name", ["Bad_Name", "a" * 254, ""])

@@ -6,24 +6,43 @@ resources for about 4 s (#20 row 7; ``kopf/_core/engines/peering.py``, ``process
 is taken by an optimistic-concurrency write (``resourceVersion``), so two candidates can never both win
 the same term, and a standby here does not start kopf at all until it holds the Lease.
 
-The election loop is the kubernetes client's own (``kubernetes.leaderelection``: ``LeaderElection`` with
-``LeaseLock``), which follows client-go's ``tools/leaderelection``: a follower takes the Lease when its
-holder has not renewed it for ``lease_duration_s`` (timed on the follower's own clock from when it last
-saw the record change); a leader that could not renew for ``renew_deadline_s`` stops leading. The
-defaults are controller-runtime's (``pkg/leaderelection``: LeaseDuration 15 s, RenewDeadline 10 s,
-RetryPeriod 2 s). Added here (:class:`_Leases`, :class:`LeaderElector`): one attempt per Lease request
-within a time limit (the client has none and retries three times, so a hung renewal kept a deposed leader
-acting beside its successor), every request failure retried and logged instead of ending the campaign, a
-watchdog that stops a leader whose last renewal was *sent* more than the renew deadline ago or whose Lease
-shows another holder, and a release on clean shutdown (client-go's ``ReleaseOnCancel``: the holder is
-cleared, so a standby takes over within one retry period instead of one lease duration).
+The record and its rules are client-go's ``tools/leaderelection`` (``tryAcquireOrRenew``): a candidate
+takes the Lease when it is free or when its holder has not changed the record for the record's
+``leaseDurationSeconds``, timed on the candidate's own clock from when it last saw the record change
+(client-go's ``observedTime``); ``acquireTime`` and ``leaseTransitions`` change only with the holder; a
+leader that could not renew for ``renew_deadline_s`` stops leading. The defaults are controller-runtime's
+(``pkg/leaderelection``: LeaseDuration 15 s, RenewDeadline 10 s, RetryPeriod 2 s).
 
-Needs kubernetes >= 37.0.2: older clients have no ``LeaseLock``, and their renew loop cannot be stopped
-(the ``leading_failed`` check that :meth:`LeaderElector.release` relies on).
+The loop is this module's own (:class:`LeaderElector`), not the kubernetes client's
+``kubernetes.leaderelection``, because that one lost the Lease on a starved API server (#31 item 5: at
+load 30 the leader exited, "not renewed for 10 s"): each of its renewals is a GET then a PUT, and it
+sleeps a retry period *after* the renewal returned, so with requests taking 3 s a renewal cycle took
+2 × 3 + 2 = 8 s and one slow answer passed the 10 s deadline. Here:
+
+- a renewal is **one PUT** of the Lease this replica last wrote, guarded by its ``resourceVersion`` (a
+  409 means someone else wrote it: one GET says whether it still names this replica);
+- renewals are **paced from when each was sent**: the next goes ``retry_period_s`` after the previous
+  was sent, or at once when that one took longer, so a slow API server delays no renewal beyond its
+  own latency;
+- one attempt per request within ``request_timeout_s`` (the client has no limit and retries three
+  times, so a hung renewal kept a deposed leader acting beside its successor); every failure is retried
+  and logged once until the next success;
+- a watchdog stops a leader whose last successful renewal was *sent* more than the renew deadline ago
+  (a standby takes the Lease no sooner than the lease duration after the server stored it, so the
+  leader stops at least ``lease - renew`` s earlier) or whose Lease shows another holder;
+- :meth:`LeaderElector.may_act` is that same test, asked by the write fence
+  (:mod:`gearshift.handlers.fence`) before every write, so nothing is written between a missed deadline
+  and the watchdog's next look;
+- a release on clean shutdown (client-go's ``ReleaseOnCancel``): the holder is cleared, so a standby
+  takes over within one retry period instead of one lease duration.
+
+What the operator does once the Lease is lost (re-exec itself after :class:`Backoff`) is in
+:mod:`gearshift.handlers.main`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -32,6 +51,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 log = logging.getLogger("gearshift.leader")
@@ -80,6 +100,36 @@ class LeaseTimes:
         return self.renew_deadline_s / 2
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before a replica that lost the Lease campaigns again, in s: ``first_s`` doubling per loss up to
+    ``max_s``, back to ``first_s`` once a term lasted ``reset_after_s``.
+
+    The kubelet's container back-off has the same shape (10 s doubling to 300 s, reset after a container
+    ran 2 × 300 s without a restart: ``pkg/kubelet/kuberuntime``, ``backOff``); ours starts lower, because
+    the campaign that follows is one GET per retry period, not a process start-up, and the re-exec keeps
+    the container running, so the kubelet's own back-off never applies (see ``gearshift.handlers.main``).
+    ``reset_after_s`` is 2 × ``max_s``, as the kubelet's is.
+    """
+
+    first_s: float = 4.0
+    max_s: float = 60.0
+    reset_after_s: float = 120.0
+
+    def delay_s(self, attempt: int) -> float:
+        """Delay before re-campaign ``attempt`` (1: after the first loss of a run of short terms); 0 for 0."""
+        if attempt <= 0:
+            return 0.0
+        return float(min(self.max_s, self.first_s * 2 ** min(attempt - 1, 32)))
+
+    def next_attempt(self, attempt: int, term_s: float | None) -> int:
+        """The attempt after a loss: 1 when the lost term lasted ``reset_after_s``, else ``attempt + 1``
+        (also when no term began: ``term_s`` None, the campaign itself failed)."""
+        if term_s is not None and term_s >= self.reset_after_s:
+            return 1
+        return attempt + 1
+
+
 def default_identity() -> str:
     """``<hostname>_<random>``, as client-go's users build it (hostname + ``_`` + a UUID): in a pod the
     hostname is the pod name, so ``kubectl get lease`` names the pod that leads."""
@@ -87,35 +137,18 @@ def default_identity() -> str:
     return f"{host}_{uuid.uuid4().hex[:8]}"
 
 
-class _Released(Exception):
-    """Raised in the leading callback to make the client's renew loop stop (its only way out)."""
-
-
-class _Quiet(logging.Filter):
-    """Drop the client's INFO chatter (one line per retry) and its traceback for our own release."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], _Released):
-            return False
-        return record.levelno >= logging.WARNING or log.isEnabledFor(logging.DEBUG)
-
-
 class _Leases:
-    """The three Lease calls ``LeaseLock`` makes, made safe for an election.
+    """The three Lease calls the election makes, made safe for it.
 
-    - one attempt each, within ``timeout_s`` (the client retries a timed-out request three times by
-      default, so a hung renewal took 4 × the limit and a deposed leader went on acting);
-    - every failure is an ``ApiException`` (a refused connection escaped the client's loop as urllib3's
-      ``MaxRetryError`` and ended the campaign), and is logged once until the next success, since the
-      client logs its failures at INFO only (a 403 from missing RBAC was otherwise silent);
-    - for the watchdog: when the last write naming this replica as holder was *sent* (the server stored it
-      no earlier), and the holder of the last read.
+    - one attempt each, within ``timeout_s`` (the kubernetes client retries a timed-out request three
+      times by default, so a hung renewal took 4 × the limit);
+    - every failure is an ``ApiException`` (a refused connection escapes the client as urllib3's
+      ``MaxRetryError``), and is logged once until the next success (a 403 from missing RBAC would
+      otherwise be retried silently).
     """
 
-    def __init__(self, api: Any, timeout_s: float, identity: str, label: str) -> None:
-        self._api, self._timeout, self.identity, self._label = api, timeout_s, identity, label
-        self.renewed_at: float | None = None
-        self.holder_seen: str | None = None
+    def __init__(self, api: Any, timeout_s: float, label: str) -> None:
+        self._api, self._timeout, self._label = api, timeout_s, label
         self._problem: str | None = None
 
     def _call(
@@ -140,48 +173,37 @@ class _Leases:
             log.warning("Lease %s: %s failed: %s", self._label, what, problem)
             self._problem = problem
 
-    def _wrote(self, sent: float, lease: Any) -> None:
-        holder = lease.spec.holder_identity if lease is not None and lease.spec is not None else None
-        if holder == self.identity:
-            self.renewed_at, self.holder_seen = sent, holder
+    def read(self, name: str, namespace: str) -> Any:
+        return self._call("get", self._api.read_namespaced_lease, name, namespace, quiet=(404,))
 
-    def read_namespaced_lease(self, name: str, namespace: str) -> Any:
-        lease = self._call("get", self._api.read_namespaced_lease, name, namespace, quiet=(404,))
-        self.holder_seen = lease.spec.holder_identity if lease.spec is not None else None
-        return lease
+    def create(self, namespace: str, body: Any) -> Any:
+        return self._call("create", self._api.create_namespaced_lease, namespace, body, quiet=(409,))
 
-    def create_namespaced_lease(self, namespace: str, body: Any) -> Any:
-        sent = time.monotonic()
-        lease = self._call("create", self._api.create_namespaced_lease, namespace, body, quiet=(409,))
-        self._wrote(sent, lease)
-        return lease
-
-    def replace_namespaced_lease(self, name: str, namespace: str, body: Any) -> Any:
-        sent = time.monotonic()
-        lease = self._call(
-            "update",
-            self._api.replace_namespaced_lease,
-            name=name,
-            namespace=namespace,
-            body=body,
+    def replace(self, name: str, namespace: str, body: Any) -> Any:
+        return self._call(
+            "update", self._api.replace_namespaced_lease, name=name, namespace=namespace, body=body,
             quiet=(409,),
-        )
-        self._wrote(sent, lease)
-        return lease
+        )  # fmt: skip
+
+
+def _record(lease: Any) -> tuple[Any, ...]:
+    """What a candidate compares to see the record change (client-go compares the whole record)."""
+    s = lease.spec
+    if s is None:
+        return ()
+    return (s.holder_identity, s.lease_duration_seconds, s.acquire_time, s.renew_time, s.lease_transitions)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
 
 
 class LeaderElector:
-    """Campaign for the Lease ``namespace/name`` in a background thread.
+    """Campaign for the Lease ``namespace/name`` in a background thread (see the module docstring).
 
-    ``on_lost`` runs once (from a background thread) when this replica led and may lead no longer; the
-    operator exits there, as controller-runtime does ("leader election lost"), because kopf's handlers
-    cannot be stopped mid-flight from outside. A watchdog calls it, not only the client's renew loop,
-    whose deadline starts after a retry-period sleep and whose last try may overrun it:
-
-    - when no renewal naming this replica was sent within the renew deadline: a standby takes the Lease
-      no sooner than the lease duration after the server stored that renewal, so the leader stops at
-      least ``lease - renew`` s earlier;
-    - at once when a read shows another holder (a user deleted or edited the Lease, and a standby took it).
+    ``on_lost`` runs once (from a background thread) when this replica led and may lead no longer, or when
+    the campaign itself failed; :meth:`may_act` is False from that moment on. ``delay_s`` holds the first
+    campaign back (the re-campaign back-off, :class:`Backoff`).
     """
 
     #: How often the watchdog looks, s.
@@ -195,71 +217,172 @@ class LeaderElector:
         times: LeaseTimes,
         on_lost: Callable[[], None],
         identity: str | None = None,
+        delay_s: float = 0.0,
     ) -> None:
         import copy
 
         from kubernetes import client
-        from kubernetes.leaderelection import electionconfig, leaderelection
-        from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
         self.namespace, self.name, self.times = namespace, name, times
         self.identity = identity or default_identity()
+        self.delay_s = delay_s
         self._on_lost = on_lost
         self._leading = threading.Event()
         self._release = threading.Event()
         self._lost = threading.Lock()
         self._done = False
+        #: monotonic time the last successful write naming this replica was *sent* (the server stored it
+        #: no earlier); None before the first.
+        self.renewed_at: float | None = None
+        #: monotonic time this replica began to lead (None while it does not).
+        self.led_since: float | None = None
+        self._lease: Any = (
+            None  # the Lease as this replica last wrote it (its resourceVersion guards the next PUT)
+        )
+        self._observed: tuple[Any, ...] | None = None
+        self._observed_at = 0.0
+        self._holder: str | None = None
         # A client of its own without urllib3's retries (see _Leases).
         config_copy = copy.deepcopy(api_client.configuration)
         config_copy.retries = False
         self._leases = _Leases(
-            client.CoordinationV1Api(client.ApiClient(config_copy)), times.request_timeout_s, self.identity,
+            client.CoordinationV1Api(client.ApiClient(config_copy)), times.request_timeout_s,
             f"{namespace}/{name}",
         )  # fmt: skip
-        self._lock = LeaseLock(name, namespace, self.identity)
-        self._lock.api_instance = self._leases  # type: ignore[assignment]  # LeaseLock calls only these three methods
-        config = electionconfig.Config(
-            self._lock,
-            lease_duration=times.lease_duration_s,
-            renew_deadline=times.renew_deadline_s,
-            retry_period=times.retry_period_s,
-            onstarted_leading=self._lead,
-            onstopped_leading=lambda: self._lose(f"not renewed for {times.renew_deadline_s:g} s"),
-        )
-        self._election = leaderelection.LeaderElection(config)
-        client_log = logging.getLogger("leaderelection")
-        if not any(isinstance(f, _Quiet) for f in client_log.filters):
-            client_log.addFilter(_Quiet())
         self._thread = threading.Thread(target=self._run, name=f"leader-election {name}", daemon=True)
 
     def start(self) -> None:
         """Start campaigning (returns at once)."""
         self._thread.start()
 
+    # --- the campaign ------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._election.run()
+            if self.delay_s > 0 and self._release.wait(self.delay_s):
+                return
+            while not self._try_acquire():
+                if self._release.wait(self.times.retry_period_s):
+                    return
+            if self._release.is_set():
+                return
+            self.led_since = time.monotonic()
+            self._leading.set()
+            threading.Thread(target=self._watch, name=f"leader watchdog {self.name}", daemon=True).start()
+            self._renew_loop()
         except Exception:
             # _Leases turns every request failure into a retry; anything else is a bug, and a replica
             # that may be leading without renewing must not go on.
             log.exception("leader election for Lease %s/%s failed", self.namespace, self.name)
             self._lose("the campaign failed")
 
-    def _lead(self) -> None:
-        threading.Thread(target=self._watch, name=f"leader watchdog {self.name}", daemon=True).start()
-        self._leading.set()
-        self._release.wait()
-        raise _Released
+    def _try_acquire(self) -> bool:
+        """One try of client-go's ``tryAcquireOrRenew`` as a candidate: GET, then create or PUT."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
 
-    def _watch(self) -> None:
-        while not self._release.wait(self.WATCH_S):
-            renewed = self._leases.renewed_at
-            if renewed is None or time.monotonic() - renewed > self.times.renew_deadline_s:
+        try:
+            lease = self._leases.read(self.name, self.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                return False
+            spec = client.V1LeaseSpec(
+                holder_identity=self.identity, lease_duration_seconds=self.times.lease_duration_s,
+                acquire_time=_now(), renew_time=_now(), lease_transitions=0,
+            )  # fmt: skip
+            body = client.V1Lease(
+                metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace), spec=spec
+            )
+            try:
+                # Timed from the write's sending, not the GET's: a standby times the lease from when it
+                # sees the record change, which is after the server stored this write.
+                sent = time.monotonic()
+                return self._wrote(sent, self._leases.create(self.namespace, body))
+            except ApiException:
+                return False
+        record = _record(lease)
+        if record != self._observed:
+            self._observed, self._observed_at = record, time.monotonic()
+        spec = lease.spec or client.V1LeaseSpec()
+        holder = spec.holder_identity or None
+        self._holder = holder
+        duration = spec.lease_duration_seconds or self.times.lease_duration_s
+        if holder and holder != self.identity and time.monotonic() < self._observed_at + duration:
+            return False
+        now = _now()
+        if holder != self.identity:
+            spec.acquire_time = now
+            spec.lease_transitions = (spec.lease_transitions or 0) + 1
+        spec.holder_identity, spec.renew_time = self.identity, now
+        spec.lease_duration_seconds = self.times.lease_duration_s
+        lease.spec = spec
+        sent = time.monotonic()
+        try:
+            return self._wrote(sent, self._leases.replace(self.name, self.namespace, lease))
+        except ApiException:
+            return False
+
+    def _wrote(self, sent: float, lease: Any) -> bool:
+        """Record a write's answer; whether it names this replica as holder."""
+        holder = lease.spec.holder_identity if lease is not None and lease.spec is not None else None
+        self._holder = holder
+        if holder != self.identity:
+            return False
+        self._lease, self.renewed_at = lease, sent
+        self._observed, self._observed_at = _record(lease), time.monotonic()
+        return True
+
+    def _renew_loop(self) -> None:
+        """Renew every ``retry_period_s`` *from when the last renewal was sent*, until released or lost."""
+        assert self.renewed_at is not None
+        next_at = self.renewed_at + self.times.retry_period_s
+        while not self._done:
+            if self._release.wait(max(0.0, next_at - time.monotonic())):
+                return
+            sent = time.monotonic()
+            next_at = sent + self.times.retry_period_s
+            why = self._renew(sent)
+            if why:
+                self._lose(why)
+                return
+            renewed = self.renewed_at or 0.0
+            if time.monotonic() - renewed > self.times.renew_deadline_s:
                 self._lose(f"not renewed for {self.times.renew_deadline_s:g} s")
                 return
-            holder = self._leases.holder_seen
-            if holder and holder != self.identity:
-                self._lose(f"now held by {holder}")
+
+    def _renew(self, sent: float) -> str | None:
+        """One renewal: a PUT guarded by the ``resourceVersion`` this replica last wrote. ``None`` when
+        renewed or worth retrying; why the Lease is lost when an answer shows it is."""
+        from kubernetes.client.exceptions import ApiException
+
+        lease = self._lease
+        lease.spec.renew_time = _now()
+        lease.spec.lease_duration_seconds = self.times.lease_duration_s
+        try:
+            self._wrote(sent, self._leases.replace(self.name, self.namespace, lease))
+            return None
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                return None  # no answer, or a refusal that says nothing of the holder: retried
+        # Someone else wrote the Lease (a user, a successor), or a PUT of ours that timed out was stored
+        # after all: one GET says which.
+        try:
+            current = self._leases.read(self.name, self.namespace)
+        except ApiException as exc:
+            return "was deleted" if exc.status == 404 else None
+        holder = current.spec.holder_identity if current.spec is not None else None
+        self._holder = holder or None
+        if holder != self.identity:
+            return f"now held by {holder}" if holder else "was released by someone else"
+        self._lease = current  # ours still: the next PUT (at once, sent now) carries its resourceVersion
+        with contextlib.suppress(ApiException):  # logged by _Leases; retried at the next period
+            self._wrote(time.monotonic(), self._leases.replace(self.name, self.namespace, current))
+        return None
+
+    def _watch(self) -> None:
+        while not self._release.wait(self.WATCH_S) and not self._done:
+            renewed = self.renewed_at
+            if renewed is None or time.monotonic() - renewed > self.times.renew_deadline_s:
+                self._lose(f"not renewed for {self.times.renew_deadline_s:g} s")
                 return
 
     def _lose(self, why: str) -> None:
@@ -275,15 +398,26 @@ class LeaderElector:
             log.error("leader election for Lease %s/%s stopped: %s", self.namespace, self.name, why)
         self._on_lost()
 
+    # --- what the operator asks --------------------------------------------------------------------------
     @property
     def leading(self) -> bool:
         """Whether this replica holds the Lease (as of its last renewal)."""
         return self._leading.is_set()
 
+    def may_act(self) -> bool:
+        """Whether this replica may write now: it leads, and its last successful renewal was sent within
+        the renew deadline (the watchdog's test, asked at the moment of each write, not every 0.25 s)."""
+        renewed = self.renewed_at
+        return (
+            self._leading.is_set()
+            and not self._done
+            and renewed is not None
+            and time.monotonic() - renewed <= self.times.renew_deadline_s
+        )
+
     def holder(self) -> str | None:
         """The holder this replica last saw in the Lease (``None`` before its first read, or when free)."""
-        record = self._election.observed_record
-        return getattr(record, "holder_identity", None) or None
+        return self._holder
 
     def wait_leading(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for leadership; whether this replica leads."""
@@ -293,26 +427,38 @@ class LeaderElector:
         """Stop renewing and, when this replica holds the Lease, clear its holder (client-go's
         ``ReleaseOnCancel``), so a standby takes over at its next try. Idempotent; never raises (a
         failed release only means the standby waits out the lease duration)."""
+        from kubernetes.client.exceptions import ApiException
+
         if self._release.is_set():
             return
         self._release.set()
         if not self._leading.is_set():
-            return  # a standby: its campaign thread dies with the process
-        # The renew loop looks at its stop flag once per retry period, after at most one renewal.
-        self._thread.join(self.times.retry_period_s + 2 * self.times.request_timeout_s + 1)
+            return  # a standby: its campaign thread ends at its next wait
+        # The renew loop wakes at once, unless a renewal is in flight (at most one request time limit).
+        self._thread.join(self.times.request_timeout_s + 1)
         self._leading.clear()
         if self._thread.is_alive():
-            # Still retrying a failing renewal: a write now would race it. The standby waits it out.
+            # Still waiting for a renewal's answer: a write now would race it. The standby waits it out.
             log.warning("Lease %s/%s not released: a renewal is still in flight", self.namespace, self.name)
             return
-        ok, _ = self._lock.get(self.name, self.namespace)
-        lease = self._lock.lease_reference
-        if not ok or lease is None or lease.spec is None or lease.spec.holder_identity != self.identity:
-            return  # failures were logged by _Leases
-        lease.spec.holder_identity = None
-        lease.spec.lease_duration_seconds = 1
-        try:
-            self._leases.replace_namespaced_lease(self.name, self.namespace, lease)
-        except Exception:  # logged by _Leases; see the docstring
+        lease = self._lease
+        if lease is None or lease.spec is None or lease.spec.holder_identity != self.identity:
             return
-        log.info("released Lease %s/%s", self.namespace, self.name)
+        for _ in range(2):
+            lease.spec.holder_identity = None
+            lease.spec.lease_duration_seconds = 1
+            try:
+                self._leases.replace(self.name, self.namespace, lease)
+                log.info("released Lease %s/%s", self.namespace, self.name)
+                return
+            except ApiException as exc:  # other failures were logged by _Leases
+                if exc.status != 409:
+                    return
+            # A stale resourceVersion: a renewal of ours that timed out was stored after all, or someone
+            # else wrote the Lease. Release it only if it still names this replica.
+            try:
+                lease = self._leases.read(self.name, self.namespace)
+            except ApiException:
+                return
+            if lease.spec is None or lease.spec.holder_identity != self.identity:
+                return

@@ -170,6 +170,9 @@ class RestKubeApi:
     ) -> Any:
         from kubernetes.client.exceptions import ApiException
 
+        from gearshift.handlers.fence import FENCE
+
+        FENCE.check(method, path)  # before anything is counted or sent: see gearshift.handlers.fence
         API_REQUESTS.labels(method, resource_of_path(path)).inc()
         headers = {"Accept": "application/json"}
         if content_type:

@@ -9,6 +9,23 @@ runs; the chart uses it for liveness and readiness). Metrics: the operator's own
 replicas campaign for a Lease (:mod:`gearshift.adapters.leader`); a standby answers ``/healthz`` itself and
 starts kopf only once it leads. Without the flag the operator runs alone.
 
+Losing the Lease (#31 item 5): the write fence (:mod:`gearshift.handlers.fence`) refuses every write from
+that moment, then the process re-executes itself in place (``os.execve`` of its own interpreter and
+command line): same PID, same container, a fresh kopf with no state, a standby again. It campaigns anew
+after :class:`~gearshift.adapters.leader.Backoff` (4 s doubling to 60 s over a run of short terms), keeping
+its Lease identity, so while the Lease still names it (no standby took it) it leads again at its first try
+instead of waiting out a lease duration. The attempt, the identity and the loss count cross the exec in
+``$GEARSHIFT_LEADER_REEXEC`` (:class:`Reexec`). Only when the exec itself fails does it exit (status 4).
+
+Why not exit and let the kubelet restart the container, as controller-runtime does: each exit is a
+container restart, and the kubelet waits 10 s, 20 s, 40 s ... up to 5 min before the next
+(CrashLoopBackOff, reset after 10 min of running), so a starved API server that costs a few Leases in a
+row keeps the operator down for minutes and shows as a crash loop. Measured on the busy sandbox with two
+12 s API server outages, each requiring a loss (``bench/lease.py``, ``bench/results/reliability.json``
+``lease``; controller-runtime's times): exiting, 2 restarts and 64.8 s without a leader; re-executing,
+0 restarts and 19.3 s (the back-off, the outage's rest and the start-up). A shift in flight resumes under
+the next leader from its GearSet's status, as after any restart (both runs completed 2/2).
+
 State: one :class:`~gearshift.handlers.runtime.Runtime` (settings from the flags, the API, what the handlers
 remember per object), built here before any handler module is imported and handed to kopf as
 ``kopf.run(memo=kopf.Memo(runtime=...))``: every handler finds it in its ``memo`` kwarg.
@@ -28,13 +45,17 @@ import os
 import re
 import sys
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gearshift.adapters.leader import LeaderElector, LeaseTimes
+from gearshift.adapters.leader import Backoff, LeaderElector, LeaseTimes
 from gearshift.api.pdservice import DNS_SUBDOMAIN_PATTERN
-from gearshift.handlers.metrics import LEADER
+from gearshift.handlers.fence import FENCE, install_kopf_fence
+from gearshift.handlers.metrics import LEADER, LEADER_LOSSES
 from gearshift.k8s.names import DOMAIN
 
 if TYPE_CHECKING:
@@ -56,8 +77,12 @@ HANDLER_MODULES: tuple[str, ...] = (
 FINALIZER = f"{DOMAIN}/finalizer"
 #: Exit status when the installed CRDs are older than the operator (a config error, like a bad flag: 2).
 EXIT_STALE_CRDS = 3
-#: Exit status when this replica led and could not renew its Lease (the kubelet restarts it as a standby).
+#: Exit status when this replica lost its Lease and could not re-execute itself (the kubelet restarts it).
 EXIT_LEADERSHIP_LOST = 4
+#: What a re-executed operator inherits from the image it replaced (:class:`Reexec`, JSON).
+REEXEC_ENV = "GEARSHIFT_LEADER_REEXEC"
+#: The re-campaign back-off (:class:`~gearshift.adapters.leader.Backoff`).
+BACKOFF = Backoff()
 #: Left out of kopf's diff base (``AnnotationsDiffBaseStorage(ignored_fields=...)``): see operator_startup.
 DIFFBASE_IGNORED = ("metadata.annotations", "metadata.labels")
 
@@ -100,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     lead.add_argument(
         "--renew-deadline", type=float, default=LeaseTimes.renew_deadline_s, metavar="S",
-        help="a leader that could not renew for this long exits (status 4)",
+        help="a leader that could not renew for this long stops writing and re-executes itself",
     )  # fmt: skip
     lead.add_argument(
         "--retry-period", type=float, default=LeaseTimes.retry_period_s, metavar="S",
@@ -158,9 +183,40 @@ def load_handlers(disabled: list[str]) -> list[str]:
     return loaded
 
 
+@dataclass(frozen=True)
+class Reexec:
+    """What crosses a re-exec after a lost Lease: the Lease identity, the back-off attempt (0: this
+    process image was not re-executed), and the losses so far (for
+    :data:`~gearshift.handlers.metrics.LEADER_LOSSES`)."""
+
+    identity: str | None = None
+    attempt: int = 0
+    losses: int = 0
+
+    @classmethod
+    def take(cls, environ: dict[str, str] | os._Environ[str]) -> Reexec:
+        """Read and remove :data:`REEXEC_ENV` (nothing the operator starts inherits it); a value that does
+        not parse counts as none (logged)."""
+        raw = environ.pop(REEXEC_ENV, None)
+        if not raw:
+            return cls()
+        try:
+            d = json.loads(raw)
+            return cls(str(d["identity"]), int(d["attempt"]), int(d["losses"]))
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignored $%s=%r: not what a re-exec writes", REEXEC_ENV, raw[:200])
+            return cls()
+
+    def env(self) -> str:
+        return json.dumps({"identity": self.identity, "attempt": self.attempt, "losses": self.losses})
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted; returns the exit code."""
     _configure_logging(args.log_level)
+    reexec = Reexec.take(os.environ)
+    if reexec.losses:
+        LEADER_LOSSES.inc(reexec.losses)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
     times = lease_times(args)
@@ -182,13 +238,14 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.handlers.crds import StaleCRDs, check_installed_crds
 
     try:
-        check_installed_crds(rt.api)
+        _until_answered(lambda: check_installed_crds(rt.api), retry=reexec.attempt > 0)
     except StaleCRDs as exc:
         log.error("%s", exc)
         return EXIT_STALE_CRDS
     elector = None
     if args.leader_elect:
-        elector = campaign(args, times, rt.api.client)  # type: ignore[attr-defined]
+        install_kopf_fence()
+        elector = campaign(args, times, rt.api.client, reexec)  # type: ignore[attr-defined]
     else:
         LEADER.set(1)  # alone: it handles resources
     liveness = f"http://{args.probe_host}:{args.probe_port}/healthz" if args.probe_port else None
@@ -205,6 +262,45 @@ def run(args: argparse.Namespace) -> int:
             elector.release()
             LEADER.set(0)
     return 0
+
+
+#: After a re-exec, how often the start-up's API call is tried again while the API server does not answer, s.
+STARTUP_RETRY_S = 2.0
+
+
+def _until_answered(
+    call: Callable[[], None], retry: bool, sleep: Callable[[float], None] = time.sleep
+) -> None:
+    """Run ``call``; when ``retry``, again every :data:`STARTUP_RETRY_S` while the API server gives no
+    answer (no connection, a time-out, a 5xx), instead of ending the process.
+
+    Only after a re-exec (``retry``): the Lease was lost because the API server did not answer, and it may
+    still not, and an exit there is the container restart the re-exec avoids. The kubelet's liveness
+    probe has no ``/healthz`` to ask meanwhile (the chart's: 3 failures 20 s apart), so it restarts the
+    container only when the API server stays away about a minute. A first start fails at once, as before.
+
+    Raises:
+        Exception: whatever ``call`` raises that is an answer (a 4xx, a stale CRD) or no API error at
+            all (a bug), or anything when not ``retry``.
+    """
+    import urllib3
+
+    from gearshift.handlers.kubeapi import KubeApiError
+
+    while True:
+        try:
+            call()
+            return
+        except KubeApiError as exc:
+            if not retry or 0 < exc.status < 500:
+                raise
+            problem = str(exc)
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # no connection, a time-out: no answer at all
+            if not retry:
+                raise
+            problem = f"{type(exc).__name__}: {exc}"
+        log.warning("the API server does not answer (%s); trying again in %g s", problem, STARTUP_RETRY_S)
+        sleep(STARTUP_RETRY_S)
 
 
 def build_runtime(args: argparse.Namespace) -> Runtime:
@@ -278,12 +374,24 @@ def lease_times(args: argparse.Namespace) -> LeaseTimes:
     return times
 
 
-def campaign(args: argparse.Namespace, times: LeaseTimes, api_client: Any) -> LeaderElector:
+def campaign(
+    args: argparse.Namespace, times: LeaseTimes, api_client: Any, reexec: Reexec | None = None
+) -> LeaderElector:
     """Block until this replica holds the Lease; meanwhile answer ``/healthz`` (200: a standby is ready to
     take over, and a rolling update with ``maxUnavailable: 0`` waits for the new pod to be Ready before it
-    stops the old leader). Returns the elector, still renewing."""
+    stops the old leader). After a re-exec (``reexec``) the first try waits the back-off and uses the same
+    identity. Returns the elector, still renewing, with :data:`~gearshift.handlers.fence.FENCE` guarded by
+    it."""
     ns, name = args.leader_election_namespace, args.leader_election_id
-    elector = LeaderElector(api_client, ns, name, times, on_lost=_exit_lost)
+    reexec = reexec or Reexec()
+    delay = BACKOFF.delay_s(reexec.attempt)
+    made: list[LeaderElector] = []  # on_lost needs the elector it is given to
+    elector = LeaderElector(
+        api_client, ns, name, times, on_lost=lambda: _lost(made[0], reexec),
+        identity=reexec.identity, delay_s=delay,
+    )  # fmt: skip
+    made.append(elector)
+    FENCE.guard(elector.may_act)
     try:
         server = _standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
     except OSError as exc:
@@ -293,6 +401,11 @@ def campaign(args: argparse.Namespace, times: LeaseTimes, api_client: Any) -> Le
         raise SystemExit(2) from None
     LEADER.set(0)
     elector.start()
+    if delay:
+        log.info(
+            "re-executed after losing the Lease (%d in a row): campaigning again in %g s",
+            reexec.attempt, delay,
+        )  # fmt: skip
     log.info("campaigning for Lease %s/%s as %s", ns, name, elector.identity)
     seen: str | None = None
     while not elector.wait_leading(times.retry_period_s):
@@ -308,9 +421,29 @@ def campaign(args: argparse.Namespace, times: LeaseTimes, api_client: Any) -> Le
     return elector
 
 
-def _exit_lost() -> None:
+def _lost(elector: LeaderElector, reexec: Reexec) -> None:
+    """The elector lost the Lease (or its campaign failed): fence every write, then re-execute in place
+    (see the module docstring); exit with :data:`EXIT_LEADERSHIP_LOST` only when the exec fails."""
+    FENCE.close()  # first: kopf's handlers run on in other threads until the exec replaces the image
     LEADER.set(0)
+    led = elector.led_since is not None
+    term_s = time.monotonic() - elector.led_since if elector.led_since is not None else None
+    if led:
+        LEADER_LOSSES.inc()
+    nxt = Reexec(elector.identity, BACKOFF.next_attempt(reexec.attempt, term_s), reexec.losses + int(led))
+    log.error(
+        "re-executing the operator (pid %d kept) to campaign again in %g s; %d Lease losses so far",
+        os.getpid(), BACKOFF.delay_s(nxt.attempt), nxt.losses,
+    )  # fmt: skip
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        os.execve(sys.executable, list(sys.orig_argv), {**os.environ, REEXEC_ENV: nxt.env()})
+    except OSError as exc:
+        log.error("re-exec failed (%s): exiting with status %d", exc, EXIT_LEADERSHIP_LOST)
+        sys.stderr.flush()
     # kopf's handlers cannot be stopped from this thread, and a deposed leader must stop acting now.
     os._exit(EXIT_LEADERSHIP_LOST)
 

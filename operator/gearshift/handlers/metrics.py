@@ -65,6 +65,12 @@ LEADER = Gauge(
     "gearshift_operator_leader",
     "1 while this replica holds the leader Lease and handles resources, 0 while it waits as a standby.",
 )
+#: #31 item 5. Carried across the operator's re-exec (``gearshift.handlers.main``), so it counts the losses
+#: of the container's life, not of one process image; it starts at 0 when the container (re)starts.
+LEADER_LOSSES = Counter(
+    "gearshift_operator_leader_losses",
+    "Times this replica led and lost the leader Lease (then stopped writing and re-executed itself).",
+)
 #: Per gear of each GearSet (its PDService's namespace and name, role): what the dashboard's gear panels
 #: show. Set by every shifting tick; a deleted GearSet's series go (:func:`forget_gears`).
 GEAR_LABELS = ("service_namespace", "service", "role", "gear")
