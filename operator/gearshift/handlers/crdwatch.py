@@ -26,9 +26,11 @@ the operator starts an *episode* for that CRD:
 When the schema holds every field again the held writes are released, each object that carries
 ``CRDCurrent`` other than True gets ``CRDCurrent=True`` (reason ``CRDUpToDate``) and a Normal event, and
 the loops' next ticks (and a held PDService reconcile's retry) write again. kopf's own watches recover by
-themselves: after the 429 kopf's ``infinite_watch`` backs off and lists again
-(``kopf/_cogs/clients/watching.py``), which ``tests/e2e/test_crd_replaced_live.py`` checks by editing an
-object after the CRD was put back and waiting for the operator to observe the edit.
+themselves, so nothing here restarts them: the API server ends the resource's watches when it rebuilds
+its storage, and kopf lists again (``continuous_watch`` on a 410, ``infinite_watch`` after a 429 it
+retried, ``kopf/_cogs/clients/watching.py``; on the sandbox kopf logs "Restarting the watch-stream for
+gearsets" at both applies), which ``tests/e2e/test_crd_replaced_live.py`` checks by editing the GearSet
+after the CRD was put back and waiting for the operator to reconcile the edit.
 """
 
 from __future__ import annotations
