@@ -192,6 +192,8 @@ REASON_WINDOW_NO_TARGET = "WindowNoTarget"  # no healthy gear off the closing no
 REASON_INVALID_SPEC = "InvalidSpec"  # the spec failed validation in the operator
 REASON_PAUSED = "Paused"  # spec.paused stops gear shifting
 REASON_FIELDS_PRUNED = "FieldsPruned"  # the API server dropped status fields its (older) CRD lacks
+REASON_CRD_OUTDATED = "CRDOutdated"  # the CRD was replaced under the operator by one lacking its fields
+REASON_CRD_UP_TO_DATE = "CRDUpToDate"  # the installed CRD holds every field the operator writes (again)
 
 
 class Condition(StatusModel):

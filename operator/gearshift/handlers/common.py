@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -127,14 +127,33 @@ def conditions_from(raw: Sequence[Mapping[str, Any]] | None) -> list[Condition]:
 CONDITION_CRD_CURRENT = "CRDCurrent"
 
 
+@dataclass(frozen=True)
+class HeldKind:
+    """A kind whose installed CRD is older than this operator, as the CRD poller found it: the installed
+    schema of ``status`` (what a write keeps) and the message that names the gaps and the fix."""
+
+    status_schema: Mapping[str, Any]
+    message: str
+
+
 class PrunedReports:
-    """``(uid, paths)`` of status writes an older CRD pruned that this process reported: the event and
-    the error log come once per object and loss, not per tick (the operator's one lives in its
-    :class:`~gearshift.handlers.runtime.Runtime`)."""
+    """What this process knows of status pruning (the operator's one lives in its
+    :class:`~gearshift.handlers.runtime.Runtime`):
+
+    - ``(uid, paths)`` of status writes an older CRD pruned that were reported: the event and the error
+      log come once per object and loss, not per tick;
+    - per kind, the installed CRD's status schema while the CRD poller (:mod:`gearshift.handlers.crdwatch`)
+      finds it older than the operator: :func:`patch_status` then holds a write it would prune;
+    - a wake-up for that poller: a pruned write is the earliest sign of a CRD replaced under the operator
+      (about a second after the apply, where the next poll may be seconds away), so it reads the CRDs at
+      once (:meth:`suspect` calls what :meth:`on_suspect` registered).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seen: set[tuple[str, tuple[str, ...]]] = set()
+        self._held: dict[str, HeldKind] = {}
+        self._wake: Callable[[], None] | None = None
 
     def first(self, uid: str, paths: tuple[str, ...]) -> bool:
         """True the first time ``(uid, paths)`` is seen (remembered)."""
@@ -154,9 +173,56 @@ class PrunedReports:
         with self._lock:
             return any(k[0] == uid for k in self._seen)
 
+    def hold(self, kind: str, held: HeldKind | None) -> None:
+        """Hold writes of ``kind`` (``GearSet``, ...) that ``held``'s schema would prune; None: release."""
+        with self._lock:
+            if held is None:
+                self._held.pop(kind, None)
+            else:
+                self._held[kind] = held
+
+    def held(self, kind: str) -> HeldKind | None:
+        """What holds writes of ``kind`` now, if anything."""
+        with self._lock:
+            return self._held.get(kind)
+
+    def on_suspect(self, wake: Callable[[], None] | None) -> None:
+        """Register what :meth:`suspect` calls (from any thread; None: nothing)."""
+        with self._lock:
+            self._wake = wake
+
+    def suspect(self) -> None:
+        """A status write was pruned: wake the CRD poller, if one registered."""
+        with self._lock:
+            wake = self._wake
+        if wake is not None:
+            wake()
+
 
 class StatusPruned(RuntimeError):
     """A status write lost fields: the installed CRD is older than this operator (#20 row 5)."""
+
+
+class StatusHeld(StatusPruned):
+    """A status write was not sent: the installed CRD, replaced under the running operator, would prune
+    part of it (#31). Holding the whole write keeps the object's status from being half-written (a phase
+    without the executor state it goes with); the write is made again once the CRD is current."""
+
+
+def hold_if_prunable(
+    reported: PrunedReports, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]
+) -> None:
+    """Raise :class:`StatusHeld` when ``kind``'s writes are held (``reported.held``) and the installed
+    schema would prune part of ``status``; return otherwise."""
+    held = reported.held(kind)
+    if held is None:
+        return
+    would_lose = crdcheck.prunable_paths(status, held.status_schema)
+    if would_lose:
+        shown = ", ".join(would_lose[:8]) + (" …" if len(would_lose) > 8 else "")
+        raise StatusHeld(
+            f"status write of {kind} {namespace}/{name} held (it would lose {shown}): {held.message}"
+        )
 
 
 def patch_status(
@@ -174,16 +240,21 @@ def patch_status(
     CRD replaced by an older one while the operator runs. A pruned write would otherwise go unnoticed and
     the next tick would act on state that is not there (a forced shift cycled Warming ↔ Degraded).
     ``reported``: what this process reported already (the event and the condition come once per object
-    and loss); None: nothing is remembered, every pruned write reports.
+    and loss); None: nothing is remembered, every pruned write reports. While the CRD poller finds
+    ``kind``'s CRD older than the operator (``reported.held(kind)``), a write the installed schema would
+    prune is not sent at all (:func:`hold_if_prunable`); one it keeps whole goes through.
 
     Returns the stored object.
 
     Raises:
+        StatusHeld: the write was held (message: the paths, the CRD and the fix); nothing was written.
         StatusPruned: fields were pruned (message: the paths and :data:`crdcheck.UPGRADE_HINT`), after a
             Warning event ``FieldsPruned`` and the condition ``CRDCurrent=False`` on the object, so the
             handler stops here instead of going on from state that was not kept.
         KubeApiError: the patch itself failed.
     """
+    if reported is not None:
+        hold_if_prunable(reported, kind, namespace, name, status)
     stored = api.patch_status(api_version, kind, namespace, name, status)
     lost = crdcheck.pruned_paths(status, (stored or {}).get("status"))
     if not lost:
@@ -193,6 +264,7 @@ def patch_status(
         f"status: its CRD is older than the operator; {crdcheck.UPGRADE_HINT}"
     )
     reported = reported if reported is not None else PrunedReports()
+    reported.suspect()
     if reported.first(str(stored.get("metadata", {}).get("uid")), tuple(lost)):
         log.error("%s %s/%s: %s", kind, namespace, name, message)
         emit(api, stored, REASON_FIELDS_PRUNED, message, warning=True)

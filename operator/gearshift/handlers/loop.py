@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.handlers import metrics
+from gearshift.handlers.common import StatusPruned
 from gearshift.handlers.kubeapi import GS, PDS, KubeApi
 
 log = logging.getLogger("gearshift.loop")
@@ -66,12 +67,15 @@ async def every_sample_interval(
     """Run ``tick(namespace, name)`` in a thread (the API client is synchronous) once per sample interval.
 
     A tick that returns an object with a truthy ``skipped`` logs it at debug level; one with a truthy
-    ``idle`` waits :data:`IDLE_INTERVAL_S` before the next turn; an ``expected`` error is a warning,
-    anything else is logged with its traceback; the loop goes on either way until kopf stops the daemon.
+    ``idle`` waits :data:`IDLE_INTERVAL_S` before the next turn; an ``expected`` error, and a status write
+    an older CRD pruned or that was held for one (:class:`~gearshift.handlers.common.StatusPruned`, whose
+    event and error line were already recorded), is one warning line; anything else is logged with its
+    traceback; the loop goes on either way until kopf stops the daemon.
     The interval is re-read from ``body`` (kopf keeps it current) every round. A turn longer than the
     interval never goes by silently (#31): the sample instants it missed (:func:`missed_samples`) are
     counted (``gearshift_operator_samples_missed_total``) and logged as a warning.
     """
+    expected = (*expected, StatusPruned)
     while not stopped:
         start = time.monotonic()
         idle = False

@@ -72,6 +72,7 @@ HANDLER_MODULES: tuple[str, ...] = (
     "gearshift.handlers.autoscale",
     "gearshift.handlers.adaptive_batch",
     "gearshift.handlers.replicas",
+    "gearshift.handlers.crdwatch",
 )
 
 FINALIZER = f"{DOMAIN}/finalizer"
@@ -314,7 +315,13 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     images = Images(
         vllm=args.vllm_image or images.vllm, sim=args.sim_image or images.sim, router=args.router_image
     )
-    return Runtime(settings=Settings(images=images, prometheus_url=args.prometheus_url))
+    settings = Settings(
+        images=images,
+        prometheus_url=args.prometheus_url,
+        namespaces=tuple(args.namespace),
+        profiles="gearshift.handlers.gpuprofile" not in args.disable,
+    )
+    return Runtime(settings=settings)
 
 
 def _configure_logging(level: str) -> None:

@@ -37,6 +37,7 @@ from gearshift.api.common import GROUP, VERSION, inputs_hash
 from gearshift.control.reconcile import SpecInvalid
 from gearshift.control.windows import leave_by_due
 from gearshift.handlers import metrics
+from gearshift.handlers.common import StatusPruned
 from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.handlers.reconcile import NotYet, ReconcileOutcome, reconcile_service
 from gearshift.handlers.runtime import Runtime, runtime_of
@@ -52,6 +53,9 @@ RETRY_S = 30.0
 DEBOUNCE_S = 1.0
 #: Retry delay after an API error, s.
 API_ERROR_DELAY_S = 5.0
+#: Seconds before a reconcile whose status write an older CRD pruned, or that was held for one, is tried
+#: again: twice the CRD poll (gearshift.handlers.crdwatch), so a reconcile resumes soon after the fix.
+STATUS_HELD_DELAY_S = 10.0
 #: How often a PDService that uses a time-limited node checks whether its leaveBy has come, s.
 WINDOW_TICK_S = 2.0
 
@@ -105,6 +109,10 @@ def _kopf_errors(rt: Runtime, namespace: str, name: str, body: Mapping[str, Any]
         raise kopf.TemporaryError(str(exc), delay=exc.delay) from None
     except KubeApiError as exc:
         raise kopf.TemporaryError(str(exc), delay=API_ERROR_DELAY_S) from None
+    except StatusPruned as exc:
+        # An older CRD (#20 row 5, #31): the event and CRDCurrent=False are recorded; try again soon, so
+        # the reconcile resumes within this delay of the CRD being current again.
+        raise kopf.TemporaryError(str(exc), delay=STATUS_HELD_DELAY_S) from None
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -139,7 +147,7 @@ def pdservice_retry(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> Non
     """Retry a PDService that is not Ready yet (placement pending, pods rolling out, profiles missing)."""
     try:
         run_reconcile(runtime_of(memo), namespace, name)
-    except (SpecInvalid, NotYet, KubeApiError) as exc:
+    except (SpecInvalid, NotYet, KubeApiError, StatusPruned) as exc:
         log.info("PDService %s/%s: %s", namespace, name, exc)
 
 
@@ -156,7 +164,7 @@ def window_tick(rt: Runtime, namespace: str, name: str, leave_by: str | None, no
         return False
     try:
         run_reconcile(rt, namespace, name)
-    except (SpecInvalid, NotYet, KubeApiError) as exc:
+    except (SpecInvalid, NotYet, KubeApiError, StatusPruned) as exc:
         log.info("PDService %s/%s: at windowLeaveBy %s: %s", namespace, name, leave_by, exc)
         return False
     rt.services.handle_window(key, str(leave_by))
@@ -194,7 +202,7 @@ async def _later(rt: Runtime, namespace: str, name: str, delay: float) -> None:
         rt.services.pending.pop((namespace, name), None)
     try:
         await asyncio.to_thread(run_reconcile, rt, namespace, name)
-    except (SpecInvalid, NotYet, KubeApiError) as exc:
+    except (SpecInvalid, NotYet, KubeApiError, StatusPruned) as exc:
         log.info("PDService %s/%s: %s", namespace, name, exc)
     except Exception:
         log.exception("reconcile of PDService %s/%s failed", namespace, name)

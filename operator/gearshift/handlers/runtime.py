@@ -61,6 +61,10 @@ class Settings:
     prometheus_url: str | None = None
     sim_requests: int = 500
     """Requests per planner simulation run (bounds planning time per gear candidate)."""
+    namespaces: tuple[str, ...] = ()
+    """The namespaces served (``--namespace``, globs as kopf allows them); empty: all."""
+    profiles: bool = True
+    """Whether this operator writes GPUProfiles (False under ``--disable gearshift.handlers.gpuprofile``)."""
 
 
 # --- keyed locks ---------------------------------------------------------------------------------------
