@@ -221,8 +221,8 @@ class TestPlanAggregated:
                 )
         assert mixed > 0
         # Every gear's predicted time per output token meets the SLO's itlMs within the planner's headroom:
-        # at 150 ms a token, the A10s and T4s (600 and 320 GB/s) cannot hold a share of 70B's weights, whose
-        # every byte is read per token, so the gears are the H100s with the A100s.
+        # at 150 ms a token no layout with the A10s or T4s (600 and 320 GB/s, against the H100s' 3,350) serves
+        # more than the H100s with an A100, so every gear is made of those.
         itl_ms = _docs(BIG)["PDService"]["spec"]["slo"]["itlMs"]
         for g in planned:
             assert 0 < g["predicted"]["itlMs"] <= itl_ms
