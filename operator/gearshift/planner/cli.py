@@ -28,6 +28,17 @@ def _positive_qps(text: str) -> float:
     return value
 
 
+def _positive_ms(text: str) -> float:
+    """``--itl-ms``: a finite time > 0, ms."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite time above 0 ms, e.g. --itl-ms 150")
+    return value
+
+
 def _whole_number(minimum: int, of: str, fix: str) -> Callable[[str], int]:
     """An argparse type: a whole number ≥ ``minimum``; the errors say ``is not a whole number{of}`` and,
     below the minimum, ``fix``."""
@@ -93,7 +104,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--itl-ms",
-        type=_positive_qps,
+        type=_positive_ms,
         default=None,
         help="TPOT target, ms (role both/decode, HF config): a gear's capacity is then the load whose "
         "predicted time per output token meets it (default: none, capacity is the busy rate)",
