@@ -16,27 +16,26 @@ if TYPE_CHECKING:
 FORMATS = ("table", "json", "yaml")
 
 
-def _positive_qps(text: str) -> float:
-    """``--qps``: a finite load > 0, req/s (NaN or infinity reached the simulator, which then reported
-    "no latency; raise sim_requests")."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests per second") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a finite load above 0 req/s, e.g. --qps 10")
-    return value
+def _positive_number(of: str, fix: str) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0; the errors say ``is not a number of {of}`` and, for NaN,
+    infinity or a value ≤ 0, ``fix`` (NaN or infinity reached the simulator, which then reported "no
+    latency; raise sim_requests")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {of}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {fix}")
+        return value
+
+    return parse
 
 
-def _positive_ms(text: str) -> float:
-    """``--itl-ms``: a finite time > 0, ms."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a finite time above 0 ms, e.g. --itl-ms 150")
-    return value
+#: ``--qps``, req/s, and ``--itl-ms``, ms.
+_positive_qps = _positive_number("requests per second", "give a finite load above 0 req/s, e.g. --qps 10")
+_positive_ms = _positive_number("milliseconds", "give a finite time above 0 ms, e.g. --itl-ms 150")
 
 
 def _whole_number(minimum: int, of: str, fix: str) -> Callable[[str], int]:
