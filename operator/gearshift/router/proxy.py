@@ -594,7 +594,7 @@ class Proxy:
         """Copies of live requests for warming shadow pods (gearshift.router.mirror); None: none."""
         # Labelled children of the per-request series, by label value: ``labels()`` validates and locks on
         # every call (~2.7 us of the ~5.4 us an observation costs here, measured).
-        self._children: dict[tuple[str, str], Any] = {}
+        self._children: dict[tuple[str, ...], Any] = {}
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self) -> float:
@@ -922,22 +922,15 @@ class Proxy:
             self.metrics.retries.labels(role, b.info.name).inc()
         raise AssertionError("unreachable")
 
-    def _arrivals(self, role: str) -> Any:
-        key = ("arrivals", role)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.metrics.arrivals.labels(self.cfg.service, role)
-        return child
-
-    def _child(self, series: str, value: str) -> Any:
+    def _child(self, series: str, *values: str) -> Any:
         """``self.metrics.<series>`` (or ``self.metrics.client.<series>`` for ``client.*``) labelled with
-        ``value``, cached. A model name comes from the client: past 256 cached children, no more are kept."""
-        key = (series, value)
+        ``values``, cached. A model name comes from the client: past 256 cached children, no more are kept."""
+        key = (series, *values)
         child = self._children.get(key)
         if child is None:
             name = series.removeprefix("client.")
             owner: Any = self.metrics.client if series.startswith("client.") else self.metrics
-            child = getattr(owner, name).labels(value)
+            child = getattr(owner, name).labels(*values)
             if len(self._children) < 256:
                 self._children[key] = child
         return child
@@ -958,7 +951,7 @@ class Proxy:
                 ) from None
             rid = request_id_for(request.headers, body, self._new_id)
             for role in self.cfg.roles:
-                self._arrivals(role).inc()
+                self._child("arrivals", self.cfg.service, role).inc()
             await self.admit()
         except RequestError as err:
             self.metrics.requests.labels(policy, "-", "-", err.outcome).inc()
