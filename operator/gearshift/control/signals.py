@@ -201,11 +201,12 @@ def arrival_query(sel: GearSelector, window: str = "1m") -> str:
     gear's pods at their batch cap the router holds requests (and refuses them after its queue timeout),
     and the engines' estimate reads the gear's own throughput however many arrive. On the demo's
     Llama-3-70B window that read 0.6 req/s while 1.7 arrived, so load-high never fired and the router
-    refused 493 of 775 requests (bench/results/demo.json). The sampled gear is the one the router sends
-    the role's traffic to, so the role's arrivals are the gear's.
+    refused 493 of 775 requests (a live run before this change; bench/results/demo.json holds a later
+    one). The sampled gear is the one the router sends the role's traffic to, so the role's arrivals are
+    the gear's.
     """
     m = sel.matchers()
-    router = GearSelector(sel.namespace, sel.service, sel.role, "").matchers(with_gear=False)
+    router = sel.matchers(with_gear=False)
     return (
         f"sum(rate({ROUTER_ARRIVALS}{router}[{window}])) or (sum(rate({SUCCESS_TOTAL}{m}[{window}])) "
         f"+ sum(deriv({RUNNING}{m}[{window}])) + sum(deriv({WAITING}{m}[{window}])))"
