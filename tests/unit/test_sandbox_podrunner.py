@@ -8,6 +8,7 @@ sandbox's API server.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -231,3 +232,91 @@ def test_light_mode_other_containers_sleep_ready_until_deleted(tmp_path):
     assert proc is not None and proc.poll() is None
     runner._delete(run)
     assert proc.poll() is not None and api.deleted == ["engine"]
+
+
+class SlowToDie:
+    """A process that outlives SIGKILL for longer than the runner waits (a 4 GB vLLM engine's mount
+    namespace being torn down on a loaded host): ``wait`` times out until ``gone`` is set."""
+
+    def __init__(self) -> None:
+        self.pid = 2**22 + 7  # no such process: killpg finds none, as for a process already exiting
+        self.returncode: int | None = None
+        self.gone = False
+        self.waits: list[float | None] = []
+
+    def poll(self) -> int | None:
+        if self.gone:
+            self.returncode = -9
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.waits.append(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired("vllm", timeout or 0.0)
+        return -9
+
+
+def test_a_process_that_outlives_sigkill_does_not_end_the_runner(tmp_path, monkeypatch):
+    """CI, 2026-12-06: a deleted pipeline rank's engine was not reaped 5 s after SIGKILL; the wait raised
+    out of the runner's loop, and the runner's shutdown stopped every other pod's processes (the decode
+    engine, the router) while their pods still read Ready. The stop now goes on and the process is reaped
+    later; the other pods keep running and a new pod still starts."""
+    monkeypatch.setattr("gearshift.dev.sandbox.podrunner.KILL_WAIT_S", 0.05)
+    runner, api = make_runner(tmp_path)
+    keep = pod("keep", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")
+    dying = pod("dying", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")
+    for p in (keep, dying):
+        api.pods[("ns", p["metadata"]["name"])] = p
+        runner._handle_safely("ADDED", p)
+    drive(runner, lambda: all(r.containers[0].proc is not None for r in runner.runs.values()))
+    real = runner.runs["uid-dying"].containers[0].proc
+    stuck = SlowToDie()
+    runner.runs["uid-dying"].containers[0].proc = stuck
+
+    runner._handle_safely("DELETED", dying)  # deleted with its process alive: the RESYNC/force path
+    for t in runner.stop_threads:
+        t.join(timeout=10)
+    assert "uid-dying" not in runner.runs and stuck in runner.dying
+    assert len(stuck.waits) == 2  # the grace, then KILL_WAIT_S after SIGKILL; no third, no raise
+    keep_proc = runner.runs["uid-keep"].containers[0].proc
+    assert keep_proc is not None and keep_proc.poll() is None
+
+    stuck.gone = True
+    runner._reap()
+    assert runner.dying == []
+    fresh = pod("fresh", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")
+    api.pods[("ns", "fresh")] = fresh
+    runner._handle_safely("ADDED", fresh)
+    drive(runner, lambda: "uid-fresh" in runner.runs and runner.runs["uid-fresh"].containers[0].proc)
+    real.kill()
+    real.wait()
+    runner._shutdown()
+
+
+def test_a_start_that_the_api_refuses_is_retried_not_fatal(tmp_path):
+    """A ConfigMap lookup answered 500 (an API server restarting under load) is no fault of the pod's
+    spec: the pod is not failed, the runner goes on, and the start is tried again until it succeeds."""
+    from kubernetes.client.rest import ApiException
+
+    runner, api = make_runner(tmp_path)
+    answers: list[Any] = [ApiException(status=500, reason="storage is (re)initializing")]
+
+    def read_namespaced_config_map(name: str, ns: str) -> Any:
+        if answers:
+            raise answers.pop()
+        return SimpleNamespace(data={"model": "tiny"})
+
+    api.read_namespaced_config_map = read_namespaced_config_map  # type: ignore[attr-defined]
+    p = pod("eng", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")
+    p["spec"]["containers"][0]["env"] = [
+        {"name": "MODEL", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "model"}}}
+    ]
+    api.pods[("ns", "eng")] = p
+    runner._handle_safely("ADDED", p)
+    assert "uid-eng" not in runner.runs and "uid-eng" in runner.waiting and not api.patches
+    runner.retry_at["uid-eng"] = 0.0  # the retry is due
+    runner._handle_safely("RETRY", runner.waiting["uid-eng"])
+    drive(runner, lambda: runner.runs["uid-eng"].containers[0].proc is not None)
+    assert runner.runs["uid-eng"].containers[0].env["MODEL"] == "tiny"
+    assert api.patches[-1]["phase"] == "Running" and "uid-eng" not in runner.waiting
+    runner._shutdown()

@@ -53,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -74,6 +75,14 @@ BACKOFF_CAP_S = 30.0
 #: A container that ran this long has its back-off reset (the kubelet uses 10 min).
 BACKOFF_RESET_S = 60.0
 MAX_GRACE_S = 10.0
+#: How long a stop waits for a process after SIGKILL before it goes on and leaves the reaping to the
+#: supervision passes, s. A 4 GB vLLM engine in its own mount namespace can take longer than this to be
+#: torn down on a loaded 2-core host; a wait that raised there once ended the runner and, with it, every
+#: pod's processes.
+KILL_WAIT_S = 5.0
+#: A pod whose start failed on something other than its spec (the API server refused a lookup) is tried
+#: again after this long, s.
+START_RETRY_S = 2.0
 #: Probe period before the first success (see the module docstring), s.
 FAST_PROBE_S = 1.0
 WATCH_TIMEOUT_S = 60
@@ -250,6 +259,11 @@ class PodRunner:
         self.probes = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
         self.nodes: dict[str, dict[str, Any]] = {}
         self.waiting: dict[str, dict[str, Any]] = {}
+        #: Pods whose start failed for a transient reason: ``uid -> monotonic time of the next try``.
+        self.retry_at: dict[str, float] = {}
+        #: Processes that outlived SIGKILL + ``KILL_WAIT_S``: polled until reaped.
+        self.dying: list[Any] = []
+        self.stop_threads: list[threading.Thread] = []
         self.nodes_listed = 0.0
         self.light = light
         if light:
@@ -314,17 +328,20 @@ class PodRunner:
             while not self.stop.is_set():
                 try:
                     kind, obj = self.events.get(timeout=TICK_S)
-                    self._handle(kind, obj)
+                    self._handle_safely(kind, obj)
                     # Bounded: a steady stream of events (a thousand probe pods at once) must not starve
                     # the supervision below, which starts the containers.
                     until = time.monotonic() + MAX_EVENTS_S
                     while time.monotonic() < until:
                         kind, obj = self.events.get_nowait()
-                        self._handle(kind, obj)
+                        self._handle_safely(kind, obj)
                 except queue.Empty:
                     pass
-                for pod in list(self.waiting.values()):
-                    self._handle("RETRY", pod)
+                now = time.monotonic()
+                for uid, pod in list(self.waiting.items()):
+                    if self.retry_at.get(uid, 0.0) <= now:
+                        self._handle_safely("RETRY", pod)
+                self._reap()
                 if self.light and time.monotonic() - supervised < LIGHT_SUPERVISE_S:
                     continue
                 supervised = time.monotonic()
@@ -335,6 +352,22 @@ class PodRunner:
                         _log(f"{run.key}: supervise failed: {type(exc).__name__}: {exc}")
         finally:
             self._shutdown()
+
+    def _handle_safely(self, kind: str, obj: dict[str, Any]) -> None:
+        """``_handle``, logged instead of raised: the runner is every pod's kubelet, and an exception out
+        of its loop would stop all their processes (``_shutdown``), not just the one event's."""
+        try:
+            self._handle(kind, obj)
+        except Exception:
+            name = (obj.get("metadata") or {}).get("name", "?")
+            _log(f"{kind} {name}: handling failed; going on\n{traceback.format_exc().rstrip()}")
+
+    def _reap(self) -> None:
+        """Poll the processes that outlived a stop until the kernel has torn them down."""
+        for proc in list(self.dying):
+            if proc.poll() is not None:
+                self.dying.remove(proc)
+                _log(f"pid {proc.pid}: reaped (exit {proc.returncode})")
 
     def _update_dns(self, kind: str, pod: dict[str, Any]) -> None:
         if kind == "RESYNC":
@@ -374,6 +407,7 @@ class PodRunner:
         run = self.runs.get(uid)
         if kind == "DELETED":
             self.waiting.pop(uid, None)
+            self.retry_at.pop(uid, None)
             if run:
                 self._forget(run, "pod deleted")
             self.finished.discard(uid)
@@ -408,7 +442,19 @@ class PodRunner:
             self.waiting[uid] = pod
             return
         self.waiting.pop(uid, None)
-        self._start_pod(pod, node_obj)
+        try:
+            self._start_pod(pod, node_obj)
+        except Exception as exc:
+            # Not the pod's spec (that is a PodSpecError, reported in its status): a refused API call or a
+            # file the runner could not write. The pod waits and is tried again, as a kubelet retries
+            # a sync that failed.
+            self.runs.pop(uid, None)
+            self.waiting[uid] = pod
+            self.retry_at[uid] = time.monotonic() + START_RETRY_S
+            _log(f"{meta.get('namespace')}/{meta.get('name')}: start failed ({type(exc).__name__}: {exc}); "
+                 f"retrying in {START_RETRY_S:.0f} s")  # fmt: skip
+            return
+        self.retry_at.pop(uid, None)
 
     # ------------------------------------------------------------------------------------ starting
 
@@ -756,6 +802,9 @@ class PodRunner:
     # ------------------------------------------------------------------------------------- stopping
 
     def _kill(self, c: ContainerRun, grace_s: float) -> None:
+        """SIGTERM to the container's process group, SIGKILL after ``grace_s`` s. Never raises: a process
+        that is still being torn down ``KILL_WAIT_S`` s after SIGKILL joins ``self.dying`` (reaped by the
+        main loop), as the kubelet goes on once it has killed a container."""
         proc = c.proc
         if proc is None:
             return
@@ -766,7 +815,11 @@ class PodRunner:
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+            try:
+                proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                _log(f"pid {proc.pid}: still exiting {KILL_WAIT_S:.0f} s after SIGKILL; going on")
+                self.dying.append(proc)
         with contextlib.suppress(FileNotFoundError):
             c.pidfile.unlink()
 
@@ -794,10 +847,22 @@ class PodRunner:
                 _log(f"{ns}/{name}: delete failed: {exc.status} {exc.reason}")
 
     def _forget(self, run: PodRun, why: str) -> None:
-        for c in run.containers:
-            self._kill(c, 2.0)
+        """Drop a run whose pod is gone; its processes are stopped on a thread, so that a slow stop
+        (2 s grace, then SIGKILL) never holds up every other pod's events and supervision."""
         self.runs.pop(run.uid, None)
-        _log(f"{run.key}: {why}; processes stopped")
+        live = [c for c in run.containers if c.proc is not None and c.proc.poll() is None]
+        if not live:
+            _log(f"{run.key}: {why}; processes stopped")
+            return
+
+        def stop() -> None:
+            for c in live:
+                self._kill(c, 2.0)
+            _log(f"{run.key}: {why}; processes stopped")
+
+        t = threading.Thread(target=stop, name=f"stop-{run.name}", daemon=True)
+        self.stop_threads = [x for x in self.stop_threads if x.is_alive()] + [t]
+        t.start()
 
     def _shutdown(self) -> None:
         # Signal every process first, then wait once: stopping is not serialised over the pods.
@@ -808,6 +873,8 @@ class PodRunner:
         deadline = time.monotonic() + 5.0
         for c in containers:
             self._kill(c, max(0.1, deadline - time.monotonic()))
+        for t in self.stop_threads:
+            t.join(timeout=max(0.1, deadline + KILL_WAIT_S - time.monotonic()))
         self.probes.shutdown(wait=False, cancel_futures=True)
         _log("pod runner stopped")
 

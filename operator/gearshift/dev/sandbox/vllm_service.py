@@ -296,6 +296,13 @@ class VllmService:
             log = pod_dir(p) / "router.log"
             text = log.read_text(errors="replace") if log.exists() else ""
             out.append(f"--- {p['metadata']['name']} router.log tail:\n{_quiet(text)[-3000:]}")
+        # The runner is every pod's kubelet: its lines for this namespace say which process it started,
+        # stopped or lost, and when.
+        runner_log = Layout.from_env().logs_dir / "podrunner.log"
+        if runner_log.exists():
+            text = runner_log.read_text(errors="replace")
+            lines = [ln for ln in text.splitlines() if self.ns in ln or "fail" in ln]
+            out.append("--- pod runner log (this namespace, failures):\n" + "\n".join(lines[-40:]))
         if operator_log:
             out.append(f"--- operator log tail:\n{operator_log}")
         return "\n".join(out)
