@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gearshift.api.common import COND_SIGNALS_AVAILABLE, MAX_HISTORY, REASON_SIGNALS_MISSING
-from gearshift.api.gearset import Gear, GearHealth, GearSet
+from gearshift.api.gearset import Gear, GearHealth, GearSet, GearSignals
 from gearshift.control import shifting as cs
 from gearshift.control.adapt import gear_views
 from gearshift.control.decide import MANUAL, Decision, DecisionKind, DecisionState
@@ -571,12 +571,34 @@ class TestStatusPatch:
             patch["signals"]["p99TtftMs"] == 150.0 and patch["signals"]["stageUtilizationSource"] == "engine"
         )
 
-    def test_stable_without_a_sample_leaves_signals_alone(self) -> None:
+    def test_a_tick_without_a_sample_says_so_instead_of_keeping_old_values(self) -> None:
+        # #31 item 3: status.signals advances every tick; one without a sample records why, with every
+        # value null (a merge patch keeps any key it leaves out, so each is sent).
         smoothed = Sample(at=T0, qps=2.0)
+        why = "Prometheus at http://127.0.0.1:9 unreachable"
         patch = status_patch(
             ShiftState(active="a", to_gear="stale"), DecisionState(smoothed=smoothed), self.policy,
             in_flight_old=None, history=[], health=[], conditions=[], generation=None,
-            signals=Signals(smoothed, None, None, replicas=1),
+            signals=Signals(smoothed, None, None, replicas=1, at=T0 + 6, skipped=why, missed_samples=2),
         )  # fmt: skip
-        assert patch["targetGear"] is None and "signals" not in patch
+        assert patch["targetGear"] is None
         assert patch["control"]["dwellUntil"] is None
+        sig = patch["signals"]
+        assert (sig["sampleTime"], sig["skipped"], sig["missedSamples"]) == (to_time(T0 + 6), why, 2)
+        values = {k: v for k, v in sig.items() if k not in ("sampleTime", "skipped", "missedSamples")}
+        assert values.pop("stageUtilization") == []
+        assert values and all(v is None for v in values.values()), values
+        # Every field of the schema is in the patch: nothing of the last sample survives the merge.
+        stored = {(f.alias or n) for n, f in GearSignals.model_fields.items()}
+        assert set(sig) == stored
+
+    def test_a_tick_with_a_sample_clears_skipped_and_counts_missed(self) -> None:
+        smoothed = Sample(at=T0, qps=2.0, ttft_p99_ms=150.0)
+        patch = status_patch(
+            ShiftState(active="a"), DecisionState(smoothed=smoothed), self.policy,
+            in_flight_old=None, history=[], health=[], conditions=[], generation=None,
+            signals=Signals(smoothed, smoothed, Reading(smoothed), replicas=1, at=T0, missed_samples=4),
+        )  # fmt: skip
+        sig = patch["signals"]
+        assert sig["skipped"] is None and sig["missedSamples"] == 4 and sig["sampleTime"] == to_time(T0)
+        assert sig["qps"] == 2.0

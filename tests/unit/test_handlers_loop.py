@@ -112,17 +112,27 @@ async def test_a_turn_longer_than_the_interval_is_counted_and_logged(caplog):
             stopped.flag.set()
         return SimpleNamespace()
 
+    handed: list[int] = []  # what the shifting loop adds to status.signals.missedSamples
     counter = metrics.SAMPLES_MISSED.labels("slow tick")
     before = counter._value.get()
     body = {"spec": {"policy": {"sampleIntervalS": 0.05}}}
     with caplog.at_level("WARNING", logger="gearshift.loop"):
         await asyncio.wait_for(
             every_sample_interval(
-                "ns", "gs", body, stopped, tick, what="slow tick", floor_s=0.01, expected=()
+                "ns",
+                "gs",
+                body,
+                stopped,
+                tick,
+                what="slow tick",
+                floor_s=0.01,
+                expected=(),
+                on_missed=handed.append,
             ),
             timeout=5,
         )
     missed = counter._value.get() - before
     assert missed >= 4  # floor(0.26 / 0.05) - 1; a loaded machine may stretch the sleep, never shorten it
+    assert sum(handed) == missed
     assert any("slow tick took" in r.getMessage() and "missed" in r.getMessage() for r in caplog.records)
     assert len(calls) == 2

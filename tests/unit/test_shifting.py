@@ -370,6 +370,30 @@ class TestTicks:
         assert cond["status"] == "True"
         assert sig.asked == ["balanced"]  # the gear the role Service selects
 
+    def test_every_tick_advances_the_signals_and_records_a_missing_sample_and_missed_instants(
+        self, world: FakeKubeApi
+    ) -> None:
+        # #31 item 3: status.signals.sampleTime moves every tick; one without a sample says why, with no
+        # value of the last sample left standing; instants the loop let pass are shown as they add up.
+        sig = FakeSignals()
+        run(world, sig, T0)
+        assert status(world)["signals"]["qps"] == 3.0 and status(world)["signals"].get("skipped") is None
+        world.runtime.gearsets.add_missed((NS, GS_NAME), 2)  # what the loop does after an overrun
+        sig.up = False
+        run(world, sig, T0 + 4)
+        st = status(world)["signals"]
+        assert st["sampleTime"] == es.to_time(T0 + 4)
+        assert "connection refused" in st["skipped"] and st["missedSamples"] == 2
+        # A merge patch's null removes the key: none of the last sample's values is left.
+        assert st.get("qps") is None and st.get("p99Ms") is None and not st.get("stageUtilization")
+        world.runtime.gearsets.add_missed((NS, GS_NAME), 1)
+        sig.up = True
+        run(world, sig, T0 + 6)
+        st = status(world)["signals"]
+        assert st["sampleTime"] == es.to_time(T0 + 6) and st.get("skipped") is None
+        assert st["missedSamples"] == 3
+        assert st["qps"] is not None and st["qps"] > 0
+
     def test_no_traffic_blanks_the_latency_instead_of_keeping_the_last_one(self, world: FakeKubeApi) -> None:
         # First a sample with traffic, then Prometheus shows no completed request in the window (qps 0,
         # no histogram values): the moving average still holds 150 ms, the status must not show it.

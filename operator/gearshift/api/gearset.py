@@ -784,6 +784,21 @@ class GearSignals(StatusModel):
         "mean requests in execution over the window (rate of vllm:request_prefill_time_seconds_sum + "
         "vllm:request_decode_time_seconds_sum per head engine) / maxBatch (--max-num-seqs).",
     )
+    skipped: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Why this tick has no sample (Prometheus unreachable, a series the controller reads "
+        "is missing): sampleTime is the tick's and every value is null, as the SignalsAvailable "
+        "condition also says; null when the sample was taken. The status advances every sample "
+        "interval either way (#31).",
+    )
+    missed_samples: int | None = Field(
+        default=None,
+        ge=0,
+        description="Sample instants the shifting loop let pass since the operator started, because a "
+        "turn took longer than spec.policy.sampleIntervalS (a slow API server or a busy machine); 0 while "
+        "it keeps pace. Also counted by gearshift_operator_samples_missed_total.",
+    )
 
 
 class GearHealth(StatusModel):

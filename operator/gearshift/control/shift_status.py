@@ -299,6 +299,12 @@ class Signals:
     reading: Reading | None
     replicas: int
     """Pipeline replicas (``GearSet.spec.replicas``): ``queueLength`` is per replica."""
+    at: float = 0.0
+    """When the tick sampled, Unix time s: ``sampleTime`` of a tick without a sample."""
+    skipped: str | None = None
+    """Why there is no sample (the SignalsAvailable condition's message); ``None`` when there is one."""
+    missed_samples: int = 0
+    """Sample instants the loop let pass since the operator started (``missedSamples``)."""
 
 
 def status_patch(
@@ -331,7 +337,22 @@ def status_patch(
         "observedGeneration": generation,
     }
     if signals.smoothed is not None and signals.raw is not None:
-        patch["signals"] = signals_to_status(
-            signals.smoothed, policy, signals.replicas, signals.raw, signals.reading
-        )
+        shown = signals_to_status(signals.smoothed, policy, signals.replicas, signals.raw, signals.reading)
+        patch["signals"] = shown | {"skipped": None, "missedSamples": signals.missed_samples}
+    else:
+        patch["signals"] = skipped_signals(signals.at, signals.skipped, signals.missed_samples)
     return patch
+
+
+def skipped_signals(at: float, why: str | None, missed_samples: int) -> dict[str, Any]:
+    """``status.signals`` of a tick without a sample (#31: the status advances every sample interval and
+    says so, rather than keeping the last sample's values as if current): ``sampleTime`` ``at`` (Unix s),
+    ``skipped`` ``why`` (cut to the schema's 1,024 characters), every value ``null`` (``stageUtilization``
+    empty): a JSON merge patch keeps keys it leaves out, so each is sent."""
+    values: dict[str, Any] = {(f.alias or name): None for name, f in GearSignals.model_fields.items()}
+    values["stageUtilization"] = []
+    return values | {
+        "sampleTime": to_time(at),
+        "skipped": (why or "no sample this tick")[:1024],
+        "missedSamples": missed_samples,
+    }

@@ -63,6 +63,7 @@ async def every_sample_interval(
     what: str,
     floor_s: float,
     expected: tuple[type[BaseException], ...],
+    on_missed: Callable[[int], object] | None = None,
 ) -> None:
     """Run ``tick(namespace, name)`` in a thread (the API client is synchronous) once per sample interval.
 
@@ -73,7 +74,8 @@ async def every_sample_interval(
     traceback; the loop goes on either way until kopf stops the daemon.
     The interval is re-read from ``body`` (kopf keeps it current) every round. A turn longer than the
     interval never goes by silently (#31): the sample instants it missed (:func:`missed_samples`) are
-    counted (``gearshift_operator_samples_missed_total``) and logged as a warning.
+    counted (``gearshift_operator_samples_missed_total``), logged as a warning and handed to
+    ``on_missed`` (the shifting loop's next status shows the count: ``status.signals.missedSamples``).
     """
     expected = (*expected, StatusPruned)
     while not stopped:
@@ -93,6 +95,8 @@ async def every_sample_interval(
         missed = missed_samples(elapsed, interval)
         if missed:
             metrics.SAMPLES_MISSED.labels(what).inc(missed)
+            if on_missed is not None:
+                on_missed(missed)
             log.warning(
                 "GearSet %s/%s: %s took %.1f s at a %.1f s interval: %d sample(s) missed",
                 namespace, name, what, elapsed, interval, missed,

@@ -302,14 +302,26 @@ class FleetPrints:
 
 class GearSetMemory:
     """Per GearSet ``(namespace, name)``: the generation last handled (spec changes reconcile the
-    PDService), and the shifting loop's last hold reason and window warning (events come once, not per
-    tick)."""
+    PDService), the shifting loop's last hold reason and window warning (events come once, not per
+    tick), and the sample instants its loop let pass (``status.signals.missedSamples``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._generations: dict[ObjectKey, int | None] = {}
         self._holds: dict[ObjectKey, str] = {}
         self._windows: dict[ObjectKey, str] = {}
+        self._missed: dict[ObjectKey, int] = {}
+
+    def add_missed(self, key: ObjectKey, count: int) -> int:
+        """Add ``count`` sample instants the shifting loop let pass; returns the total since start-up."""
+        with self._lock:
+            self._missed[key] = self._missed.get(key, 0) + count
+            return self._missed[key]
+
+    def missed(self, key: ObjectKey) -> int:
+        """Sample instants the shifting loop of ``key`` let pass since this process started."""
+        with self._lock:
+            return self._missed.get(key, 0)
 
     def new_generation(self, key: ObjectKey, generation: int | None) -> bool:
         """Remember ``generation``; True unless it is the one last remembered (a GearSet never seen counts
@@ -341,11 +353,12 @@ class GearSetMemory:
             self._generations.pop(key, None)
             self._holds.pop(key, None)
             self._windows.pop(key, None)
+            self._missed.pop(key, None)
 
     def known(self, key: ObjectKey) -> bool:
         """Whether anything of ``key`` is remembered (tests)."""
         with self._lock:
-            return any(key in d for d in (self._generations, self._holds, self._windows))
+            return any(key in d for d in (self._generations, self._holds, self._windows, self._missed))
 
 
 class ProfileMemory:

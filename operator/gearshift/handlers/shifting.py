@@ -356,7 +356,15 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
     for a in done.actions:
         if isinstance(a, RecordShift) and a.outcome is not Outcome.IN_PROGRESS:
             metrics.SHIFTS.labels(t.namespace, t.gs.spec.service_name, t.gs.spec.role, a.outcome.value).inc()
-    signals = Signals(done.control.smoothed, seen.sample, seen.reading, t.gs.spec.replicas)
+    signals = Signals(
+        done.control.smoothed,
+        seen.sample,
+        seen.reading,
+        t.gs.spec.replicas,
+        at=now,
+        skipped=seen.why or None,
+        missed_samples=rt.gearsets.missed((t.namespace, t.name)),
+    )
     patch = status_patch(
         done.state,
         done.control,
@@ -516,15 +524,17 @@ async def gearset_shifting(
     namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
 ) -> None:
     """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
+    rt = runtime_of(memo)
     await every_sample_interval(
         namespace,
         name,
         body,
         stopped,
-        functools.partial(run_tick, runtime_of(memo)),
+        functools.partial(run_tick, rt),
         what="shifting tick",
         floor_s=MIN_INTERVAL_S,
         expected=(KubeApiError, NotYet, KeyError),
+        on_missed=functools.partial(rt.gearsets.add_missed, (namespace, name)),
     )
 
 
