@@ -12,7 +12,13 @@ requests meeting the PDService SLO per second of replay (the demo's ``goodput_rp
 their simulated GPU-hours of the fleet over the replay (cards × replay time) so the cost of each figure
 is stated.
 
-Also written, per row of #20, the tests that cover it (``ROWS``).
+Also written, per row of #20, the tests that cover it (``ROWS``), and for each run the GearSets' sample ->
+status lag (#31 item 3, goal P99 <= 2 sample intervals): a watch of every GearSet records, for each new
+``status.signals.sampleTime``, the time the watch delivered it minus that sample time (one wall clock: the
+operator and this script run on the same machine). It counts the write, the API server and the watch's
+delivery, so it bounds the operator's own figure (``gearshift_operator_sample_to_status_seconds``) from
+above. Ticks without a sample (``skipped``) and the loops' ``missedSamples`` are counted beside it.
+Other sections of ``--out`` (``lease``, written by ``bench/lease.py``) are kept.
 
 Run: ``PYTHONPATH=operator .venv/bin/python bench/reliability.py [--duration S] [--out FILE]``; it brings
 the sandbox up (or reuses it) through ``gearshift demo`` and leaves it up. About 2 × (duration + 1 min).
@@ -29,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from gearshift.dev.sandbox.harness import burner
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench/results/reliability.json"
@@ -112,10 +120,75 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 
 
-def burner(seconds: float) -> subprocess.Popen[bytes]:
-    """One process that keeps one core busy for ``seconds`` s (its own session, ended by pid)."""
-    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
-    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+class LagWatch:
+    """Watches every GearSet of the sandbox in a thread and records each new sample's lag (see the module
+    docstring): ``lags_s`` (s), ``intervals_s`` (each GearSet's ``spec.policy.sampleIntervalS``),
+    ``skipped`` (ticks without a sample) and ``missed`` (the largest ``missedSamples`` per GearSet)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lags_s: list[float] = []
+        self.intervals_s: dict[str, float] = {}
+        self.skipped = 0
+        self.missed: dict[str, int] = {}
+        self.seen: dict[str, str] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from datetime import datetime
+
+        from kubernetes import client, config, watch
+
+        from gearshift.dev.sandbox.layout import Layout
+
+        while not self.stop.is_set():
+            try:
+                api = config.new_client_from_config(config_file=str(Layout.from_env().kubeconfig))
+                custom = client.CustomObjectsApi(api)
+                w = watch.Watch()
+                for ev in w.stream(custom.list_cluster_custom_object, "gearshift.io", "v1alpha1", "gearsets",
+                                   timeout_seconds=30):  # fmt: skip
+                    got = time.time()
+                    obj = ev["object"]
+                    key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+                    policy = (obj.get("spec") or {}).get("policy") or {}
+                    self.intervals_s[key] = float(policy.get("sampleIntervalS", 2.0))
+                    sig = (obj.get("status") or {}).get("signals") or {}
+                    at = sig.get("sampleTime")
+                    if not at or self.seen.get(key) == at:
+                        continue
+                    self.seen[key] = at
+                    self.lags_s.append(got - datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp())
+                    self.skipped += 1 if sig.get("skipped") else 0
+                    self.missed[key] = max(self.missed.get(key, 0), int(sig.get("missedSamples") or 0))
+                    if self.stop.is_set():
+                        w.stop()
+                        break
+            except Exception as exc:  # the sandbox coming up: watch again
+                print(f"lag watch: {type(exc).__name__}: {exc}", file=sys.stderr)
+                self.stop.wait(2.0)
+
+    def close(self) -> dict[str, Any]:
+        """Stop watching; the run's figures (lags in s, nearest-rank percentiles)."""
+        self.stop.set()
+        self.thread.join(40)
+        lags = sorted(self.lags_s)
+
+        def q(p: float) -> float | None:
+            return round(lags[min(len(lags) - 1, int(p * len(lags)))], 3) if lags else None
+
+        interval = max(self.intervals_s.values(), default=2.0)
+        return {
+            "samples": len(lags),
+            "lag_s": {"p50": q(0.5), "p99": q(0.99), "max": round(lags[-1], 3) if lags else None},
+            "sample_interval_s": interval,
+            "p99_over_interval": round((q(0.99) or 0.0) / interval, 2),
+            "skipped_ticks": self.skipped,
+            "missed_samples_max": max(self.missed.values(), default=0),
+        }
 
 
 def demo(duration: float, results: Path, report_dir: Path) -> dict[str, Any]:
@@ -167,17 +240,27 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     cards = fleet_cards()
     t0 = time.time()
-    quiet = demo(a.duration, work / "quiet.json", work / "quiet")
+    watch = LagWatch()
+    try:
+        quiet = demo(a.duration, work / "quiet.json", work / "quiet")
+    finally:
+        quiet_lag = watch.close()
     hog = burner(a.duration + 900)
+    watch = LagWatch()
     try:
         busy = demo(a.duration, work / "busy.json", work / "busy")
     finally:
+        busy_lag = watch.close()
         os.killpg(hog.pid, signal.SIGTERM)
         hog.wait(10)
     q, b = summary(quiet, cards), summary(busy, cards)
+    q["sample_to_status"], b["sample_to_status"] = quiet_lag, busy_lag
     ratio = b["goodput_rps"] / q["goodput_rps"] if q["goodput_rps"] else 0.0
     failed = q["requests"]["failed"] + b["requests"]["failed"]
+    kept = json.loads(a.out.read_text()) if a.out.exists() else {}
+    lag_ok = (busy_lag["p99_over_interval"] or 0.0) <= 2.0 and busy_lag["samples"] > 0
     out = {
+        **kept,
         "command": "PYTHONPATH=operator .venv/bin/python bench/reliability.py "
         + " ".join(argv or sys.argv[1:]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
@@ -187,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         "quiet": q,
         "busy": b,
         "busy_over_quiet_goodput": round(ratio, 3),
-        "goal": {"failed_requests": 0, "busy_over_quiet_goodput_min": 0.8},
-        "goal_met": failed == 0 and ratio >= 0.8,
+        "goal": {
+            "failed_requests": 0,
+            "busy_over_quiet_goodput_min": 0.8,
+            "busy_sample_to_status_p99_max_intervals": 2.0,
+        },
+        "goal_met": failed == 0 and ratio >= 0.8 and lag_ok,
         "rows": ROWS,
         "wall_s": round(time.time() - t0, 1),
     }
@@ -196,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: out[k] for k in ("busy_over_quiet_goodput", "goal_met")}))
     for name in ("quiet", "busy"):
         r = out[name]
-        print(f"{name}: {r['requests']} goodput {r['goodput_rps']} req/s, TTFT P99 {r['ttft_ms']['p99']} ms")
+        print(f"{name}: {r['requests']} goodput {r['goodput_rps']} req/s, TTFT P99 {r['ttft_ms']['p99']} ms, "
+              f"sample->status {r['sample_to_status']}")  # fmt: skip
     return 0 if out["goal_met"] else 1
 
 

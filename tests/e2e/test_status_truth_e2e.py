@@ -14,10 +14,17 @@ relabel rule or an engine without that histogram would.
   TTFT histogram's series; the GearSet says ``SignalsAvailable=False`` (``LatencyUnavailable``, naming
   the series) within a few sample intervals, with one Warning event however many samples it lasts, and
   clears by itself once the series is back.
+- Status keeps pace (#31 item 3): while Prometheus does not answer, ``status.signals`` still advances
+  every sample interval, each tick saying why it has no sample (``skipped``) with no value of the last
+  sample left standing; the next sample clears it.
+
+Each test runs on the machine as it is and with one core taken by a CPU hog (``harness.machine_load``,
+the busy machine of ``bench/reliability.py``): timing bugs show only under load.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -31,6 +38,7 @@ from gearshift.dev.sandbox.harness import (
     GpuNodes,
     OperatorProcess,
     install_crds,
+    machine_load,
     pod_ready,
     pods,
     teardown_run,
@@ -85,7 +93,8 @@ def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any
 
 class DroppingPrometheus:
     """A loopback HTTP proxy of Prometheus' query API that answers every query containing one of
-    :attr:`drop` with an empty vector (the series are not there) and forwards the rest."""
+    :attr:`drop` with an empty vector (the series are not there) and forwards the rest; while
+    :attr:`down` is set it answers every query 503, as a Prometheus restarting does."""
 
     def __init__(self, upstream: str) -> None:
         import http.server
@@ -94,6 +103,7 @@ class DroppingPrometheus:
 
         assert upstream.startswith("http://127."), upstream  # loopback only
         self.drop: tuple[str, ...] = ()
+        self.down = False
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -101,7 +111,9 @@ class DroppingPrometheus:
                 pass
 
             def _answer(self, query: str, forward: urllib.request.Request) -> None:
-                if any(d in query for d in proxy.drop):
+                if proxy.down:
+                    body, code = b"Service Unavailable", 503
+                elif any(d in query for d in proxy.drop):
                     body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
                     code = 200
                 else:
@@ -198,9 +210,18 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         assert not left, f"not deleted: {left}"
 
 
-def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, Any]) -> None:
+@pytest.fixture(params=["quiet", "one-core-busy"])
+def load(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The machine as it is, or with one core taken by a CPU hog for the test."""
+    with machine_load(str(request.param)) as how:
+        yield how
+
+
+def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, Any], load: str) -> None:
     ns, api, op = env["ns"], env["api"], env["op"]
     t_start = time.monotonic()
+    gs_now = api.get(G, "GearSet", ns, GEARSET) or {}
+    micro = 2 if gs_now["spec"]["gears"][0]["microBatch"] != 2 else 4  # a change on every run
     before = api.get("apps/v1", "StatefulSet", ns, STS)
     assert sts_rolled(before), before.get("status")
     old_revision = before["status"]["updateRevision"]
@@ -220,8 +241,8 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
     watcher.start()
     try:
         time.sleep(1.0)  # a few polls of the settled state first
-        sandbox.kubectl("patch", "gearset", GEARSET, "-n", ns, "--type=json", "-p",
-                        '[{"op":"replace","path":"/spec/gears/0/microBatch","value":2}]')  # fmt: skip
+        edit = [{"op": "replace", "path": "/spec/gears/0/microBatch", "value": micro}]
+        sandbox.kubectl("patch", "gearset", GEARSET, "-n", ns, "--type=json", "-p", json.dumps(edit))
         edited = time.monotonic()
 
         def served_again() -> bool:
@@ -284,8 +305,8 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
     assert final["status"]["phase"] == "Ready"
     assert final["status"]["observedGeneration"] == final["metadata"]["generation"]
     print(
-        f"\nrollout: Ready again {polls[-1][0] - edited:.1f} s after the edit; not Ready/Progressing "
-        f"for {len(rolling)} of {len(after)} polls; test {time.monotonic() - t_start:.0f} s"
+        f"\nrollout ({load}): Ready again {polls[-1][0] - edited:.1f} s after the edit; not "
+        f"Ready/Progressing for {len(rolling)} of {len(after)} polls; test {time.monotonic() - t_start:.0f} s"
     )
 
 
@@ -341,7 +362,7 @@ def _warnings(api: RestKubeApi, ns: str, reason: str) -> list[dict[str, Any]]:
 
 
 def test_a_missing_latency_series_while_requests_flow_is_reported_once(
-    sandbox: Any, env: dict[str, Any]
+    sandbox: Any, env: dict[str, Any], load: str
 ) -> None:
     ns, api, op, prom = env["ns"], env["api"], env["op"], env["prom"]
     t_start = time.monotonic()
@@ -349,7 +370,7 @@ def test_a_missing_latency_series_while_requests_flow_is_reported_once(
         p for p in pods(sandbox, ns, f"gearshift.io/service={SERVICE},gearshift.io/stage=0") if pod_ready(p)
     ]
     assert heads, "no Ready head pod"
-    load = HeadLoad(f"http://{heads[0]['status']['podIP']}:{ENGINE_PORT}")
+    traffic = HeadLoad(f"http://{heads[0]['status']['podIP']}:{ENGINE_PORT}")
     try:
         try:
             wait_until(
@@ -362,7 +383,7 @@ def test_a_missing_latency_series_while_requests_flow_is_reported_once(
             )
         except TimeoutError as exc:
             raise AssertionError(f"{exc}: {_gs_signals(api, ns)}\n{op.log_tail(2000)}") from None
-        assert not _warnings(api, ns, "LatencyUnavailable")
+        events_before = len(_warnings(api, ns, "LatencyUnavailable"))  # the other load's run left one
         prom.drop = ("vllm:time_to_first_token_seconds_bucket",)
         dropped = time.monotonic()
 
@@ -382,7 +403,7 @@ def test_a_missing_latency_series_while_requests_flow_is_reported_once(
         # Several more samples without the series: still False, and still one event.
         time.sleep(5.0)
         assert _gs_signals(api, ns)[0].get("status") == "False"
-        assert len(_warnings(api, ns, "LatencyUnavailable")) == 1
+        assert len(_warnings(api, ns, "LatencyUnavailable")) == events_before + 1
         prom.drop = ()
         restored = time.monotonic()
         wait_until(
@@ -391,10 +412,47 @@ def test_a_missing_latency_series_while_requests_flow_is_reported_once(
         cleared = time.monotonic() - restored
     finally:
         prom.drop = ()
-        load.close()
-    assert len(_warnings(api, ns, "LatencyUnavailable")) == 1
-    assert load.ok > 0 and load.failed == 0, (load.ok, load.failed)
+        traffic.close()
+    assert len(_warnings(api, ns, "LatencyUnavailable")) == events_before + 1
+    assert traffic.ok > 0 and traffic.failed == 0, (traffic.ok, traffic.failed)
     print(
-        f"\nmissing TTFT series: reported after {lag:.1f} s, cleared after {cleared:.1f} s; "
-        f"{load.ok} requests; test {time.monotonic() - t_start:.0f} s"
+        f"\nmissing TTFT series ({load}): reported after {lag:.1f} s, cleared after {cleared:.1f} s; "
+        f"{traffic.ok} requests; test {time.monotonic() - t_start:.0f} s"
     )
+
+
+def test_the_status_advances_every_interval_without_a_sample_and_says_why(
+    sandbox: Any, env: dict[str, Any], load: str
+) -> None:
+    """#31 item 3: Prometheus answers 503 for a while. Every tick still writes ``status.signals``: a new
+    ``sampleTime`` each sample interval (1 s here), ``skipped`` naming why, no value of the last sample
+    left standing; the first sample after it clears ``skipped``. Before, the status kept the last sample's
+    values and time until Prometheus came back."""
+    ns, api, prom = env["ns"], env["api"], env["prom"]
+    wait_until(lambda: _gs_signals(api, ns)[1].get("sampleTime"), 60, "a first sample", interval_s=0.5)
+    times: list[str] = []
+    prom.down = True
+    try:
+
+        def skipped_ticks() -> bool:
+            sig = _gs_signals(api, ns)[1]
+            if sig.get("skipped") and sig.get("sampleTime") not in times:
+                times.append(sig["sampleTime"])
+                assert sig.get("qps") is None and sig.get("p99Ms") is None, sig
+                assert "did not answer" in sig["skipped"], sig["skipped"]
+            return len(times) >= 4
+
+        try:
+            wait_until(skipped_ticks, 60, "four ticks recorded as skipped", interval_s=0.25)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}: {times}; {_gs_signals(api, ns)}") from None
+    finally:
+        prom.down = False
+
+    def sampled_again() -> dict[str, Any] | None:
+        sig = _gs_signals(api, ns)[1]
+        return sig if sig.get("sampleTime") not in times and not sig.get("skipped") else None
+
+    after = wait_until(sampled_again, 60, "a sample again", interval_s=0.25)
+    print(f"\nskipped ticks ({load}): {len(times)} distinct sampleTimes while Prometheus answered 503; "
+          f"then {after.get('sampleTime')}, missedSamples {after.get('missedSamples')}")  # fmt: skip

@@ -14,6 +14,7 @@ tests pass their ``sandbox`` fixture, benchmarks a :class:`gearshift.dev.demo.ku
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -383,6 +384,32 @@ def serving_router_url(
         raise AssertionError(f"{exc}\n{describe()}") from None
     assert ip.startswith("127."), f"router pod IP {ip} is not loopback"
     return f"http://{ip}:{ROUTER_PORT}"
+
+
+def burner(seconds: float) -> subprocess.Popen[bytes]:
+    """One process that keeps one core busy for ``seconds`` s: a Python busy loop in its own session, to be
+    ended by its process id (the busy machine of ``bench/reliability.py`` and #31's e2e tests)."""
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+@contextlib.contextmanager
+def machine_load(load: str, seconds: float = 600.0) -> Iterator[str]:
+    """``"quiet"``: the machine as it is; ``"one-core-busy"``: with one :func:`burner` for the block (at
+    most ``seconds`` s), ended by its process id on the way out.
+
+    Raises:
+        ValueError: another ``load``.
+    """
+    if load not in ("quiet", "one-core-busy"):
+        raise ValueError(f"load {load!r}: use 'quiet' or 'one-core-busy'")
+    hog = burner(seconds) if load == "one-core-busy" else None
+    try:
+        yield load
+    finally:
+        if hog is not None:
+            os.killpg(hog.pid, signal.SIGTERM)
+            hog.wait(10)
 
 
 def holds(predicate: Callable[[], object], duration_s: float, what: str, interval_s: float = 0.5) -> None:
