@@ -31,10 +31,11 @@ class FakeSignals:
     def __init__(self) -> None:
         self.kv = 0.5
         self.running = 2.0
+        self.missing: tuple[str, ...] = ()
         self.counters: dict[str, float | None] = {sc.NO_HEADROOM_TOTAL: 0.0}
 
     def sample(self, url: str, sel: GearSelector, metric: str, slo_ms: float, at: float) -> sc.ScaleSample:
-        return sc.ScaleSample(at=at, kv_cache_usage=self.kv, running=self.running)
+        return sc.ScaleSample(at=at, kv_cache_usage=self.kv, running=self.running, missing=self.missing)
 
     def counter(self, pods: Sequence[Mapping[str, Any]], port: int, name: str) -> float | None:
         return self.counters.get(name)
@@ -175,6 +176,29 @@ class TestTick:
         sig.counters[sc.NO_HEADROOM_TOTAL] = 3.0
         res = run(world, sig, T0 + 4)
         assert res.replicas == 2
+        assert cond(world)["status"] == "True"
+
+    def test_a_missing_kv_series_holds_the_scale_down_with_one_warning_then_clears(
+        self, world: FakeKubeApi
+    ) -> None:
+        # #31: KV usage missing while 2 requests run; what is left (waiting 0) reads as no load. Without
+        # the hold the tick would drain a replica (as the test below does with kv 0.1).
+        world.patch("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME, {"spec": {"replicas": 2}})
+        world.put(_sts(2), NS)
+        world.put(_pod("llama3-8b-decode-g-s0-1", 0, "gpu-a10-1"), NS)
+        sig = FakeSignals()
+        sig.kv, sig.missing = None, ("KV-cache usage (max(vllm:kv_cache_usage_perc{...}))",)
+        for t in (T0, T0 + 2, T0 + 4):
+            res = run(world, sig, t)
+            assert res.replicas is None and not res.draining
+            assert res.decision is not None and res.decision.reason == sc.REASON_SERIES_MISSING
+        c = cond(world)
+        assert (c["status"], c["reason"]) == ("False", sc.REASON_SERIES_MISSING)
+        assert "KV-cache usage" in c["message"]
+        warned = [e for e in world.events if e["reason"] == sc.REASON_SERIES_MISSING]
+        assert len(warned) == 1 and warned[0]["type"] == "Warning"
+        sig.kv, sig.missing = 0.5, ()
+        run(world, sig, T0 + 6)
         assert cond(world)["status"] == "True"
 
     def test_scale_down_drains_the_highest_head_first(self, world: FakeKubeApi) -> None:

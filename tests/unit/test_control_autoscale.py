@@ -170,6 +170,33 @@ class TestSample:
         results = {q["kv"]: [], q["waiting"]: vector("0"), q["running"]: vector("0"), q["p99"]: vector("NaN")}
         s = A.sample_from(q, results, slo_ms=50.0, at=T0)
         assert (s.kv_cache_usage, s.p99_ratio, s.waiting, s.running) == (None, None, 0.0, 0.0)
+        assert s.missing == ()  # nothing runs: unknown, not missing
+
+    def test_kv_or_p99_missing_while_requests_run_is_named_not_read_as_no_load(self) -> None:
+        # #31: missing is never fine. KV usage gone (a relabel rule, an engine without the gauge) while
+        # 5 requests run; the P99 not a number: both named with their queries.
+        q = A.sample_queries(self.SEL, "m")
+        results = {q["kv"]: [], q["waiting"]: vector("0"), q["running"]: vector("5"), q["p99"]: vector("NaN")}
+        s = A.sample_from(q, results, slo_ms=50.0, at=T0)
+        assert s.missing == (f"KV-cache usage ({q['kv']})", f"P99 ({q['p99']})")
+        results[q["kv"]] = vector("0.4")
+        results[q["p99"]] = vector("0.01")
+        assert A.sample_from(q, results, slo_ms=50.0, at=T0).missing == ()
+
+    def test_a_hold_for_a_missing_series_says_so_in_the_condition(self) -> None:
+        decision = sc.ScaleDecision(
+            sc.ScaleKind.HOLD,
+            3,
+            sc.REASON_SERIES_MISSING,
+            "missing or not a number ...: KV-cache usage (q)",
+            1,
+        )
+        acts = A.act_on(
+            decision, before=sc.ScaleState(), after=sc.ScaleState(), scaling={}, current=3,
+            placement=None, heads=["h-0", "h-1", "h-2"], pods_per_replica=1, now=T0,
+        )  # fmt: skip
+        assert acts.condition == ("False", sc.REASON_SERIES_MISSING, decision.message)
+        assert acts.replicas is None and not acts.label
 
     def test_missing_queue_series_make_no_sample(self) -> None:
         q = A.sample_queries(self.SEL, "m")

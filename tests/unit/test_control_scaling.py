@@ -154,6 +154,33 @@ SEQUENCES: dict[str, tuple[ScalingPolicy, int, list[Step], list[Want]]] = {
         [(t, {"kv_cache_usage": 0.2, **BUSY}, False) for t in (0, 30, 60)],
         [(H, 3, S.REASON_DOWN_WINDOW), (H, 3, S.REASON_DOWN_WINDOW), (D, 1, S.REASON_LOW_LOAD)],
     ),
+    # #31: KV usage missing while requests run reads as no load (waiting 0): without the hold it would
+    # drain 3 -> 1 after 60 s. Held while missing (the run restarts), then the window runs from t=90.
+    "missing-series-is-not-low-load": (
+        P,
+        3,
+        [
+            (0, {"missing": ("KV-cache usage (q)",), **BUSY}, False),
+            (30, {"missing": ("KV-cache usage (q)",), **BUSY}, False),
+            (60, {"missing": ("KV-cache usage (q)",), **BUSY}, False),
+            (90, {"kv_cache_usage": 0.2, **BUSY}, False),
+            (150, {"kv_cache_usage": 0.2, **BUSY}, False),
+        ],
+        [
+            (H, 3, S.REASON_SERIES_MISSING),
+            (H, 3, S.REASON_SERIES_MISSING),
+            (H, 3, S.REASON_SERIES_MISSING),
+            (H, 3, S.REASON_DOWN_WINDOW),
+            (D, 1, S.REASON_LOW_LOAD),
+        ],
+    ),
+    # a scale-up on what is known still goes: waiting 12 on 1 replica (4 per replica) with the P99 missing
+    "missing-series-still-scales-up": (
+        P,
+        1,
+        [(t, {"waiting": 12.0, "missing": ("P99 (q)",), **BUSY}, False) for t in (0, 30)],
+        [(H, 1, S.REASON_UP_WINDOW), (U, 3, S.REASON_WAITING)],
+    ),
     # from 4: kv 0.2 -> 1, kv 0.5 -> ceil(2.5) = 3, kv 0.2 -> 1: the run's highest (3) wins at t=60
     "down-takes-run-maximum": (
         P,

@@ -175,14 +175,20 @@ def sample_from(
 ) -> sc.ScaleSample:
     """The sample of :func:`sample_queries`' ``queries`` from their instant-vector ``results`` (by query).
 
-    KV usage and P99 may be missing (None: no traffic); ``p99_ratio`` = P99 (ms) / ``slo_ms``.
+    KV usage and P99 may be missing (None); while requests run or wait, each that is missing or not a
+    number is named in ``missing`` (#31: missing is never fine; the P99 also when no request finished in
+    its window, which holds only a scale-down). ``p99_ratio`` = P99 (ms) / ``slo_ms``.
 
     Raises:
         SignalsUnavailable: the waiting or running series are missing (the pods are not scraped).
     """
     out = {key: scalar(results[q], q, required=key in ("waiting", "running")) for key, q in queries.items()}
     p99 = out["p99"]
+    busy = (out["running"] or 0.0) + (out["waiting"] or 0.0) > 0
+    labels = {"kv": "KV-cache usage", "p99": "P99"}
+    missing = tuple(f"{label} ({queries[key]})" for key, label in labels.items() if busy and out[key] is None)
     return sc.ScaleSample(
+        missing=missing,
         at=at,
         kv_cache_usage=out["kv"],
         waiting=out["waiting"] or 0.0,
@@ -446,6 +452,10 @@ def act_on(
     elif decision.kind is sc.ScaleKind.DOWN:
         replicas, label, events, drain = _scale_down(decision, heads, pods_per_replica, current, now)
         st.update(drain)
+    elif decision.reason == sc.REASON_SERIES_MISSING:
+        # #31: a missing series is said (ScalingActive=False, one Warning event per episode), not read as
+        # low load; the next sample with every series clears it.
+        cond = ("False", sc.REASON_SERIES_MISSING, decision.message[:MESSAGE_CHARS])
     active: ScalingCondition = (
         "True",
         REASON_ACTIVE,

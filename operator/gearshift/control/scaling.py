@@ -31,6 +31,11 @@ Algorithm, per sample of one role (issue 12):
    with the current replica count (the executor reads ``GearSet.spec.replicas``). While a previous
    scale-up has replicas not Ready yet, further scale-ups wait (new replicas take minutes to load
    weights; counting their absence again would overshoot).
+6. **Missing is never low load** (#31): a sample whose KV usage or P99 is missing or not a number while
+   requests run names it (``ScaleSample.missing``). Read as absent it would leave only the waiting
+   ratio, i.e. no load, and drain replicas of a full role; so a scale-down holds (``SeriesMissing``,
+   ``ScalingActive=False`` with one Warning event per episode), while a scale-up on what is known
+   (waiting, rejections, a known P99) still goes ahead. The next complete sample clears it.
 
 Placement (:func:`place_replicas`): each new pipeline replica needs, for every stage, a node with free
 GPUs that the stage may use (its named nodes, else its node-selector labels), of an allowed compute
@@ -71,6 +76,8 @@ REASON_SHIFT = "ShiftInProgress"
 REASON_PENDING = "ReplicasStarting"
 REASON_NO_SIGNALS = "SignalsMissing"
 REASON_AT_MAX = "AtMaxReplicas"
+#: A series the load is judged by is missing (or not a number) while requests run: no scale-down (#31).
+REASON_SERIES_MISSING = "SeriesMissing"
 
 
 class ScaleKind(StrEnum):
@@ -133,6 +140,10 @@ class ScaleSample:
     """The role's P99 (TTFT for prefill, ITL for decode) / its SLO; None: no traffic in the window."""
     no_headroom: int = 0
     """Router rejections for lack of decode KV headroom since the previous sample (decode role)."""
+    missing: tuple[str, ...] = ()
+    """Series this sample lacks (no series, or not a number) while requests run or wait, each named with
+    its query: missing is never low load (#31), so a scale-down waits for them; a scale-up on what is
+    known still goes ahead."""
 
     @property
     def idle(self) -> bool:
@@ -312,6 +323,16 @@ def decide_scale(
             state,
             REASON_UP_WINDOW,
             f"{rec.reason} asks {rec.replicas}; {now - since:.0f}/{policy.scale_up_s:g} s",
+            rec.replicas,
+        )
+    if rec.replicas < current and sample.missing:
+        return hold(
+            _reset_runs(state),
+            REASON_SERIES_MISSING,
+            # No changing number in it: the condition's message, and so its one Warning event, stays put
+            # for the whole episode.
+            f"missing or not a number while requests run, so no scale-down on a load it cannot see: "
+            f"{'; '.join(sample.missing)}",
             rec.replicas,
         )
     if rec.replicas < current:
