@@ -26,6 +26,11 @@ Fixtures (names are stable; other tests rely on them):
     test (without waiting for it to go).
 ``wait_for`` (session) — the function below.
 
+``GEARSHIFT_E2E_LOAD=one-core-busy`` runs the whole session with one core taken by a CPU hog
+(``harness.machine_load``, the busy machine of ``bench/reliability.py``; #31: "run #20's classes there
+too"), e.g. ``GEARSHIFT_E2E=1 GEARSHIFT_E2E_LOAD=one-core-busy .venv/bin/pytest
+tests/e2e/test_api_limits.py``. Unset or ``quiet``: the machine as it is.
+
 ``wait_for(predicate, timeout, what, interval=0.2)`` calls ``predicate()`` until it returns a truthy value
 (returned) or the deadline passes (``AssertionError`` naming ``what`` and the last value or exception).
 Tests wait on conditions with it, never with fixed sleeps.
@@ -229,6 +234,16 @@ def _pause_installed_operators(cluster: Cluster) -> dict[tuple[str, str, str], i
             1.0,
         )
     return paused
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_load() -> Iterator[str]:
+    """The machine load the session runs under (``GEARSHIFT_E2E_LOAD``, see the module docstring); the
+    hog is bounded to 3 h and ended by its process id."""
+    from gearshift.dev.sandbox.harness import machine_load
+
+    with machine_load(os.environ.get("GEARSHIFT_E2E_LOAD") or "quiet", seconds=3 * 3600) as load:
+        yield load
 
 
 @pytest.fixture(scope="session")
