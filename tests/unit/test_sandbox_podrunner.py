@@ -35,10 +35,24 @@ class RecordingApi:
     def list_node(self, **_: Any) -> Any:
         return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name="gpu-t4-0"), raw=NODE)])
 
-    def patch_namespaced_pod_status(self, name: str, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.patches.append(body["status"])
+    def patch_namespaced_pod_status(
+        self, name: str, ns: str, body: dict[str, Any], _content_type: str | None = None
+    ) -> dict[str, Any]:
+        from kubernetes.client.rest import ApiException
+
         pod = self.pods[(ns, name)]
-        pod["status"] = {**pod["status"], **body["status"]}
+        status = {**pod["status"], **body["status"]}
+        if _content_type != "application/merge-patch+json" and "podIPs" in body["status"]:
+            # The client's default for a dict body is a strategic merge patch: podIPs merge by "ip"
+            # (patchMergeKey), and the API server refuses two IPs of one family (measured on the
+            # sandbox's kube-apiserver 1.34: 422 "may specify no more than one IP for each IP family").
+            merged = list(body["status"]["podIPs"])
+            merged += [i for i in pod["status"].get("podIPs") or [] if i not in merged]
+            if len(merged) > 1:
+                raise ApiException(status=422, reason="Unprocessable Entity")
+            status["podIPs"] = merged
+        self.patches.append(body["status"])
+        pod["status"] = status
         return pod
 
     def delete_namespaced_pod(self, name: str, ns: str, body: Any = None) -> None:

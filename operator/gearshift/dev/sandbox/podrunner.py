@@ -103,6 +103,19 @@ def _log(msg: str) -> None:
     print(f"{_now()} {msg}", flush=True)
 
 
+def _api_error(exc: Exception) -> str:
+    """One line for a failed API call: the status code and the API server's own message when it sent a
+    Status, not the client's multi-line dump of headers."""
+    status, body = getattr(exc, "status", None), getattr(exc, "body", None)
+    if status is not None:
+        try:
+            message = json.loads(body or "{}").get("message") or body
+        except (ValueError, AttributeError):
+            message = body
+        return f"{status}: {str(message)[:500]}"
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
 class ForkedProcess:
     """A light-mode container: a fork of the runner, with the part of ``Popen``'s interface used here."""
 
@@ -793,11 +806,18 @@ class PodRunner:
         current = run.pod.get("status", {}).get("conditions") or []
         body["conditions"] = podspec.merge_conditions(current, updates, _now())
         try:
-            pod = self.core.patch_namespaced_pod_status(run.name, run.namespace, {"status": body})
+            # A JSON merge patch, as the kubelet's status manager sends the whole status: the client's
+            # default for a dict is a strategic merge, which merges ``podIPs`` by ``ip``. When kwok's
+            # double assign (above) left another IP there, that made two IPv4 addresses, and the API
+            # server refused every write with 422 "may specify no more than one IP for each IP family":
+            # the pod never left ContainerCreating (CI, test (g), 20 min).
+            pod = self.core.patch_namespaced_pod_status(
+                run.name, run.namespace, {"status": body}, _content_type="application/merge-patch+json"
+            )
             run.pod = self.api.sanitize_for_serialization(pod)
             run.last_sent = fingerprint
         except Exception as exc:
-            _log(f"{run.key}: status update failed: {type(exc).__name__}: {str(exc)[:300]}")
+            _log(f"{run.key}: status update failed: {_api_error(exc)}")
 
     # ------------------------------------------------------------------------------------- stopping
 
