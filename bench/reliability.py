@@ -138,10 +138,9 @@ class LagWatch:
         self.thread.start()
 
     def _run(self) -> None:
-        from datetime import datetime
-
         from kubernetes import client, config, watch
 
+        from gearshift.control.executor_status import from_time
         from gearshift.dev.sandbox.layout import Layout
 
         while not self.stop.is_set():
@@ -161,7 +160,7 @@ class LagWatch:
                     if not at or self.seen.get(key) == at:
                         continue
                     self.seen[key] = at
-                    self.lags_s.append(got - datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp())
+                    self.lags_s.append(got - (from_time(at) or got))
                     self.skipped += 1 if sig.get("skipped") else 0
                     self.missed[key] = max(self.missed.get(key, 0), int(sig.get("missedSamples") or 0))
                     if self.stop.is_set():

@@ -743,6 +743,10 @@ class GearSetSpec(SpecModel):
 
 
 # --- status -----------------------------------------------------------------------------------------
+#: Longest ``status.signals.skipped`` the schema takes (the writer cuts to it).
+SKIPPED_MAX_CHARS = 1024
+
+
 class GearSignals(StatusModel):
     """The smoothed (EMA) signals of the last sample."""
 
@@ -786,7 +790,7 @@ class GearSignals(StatusModel):
     )
     skipped: str | None = Field(
         default=None,
-        max_length=1024,
+        max_length=SKIPPED_MAX_CHARS,
         description="Why this tick has no sample (Prometheus unreachable, a series the controller reads "
         "is missing): sampleTime is the tick's and every value is null, as the SignalsAvailable "
         "condition also says; null when the sample was taken. The status advances every sample "

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gearshift.api.common import MAX_HISTORY, inputs_hash
-from gearshift.api.gearset import ControlState, Gear, GearHealth, GearSignals
+from gearshift.api.gearset import SKIPPED_MAX_CHARS, ControlState, Gear, GearHealth, GearSignals
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Action, MarkUnhealthy, RecordShift, ShiftState
@@ -347,12 +347,12 @@ def status_patch(
 def skipped_signals(at: float, why: str | None, missed_samples: int) -> dict[str, Any]:
     """``status.signals`` of a tick without a sample (#31: the status advances every sample interval and
     says so, rather than keeping the last sample's values as if current): ``sampleTime`` ``at`` (Unix s),
-    ``skipped`` ``why`` (cut to the schema's 1,024 characters), every value ``null`` (``stageUtilization``
+    ``skipped`` ``why`` (cut to ``SKIPPED_MAX_CHARS``), every value ``null`` (``stageUtilization``
     empty): a JSON merge patch keeps keys it leaves out, so each is sent."""
     values: dict[str, Any] = {(f.alias or name): None for name, f in GearSignals.model_fields.items()}
     values["stageUtilization"] = []
     return values | {
         "sampleTime": to_time(at),
-        "skipped": (why or "no sample this tick")[:1024],
+        "skipped": (why or "no sample this tick")[:SKIPPED_MAX_CHARS],
         "missedSamples": missed_samples,
     }
