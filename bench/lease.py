@@ -302,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     e2e = _load("gs_e2e_lease_starved", REPO / "tests/e2e/test_lease_starved.py")
     from gearshift.dev.sandbox import harness
 
-    reliability = _load("gs_bench_reliability", REPO / "bench/reliability.py")
     sandbox = Sandbox()
     modes = a.modes.split(",")
     main_tree, made = a.main, False
@@ -313,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         made = True
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     main_rev: str | None = None
-    hog = reliability.burner(3600)
+    hog = harness.burner(3600)
     results: dict[str, Any] = {}
     try:
         for mode in modes:

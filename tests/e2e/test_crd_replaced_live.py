@@ -14,25 +14,19 @@ this module's namespace) serves. Each run applies this release's GearSet CRD wit
   through kopf's watch (re-established after the API server rebuilt the resource's storage) and is
   reconciled: the GearSet's ``status.observedGeneration`` follows it, and the PDService stays Ready.
 
-It runs twice: on the machine as it is, and with one core kept busy by the busy-machine harness of
-``bench/reliability.py`` (``burner``: a Python busy loop in its own session, ended by its process id).
+It runs twice: on the machine as it is, and with one core kept busy by the busy-machine harness
+(``harness.machine_load``: a Python busy loop in its own session, ended by its process id).
 Each run prints its figures (seconds from the CRD apply): ``false`` (the condition), ``warning`` (the
 event), ``true`` (the condition after the fix, from the re-apply) and ``resumed`` (the edit observed).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -44,6 +38,7 @@ from gearshift.dev.sandbox.harness import (
     OperatorProcess,
     holds,
     install_crds,
+    machine_load,
     teardown_run,
     wait_until,
 )
@@ -61,16 +56,6 @@ DETECT_S = 30.0
 #: Seconds the event count is watched for a second event: three of the operator's CRD polls
 #: (``gearshift.handlers.crdwatch.POLL_S``, 5 s; not imported, so that the test runs on code without it).
 ONE_EVENT_S = 15.0
-
-
-def reliability() -> ModuleType:
-    """``bench/reliability.py`` (not a package: loaded by path, as the bench unit tests load theirs)."""
-    spec = importlib.util.spec_from_file_location("bench_reliability", ROOT / "bench/reliability.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_reliability", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any]]:
@@ -166,16 +151,9 @@ def env(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
 
 @pytest.fixture(params=["quiet", "one-core-busy"])
 def load(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The machine as it is, or with one core taken by ``bench/reliability.py``'s ``burner``."""
-    hog: subprocess.Popen[bytes] | None = None
-    if request.param == "one-core-busy":
-        hog = reliability().burner(600)
-    try:
-        yield str(request.param)
-    finally:
-        if hog is not None:
-            os.killpg(hog.pid, signal.SIGTERM)
-            hog.wait(10)
+    """The machine as it is, or with one core taken by ``harness.machine_load``'s CPU hog."""
+    with machine_load(str(request.param)) as load:
+        yield load
 
 
 def test_an_older_crd_applied_under_the_running_operator_is_said_and_recovered(

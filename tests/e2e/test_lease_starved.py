@@ -1,11 +1,11 @@
 """#31 item 5 on the sandbox: a starved API server costs no crash loop, and a shift in flight completes.
 
-The machine is the busy one of ``bench/reliability.py``: one core taken by its CPU hog (``burner``, one
-busy-loop process, ended by its pid) for the whole module. The API server is starved on top of that by
+The machine is the busy one of ``bench/reliability.py``: one core taken by ``harness.machine_load``'s CPU hog
+(one busy-loop process, ended by its pid) for the whole module. The API server is starved on top of that by
 stopping and continuing the sandbox's ``kube-apiserver`` (SIGSTOP/SIGCONT to the pid the sandbox recorded):
 while stopped it answers nothing, as a server starved of CPU at load 30 did (#31: the leader exited with
-status 4, "not renewed for 10 s"). One ``gearshift operator --leader-elect`` (lease 6 s, renew deadline
-4 s, retry 1 s: short but valid, so a loss is quick to provoke), on this module's namespace:
+status 4, "not renewed for 10 s"). One ``gearshift operator --leader-elect`` (lease 6 s, renew deadline 4 s,
+retry 1 s: short but valid, so a loss is quick to provoke), on this module's namespace:
 
 1. a starved but answering API server (stopped 0.6 s of every 1 s for 20 s: each request waits up to
    0.6 s) costs no Lease; then an outage longer than the renew deadline (7 s) must cost one (the leader
@@ -21,7 +21,6 @@ kubelet's CrashLoopBackOff would in a cluster: both tests fail there.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -39,6 +38,7 @@ from gearshift.dev.sandbox.harness import (
     GpuNodes,
     OperatorProcess,
     install_crds,
+    machine_load,
     pod_ready,
     pods,
     teardown_run,
@@ -59,15 +59,6 @@ LOST = re.compile(r"^(\S+ \S+) ERROR gearshift\.leader: leader election lost", r
 SERVICE, PREFILL_GS, DECODE_GS = "starved", "starved-prefill", "starved-decode"
 POLICY = {"sampleIntervalS": 1, "warmS": 4, "rollbackWindowS": 6, "drainTimeoutS": 30, "warmupTimeoutS": 120,
           "dwellS": 600}  # fmt: skip
-
-
-def _burner() -> Any:
-    """``bench/reliability.py``'s CPU hog, loaded from its file (bench/ is no package)."""
-    spec = importlib.util.spec_from_file_location("gs_bench_reliability", REPO / "bench/reliability.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.burner
 
 
 class Starver:
@@ -144,12 +135,8 @@ class Leader:
 
 @pytest.fixture(scope="module")
 def busy() -> Iterator[None]:
-    hog = _burner()(1800)
-    try:
+    with machine_load("one-core-busy", 1800):
         yield
-    finally:
-        os.killpg(hog.pid, signal.SIGTERM)
-        hog.wait(10)
 
 
 @pytest.fixture()

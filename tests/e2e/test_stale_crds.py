@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 GEARSETS = next(k for k in crdgen.KINDS if k.kind == "GearSet")
+PROFILES = next(k for k in crdgen.KINDS if k.kind == "GPUProfile")
 API_VERSION = f"{GROUP}/{VERSION}"
 
 
@@ -107,6 +108,62 @@ def test_a_status_write_an_older_crd_prunes_is_reported(sandbox: Any) -> None:
     finally:
         install_crds(sandbox)
         sandbox.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_gpuprofile_status_write_an_older_crd_prunes_is_reported(sandbox: Any) -> None:
+    """The GPUProfile handler's status writer against the real API server with a GPUProfile CRD that lacks
+    ``status.probe`` (where the life cycle keeps the probe Job in flight: lost, the next tick would start
+    a second probe). The write is found pruned: ``CRDCurrent=False``, one Warning event in ``default`` (the
+    namespace of a cluster-scoped object's events), and the step stops with kopf's delayed retry."""
+    import kopf
+
+    from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo
+    from gearshift.handlers import gpuprofile
+    from gearshift.handlers.kubeapi import RestKubeApi
+    from gearshift.handlers.runtime import Runtime
+
+    name = f"e2e-prune-{uuid.uuid4().hex[:6]}"
+    old = crdgen.crd(PROFILES)
+    del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["probe"]
+    rt = Runtime(api=RestKubeApi(sandbox.api_client()))
+    profile = {"apiVersion": API_VERSION, "kind": "GPUProfile", "metadata": {"name": name},
+               "spec": {"nodeName": name}}  # fmt: skip
+    status = GPUProfileStatus(phase="Probing", probe=ProbeInfo(job=f"gearshift-probe-{name}", attempts=1))
+    try:
+        sandbox.kubectl("apply", "-f", "-", input=json.dumps(profile))
+        sandbox.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(old))
+        sandbox.kubectl("wait", "--for=condition=Established", f"crd/{PROFILES.name}", "--timeout=60s")
+
+        def pruned() -> kopf.TemporaryError | None:
+            # The API server's schema cache follows the CRD update within a second or so.
+            try:
+                gpuprofile._write_status(rt, name, status)
+            except kopf.TemporaryError as exc:
+                return exc
+            return None
+
+        exc = wait_until(pruned, 30, "the write pruned", interval_s=1.0)
+        assert "status.probe" in str(exc) and "charts/gearshift/crds/" in str(exc), exc
+        assert exc.delay == gpuprofile.PRUNED_RETRY_S
+        stored = json.loads(sandbox.kubectl("get", "gpuprofile", name, "-o", "json").stdout)
+        assert "probe" not in (stored.get("status") or {})
+        cond = next(c for c in stored["status"]["conditions"] if c["type"] == "CRDCurrent")
+        assert (cond["status"], cond["reason"]) == ("False", "FieldsPruned")
+        selector = f"reason=FieldsPruned,involvedObject.name={name}"
+        out = sandbox.kubectl("get", "events", "-n", "default", "--field-selector", selector, "-o", "json")
+        events = json.loads(out.stdout)["items"]
+        assert len(events) == 1 and events[0]["type"] == "Warning", events
+        assert events[0]["involvedObject"]["kind"] == "GPUProfile"
+        # Tried again while the CRD is old: refused again, not reported again.
+        with pytest.raises(kopf.TemporaryError):
+            gpuprofile._write_status(rt, name, status)
+        out = sandbox.kubectl("get", "events", "-n", "default", "--field-selector", selector, "-o", "json")
+        assert len(json.loads(out.stdout)["items"]) == 1
+    finally:
+        install_crds(sandbox)
+        sandbox.kubectl("delete", "gpuprofile", name, "--wait=false", check=False)
+        mine = f"involvedObject.name={name}"
+        sandbox.kubectl("delete", "events", "-n", "default", "--field-selector", mine, check=False)
 
 
 def get_json_obj(sandbox: Any, ns: str) -> dict[str, Any]:

@@ -312,11 +312,10 @@ class GearSetMemory:
         self._windows: dict[ObjectKey, str] = {}
         self._missed: dict[ObjectKey, int] = {}
 
-    def add_missed(self, key: ObjectKey, count: int) -> int:
-        """Add ``count`` sample instants the shifting loop let pass; returns the total since start-up."""
+    def add_missed(self, key: ObjectKey, count: int) -> None:
+        """Add ``count`` sample instants the shifting loop let pass (read back by :meth:`missed`)."""
         with self._lock:
             self._missed[key] = self._missed.get(key, 0) + count
-            return self._missed[key]
 
     def missed(self, key: ObjectKey) -> int:
         """Sample instants the shifting loop of ``key`` let pass since this process started."""
