@@ -108,6 +108,30 @@ def _summary(out: dict[str, Any]) -> dict[str, Any]:
             dyn["slo_met_per_gpu_hour"], static_eff["slo_met_per_gpu_hour"]
         ),
         "dynamic_failed_minus_best_static": dyn["failed"] - static["failed"],
+        **_oracle_summary(dyn, static_eff, next((r for r in rows if r["kind"] == "oracle"), None)),
+    }
+
+
+def _oracle_summary(
+    dyn: dict[str, Any], static_eff: dict[str, Any], oracle: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The oracle's figures: dynamic's SLO-met over the oracle's (goal >= 0.97), and the oracle's SLO-met per
+    GPU-hour over the most efficient static gear's (what any controller could gain on the window)."""
+    if oracle is None:
+        return {}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else round(a / b, 3)
+
+    return {
+        "oracle_shifts": oracle["shifts"],
+        "dynamic_vs_oracle_slo_met": ratio(dyn["slo_met"], oracle["slo_met"]),
+        "oracle_vs_most_efficient_static_slo_met_per_gpu_hour": ratio(
+            oracle["slo_met_per_gpu_hour"], static_eff["slo_met_per_gpu_hour"]
+        ),
+        "dynamic_vs_oracle_slo_met_per_gpu_hour": ratio(
+            dyn["slo_met_per_gpu_hour"], oracle["slo_met_per_gpu_hour"]
+        ),
     }
 
 

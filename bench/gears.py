@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import platform
 import resource
@@ -50,14 +49,12 @@ from gearshift.dev.twin import (  # noqa: E402
     WINDOW_S,
     GearSpec,
     Trace,
-    is_upshift,
     load_trace,
     plan_gears,
     run_variant,
-    shift_lead_s,
     with_max_batch,
 )
-from gearshift.dev.twin.compare import dynamic_start  # noqa: E402
+from gearshift.dev.twin.compare import dynamic_start, oracle_variant  # noqa: E402
 from gearshift.dev.twin.constants import TAIL_S  # noqa: E402
 from gearshift.facts.model import ModelArch, load_hf_config  # noqa: E402
 
@@ -148,65 +145,6 @@ def parse_scenario(text: str, limit_s: float | None = None) -> Scenario:
     return Scenario(label, speed=1.0 if own else k, density=k if own else 1.0, limit_s=limit)
 
 
-def oracle_schedule(
-    windows: dict[str, list[int]], specs: dict[str, GearSpec], policy: ShiftRules
-) -> tuple[str, list[tuple[float, str]]]:
-    """The oracle's gear per 60 s window from the static gears' SLO-met per window: the fewest GPU-seconds
-    among the gears within 1% (at least one request) of the window's best, a shortfall beyond that costing
-    100 GPU-windows per request, under the shift mechanics: a shift may start only when the previous
-    one's rollback window and drain are over and its dwell has passed (``upshiftDwellS`` towards more
-    predicted throughput, ``dwellS`` otherwise). Dynamic programming over (window, gear, windows since the
-    last shift). Returns ``(first gear, [(t, gear) serving from t s])``."""
-    names = [g for g in windows if g in specs]
-    n_w = max(len(v) for v in windows.values())
-    best = [max(windows[g][w] if w < len(windows[g]) else 0 for g in names) for w in range(n_w)]
-
-    def cost(w: int, g: str) -> float:
-        got = windows[g][w] if w < len(windows[g]) else 0
-        short = max(0.0, best[w] - max(1.0, 0.01 * best[w]) - got)
-        return specs[g].gpus + 100.0 * short
-
-    def gap(a: str, b: str) -> int:
-        dwell = policy.upshift_dwell_s if is_upshift(specs[a], specs[b]) else policy.dwell_s
-        need = dwell + policy.rollback_window_s + 10.0 + shift_lead_s(specs[b], policy)
-        return math.ceil(need / WINDOW_S)
-
-    k_max = max(gap(a, b) for a in names for b in names if a != b) if len(names) > 1 else 1
-    inf = math.inf
-    # value[g][k]: least cost of windows 0..w ending on g with k windows since its shift (capped at k_max).
-    value = {g: [inf] * (k_max + 1) for g in names}
-    back: list[dict[tuple[str, int], tuple[str, int]]] = []
-    for g in names:
-        value[g][k_max] = cost(0, g)  # the first gear is free to choose, not a shift
-    for w in range(1, n_w):
-        nxt = {g: [inf] * (k_max + 1) for g in names}
-        ptr: dict[tuple[str, int], tuple[str, int]] = {}
-        for g in names:
-            for k in range(k_max + 1):
-                v = value[g][k]
-                if v == inf:
-                    continue
-                kk = min(k + 1, k_max)
-                if v + cost(w, g) < nxt[g][kk]:
-                    nxt[g][kk] = v + cost(w, g)
-                    ptr[(g, kk)] = (g, k)
-                for h in names:
-                    if h != g and k + 1 >= gap(g, h) and v + cost(w, h) < nxt[h][0]:
-                        nxt[h][0] = v + cost(w, h)
-                        ptr[(h, 0)] = (g, k)
-        back.append(ptr)
-        value = nxt
-    end = min(((value[g][k], g, k) for g in names for k in range(k_max + 1)), key=lambda x: x[0])
-    path = [end[1]]
-    state = (end[1], end[2])
-    for ptr in reversed(back):
-        state = ptr[state]
-        path.append(state[0])
-    path.reverse()
-    changes = [(w * WINDOW_S, path[w]) for w in range(1, n_w) if path[w] != path[w - 1]]
-    return path[0], changes
-
-
 # --- main --------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -288,18 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif v == "even":
                 r = run_variant("even", arch, trace, policy, [even], "even", dynamic=False)
             elif v == "oracle":
-                wins = {
-                    x["variant"].removeprefix("static-"): [w["slo_met"] for w in x["windows"]]
+                statics = {
+                    x["variant"].removeprefix("static-"): x
                     for x in results
                     if x["variant"].startswith("static-")
                 }
-                if set(wins) != set(specs):
+                if set(statics) != set(specs):
                     ap.error("--variants oracle needs every gear as a static variant: " + ", ".join(specs))
-                first, plan = oracle_schedule(wins, specs, policy)
-                r = run_variant("oracle", arch, trace, policy, gears, first, dynamic=False, schedule=plan)
-                r["schedule"] = [{"serves_from_s": 0.0, "gear": first}] + [
-                    {"serves_from_s": t, "gear": g} for t, g in plan
-                ]
+                r = oracle_variant(arch, trace, policy, gears, statics)
             else:
                 r = run_variant(f"static-{v}", arch, trace, policy, gears, v, dynamic=False)
             keys = (

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gearshift.control.policy import ShiftRules
+from gearshift.dev.twin.oracle import oracle_schedule
 from gearshift.facts.model import load_hf_config
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -64,9 +65,14 @@ class TestScenarios:
         assert exc.value.code == 2
 
 
-def _spec(g: ModuleType, name: str, cards: int, rps: float, load_s: float = 10.0) -> Any:
-    api = SimpleNamespace(predicted=SimpleNamespace(throughput_qps=rps))
-    return g.GearSpec(name, api, {}, 1, frozenset(), load_s, cards={f"{name}-n": cards})
+def _spec(
+    g: ModuleType, name: str, cards: int, rps: float, load_s: float = 10.0, layout: str | None = None
+) -> Any:
+    """A gear the oracle reads: its cards, predicted rps and load time; ``layout`` names its layout
+    (default: its own), as the API gear's dump would."""
+    dump = {"stages": layout or name}
+    api = SimpleNamespace(predicted=SimpleNamespace(throughput_qps=rps), model_dump=lambda **_: dump)
+    return g.GearSpec(name, api, {}, 1, frozenset(), load_s, cards={f"{layout or name}-n": cards})
 
 
 class TestOracle:
@@ -76,15 +82,38 @@ class TestOracle:
         # a meets as much as b except in windows 10-14; b costs twice the cards.
         a = [100] * 30
         a[10:15] = [20] * 5
-        first, plan = g.oracle_schedule({"a": a, "b": [100] * 30}, specs, policy)
+        first, plan = oracle_schedule({"a": a, "b": [100] * 30}, specs, policy)
         # Up to b for window 10. Back down needs dwell 600 + rollback 60 + 10 + lead (10 + 30 + 4) = 714 s
         # = 12 windows after that shift: window 22 (1320 s).
         assert (first, plan) == ("a", [(600.0, "b"), (1320.0, "a")])
 
     def test_no_shift_when_one_gear_is_best_everywhere(self, g: ModuleType) -> None:
         specs = {"a": _spec(g, "a", 2, 20.0), "b": _spec(g, "b", 4, 40.0)}
-        assert g.oracle_schedule({"a": [50] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("a", [])
-        assert g.oracle_schedule({"a": [10] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("b", [])
+        assert oracle_schedule({"a": [50] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("a", [])
+        assert oracle_schedule({"a": [10] * 10, "b": [50] * 10}, specs, ShiftRules()) == ("b", [])
+
+    def test_gears_of_one_layout_are_one_candidate(self, g: ModuleType) -> None:
+        # b and c are one layout (a planner's balanced and throughput that came out equal): c is never
+        # chosen, and alternating windows of b and c would be no reason to shift.
+        specs = {
+            "a": _spec(g, "a", 2, 20.0),
+            "b": _spec(g, "b", 4, 40.0),
+            "c": _spec(g, "c", 4, 40.0, layout="b"),
+        }
+        wins = {"a": [10] * 10, "b": [50] * 10, "c": [50] * 10}
+        assert oracle_schedule(wins, specs, ShiftRules()) == ("b", [])
+
+    def test_a_shift_pays_for_its_shadow(self, g: ModuleType) -> None:
+        # Down from b (4 cards) to a (2) for the last window saves 2 GPU-windows; a's shadow holds its
+        # 2 cards for its lead (load 100 + warm 30 + 2 samples of 2 s = 134 s = 2.23 windows) = 4.47.
+        policy = ShiftRules(dwell_s=0, upshift_dwell_s=0, rollback_window_s=0, warm_s=30, sample_interval_s=2)
+        specs = {"a": _spec(g, "a", 2, 20.0, load_s=100.0), "b": _spec(g, "b", 4, 40.0)}
+        wins = {"a": [0] * 9 + [50], "b": [50] * 10}
+        assert oracle_schedule(wins, specs, policy) == ("b", [])
+        # Down for the last five windows saves 10 GPU-windows: worth the shadow.
+        wins = {"a": [0] * 5 + [50] * 5, "b": [50] * 10}
+        first, plan = oracle_schedule(wins, specs, policy)
+        assert first == "b" and [gear for _, gear in plan] == ["a"]
 
 
 def _result(

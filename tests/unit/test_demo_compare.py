@@ -246,6 +246,25 @@ class TestGoals:
         assert g["planned_vs_best_peer"]["value"] is None and g["planned_vs_best_peer"]["met"]
         assert "a peer serves nothing" in g["planned_vs_best_peer"]["why"]
 
+    def test_the_oracle_bounds_the_efficiency_goal_and_is_a_goal_itself(self) -> None:
+        # dynamic: 800 SLO-met on 1.0 GPU-hours (800 per GPU-hour), the best static the same; the oracle
+        # 820 on 0.8 (1025 per GPU-hour): 1025 / 800 = 1.281x < 1.3x reachable; 800 / 820 = 0.9756 >= 0.97.
+        rows = [{**r, "slo_met": 800} for r in _rows(2.0, 1.0, 800.0)]
+        oracle = {"variant": "oracle", "kind": "oracle", "gpus": None, "goodput_rps": 2.05, "gpu_hours": 0.8,
+                  "slo_met": 820, "slo_met_per_gpu_hour": 1025.0, "schedule": [{}, {}, {}]}  # fmt: skip
+        g = goals.evaluate(rows=[*rows, oracle], live_slo_met=None, live_failed=None, shifts=[], issue_s=1,
+                           wall_s=1)  # fmt: skip
+        eff = g["dynamic_vs_best_static_slo_met_per_gpu_hour"]
+        assert eff["oracle_ratio"] == pytest.approx(1.2812, abs=1e-4) and not eff["met"]
+        assert "the per-window oracle reaches 1.2812x, so 1.3x is out of reach" in eff["why"]
+        o = g["dynamic_vs_oracle_slo_met"]
+        assert o["value"] == pytest.approx(0.9756, abs=1e-4) and o["met"] and "(2 shifts)" in o["why"]
+        # The oracle row is no static gear: the best static stays the static one.
+        assert eff["best_static"] == "static-big"
+        g = goals.evaluate(rows=[*rows, {**oracle, "slo_met": 900}], live_slo_met=None, live_failed=None,
+                           shifts=[], issue_s=1, wall_s=1)  # fmt: skip
+        assert not g["dynamic_vs_oracle_slo_met"]["met"]  # 800 / 900 = 0.889
+
     def test_goal_lines(self) -> None:
         g = goals.evaluate(rows=[], live_slo_met=None, live_failed=3, shifts=[], issue_s=10, wall_s=5)
         text = report.goal_lines(g)

@@ -118,11 +118,12 @@ class TestTwinCompare:
         assert out["requests"] == 40 and out["span_s"] == pytest.approx(39.0)
         assert out["workload"] == [64, 8]
         kinds = [r["kind"] for r in out["rows"]]
-        assert kinds[0] == "dynamic" and "static" in kinds and "peer" in kinds
-        assert kinds == sorted(kinds, key=["dynamic", "static", "peer"].index)
+        assert kinds[0] == "dynamic" and "static" in kinds and "peer" in kinds and kinds[-1] == "oracle"
+        assert kinds == sorted(kinds, key=["dynamic", "static", "peer", "oracle"].index)
         names = [r["variant"] for r in out["rows"]]
         assert len(names) == len(set(names))
-        for r in out["rows"][1:]:
+        held = [r for r in out["rows"] if r["kind"] in ("static", "peer")]
+        for r in held:
             # A static gear holds its cards from 0 to the last arrival and nothing else.
             assert r["gpu_hours"] == pytest.approx(r["gpus"] * 39.0 / 3600, abs=1e-4)
             assert r["failed"] == 0 and 0 <= r["slo_met"] <= 40
@@ -131,6 +132,14 @@ class TestTwinCompare:
                     r["slo_met"] / (r["gpus"] * 39.0 / 3600), rel=2e-3
                 )
         assert out["initial_gear"] in out["gears"]
+        # Every gear meets every request of so light a load: the oracle serves the whole span on the gear
+        # with the fewest cards and never shifts.
+        oracle = out["rows"][-1]
+        fewest = min((r for r in held if r["kind"] == "static"), key=lambda r: r["gpus"])
+        gear = fewest["variant"].removeprefix("static-")
+        assert oracle["schedule"] == [{"serves_from_s": 0.0, "gear": gear}]
+        assert (oracle["slo_met"], oracle["shifts"]) == (fewest["slo_met"], 0)
+        assert oracle["gpu_hours"] == pytest.approx(fewest["gpu_hours"], abs=1e-4)
 
     def test_rows_longer_than_the_context_are_clipped_as_the_load_generator_clips_them(self) -> None:
         reqs = [TraceRequest(0.0, 20_000, 10), TraceRequest(1.0, 64, 8)]

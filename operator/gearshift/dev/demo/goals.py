@@ -16,6 +16,8 @@ PEER_RATIO = 1.5
 STATIC_GOODPUT = 0.98
 #: ... and SLO-met per GPU-hour at least this.
 STATIC_EFFICIENCY = 1.3
+#: twin dynamic ÷ the per-window oracle (:mod:`gearshift.dev.twin.oracle`): SLO-met requests.
+ORACLE_SLO_MET = 0.97
 #: the live run's SLO-met ÷ the twin dynamic's, on the same requests.
 LIVE_VS_TWIN = 0.9
 #: ``make demo`` on a warm machine, s (12 minutes).
@@ -45,11 +47,15 @@ def evaluate(
     wall_s: float,
 ) -> dict[str, dict[str, Any]]:
     """The goals: ``planned_vs_best_peer``, ``dynamic_vs_best_static_goodput``,
-    ``dynamic_vs_best_static_slo_met_per_gpu_hour``, ``live_failed``, ``live_vs_twin_dynamic``,
-    ``shifts_finish_before_replay_ends``, ``wall_time``.
+    ``dynamic_vs_best_static_slo_met_per_gpu_hour``, ``dynamic_vs_oracle_slo_met``, ``live_failed``,
+    ``live_vs_twin_dynamic``, ``shifts_finish_before_replay_ends``, ``wall_time``.
+
+    The per-window oracle's SLO-met per GPU-hour over the best static gear's (``oracle_ratio`` of the
+    efficiency goal) is what any controller with the same gears and shift mechanics could reach on the
+    window: an efficiency goal above it is out of reach there, and the goal says so.
 
     Args:
-        rows: the twin's rows (kinds ``dynamic``, ``static``, ``peer``).
+        rows: the twin's rows (kinds ``dynamic``, ``static``, ``peer``, ``oracle``).
         live_slo_met: requests of the live run that met the SLO (the load generator's count).
         live_failed: requests of the live run that failed.
         shifts: the live run's shifts (``started_s``, ``finished_s`` None while running, ``outcome``),
@@ -61,6 +67,7 @@ def evaluate(
     dyn = next((r for r in rows if r.get("kind") == "dynamic"), None)
     static = _best(rows, "static")
     peer = _best(rows, "peer")
+    oracle = next((r for r in rows if r.get("kind") == "oracle"), None)
     if dyn is not None:
         if peer is None:
             out["planned_vs_best_peer"] = _goal(
@@ -100,6 +107,13 @@ def evaluate(
             why,
             best_static=static["variant"],
         )
+        o = None if oracle is None else _ratio(oracle["slo_met_per_gpu_hour"], static["slo_met_per_gpu_hour"])
+        bound = (
+            ""
+            if o is None
+            else f"; the per-window oracle reaches {o}x"
+            + (f", so {STATIC_EFFICIENCY}x is out of reach on this window" if o < STATIC_EFFICIENCY else "")
+        )
         out["dynamic_vs_best_static_slo_met_per_gpu_hour"] = _goal(
             e,
             f">= {STATIC_EFFICIENCY}",
@@ -109,8 +123,19 @@ def evaluate(
                 ": it holds the same cards as the best static gear the whole window, so it cannot spend fewer"
                 if shifted == 0
                 else ""
-            ),
+            )
+            + bound,
             best_static=static["variant"],
+            oracle_ratio=o,
+        )
+    if dyn is not None and oracle is not None:
+        r = _ratio(float(dyn["slo_met"]), float(oracle["slo_met"]))
+        out["dynamic_vs_oracle_slo_met"] = _goal(
+            r,
+            f">= {ORACLE_SLO_MET}x the per-window oracle's SLO-met requests",
+            r is not None and r >= ORACLE_SLO_MET,
+            f"twin dynamic {dyn['slo_met']} SLO-met on {dyn['gpu_hours']} GPU-hours vs the oracle's "
+            f"{oracle['slo_met']} on {oracle['gpu_hours']} ({len(oracle.get('schedule') or [1]) - 1} shifts)",
         )
     if live_failed is not None:
         out["live_failed"] = _goal(live_failed, "0", live_failed == 0, "the load generator's failed requests")

@@ -101,7 +101,10 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
             f"the planner's gears (`dynamic`, from `{twin.get('initial_gear')}`), on each of those gears "
             "alone (`static`), and on each layout a user of a peer system (LWS, KServe, llm-d) would deploy "
             "(`peer`: uniform pipelines of one card type with even layer splits, on only the card types "
-            f"that hold the model that way). Gears planned for {w[0]} prompt / {w[1]} output tokens. The "
+            "that hold the model that way), and through the per-window oracle's schedule over the planner's "
+            "gears (`oracle`: with hindsight, the fewest cards that serve each minute as well as the best "
+            "gear does, under the same dwell and warm-up: what no controller can beat). "
+            f"Gears planned for {w[0]} prompt / {w[1]} output tokens. The "
             "twin's engines run prefill and decode together: for an aggregated service that is its own "
             "shape, for a PD service one combined gear of the fleet. The run's simulated engines keep "
             "wall-clock time on the sandbox's shared cores beside the control plane, the router and the "
@@ -123,8 +126,8 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
         layouts = twin.get("gears") or {}
         for r in twin.get("rows") or []:
             name = r["variant"]
-            if r["kind"] == "dynamic":
-                label = f"twin: `dynamic` ({r['shifts']} shifts)"
+            if r["kind"] in ("dynamic", "oracle"):
+                label = f"twin: `{r['kind']}` ({r['shifts']} shifts)"
                 cards = f"mean {_num(r.get('mean_gpus'), '.2f')}"
             else:
                 gear = name.removeprefix("static-")
