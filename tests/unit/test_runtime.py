@@ -258,6 +258,58 @@ class TestFleetCache:
         cache.read(b)  # type: ignore[arg-type]
         assert len(b.lists) == 4
 
+    def test_a_read_overtaken_by_a_change_is_not_kept(self) -> None:
+        # The node list was sent before a node changed; the change's forget() lands while the profile
+        # list is on its way. That read answers its caller but must not serve the next one.
+        cache = FleetCache(ttl_s=60.0, clock=lambda: 0.0)
+
+        class ChangedMidRead(CountingFleet):
+            def list(self, api_version: str, kind: str, *rest: Any) -> list[dict[str, Any]]:
+                if kind == "GPUProfile" and len(self.lists) == 1:
+                    cache.forget()
+                return super().list(api_version, kind, *rest)
+
+        api = ChangedMidRead()
+        first = cache.read(api)  # type: ignore[arg-type]
+        assert list(first[0]) == ["node-1"]
+        second = cache.read(api)  # type: ignore[arg-type]
+        assert list(second[0]) == ["node-3"] and len(api.lists) == 4
+        assert cache.read(api) == second and len(api.lists) == 4  # type: ignore[arg-type]
+
+
+def test_node_fingerprint_changes_with_what_placement_reads_and_not_with_heartbeats() -> None:
+    def node(**over: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "metadata": {"name": "n", "labels": {"pool": "a", "gearshift.io/class": "high"},
+                         "annotations": {"gearshift.io/available-until": "2026-12-06T18:00:00Z", "x": "1"}},
+            "spec": {},
+            "status": {"allocatable": {"nvidia.com/gpu": "8"},
+                       "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "t0"}]},
+        }  # fmt: skip
+        for path, value in over.items():
+            *head, last = path.split("__")
+            at = body
+            for k in head:
+                at = at[k]
+            at[last] = value
+        return body
+
+    base = pdservice.node_fingerprint(node())
+    same = [
+        node(status__conditions=[{"type": "Ready", "status": "True", "lastHeartbeatTime": "t1"}]),
+        node(metadata__annotations={"gearshift.io/available-until": "2026-12-06T18:00:00Z", "x": "2"}),
+    ]
+    assert all(pdservice.node_fingerprint(n) == base for n in same)
+    changed = [
+        node(metadata__labels={"pool": "b", "gearshift.io/class": "high"}),  # a nodeSelector may name it
+        node(metadata__annotations={"gearshift.io/available-until": "2026-12-06T19:00:00Z"}),
+        node(spec__unschedulable=True),
+        node(spec__taints=[{"key": "k", "value": "v", "effect": "NoSchedule"}]),
+        node(status__allocatable={"nvidia.com/gpu": "4"}),
+        node(status__conditions=[{"type": "Ready", "status": "False", "lastHeartbeatTime": "t1"}]),
+    ]
+    assert all(pdservice.node_fingerprint(n) != base for n in changed)
+
 
 class TestPlanCache:
     def _gear(self, name: str) -> Gear:

@@ -231,10 +231,17 @@ async def owned_changed(namespace: str, labels: Mapping[str, str], memo: kopf.Me
 
 
 def node_fingerprint(node: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What about a node matters to placement: readiness, schedulability, GPU count, gearshift labels."""
-    labels = (node.get("metadata") or {}).get("labels") or {}
-    mine = tuple(sorted((k, v) for k, v in labels.items() if k.startswith(names.DOMAIN)))
-    return (node_ready(node), node_gpus(node), mine)
+    """Everything of a node the reconcile reads: readiness, GPU count, every label (a PDService's
+    ``nodeSelector`` may name any), the ``gearshift.io/`` annotations (reclaim time, re-probe, link
+    speeds), cordoning and taints. Nothing else: the kubelet's heartbeats (conditions' times, usage)
+    must not count as a change, or the fleet cache would be dropped every few seconds per node."""
+    meta, spec = node.get("metadata") or {}, node.get("spec") or {}
+    labels = tuple(sorted((meta.get("labels") or {}).items()))
+    notes = tuple(
+        sorted((k, str(v)) for k, v in (meta.get("annotations") or {}).items() if k.startswith(names.DOMAIN))
+    )
+    taints = tuple(sorted((t.get("key"), t.get("value"), t.get("effect")) for t in spec.get("taints") or []))
+    return (node_ready(node), node_gpus(node), labels, notes, bool(spec.get("unschedulable")), taints)
 
 
 def fleet_concerns(outcome: ReconcileOutcome, node: str | None) -> bool:
