@@ -231,8 +231,10 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
     def watch() -> None:
         end = time.monotonic() + 180  # bounded, whatever the test does
         while not stop.is_set() and time.monotonic() < end:
-            pds = api.get(G, "PDService", ns, SERVICE) or {}
+            # The StatefulSet first: a PDService read after it was written no earlier than the rollout
+            # it may show, so "Ready while rolling" in one poll is a status that lied when it was read.
             sts = api.get("apps/v1", "StatefulSet", ns, STS)
+            pds = api.get(G, "PDService", ns, SERVICE) or {}
             gs = api.get(G, "GearSet", ns, GEARSET) or {}
             polls.append((time.monotonic(), pds, gs, sts or {}, sts_rolled(sts)))
             time.sleep(POLL_S)
@@ -244,6 +246,17 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
         edit = [{"op": "replace", "path": "/spec/gears/0/microBatch", "value": micro}]
         sandbox.kubectl("patch", "gearset", GEARSET, "-n", ns, "--type=json", "-p", json.dumps(edit))
         edited = time.monotonic()
+        # What a user types next: kubectl's wait compares the condition's observedGeneration with the
+        # GearSet's generation, so it must not return before the edit has rolled out.
+        waited: list[float] = []
+
+        def kubectl_wait() -> None:
+            sandbox.kubectl("wait", "--for=condition=Ready", f"gearset/{GEARSET}", "-n", ns, "--timeout=150s",
+                            timeout=160)  # fmt: skip
+            waited.append(time.monotonic())
+
+        waiter = threading.Thread(target=kubectl_wait, daemon=True)
+        waiter.start()
 
         def served_again() -> bool:
             if not polls or polls[-1][0] < edited:
@@ -260,10 +273,16 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
             wait_until(served_again, 150, "the new revision rolled out and the PDService Ready again", 0.2)
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{_diagnose(api, ns, op)}") from None
+        waiter.join(160)
     finally:
         stop.set()
         watcher.join(10)
     after = [p for p in polls if p[0] >= edited]
+    assert waited, "kubectl wait --for=condition=Ready on the GearSet did not return"
+    lied = [round(t - edited, 2) for t, *_, rolled in after if t > waited[0] and not rolled]
+    assert lied == [], (
+        f"kubectl wait returned {waited[0] - edited:.2f} s after the edit, before the rollout: {lied[:5]}"
+    )
 
     # Ready and Progressing never say both: one write computes them together.
     def says(pds: dict[str, Any], type_: str) -> bool:
@@ -275,18 +294,17 @@ def test_ready_only_once_the_new_revision_serves(sandbox: Any, env: dict[str, An
         if says(pds, "Ready") and says(pds, "Progressing")
     ]
     assert both == [], f"Ready=True and Progressing=True at once (s after the edit, message): {both[:5]}"
-    # Never Ready while the StatefulSet rolls, in a status written after it was seen rolling: the
-    # sandbox's one etcd orders every write, so resourceVersions of the two objects compare (a status
-    # read with an older one was written before the rollout showed and may trail it by a poll or two).
-    unrolled = [int(sts["metadata"]["resourceVersion"]) for *_, sts, rolled in after if not rolled]
-    assert unrolled, "the StatefulSet never showed the rollout"
-    first = unrolled[0]
+    # Never Ready while the StatefulSet rolls, at any poll: the reconcile says Progressing before it
+    # applies the new template, and each poll reads the StatefulSet before the PDService.
+    assert any(not rolled for *_, rolled in after), "the StatefulSet never showed the rollout"
     early = [
         (round(t - edited, 2), sts["status"])
         for t, pds, _, sts, rolled in after
-        if not rolled and int(pds["metadata"]["resourceVersion"]) > first and says(pds, "Ready")
+        if not rolled and says(pds, "Ready")
     ]
-    assert early == [], f"Ready=True written after the StatefulSet showed its rollout: {early[:3]}"
+    assert early == [], f"Ready=True while the StatefulSet rolled out: {early[:3]}"
+    gs_early = [round(t - edited, 2) for t, _, gs, _, rolled in after if not rolled and says(gs, "Ready")]
+    assert gs_early == [], f"the GearSet said Ready=True while its StatefulSet rolled out: {gs_early[:3]}"
     # The window was reported as it should: Progressing=True naming the role and gear, phase Progressing.
     rolling = [pds for _, pds, *_ in after if _cond(pds, "Progressing").get("status") == "True"]
     assert rolling, "Progressing=True never seen during the rollout"

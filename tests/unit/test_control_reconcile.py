@@ -37,6 +37,8 @@ from gearshift.control.reconcile import (
     role_desire,
     role_readiness,
     role_state,
+    rollout_ahead,
+    rollouts_starting,
     router_ready,
     service_phase,
     service_verdict,
@@ -48,6 +50,7 @@ from gearshift.control.reconcile import (
 )
 from gearshift.k8s import names
 from gearshift.k8s.desired import Images, RoleDesire
+from gearshift.k8s.statefulset import ANNOTATION_TEMPLATE_HASH
 from gearshift.planner.inputs import datasheet_gpuprofile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -905,3 +908,37 @@ def test_services_using() -> None:
     ]
     assert services_using(bodies, "gs1") == ["a", "b"]
     assert services_using(bodies, "none") == []
+
+
+class TestRolloutsStarting:
+    @staticmethod
+    def _sts(name: str, role: str, gear: str, template_hash: str | None) -> dict[str, Any]:
+        notes = {} if template_hash is None else {ANNOTATION_TEMPLATE_HASH: template_hash}
+        labels = {names.LABEL_ROLE: role, names.LABEL_GEAR: gear}
+        return {"kind": "StatefulSet", "metadata": {"name": name, "labels": labels, "annotations": notes}}
+
+    def test_only_a_serving_gears_changed_template_starts_a_rollout(self) -> None:
+        live = {
+            "p-a-s0": self._sts("p-a-s0", "prefill", "a", "h1"),
+            "p-b-s0": self._sts("p-b-s0", "prefill", "b", "h1"),
+            "d-a-s0": self._sts("d-a-s0", "decode", "a", None),  # an older operator's: no fingerprint
+        }
+        desired = [
+            self._sts("p-a-s0", "prefill", "a", "h2"),  # active, new template: rolls
+            self._sts("p-b-s0", "prefill", "b", "h2"),  # not active: nothing serves from it
+            self._sts("p-a-s1", "prefill", "a", "h2"),  # not there yet: nothing to roll
+            self._sts("d-a-s0", "decode", "a", "h1"),  # no fingerprint live: counted, the safe side
+            {"kind": "Service", "metadata": {"name": "p-a-s0"}},
+        ]
+        got = rollouts_starting(desired, live, {"prefill": "a", "decode": "a"})
+        assert got == [
+            "prefill gear a: StatefulSet p-a-s0 gets a new pod template",
+            "decode gear a: StatefulSet d-a-s0 gets a new pod template",
+        ]
+        assert rollouts_starting(desired[:1], live, {"prefill": "b"}) == []
+        assert rollouts_starting([self._sts("p-a-s0", "prefill", "a", "h1")], live, {"prefill": "a"}) == []
+        conds = rollout_ahead(got[:1])
+        assert [(c.type, c.status, c.reason) for c in conds] == [
+            ("Progressing", "True", "RollingOut"),
+            ("Ready", "False", "RollingOut"),
+        ]

@@ -16,6 +16,7 @@ from gearshift.control.reconcile import SpecInvalid, plan_message
 from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
+from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.handlers.runtime import PlanCache
 from gearshift.k8s import names
 from gearshift.planner.inputs import (
@@ -610,3 +611,70 @@ def test_gearset_ready_column_counts_serving_copies_as_the_pdservice_does(api: F
     gs_st, pds_st = shown()
     assert gs_st["ready"] == "3/4" and gs_st["readyCopies"] == 3 and gs_st["replicas"] == 0
     assert pds_st["prefill"]["readyReplicas"] == 3
+
+
+def _serve_all(api: FakeKubeApi) -> None:
+    """Every StatefulSet rolled out and Ready, the router available: the service reads Ready."""
+    for name, o in stateful_sets(api).items():
+        n = o["spec"]["replicas"]
+        o["status"] = {"readyReplicas": n, "updatedReplicas": n, "replicas": n,
+                       "observedGeneration": o["metadata"]["generation"]}  # fmt: skip
+        api.store[("StatefulSet", NS, name)] = o
+    dep = api.get("apps/v1", "Deployment", NS, "llama3-8b-router")
+    dep["status"] = {"availableReplicas": 1}
+    api.store[("Deployment", NS, "llama3-8b-router")] = dep
+
+
+def test_an_edit_of_the_active_gear_says_rolling_out_before_the_statefulsets_change(api: FakeKubeApi) -> None:
+    """#31 item 1: the write that says Progressing comes before the apply that starts the rollout, so no
+    read after the StatefulSets changed finds the service Ready on the old revision."""
+    reconcile(api)
+    _serve_all(api)
+    assert reconcile(api).ready
+    gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+    active = gs["status"]["activeGear"]
+    ready = next(c for c in gs["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["observedGeneration"]) == ("True", gs["metadata"]["generation"])
+    i = next(k for k, g in enumerate(gs["spec"]["gears"]) if g["name"] == active)
+    gs["spec"]["gears"][i]["microBatch"] = gs["spec"]["gears"][i]["microBatch"] + 1
+    api.put(gs, NS)
+    generation = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["metadata"][
+        "generation"
+    ]
+    # The StatefulSet applies fail: what is stored then is what was written ahead of them.
+    api.refuse[("apply", "StatefulSet")] = KubeApiError("apply refused (test)", 500)
+    with pytest.raises(KubeApiError):
+        reconcile(api)
+    ahead = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+    conds = {c["type"]: c for c in ahead["conditions"]}
+    assert (conds["Ready"]["status"], conds["Progressing"]["status"], ahead["phase"]) == (
+        "False", "True", "Progressing"
+    )  # fmt: skip
+    gs_ahead = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]
+    ready = next(c for c in gs_ahead["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["observedGeneration"]) == ("False", generation)
+    kept = {c["type"] for c in gs["status"]["conditions"]}
+    assert kept <= {c["type"] for c in gs_ahead["conditions"]}  # the list was kept, not replaced
+    del api.refuse[("apply", "StatefulSet")]
+    out = reconcile(api)
+    assert not out.ready and out.phase == "Progressing"
+    st = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")["status"]
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert (conds["Ready"]["status"], conds["Progressing"]["status"]) == ("False", "True")
+    assert f"prefill gear {active}" in conds["Progressing"]["message"]
+    # The GearSet's own Ready is stamped with the edited generation: kubectl wait on it waits.
+    gs_st = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]
+    ready = next(c for c in gs_st["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"], ready["observedGeneration"]) == (
+        "False",
+        "RollingOut",
+        generation,
+    )
+    # Nothing changes the templates: no write ahead, and once rolled out both read Ready again.
+    _serve_all(api)
+    api.calls.clear()
+    assert reconcile(api).ready
+    statuses = [c for c in api.calls if c[:2] == ("patch_status", "PDService")]
+    assert len(statuses) <= 1
+    gs_st = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")["status"]
+    assert next(c for c in gs_st["conditions"] if c["type"] == "Ready")["status"] == "True"

@@ -44,6 +44,7 @@ from gearshift.api.common import (
     REASON_WINDOW_CLOSING,
     REASON_WINDOW_VACATED,
     REASON_WINDOWED_IN_USE,
+    Condition,
     ConditionStatus,
     ConditionUpdate,
     format_validation_error,
@@ -67,7 +68,7 @@ from gearshift.k8s import names
 from gearshift.k8s.desired import Images, RoleDesire, engine_context
 from gearshift.k8s.fleetsplit import split_pools
 from gearshift.k8s.placement import pinned_nodes
-from gearshift.k8s.statefulset import stage_replicas
+from gearshift.k8s.statefulset import ANNOTATION_TEMPLATE_HASH, stage_replicas
 from gearshift.planner.inputs import (
     api_gear,
     engine_stage_limit,
@@ -947,9 +948,97 @@ def copies_status(ready: int, desired: int) -> dict[str, Any]:
     return {"readyCopies": ready, "desiredCopies": desired, "ready": f"{ready}/{desired}"}
 
 
-def readiness_patch(rs: RoleState, readiness: Readiness) -> dict[str, Any]:
+def rollouts_starting(
+    desired: Iterable[Mapping[str, Any]],
+    live: Mapping[str, Mapping[str, Any]],
+    active: Mapping[str, str | None],
+) -> list[str]:
+    """What applying ``desired`` will start rolling among the serving gears: ``"<role> gear <gear>:
+    StatefulSet <name> gets a new pod template"`` for each desired StatefulSet of a role's active gear
+    (``active``: role → gear) whose template fingerprint (``ANNOTATION_TEMPLATE_HASH``) differs from the
+    live one's (``live``: by name; a StatefulSet not there yet starts no rollout: nothing serves from
+    it). A live StatefulSet without the annotation (written by an older operator) counts as changing:
+    saying Progressing once too often is the safe side."""
+    out = []
+    for obj in desired:
+        if obj.get("kind") != "StatefulSet":
+            continue
+        meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        role, gear, name = labels.get(names.LABEL_ROLE), labels.get(names.LABEL_GEAR), meta.get("name")
+        old = live.get(str(name))
+        if old is None or not isinstance(role, str) or active.get(role) != gear:
+            continue
+        want = (meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH)
+        have = ((old.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH)
+        if want != have:
+            out.append(f"{role} gear {gear}: StatefulSet {name} gets a new pod template")
+    return out
+
+
+def rollout_ahead(starting: Sequence[str]) -> list[ConditionUpdate]:
+    """The conditions written *before* applying objects that start ``starting`` (:func:`rollouts_starting`):
+    ``Progressing=True`` and ``Ready=False`` (``RollingOut``), so that no read of the PDService after the
+    StatefulSets changed can find it Ready on the old revision."""
+    msg = "; ".join(starting)
+    return [
+        ConditionUpdate(COND_PROGRESSING, "True", REASON_ROLLING_OUT, msg),
+        ConditionUpdate(COND_READY, "False", REASON_ROLLING_OUT, msg),
+    ]
+
+
+def gearset_rollout_ahead(
+    rs: RoleState, starting: Sequence[str], now: datetime, conditions: Sequence[Condition] | None = None
+) -> dict[str, Any]:
+    """The GearSet status patch written before a rollout of its role's gear starts (``starting`` as
+    :func:`rollouts_starting` gives it): ``Ready=False`` (``RollingOut``) at the GearSet's generation, set
+    into ``conditions`` (default: the GearSet's as read). Empty when none of ``starting`` is this role's."""
+    mine = [m for m in starting if m.startswith(f"{rs.role} gear ")]
+    if not mine:
+        return {}
+    base = list(rs.gs.status.conditions if conditions is None else conditions)
+    generation = rs.gs_body["metadata"].get("generation")
+    conds, _ = set_condition(base, COND_READY, "False", REASON_ROLLING_OUT, "; ".join(mine), now, generation)
+    return {"conditions": [c.to_json() for c in conds]}
+
+
+def gearset_ready(rs: RoleState, readiness: Readiness) -> ConditionUpdate:
+    """The GearSet's ``Ready`` condition: True only when the role's active gear is served by pods of the
+    GearSet's current spec (every stage rolled out, as ``kubectl rollout status`` judges it, and every
+    wanted pipeline Ready); a pod of an older revision does not count (:class:`Readiness`)."""
+    gear = rs.active or "-"
+    if not rs.active:
+        return ConditionUpdate(COND_READY, "False", REASON_NOT_READY, "no active gear yet")
+    if not readiness.rolled:
+        why = readiness.waiting or "rolling out"
+        return ConditionUpdate(COND_READY, "False", REASON_ROLLING_OUT, f"gear {gear}: {why}")
+    if readiness.ready < readiness.desired:
+        return ConditionUpdate(
+            COND_READY,
+            "False",
+            REASON_NOT_READY,
+            f"gear {gear}: {readiness.ready}/{readiness.desired} pods Ready",
+        )
+    return ConditionUpdate(
+        COND_READY,
+        "True",
+        REASON_ALL_READY,
+        f"gear {gear}: {readiness.pipelines} pipeline(s) of the current spec serve",
+    )
+
+
+def readiness_patch(
+    rs: RoleState,
+    readiness: Readiness,
+    now: datetime | None = None,
+    conditions: Sequence[Condition] | None = None,
+) -> dict[str, Any]:
     """The GearSet status fields that differ from ``readiness``: the READY column's and, for a role the
-    autoscaler does not scale, ``replicas`` (the ready pipelines). Empty when nothing changes."""
+    autoscaler does not scale, ``replicas`` (the ready pipelines). With ``now``, also the ``Ready``
+    condition (:func:`gearset_ready`) set into ``conditions`` (default: the GearSet's as read), stamped
+    with the GearSet's generation so that ``kubectl wait --for=condition=Ready`` waits out an edit the
+    reconcile has not rolled out yet (kubectl's wait compares a condition's ``observedGeneration`` with
+    ``metadata.generation``). Empty when nothing changes."""
     st = rs.gs.status
     counts = copies_status(readiness.ready, readiness.desired)
     patch = {k: v for k, v in counts.items() if getattr(st, _COPIES_ATTR[k]) != v}
@@ -957,6 +1046,13 @@ def readiness_patch(rs: RoleState, readiness: Readiness) -> dict[str, Any]:
         # The autoscaler writes it for the roles it scales; the scale subresource (HPA, KEDA) reads it
         # for every role.
         patch["replicas"] = readiness.pipelines
+    if now is not None:
+        base = list(st.conditions if conditions is None else conditions)
+        c = gearset_ready(rs, readiness)
+        generation = rs.gs_body["metadata"].get("generation")
+        conds, _ = set_condition(base, c.type, c.status, c.reason, c.message, now, generation)
+        if [x.to_json() for x in conds] != [x.to_json() for x in base]:
+            patch["conditions"] = [x.to_json() for x in conds]
     return patch
 
 

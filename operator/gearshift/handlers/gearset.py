@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 
 from gearshift.api.common import GROUP, VERSION
-from gearshift.handlers.pdservice import poke
+from gearshift.handlers.pdservice import DEBOUNCE_S, poke
 from gearshift.handlers.runtime import runtime_of
 
 PLURAL = "gearsets"
@@ -30,9 +30,14 @@ async def gearset_changed(
     reports)."""
     rt = runtime_of(memo)
     service = (body.get("spec") or {}).get("serviceName")
+    delay = DEBOUNCE_S
     if type == "DELETED":
         rt.forget_gearset(namespace, name, (body.get("metadata") or {}).get("uid"))
     elif not rt.gearsets.new_generation((namespace, name), (body.get("metadata") or {}).get("generation")):
         return
+    elif type == "MODIFIED":
+        # A user's edit: the PDService says it is rolling out only once a reconcile has seen the edit, and
+        # until then still reads Ready; no coalescing window on top of the watch's delay.
+        delay = 0.0
     if service and namespace:
-        poke(rt, namespace, str(service))
+        poke(rt, namespace, str(service), delay=delay)

@@ -58,6 +58,7 @@ from gearshift.control.reconcile import (
     desired_state,
     explicit_engine_problems,
     explicit_layer_problems,
+    gearset_rollout_ahead,
     gearset_status_patch,
     gearsets_missing,
     memory_utilization,
@@ -65,6 +66,8 @@ from gearshift.control.reconcile import (
     refusal,
     role_readiness,
     role_state,
+    rollout_ahead,
+    rollouts_starting,
     router_ready,
     service_event_message,
     service_verdict,
@@ -173,6 +176,22 @@ class _ServiceStatus:
         for reason, message, warning in self.book.changes:
             emit(self.api, self.body, reason, message, warning)
 
+    def write_ahead(self, updates: Iterable[ConditionUpdate], phase: str) -> None:
+        """Write ``updates`` and ``phase`` now, before the reconcile acts (a rollout it is about to start),
+        and record their events; :meth:`finish` later writes over them from what it then reads."""
+        self.set(updates)
+        status = {
+            "phase": phase,
+            "conditions": self.book.as_json(),
+            "observedGeneration": self.book.generation,
+        }
+        if self.old_status | status != self.old_status:
+            patch_status(self.api, *PDS, self.namespace, self.name, status, self.reported)
+            self.old_status = self.old_status | status
+        for reason, message, warning in self.book.changes:
+            emit(self.api, self.body, reason, message, warning)
+        self.book.changes.clear()
+
     def refuse(self, reason: str, msg: str) -> None:
         """Write that the spec cannot be served (:func:`gearshift.control.reconcile.refusal`)."""
         condition, status = refusal(self.old_status, reason, msg)
@@ -209,16 +228,18 @@ def _reconcile(rt: Runtime, ns: str, name: str, body: Mapping[str, Any] | None) 
     status = _ServiceStatus.read(rt, fresh, ns, name, now)
     pds, roles, nodes, profiles = _read_spec(rt, status)
     service_pods = api.list(*POD, ns, {names.LABEL_SERVICE: name})
-    bound = bound_nodes(service_pods, api.list(*STS, ns, {names.LABEL_SERVICE: name}))
+    live = {s["metadata"]["name"]: s for s in api.list(*STS, ns, {names.LABEL_SERVICE: name})}
+    bound = bound_nodes(service_pods, list(live.values()))
     want = desired_state(pds, roles, nodes, profiles, settings, now, bound, memo=rt.plans)
     out = ReconcileOutcome(
         auto=any(rs.gs.spec.mode == "auto" for rs in roles.values()),
         nodes={n for d in want.desires for g in d.gears for st in g.stages for n in st.nodes},
     )
-    out.planned = _write_plans(rt, fresh, ns, roles, want, now)
-    out.applied = _apply(api, status, pds, want, settings)
+    written: dict[str, dict[str, Any]] = {}
+    out.planned = _write_plans(rt, fresh, ns, roles, want, now, written)
+    out.applied = _apply(api, status, pds, want, settings, roles, live, written)
     out.deleted = _collect_garbage(api, ns, name, want, roles)
-    readiness = _write_readiness(rt, ns, name, pds, roles)
+    readiness = _write_readiness(rt, ns, name, pds, roles, now, written)
     router = router_ready(api.get(*DEPLOY, ns, names.router_name(name)))
     verdict = service_verdict(
         name, ns, want, roles, readiness, unschedulable(service_pods), router, status.old_status
@@ -271,15 +292,17 @@ def _write_plans(
     roles: Mapping[str, RoleState],
     want: DesiredState,
     now: datetime,
+    written: dict[str, dict[str, Any]],
 ) -> list[str]:
-    """Write each GearSet's status, then record planning's events on the GearSet and the PDService;
-    returns the roles whose plan was written."""
+    """Write each GearSet's status (each role's patch kept in ``written``), then record planning's events
+    on the GearSet and the PDService; returns the roles whose plan was written."""
     api, planned = rt.api, []
     # GearSet status first: the executor and `kubectl get gs` see the plan and the active gear.
     for role, rs in roles.items():
         patch = gearset_status_patch(rs, now)
         if patch:
             patch_status(api, *GS, ns, rs.gs.metadata["name"], patch, rt.pruned)
+            written[role] = patch
             planned += [role] if "plannedGears" in patch else []
     for role, reason, message, warning in want.plan_events:
         emit(api, roles[role].gs_body, reason, message, warning)
@@ -289,9 +312,20 @@ def _write_plans(
 
 
 def _apply(
-    api: KubeApi, status: _ServiceStatus, pds: PDService, want: DesiredState, settings: Settings
+    api: KubeApi,
+    status: _ServiceStatus,
+    pds: PDService,
+    want: DesiredState,
+    settings: Settings,
+    roles: Mapping[str, RoleState],
+    live: Mapping[str, Mapping[str, Any]],
+    written: dict[str, dict[str, Any]],
 ) -> int:
-    """Apply the owned objects of ``want``; returns how many.
+    """Apply the owned objects of ``want``; returns how many. When that starts a rollout of a serving
+    gear (:func:`~gearshift.control.reconcile.rollouts_starting` against ``live``, the StatefulSets by
+    name), the PDService says ``Progressing``/not ``Ready`` first, and so does the ``Ready`` condition of
+    each GearSet whose gear rolls (set into the conditions this reconcile wrote, ``written``, which
+    keeps the new list).
 
     Raises:
         SpecInvalid: the engine cannot run a gear, after writing the refusal.
@@ -310,6 +344,16 @@ def _apply(
     except EngineSpecError as exc:
         status.refuse(REASON_INVALID_SPEC, str(exc))
         raise SpecInvalid(str(exc)) from None
+    starting = rollouts_starting(objs, live, {role: rs.active for role, rs in roles.items()})
+    if starting:
+        status.write_ahead(rollout_ahead(starting), "Progressing")
+        for role, rs in roles.items():
+            raw = (written.get(role) or {}).get("conditions")
+            base = None if raw is None else conditions_from(raw)
+            patch = gearset_rollout_ahead(rs, starting, status.book.now, base)
+            if patch:
+                patch_status(api, *GS, status.namespace, rs.gs.metadata["name"], patch, status.reported)
+                written[role] = {**(written.get(role) or {}), **patch}
     for obj in objs:
         api.apply(obj)
     return len(objs)
@@ -333,15 +377,23 @@ def _collect_garbage(
 
 
 def _write_readiness(
-    rt: Runtime, ns: str, name: str, pds: PDService, roles: Mapping[str, RoleState]
+    rt: Runtime,
+    ns: str,
+    name: str,
+    pds: PDService,
+    roles: Mapping[str, RoleState],
+    now: datetime,
+    written: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, Readiness]:
     """Each role's :class:`~gearshift.control.reconcile.Readiness` from the service's StatefulSets, written
-    to its GearSet's status where it differs."""
+    to its GearSet's status where it differs, with its ``Ready`` condition (set into the conditions this
+    reconcile already wrote, ``written``, else the GearSet's as read)."""
     sts = {s["metadata"]["name"]: s for s in rt.api.list(*STS, ns, {names.LABEL_SERVICE: name})}
     out = {}
     for role, rs in roles.items():
         out[role] = role_readiness(rs, sts, pds, name, ns, rt.settings.images)
-        patch = readiness_patch(rs, out[role])
+        raw = (written.get(role) or {}).get("conditions")
+        patch = readiness_patch(rs, out[role], now, None if raw is None else conditions_from(raw))
         if patch:
             patch_status(rt.api, *GS, ns, rs.gs.metadata["name"], patch, rt.pruned)
     return out

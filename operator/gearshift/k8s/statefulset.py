@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gearshift.api.common import inputs_hash
 from gearshift.api.gearset import Gear
 from gearshift.k8s import names
 from gearshift.k8s.engine import (
@@ -27,6 +28,11 @@ from gearshift.k8s.placement import gpu_resources, gpu_tolerations, node_affinit
 SHUTDOWN_MARGIN_S = 30
 #: Annotation on each StatefulSet: the gear's spec the pods were built from (a short fingerprint).
 ANNOTATION_GEAR_HASH = f"{names.DOMAIN}/gear-hash"
+#: Annotation on each StatefulSet: a fingerprint of the pod template as built. A desired template whose
+#: fingerprint differs from the live StatefulSet's starts a rollout when applied, which the reconcile
+#: says in the PDService's status *before* it applies (the API server's defaults would make a comparison
+#: of the templates themselves always differ).
+ANNOTATION_TEMPLATE_HASH = f"{names.DOMAIN}/template-hash"
 
 
 def scrape_annotations(ctx: EngineContext, k: int) -> dict[str, str]:
@@ -121,6 +127,11 @@ def build_stage_statefulset(
         pod_spec["volumes"] = volumes
     if ctx.engine != "sim" and kv_epoch_gated(ctx, gear):
         pod_spec["schedulingGates"] = [{"name": KV_EPOCH_GATE}]
+    template = {
+        "metadata": {"labels": pod_labels, "annotations": scrape_annotations(ctx, k)},
+        "spec": pod_spec,
+    }
+    meta["annotations"][ANNOTATION_TEMPLATE_HASH] = inputs_hash(template)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -131,9 +142,6 @@ def build_stage_statefulset(
             # Stages of a pipeline start together (vLLM's ranks wait for each other at rendezvous).
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
-            "template": {
-                "metadata": {"labels": pod_labels, "annotations": scrape_annotations(ctx, k)},
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
