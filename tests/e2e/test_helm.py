@@ -221,6 +221,9 @@ def test_rbac_is_minimal(release: Release, sandbox: Any) -> None:
     assert not can("patch", "nodes")  # profiling is off: no node labels to write
     assert not can("create", "gpuprofiles.gearshift.io")  # likewise
     assert not can("create", "statefulsets.apps", "-n", "default")  # outside watchNamespaces
+    # Events about cluster-scoped objects (GPUProfiles) can only go to `default`; nowhere else outside.
+    assert can("create", "events", "-n", "default")
+    assert not can("create", "events", "-n", "kube-system")
     assert not can("get", "secrets", "-n", ns)
     assert not can("delete", "deployments.apps", "-n", ns)  # the router goes by owner reference
     assert not can("escalate", "roles.rbac.authorization.k8s.io", "-n", ns)

@@ -387,14 +387,22 @@ class TestRbac:
             ("team-a", "ClusterRole", f"gearshift-{NS}-workloads"),
             ("team-b", "ClusterRole", f"gearshift-{NS}-workloads"),
             (NS, "Role", "gearshift-leader-election"),  # the Lease stays in the release namespace
+            # Events about GPUProfiles (cluster-scoped) can only be recorded in `default`.
+            ("default", "Role", "gearshift-cluster-events"),
         }
         fleet = one(docs, "ClusterRole", f"gearshift-{NS}-fleet")
         assert verbs(fleet, "", "nodes") == {"get", "list", "watch"}  # no labels written without profiling
         assert verbs(fleet, "gearshift.io", "gpuprofiles") == {"get", "list", "watch"}
         assert verbs(fleet, "", "namespaces") == {"list", "watch"}
         assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == [
-            "gearshift-leader-election"
+            "gearshift-cluster-events",
+            "gearshift-leader-election",
         ]  # no probe Jobs
+        events = one(docs, "Role", "gearshift-cluster-events")
+        assert events["metadata"]["namespace"] == "default" and verbs(events, "", "events") == {"create"}
+        assert [r["resources"] for r in events["rules"]] == [["events"]]
+        cluster_wide = [r["metadata"]["name"] for r in by_kind(render(), "Role")]
+        assert "gearshift-cluster-events" not in cluster_wide  # the workloads ClusterRole covers events
 
     def test_no_kopf_peering_rules(self):
         for docs in (render(), render("watchNamespaces={a}")):
