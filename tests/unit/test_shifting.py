@@ -23,6 +23,7 @@ from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Phase, SelectGear, ShiftState
 from gearshift.control.policy import ShiftRules
+from gearshift.control.shift_status import ORPHAN_MESSAGE
 from gearshift.control.signals import (
     SERIES_NAMES,
     GearSelector,
@@ -517,6 +518,29 @@ class TestTicks:
         reasons = [e["reason"] for e in world.events]
         for r in ("ShiftStarted", "ShadowReady", "DrainStarted", "Switched", "ShiftCompleted"):
             assert r in reasons
+
+    def test_a_shift_whose_progress_was_lost_is_closed_and_said(self, world: FakeKubeApi) -> None:
+        """An older CRD pruned status.executor mid-shift (a new user's check): the history entry stayed
+        InProgress for good and the shadow went without a word. Now it is closed as Aborted, once."""
+        _policy_patch(world, warmS=60)
+        key = world.key("GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        run(world, sig, T0)
+        kubelet(world, T0)
+        run(world, sig, T0 + 2)
+        assert status(world)["history"][-1]["outcome"] == "InProgress"
+        del world.store[key]["spec"]["forceGear"]
+        world.store[key]["status"].pop("executor")  # what the pruning API server kept
+        world.store[key]["status"]["phase"] = "Stable"
+        run(world, sig, T0 + 4)
+        (h,) = status(world)["history"]
+        assert (h["to"], h["outcome"]) == ("latency", "Aborted")
+        assert h["message"] == ORPHAN_MESSAGE
+        abandoned = [e for e in world.events if e["reason"] == "ShiftAbandoned"]
+        assert len(abandoned) == 1 and abandoned[0]["type"] == "Warning"
+        run(world, sig, T0 + 6)
+        assert len([e for e in world.events if e["reason"] == "ShiftAbandoned"]) == 1
 
     def test_drain_waits_for_in_flight_requests(self, world: FakeKubeApi) -> None:
         _policy_patch(world, warmS=0, drainTimeoutS=100)

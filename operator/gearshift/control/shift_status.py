@@ -231,6 +231,42 @@ def history_with(
     return out[-MAX_HISTORY:]
 
 
+#: Reason of the Warning event for each history entry :func:`close_orphans` closes.
+REASON_SHIFT_ABANDONED = "ShiftAbandoned"
+#: Why a history entry was closed by :func:`close_orphans`.
+ORPHAN_MESSAGE = (
+    "closed by the operator: its progress (status.executor) was lost before it ended, as when an older "
+    "GearSet CRD pruned it under the running operator; the executor no longer runs it and its shadow gear "
+    "is freed"
+)
+
+
+def close_orphans(
+    history: Sequence[Mapping[str, Any]], state: ShiftState, now: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(history, closed)``: ``history`` with every ``InProgress`` entry that is not the shift ``state``
+    runs closed as ``Aborted`` at ``now`` (s) with :data:`ORPHAN_MESSAGE`, and the entries so closed.
+
+    An entry stays ``InProgress`` forever otherwise: nothing else ends a shift the executor has
+    forgotten, and ``kubectl get gs -o yaml`` would show it running for good."""
+    out, closed = [dict(h) for h in history], []
+    for i, h in enumerate(out):
+        if h.get("outcome") != "InProgress":
+            continue
+        started = from_time(h.get("startedAt"))
+        current = (
+            state.busy
+            and h.get("to") == state.to_gear
+            and started is not None
+            and state.started_at is not None
+            and abs(started - state.started_at) < 1e-3
+        )
+        if not current:
+            out[i] = {**h, "outcome": "Aborted", "finishedAt": to_time(now), "message": ORPHAN_MESSAGE}
+            closed.append(out[i])
+    return out, closed
+
+
 def gear_fingerprint(gear: Gear) -> str:
     """A stable hash of a gear's spec, for :class:`GearHealth` marks."""
     return inputs_hash(gear.model_dump(mode="json", by_alias=True))

@@ -85,7 +85,10 @@ from gearshift.control.executor_status import executor_from_status
 from gearshift.control.policy import GearTable, PolicyError, ShiftRules
 from gearshift.control.reconcile import SHIFT_STEPS
 from gearshift.control.shift_status import (
+    ORPHAN_MESSAGE,
+    REASON_SHIFT_ABANDONED,
     Signals,
+    close_orphans,
     control_from_status,
     json_safe,
     records_to_status,
@@ -353,6 +356,7 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
         now=now,
         profiles_hash=st.profiles_hash,
     )
+    history, orphans = close_orphans(history, done.state, now)
     for a in done.actions:
         if isinstance(a, RecordShift) and a.outcome is not Outcome.IN_PROGRESS:
             metrics.SHIFTS.labels(t.namespace, t.gs.spec.service_name, t.gs.spec.role, a.outcome.value).inc()
@@ -379,6 +383,9 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
     with rt.service_locks.hold((t.namespace, t.gs.spec.service_name)):
         patch["conditions"] = _keep_other_conditions(rt.api, t.namespace, t.name, patch["conditions"])
         patch_status(rt.api, *GS, t.namespace, t.name, json_safe(patch), rt.pruned)
+    for h in orphans:
+        emit(rt.api, t.body, REASON_SHIFT_ABANDONED, f"shift {h.get('from')} -> {h.get('to')} started "
+             f"{h.get('startedAt')}: {ORPHAN_MESSAGE}", True)  # fmt: skip
     return book
 
 
