@@ -634,6 +634,18 @@ async def test_arrivals_count_every_request_per_role_refused_ones_too(make_route
         )
 
 
+async def test_a_pd_service_without_prefill_pods_says_so(make_router: Factory) -> None:
+    """A PD service's prefill gear rolling out leaves only decode pods: a --service router knows the
+    service's shape and answers 503 naming the prefill role (a new user saw "no serving (role both) pod"
+    from a PD service)."""
+    pd = ProxyConfig(service="svc", roles=("prefill", "decode"))
+    client, _router, _ = await make_router({"d0": ("decode", FakeEngine("d0"))}, proxy=pd)
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    body = await r.json()
+    assert r.status == 503 and "no prefill pod available" in body["error"]["message"], body
+    assert "role both" not in body["error"]["message"]
+
+
 async def test_queue_timeout_is_503_and_request_timeout_504(make_router: Factory) -> None:
     client, _router, _ = await make_router(
         {"b0": ("both", FakeEngine("b0", delay_s=0.4))},

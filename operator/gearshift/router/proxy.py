@@ -1031,7 +1031,12 @@ class Proxy:
             else None,
         )
         timeout = self._timeout
-        pd = self.pool.has_role("prefill") and self.pool.has_role("decode")
+        # A --service router knows its service's shape (--roles): a PD service whose prefill pods are all
+        # gone (a rollout) is still PD, and says "no prefill pod", not "no serving (role both) pod".
+        if self.cfg.service:
+            pd = "prefill" in self.cfg.roles
+        else:
+            pd = self.pool.has_role("prefill") and self.pool.has_role("decode")
         # One X-Request-Id for both legs (and for a retry of either): see REQUEST_ID_HEADER.
         headers = leg_headers(rid, request.headers.get("Authorization"))
         withhold = usage_withheld(body)
