@@ -39,6 +39,7 @@ from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh
+from gearshift.handlers.common import StatusPruned
 from gearshift.k8s import names
 from gearshift.testing.daemons import OneTurn
 from gearshift.testing.kube import FakeKubeApi
@@ -540,6 +541,33 @@ class TestTicks:
         abandoned = [e for e in world.events if e["reason"] == "ShiftAbandoned"]
         assert len(abandoned) == 1 and abandoned[0]["type"] == "Warning"
         run(world, sig, T0 + 6)
+        assert len([e for e in world.events if e["reason"] == "ShiftAbandoned"]) == 1
+
+    def test_a_shift_closed_in_a_pruned_write_is_still_said(
+        self, world: FakeKubeApi, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The tick that closes the entry can be the one whose write an older CRD prunes (it wrote before
+        the CRD poller noticed): the history was written, so the event goes too, and the error still
+        stops the tick."""
+        _policy_patch(world, warmS=60)
+        key = world.key("GearSet", NS, GS_NAME)
+        world.store[key]["spec"]["forceGear"] = "latency"
+        sig = FakeSignals()
+        run(world, sig, T0)
+        kubelet(world, T0)
+        del world.store[key]["spec"]["forceGear"]
+        world.store[key]["status"].pop("executor")
+        world.store[key]["status"]["phase"] = "Stable"
+        real = sh.patch_status
+
+        def pruning(*args: Any, **kwargs: Any) -> Any:
+            real(*args, **kwargs)
+            raise StatusPruned("GearSet status.executor was pruned (test)")
+
+        monkeypatch.setattr(sh, "patch_status", pruning)
+        with pytest.raises(StatusPruned):
+            run(world, sig, T0 + 2)
+        assert status(world)["history"][-1]["outcome"] == "Aborted"
         assert len([e for e in world.events if e["reason"] == "ShiftAbandoned"]) == 1
 
     def test_drain_waits_for_in_flight_requests(self, world: FakeKubeApi) -> None:

@@ -122,7 +122,14 @@ from gearshift.control.signals import (
 )
 from gearshift.control.smoothing import Sample
 from gearshift.handlers import metrics
-from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
+from gearshift.handlers.common import (
+    ConditionBook,
+    StatusHeld,
+    StatusPruned,
+    conditions_from,
+    emit,
+    patch_status,
+)
 from gearshift.handlers.kubeapi import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import NotYet, delete_gear_sync, ensure_gear_sync, select_gear_sync
@@ -382,11 +389,28 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
     )
     with rt.service_locks.hold((t.namespace, t.gs.spec.service_name)):
         patch["conditions"] = _keep_other_conditions(rt.api, t.namespace, t.name, patch["conditions"])
-        patch_status(rt.api, *GS, t.namespace, t.name, json_safe(patch), rt.pruned)
-    for h in orphans:
-        emit(rt.api, t.body, REASON_SHIFT_ABANDONED, f"shift {h.get('from')} -> {h.get('to')} started "
-             f"{h.get('startedAt')}: {ORPHAN_MESSAGE}", True)  # fmt: skip
+        try:
+            patch_status(rt.api, *GS, t.namespace, t.name, json_safe(patch), rt.pruned)
+        except StatusHeld:
+            raise  # not written: the entries stay open and are closed by a later tick
+        except StatusPruned:
+            _say_abandoned(rt, t, orphans)  # written, less the pruned fields: the history was kept
+            raise
+    _say_abandoned(rt, t, orphans)
     return book
+
+
+def _say_abandoned(rt: Runtime, t: _Inputs, closed: Sequence[Mapping[str, Any]]) -> None:
+    """One ``ShiftAbandoned`` Warning event per history entry :func:`close_orphans` closed and the tick
+    wrote."""
+    for h in closed:
+        emit(
+            rt.api,
+            t.body,
+            REASON_SHIFT_ABANDONED,
+            f"shift {h.get('from')} -> {h.get('to')} started {h.get('startedAt')}: {ORPHAN_MESSAGE}",
+            True,
+        )
 
 
 def _act(rt: Runtime, t: _Inputs, operations: Sequence[ApiOperation]) -> None:
