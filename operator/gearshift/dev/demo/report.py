@@ -103,7 +103,7 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
             "(`peer`: uniform pipelines of one card type with even layer splits, on only the card types "
             "that hold the model that way), and through the per-window oracle's schedule over the planner's "
             "gears (`oracle`: with hindsight, the fewest cards that serve each minute as well as the best "
-            "gear does, under the same dwell and warm-up: what no controller can beat). "
+            "gear does, under the same dwell and warm-up; a reference, not a strict bound). "
             f"Gears planned for {w[0]} prompt / {w[1]} output tokens. The "
             "twin's engines run prefill and decode together: for an aggregated service that is its own "
             "shape, for a PD service one combined gear of the fleet. The run's simulated engines keep "
