@@ -335,6 +335,23 @@ class TestShadowFits:
         assert cs.shadow_fits(g2, 2, nodes, []) and not cs.shadow_fits(g2, 3, nodes, [])
 
 
+def _lose_a_shifts_progress(world: FakeKubeApi) -> FakeSignals:
+    """A forced shift to ``latency`` started and warming, then its ``status.executor`` gone as an older
+    CRD's pruning leaves it (phase Stable, the force removed so that no new shift starts); the signals."""
+    _policy_patch(world, warmS=60)
+    key = world.key("GearSet", NS, GS_NAME)
+    world.store[key]["spec"]["forceGear"] = "latency"
+    sig = FakeSignals()
+    run(world, sig, T0)
+    kubelet(world, T0)
+    run(world, sig, T0 + 2)
+    assert status(world)["history"][-1]["outcome"] == "InProgress"
+    del world.store[key]["spec"]["forceGear"]
+    world.store[key]["status"].pop("executor")
+    world.store[key]["status"]["phase"] = "Stable"
+    return sig
+
+
 class TestTicks:
     def test_waits_for_the_reconciler(self, world: FakeKubeApi) -> None:
         key = world.key("GearSet", NS, GS_NAME)
@@ -523,17 +540,7 @@ class TestTicks:
     def test_a_shift_whose_progress_was_lost_is_closed_and_said(self, world: FakeKubeApi) -> None:
         """An older CRD pruned status.executor mid-shift (a new user's check): the history entry stayed
         InProgress for good and the shadow went without a word. Now it is closed as Aborted, once."""
-        _policy_patch(world, warmS=60)
-        key = world.key("GearSet", NS, GS_NAME)
-        world.store[key]["spec"]["forceGear"] = "latency"
-        sig = FakeSignals()
-        run(world, sig, T0)
-        kubelet(world, T0)
-        run(world, sig, T0 + 2)
-        assert status(world)["history"][-1]["outcome"] == "InProgress"
-        del world.store[key]["spec"]["forceGear"]
-        world.store[key]["status"].pop("executor")  # what the pruning API server kept
-        world.store[key]["status"]["phase"] = "Stable"
+        sig = _lose_a_shifts_progress(world)
         run(world, sig, T0 + 4)
         (h,) = status(world)["history"]
         assert (h["to"], h["outcome"]) == ("latency", "Aborted")
@@ -549,15 +556,7 @@ class TestTicks:
         """The tick that closes the entry can be the one whose write an older CRD prunes (it wrote before
         the CRD poller noticed): the history was written, so the event goes too, and the error still
         stops the tick."""
-        _policy_patch(world, warmS=60)
-        key = world.key("GearSet", NS, GS_NAME)
-        world.store[key]["spec"]["forceGear"] = "latency"
-        sig = FakeSignals()
-        run(world, sig, T0)
-        kubelet(world, T0)
-        del world.store[key]["spec"]["forceGear"]
-        world.store[key]["status"].pop("executor")
-        world.store[key]["status"]["phase"] = "Stable"
+        sig = _lose_a_shifts_progress(world)
         real = sh.patch_status
 
         def pruning(*args: Any, **kwargs: Any) -> Any:
@@ -566,7 +565,7 @@ class TestTicks:
 
         monkeypatch.setattr(sh, "patch_status", pruning)
         with pytest.raises(StatusPruned):
-            run(world, sig, T0 + 2)
+            run(world, sig, T0 + 4)
         assert status(world)["history"][-1]["outcome"] == "Aborted"
         assert len([e for e in world.events if e["reason"] == "ShiftAbandoned"]) == 1
 

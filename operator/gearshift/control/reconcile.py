@@ -996,10 +996,21 @@ def gearset_rollout_ahead(
     mine = [m for m in starting if m.startswith(f"{rs.role} gear ")]
     if not mine:
         return {}
+    ready = ConditionUpdate(COND_READY, "False", REASON_ROLLING_OUT, "; ".join(mine))
+    return gearset_condition_patch(rs, ready, now, conditions)
+
+
+def gearset_condition_patch(
+    rs: RoleState, update: ConditionUpdate, now: datetime, conditions: Sequence[Condition] | None = None
+) -> dict[str, Any]:
+    """``{"conditions": [...]}`` with ``update`` set into ``conditions`` (default: the GearSet's as read)
+    at the GearSet's generation; empty when that changes nothing stored (a bare generation bump counts:
+    kubectl's wait reads it)."""
     base = list(rs.gs.status.conditions if conditions is None else conditions)
     generation = rs.gs_body["metadata"].get("generation")
-    conds, _ = set_condition(base, COND_READY, "False", REASON_ROLLING_OUT, "; ".join(mine), now, generation)
-    return {"conditions": [c.to_json() for c in conds]}
+    conds, _ = set_condition(base, update.type, update.status, update.reason, update.message, now, generation)
+    new = [c.to_json() for c in conds]
+    return {"conditions": new} if new != [c.to_json() for c in base] else {}
 
 
 def gearset_ready(rs: RoleState, readiness: Readiness) -> ConditionUpdate:
@@ -1047,12 +1058,7 @@ def readiness_patch(
         # for every role.
         patch["replicas"] = readiness.pipelines
     if now is not None:
-        base = list(st.conditions if conditions is None else conditions)
-        c = gearset_ready(rs, readiness)
-        generation = rs.gs_body["metadata"].get("generation")
-        conds, _ = set_condition(base, c.type, c.status, c.reason, c.message, now, generation)
-        if [x.to_json() for x in conds] != [x.to_json() for x in base]:
-            patch["conditions"] = [x.to_json() for x in conds]
+        patch |= gearset_condition_patch(rs, gearset_ready(rs, readiness), now, conditions)
     return patch
 
 

@@ -203,6 +203,18 @@ def _round(v: float | None) -> float | None:
 
 
 # --- history and gear health ---------------------------------------------------------------------------
+def same_shift(entry: Mapping[str, Any], to_gear: str | None, started_at: float | None) -> bool:
+    """Whether the history ``entry`` is the shift to ``to_gear`` started at ``started_at`` (Unix s; its
+    ``startedAt`` within 1 ms: the status keeps milliseconds)."""
+    started = from_time(entry.get("startedAt"))
+    return (
+        entry.get("to") == to_gear
+        and started is not None
+        and started_at is not None
+        and abs(started - started_at) < 1e-3
+    )
+
+
 def history_with(
     raw: Sequence[Mapping[str, Any]], rec: RecordShift, message_limit: int = MESSAGE_LIMIT
 ) -> list[dict[str, Any]]:
@@ -219,11 +231,7 @@ def history_with(
     }
     out = [dict(h) for h in raw]
     for i, h in enumerate(out):
-        same_start = (
-            from_time(h.get("startedAt")) is not None
-            and abs((from_time(h.get("startedAt")) or 0.0) - rec.started_at) < 1e-3
-        )
-        if same_start and h.get("to") == rec.to_gear:
+        if same_shift(h, rec.to_gear, rec.started_at):
             out[i] = entry
             break
     else:
@@ -253,15 +261,7 @@ def close_orphans(
     for i, h in enumerate(out):
         if h.get("outcome") != "InProgress":
             continue
-        started = from_time(h.get("startedAt"))
-        current = (
-            state.busy
-            and h.get("to") == state.to_gear
-            and started is not None
-            and state.started_at is not None
-            and abs(started - state.started_at) < 1e-3
-        )
-        if not current:
+        if not (state.busy and same_shift(h, state.to_gear, state.started_at)):
             out[i] = {**h, "outcome": "Aborted", "finishedAt": to_time(now), "message": ORPHAN_MESSAGE}
             closed.append(out[i])
     return out, closed

@@ -43,7 +43,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gearshift import planner
-from gearshift.api.common import REASON_INVALID_SPEC, format_validation_error
+from gearshift.api.common import REASON_INVALID_SPEC, Condition, format_validation_error
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.control.reconcile import (
@@ -348,15 +348,20 @@ def _apply(
     if starting:
         status.write_ahead(rollout_ahead(starting), "Progressing")
         for role, rs in roles.items():
-            raw = (written.get(role) or {}).get("conditions")
-            base = None if raw is None else conditions_from(raw)
-            patch = gearset_rollout_ahead(rs, starting, status.book.now, base)
+            patch = gearset_rollout_ahead(rs, starting, status.book.now, _written_conditions(written, role))
             if patch:
                 patch_status(api, *GS, status.namespace, rs.gs.metadata["name"], patch, status.reported)
                 written[role] = {**(written.get(role) or {}), **patch}
     for obj in objs:
         api.apply(obj)
     return len(objs)
+
+
+def _written_conditions(written: Mapping[str, Mapping[str, Any]], role: str) -> list[Condition] | None:
+    """The GearSet conditions this reconcile last wrote for ``role`` (None: none; the GearSet's as read
+    stand): a later write of the same reconcile sets into them, not into the list it read."""
+    raw = (written.get(role) or {}).get("conditions")
+    return None if raw is None else conditions_from(raw)
 
 
 def _collect_garbage(
@@ -392,8 +397,7 @@ def _write_readiness(
     out = {}
     for role, rs in roles.items():
         out[role] = role_readiness(rs, sts, pds, name, ns, rt.settings.images)
-        raw = (written.get(role) or {}).get("conditions")
-        patch = readiness_patch(rs, out[role], now, None if raw is None else conditions_from(raw))
+        patch = readiness_patch(rs, out[role], now, _written_conditions(written, role))
         if patch:
             patch_status(rt.api, *GS, ns, rs.gs.metadata["name"], patch, rt.pruned)
     return out
