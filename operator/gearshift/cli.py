@@ -2,8 +2,9 @@
 
 Each sub-command lives in the module that owns the feature; that module exposes
 ``register(subparsers) -> None``, which adds its parser and sets ``func`` (``args -> int`` exit
-code). Modules are imported only when listed here, and a sub-command's heavy imports stay inside
-its ``func`` so that ``gearshift version`` starts fast.
+code). :data:`COMMANDS` names every sub-command and its module; a command imports only its own
+module (the others' imports cost ~0.5 s of start-up), ``--help`` imports them all. A module that
+fails to import is an error naming the command, never a command silently missing from the list.
 """
 
 from __future__ import annotations
@@ -12,52 +13,72 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from gearshift import __version__
 
-#: Sub-command modules, in the order ``gearshift --help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = (
-    "gearshift.commands.version",
-    "gearshift.api.cli",
-    "gearshift.planner.cli",
-    "gearshift.commands.render",
-    "gearshift.sim.cli",
-    "gearshift.dev.loadgen",
-    "gearshift.probe.cli",
-    "gearshift.router.cli",
-    "gearshift.handlers.main",
-    "gearshift.dev.demo",
-    "gearshift.dev.sandbox.cli",
+#: Sub-command → the module that registers it, in the order ``gearshift --help`` lists them.
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("version", "gearshift.commands.version"),
+    ("crds", "gearshift.api.cli"),
+    ("plan", "gearshift.planner.cli"),
+    ("render", "gearshift.commands.render"),
+    ("sim", "gearshift.sim.cli"),
+    ("loadgen", "gearshift.dev.loadgen"),
+    ("probe", "gearshift.probe.cli"),
+    ("router", "gearshift.router.cli"),
+    ("operator", "gearshift.handlers.main"),
+    ("demo", "gearshift.dev.demo"),
+    ("sandbox", "gearshift.dev.sandbox.cli"),
 )
 
 
+class CommandLoadError(RuntimeError):
+    """A sub-command's module failed to import; the message names the command, the module and the cause."""
+
+
+def _load(command: str, module: str) -> ModuleType:
+    """Import ``module`` for ``command``.
+
+    Raises:
+        CommandLoadError: the import failed (a missing dependency or a broken module).
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise CommandLoadError(
+            f"gearshift {command}: cannot import {module}: {exc}. "
+            "Reinstall gearshift with its dependencies (`make venv`, or `pip install -e '.[dev]'`)."
+        ) from exc
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """Return the top-level parser with every available sub-command registered; with ``command``, only the
-    modules up to the one that registers it (the others' imports cost a command ~0.5 s of start-up)."""
+    """Return the top-level parser: with ``command`` one of :data:`COMMANDS`, only that sub-command is
+    registered; otherwise every one (for ``--help`` and an unknown command's error).
+
+    Raises:
+        CommandLoadError: a sub-command's module failed to import.
+    """
     parser = argparse.ArgumentParser(
         prog="gearshift",
         description="Serve LLMs on heterogeneous GPU fleets: plan, deploy and shift pipeline gears.",
     )
     parser.add_argument("--version", action="version", version=f"gearshift {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            # A feature module not built yet must not break the others.
-            if exc.name and name.startswith(exc.name):
-                continue
-            raise
-        module.register(sub)
-        if command is not None and command in sub.choices:
-            break
+    chosen = [(c, m) for c, m in COMMANDS if c == command] or list(COMMANDS)
+    for name, module in chosen:
+        _load(name, module).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``gearshift``; returns the process exit code."""
+    """Entry point of ``gearshift``; returns the process exit code (1 when a sub-command cannot load)."""
     given = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(given[0] if given and not given[0].startswith("-") else None)
+    try:
+        parser = build_parser(given[0] if given and not given[0].startswith("-") else None)
+    except CommandLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     args = parser.parse_args(given)
     if not getattr(args, "func", None):
         parser.print_help()
