@@ -174,3 +174,36 @@ def test_a_node_whose_ttl_the_controller_set_does_not_differ():
     assert not _node_differs(live, m)
     live.metadata.annotations["gearshift.io/gpu-model"] = "A10-24GB"
     assert _node_differs(live, m)
+
+
+class TestFleetNodesUnderTheSandbox:
+    """The sandbox's nodes are ``gearshift.k8s.fleetnodes``' (what ``gearshift render`` stands in for a
+    cluster) plus the sandbox's own addresses and kwok markers, and nothing else differs."""
+
+    SANDBOX_ONLY = frozenset(
+        {
+            "podCIDR",
+            "podCIDRs",
+            "addresses",
+            "type",
+            "kwok.x-k8s.io/node",
+            "node.alpha.kubernetes.io/ttl",
+        }
+    )
+
+    def _strip(self, manifest):
+        out = {}
+        for key, value in manifest.items():
+            if key in self.SANDBOX_ONLY:
+                continue
+            out[key] = self._strip(value) if isinstance(value, dict) else value
+        return out
+
+    def test_same_nodes_without_the_address_plan(self):
+        from gearshift.k8s.fleetnodes import fleet_nodes
+
+        plain = fleet_nodes(MIXED, cpu_nodes=2)
+        sandbox = sandbox_nodes(MIXED, OCTET)
+        assert [self._strip(n) for n in sandbox] == [self._strip(n) for n in plain]
+        assert all("podCIDR" not in n["spec"] and "addresses" not in n["status"] for n in plain)
+        assert all(n["status"]["addresses"][0]["address"].startswith(f"127.{OCTET}.") for n in sandbox)

@@ -10,7 +10,7 @@ the engine (vLLM's decode: one stage),
 picks the active gears and checks placement, :func:`~gearshift.k8s.desired.desired_objects` builds the
 manifests and :func:`~gearshift.control.reconcile.gearset_status_patch` the GearSet status the operator
 writes. The fleet file stands in for the cluster (:func:`fleet_cluster`): its nodes as the sandbox makes
-them (:mod:`gearshift.dev.sandbox.nodes`), Ready and labelled as profiling labels them, and a datasheet
+them (:mod:`gearshift.k8s.fleetnodes`), Ready and labelled as profiling labels them, and a datasheet
 GPUProfile per node (:func:`gearshift.planner.inputs.datasheet_gpuprofile`). A cluster's probes measure
 their own figures, so an ``auto`` role planned there may differ from what is rendered here.
 
@@ -45,12 +45,12 @@ from gearshift.control.reconcile import (
     placement_problems,
     role_state,
 )
-from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import Fleet
 from gearshift.handlers.reconcile import Settings
 from gearshift.k8s import names
 from gearshift.k8s.desired import desired_objects, owner_reference
 from gearshift.k8s.engine import EngineSpecError
+from gearshift.k8s.fleetnodes import fleet_nodes
 from gearshift.planner.inputs import datasheet_gpuprofile
 from gearshift.profiling.profiles import card_score, classify, node_labels
 
@@ -60,8 +60,6 @@ KINDS = ("PDService", "GearSet")
 #: the real one): the objects render prints are for review. Applied as they are, the garbage collector
 #: would delete them at once, as it deletes objects whose owner does not exist.
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
-#: Loopback octet of the stand-in nodes' podCIDRs (no manifest render prints contains it).
-_OCTET = 1
 #: File name endings a directory given to ``-f`` is read for.
 SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -172,14 +170,14 @@ def _check_kind(doc: Document) -> None:
 def fleet_cluster(fleet: Fleet, now: datetime) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """``(nodes, profiles)`` by name: the fleet's GPU nodes as the reconciler would read them. Pure.
 
-    Nodes as the sandbox makes them (GFD labels, ``nvidia.com/gpu`` capacity, NIC annotations), Ready,
+    Nodes as GFD and the device plugin label them (:mod:`gearshift.k8s.fleetnodes`), Ready,
     with the labels profiling writes (``gearshift.io/gpu-model``, ``compute-class``, ``memory-gib``,
     ``profiled``; classes clustered over the fleet as the GPUProfile handler does); one Ready datasheet
     GPUProfile per node, probed at ``now``.
     """
     nodes: dict[str, dict[str, Any]] = {}
     profiles: dict[str, dict[str, Any]] = {}
-    for node in sandbox_nodes(fleet, _OCTET, cpu_nodes=0):
+    for node in fleet_nodes(fleet):
         node["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
         name = node["metadata"]["name"]
         nodes[name] = node
