@@ -26,7 +26,9 @@ from gearshift.api.pdservice import PDService
 from gearshift.control import adaptive_batch as ab
 from gearshift.control.autoscale import TTFT_METRIC, ScaleScope, Skip, latency_signal, scope_of
 from gearshift.control.executor import Phase
-from gearshift.control.reconcile import SpecInvalid, plan_assumptions, service_verdict
+from gearshift.control.reconcile.planning import plan_assumptions
+from gearshift.control.reconcile.state import SpecInvalid
+from gearshift.control.reconcile.verdict import service_verdict
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import adaptive_batch as batch_handler
 from gearshift.handlers import reconcile as rec

@@ -203,7 +203,7 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 
 class PlanCache:
-    """The last ``size`` plans made, by inputs hash: a :data:`gearshift.control.reconcile.PlanMemo`.
+    """The last ``size`` plans made, by inputs hash: a :data:`gearshift.control.reconcile.state.PlanMemo`.
 
     Keyed by what a plan reads, not by object: many PDServices of one model share a plan, and the size
     bounds it (least recently used go first).
