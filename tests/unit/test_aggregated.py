@@ -194,11 +194,11 @@ class TestPlanAggregated:
         # so no multi-stage candidate planned for it may rely on one stage's extra copy; the simulated
         # engine runs hot-stage extras as planned, so its candidates include them (whether a chosen gear
         # has one depends on the fleet: on the mixed fleet the 70B's best gears have none).
-        from gearshift.planner import gears as planner_gears
+        from gearshift.planner import candidates as planner_candidates
 
         profile = load_cluster(ROOT / "examples" / "fleets" / "mixed.yaml")
         cost = RooflineCostModel(ARCH_70B, RooflineAssumptions(prompt_tokens=1024, output_tokens=128))
-        cands = planner_gears._candidates(profile, cost, "latency", False, whole_pipelines=whole)
+        cands = planner_candidates.gear_candidates(profile, cost, "latency", False, whole_pipelines=whole)
         uneven = [c for c in cands if len(c.nodes) > 1 and len({len(ids) for ids in c.nodes}) > 1]
         assert (uneven == []) == whole, [[len(ids) for ids in c.nodes] for c in uneven]
 
