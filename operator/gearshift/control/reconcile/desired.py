@@ -114,9 +114,10 @@ def desired_state(
     """Plan the ``auto`` roles, pick each role's active gear and check the running gears' placement:
     ``gearshift.handlers.reconcile.reconcile_service`` applies the result, ``gearshift render`` prints it.
 
-    ``roles`` come from :func:`role_state` and are updated in place (gears, active gear, links, status
-    patch); ``bound`` are the nodes the service's pods are bound to or its StatefulSets are pinned to
-    (:func:`bound_nodes`); ``memo`` may serve plans already made for the same inputs hash.
+    ``roles`` come from :func:`~gearshift.control.reconcile.spec.role_state` and are updated in place
+    (gears, active gear, links, status patch); ``bound`` are the nodes the service's pods are bound to or
+    its StatefulSets are pinned to (:func:`~gearshift.control.reconcile.placement.bound_nodes`); ``memo``
+    may serve plans already made for the same inputs hash.
     """
     missing, events = plan_roles(pds, roles, nodes, profiles, settings.sim_requests, now, memo)
     want = DesiredState([], missing, [], [], set(), events)

@@ -63,7 +63,8 @@ class RoleState:
 
 @dataclass
 class DesiredState:
-    """What one reconcile wants, worked out from what it read (:func:`desired_state`)."""
+    """What one reconcile wants, worked out from what it read
+    (:func:`~gearshift.control.reconcile.desired.desired_state`)."""
 
     desires: list[RoleDesire]
     """Per role, the gears whose objects should exist and the gear its Service selects."""

@@ -150,8 +150,9 @@ def service_verdict(
     old_status: Mapping[str, Any],
 ) -> ServiceVerdict:
     """The PDService's conditions, phase and status after a reconcile of ``name`` in ``ns`` applied
-    ``want``; ``readiness`` by role (:func:`role_readiness`), ``unsched`` the unschedulable pods
-    (:func:`unschedulable`), ``old_status`` the status read (``windowLeaveBy`` is cleared once set)."""
+    ``want``; ``readiness`` by role (:func:`~gearshift.control.reconcile.readiness.role_readiness`),
+    ``unsched`` the unschedulable pods (:func:`unschedulable`), ``old_status`` the status read
+    (``windowLeaveBy`` is cleared once set)."""
     roles_st = {role: role_status(rs, readiness[role]) for role, rs in roles.items()}
     # Scaled to zero (GearSet replicas 0) is a served state too: every wanted pipeline is there.
     all_ready = all(r.ready >= r.desired for r in readiness.values())
