@@ -12,11 +12,11 @@ import pytest
 
 from gearshift.api.common import find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
+from gearshift.api.probedoc import compact
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import load_fleet
 from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
-from gearshift.probe.report import compact
 from gearshift.probe.run import TINY
 from gearshift.probe.simulated import simulated_probe
 from gearshift.profiling.lifecycle import (

@@ -42,9 +42,9 @@ from gearshift.api.common import (
     set_condition,
 )
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
+from gearshift.api.probedoc import ProbeOutputError, profile_status_from_probe, validate_probe_output
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.k8s.probejob import ProbeJobConfig, ProbeJobError, tolerations_from_json
-from gearshift.probe.report import ProbeOutputError, profile_status_from_probe, validate_probe_output
 from gearshift.profiling.profiles import GpuNodeView, apply_override, datasheet_interconnect, parse_selector
 
 # --- reasons (conditions and events) -----------------------------------------------------------------
