@@ -15,9 +15,7 @@ from gearshift.planner.costs import CostModel, LayerCosts, RooflineCostModel
 from gearshift.planner.errors import EmptyFleetError, InfeasibleError, PlanError, StageLimitError
 from gearshift.planner.fleetclasses import Workload, class_nodes, profile_classes
 from gearshift.planner.fleetplan import max_load
-from gearshift.planner.intents import (
-    INTENTS,
-)
+from gearshift.planner.intents import INTENTS
 from gearshift.planner.partition import (
     DEFAULT_WORK_CAP,
     Pipeline,

@@ -37,10 +37,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from gearshift.planner.costs import LayerCosts
 from gearshift.planner.errors import InfeasibleError, PlanError
-from gearshift.planner.fleetclasses import (
-    FleetClasses,
-    Workload,
-)
+from gearshift.planner.fleetclasses import FleetClasses, Workload
 
 _EPS = 1e-9
 

@@ -13,14 +13,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from gearshift.planner.errors import PlanError
-from gearshift.planner.fleetbound import (
-    batch_figures,
-)
-from gearshift.planner.fleetclasses import (
-    FleetClasses,
-    UnitClass,
-    Workload,
-)
+from gearshift.planner.fleetbound import batch_figures
+from gearshift.planner.fleetclasses import FleetClasses, UnitClass, Workload
 from gearshift.planner.partition import evaluate, even_split
 from gearshift.planner.profile import Link, Node, Profile
 

@@ -58,23 +58,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gearshift.planner.errors import InfeasibleError, PlanInputError
-from gearshift.planner.fleetbound import (
-    BatchFigures,
-    batch_figures,
-    beyond_bound,
-    solve_cheapest,
-    solve_max,
-)
-from gearshift.planner.fleetclasses import (
-    FleetAnswer,
-    FleetClasses,
-    FleetPipeline,
-    Workload,
-)
-from gearshift.planner.fleetpeer import (
-    peer_configs,
-    peer_milp,
-)
+from gearshift.planner.fleetbound import BatchFigures, batch_figures, beyond_bound, solve_cheapest, solve_max
+from gearshift.planner.fleetclasses import FleetAnswer, FleetClasses, FleetPipeline, Workload
+from gearshift.planner.fleetpeer import peer_configs, peer_milp
 from gearshift.planner.partition import Pipeline, min_bottleneck
 from gearshift.planner.profile import Link, Node, Profile
 

@@ -62,10 +62,7 @@ from gearshift.planner.candidates import (
 )
 from gearshift.planner.costs import CostModel
 from gearshift.planner.errors import EmptyFleetError, PlanError
-from gearshift.planner.intents import (
-    INTENTS,
-    TARGET_UTILISATION,
-)
+from gearshift.planner.intents import INTENTS, TARGET_UTILISATION
 from gearshift.planner.prediction import (
     cap_by_tpot,
     decode_times,

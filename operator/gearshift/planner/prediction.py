@@ -9,14 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from gearshift.planner.candidates import (
-    Candidate,
-    kv_resident_sequences,
-)
+from gearshift.planner.candidates import Candidate, kv_resident_sequences
 from gearshift.planner.costs import CostModel, LayerCosts, RooflineCostModel
-from gearshift.planner.partition import (
-    PipelineStage,
-)
+from gearshift.planner.partition import PipelineStage
 from gearshift.planner.profile import Profile
 from gearshift.planner.simulate import simulate
 from gearshift.planner.tpot import DecodeTimes, tpot_capacity, tpot_ms

@@ -22,25 +22,12 @@ from gearshift.api.pdservice import PDService
 from gearshift.control import capacity
 from gearshift.control.adapt import gear_views, gearset_rules
 from gearshift.control.policy import ShiftRules
-from gearshift.control.reconcile.placement import (
-    placement_problems,
-)
-from gearshift.control.reconcile.planning import (
-    memory_utilization,
-    no_memo,
-    plan_roles,
-)
-from gearshift.control.reconcile.state import (
-    DesiredState,
-    PlanMemo,
-    RoleState,
-    shift_in_flight,
-)
+from gearshift.control.reconcile.placement import placement_problems
+from gearshift.control.reconcile.planning import memory_utilization, no_memo, plan_roles
+from gearshift.control.reconcile.state import DesiredState, PlanMemo, RoleState, shift_in_flight
 from gearshift.k8s import names
 from gearshift.k8s.desired import RoleDesire
-from gearshift.planner.inputs import (
-    initial_gear,
-)
+from gearshift.planner.inputs import initial_gear
 
 
 class PlanSettings(Protocol):

@@ -10,10 +10,7 @@ from typing import Any
 from gearshift.api.gearset import Gear
 from gearshift.k8s import names
 from gearshift.k8s.placement import pinned_nodes
-from gearshift.planner.inputs import (
-    node_ready,
-    usable_profile,
-)
+from gearshift.planner.inputs import node_ready, usable_profile
 
 
 def _labels_match(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool:

@@ -23,15 +23,8 @@ from gearshift.api.common import (
 )
 from gearshift.api.gearset import Gear, GearSet, Workload
 from gearshift.api.pdservice import PDService
-from gearshift.control.reconcile.placement import (
-    explicit_pool,
-)
-from gearshift.control.reconcile.state import (
-    PlanEvent,
-    PlanMemo,
-    RoleState,
-    shift_in_flight,
-)
+from gearshift.control.reconcile.placement import explicit_pool
+from gearshift.control.reconcile.state import PlanEvent, PlanMemo, RoleState, shift_in_flight
 from gearshift.control.windows import (
     WindowTiming,
     next_leave_by,

@@ -9,12 +9,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from gearshift.api.common import (
-    COND_READY,
-    Condition,
-    ConditionUpdate,
-    set_condition,
-)
+from gearshift.api.common import COND_READY, Condition, ConditionUpdate, set_condition
 from gearshift.api.pdservice import PDService
 from gearshift.control.reconcile.state import (
     REASON_ALL_READY,

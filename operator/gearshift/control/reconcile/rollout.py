@@ -10,19 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from gearshift.api.common import (
-    COND_PROGRESSING,
-    COND_READY,
-    Condition,
-    ConditionUpdate,
-)
-from gearshift.control.reconcile.readiness import (
-    gearset_condition_patch,
-)
-from gearshift.control.reconcile.state import (
-    REASON_ROLLING_OUT,
-    RoleState,
-)
+from gearshift.api.common import COND_PROGRESSING, COND_READY, Condition, ConditionUpdate
+from gearshift.control.reconcile.readiness import gearset_condition_patch
+from gearshift.control.reconcile.state import REASON_ROLLING_OUT, RoleState
 from gearshift.k8s import names
 from gearshift.k8s.statefulset import ANNOTATION_TEMPLATE_HASH
 

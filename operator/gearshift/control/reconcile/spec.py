@@ -12,19 +12,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gearshift.api.common import (
-    format_validation_error,
-)
+from gearshift.api.common import format_validation_error
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
-from gearshift.control.reconcile.state import (
-    RoleState,
-    SpecInvalid,
-)
-from gearshift.planner.inputs import (
-    engine_stage_limit,
-    stage_limit_problems,
-)
+from gearshift.control.reconcile.state import RoleState, SpecInvalid
+from gearshift.planner.inputs import engine_stage_limit, stage_limit_problems
 
 
 def role_state(pds: PDService, service: str, role: str, gs_body: dict[str, Any]) -> RoleState:

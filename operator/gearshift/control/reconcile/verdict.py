@@ -21,9 +21,7 @@ from gearshift.api.common import (
     ConditionUpdate,
 )
 from gearshift.api.pdservice import ROLE_SECTIONS
-from gearshift.control.reconcile.readiness import (
-    Readiness,
-)
+from gearshift.control.reconcile.readiness import Readiness
 from gearshift.control.reconcile.state import (
     REASON_ALL_PLACED,
     REASON_ALL_READY,
