@@ -27,8 +27,8 @@ from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_
 from gearshift.k8s.probejob import ProbeJobConfig
 from gearshift.probe.run import TINY
 from gearshift.probe.simulated import simulated_probe
-from gearshift.profiling.lifecycle import ProbeSettings
 from gearshift.profiling.profiles import GpuNodeView, node_view
+from gearshift.profiling.settings import ProbeSettings
 from gearshift.testing.kube import FakeKubeApi
 
 REPO = Path(__file__).resolve().parents[2]

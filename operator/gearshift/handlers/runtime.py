@@ -34,7 +34,7 @@ from gearshift.handlers.common import PrunedReports
 from gearshift.handlers.kubeapi import GPUP, JOB, NODE, POD, KubeApi, RestKubeApi
 from gearshift.handlers.signals import LiveSignals, PrometheusSignals, ScaleSignalSource, SignalSource
 from gearshift.k8s.desired import Images
-from gearshift.profiling.lifecycle import ProbeSettings
+from gearshift.profiling.settings import ProbeSettings
 
 if TYPE_CHECKING:  # reconcile imports this module (its Settings)
     from gearshift.handlers.reconcile import ReconcileOutcome
@@ -486,7 +486,7 @@ class Runtime:
         """The profiling settings: the ones given, else read from the environment once.
 
         Raises:
-            gearshift.profiling.lifecycle.SettingsError: a ``GEARSHIFT_PROBE_*`` variable is invalid
+            gearshift.profiling.settings.SettingsError: a ``GEARSHIFT_PROBE_*`` variable is invalid
                 (asked again, the environment is read again).
         """
         with self._lock:
