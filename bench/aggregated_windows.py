@@ -35,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
-from gearshift.api.pdservice import ModelSpec  # noqa: E402
+from gearshift.api.modelspec import ModelSpec  # noqa: E402
 from gearshift.dev.demo import cost  # noqa: E402
 from gearshift.dev.demo import trace as tracewin  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE, TraceRequest, load_trace  # noqa: E402

@@ -26,10 +26,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from gearshift.api.probedoc import MEASURED_MATMUL_EFFICIENCY, compute_score_from_tflops
 from gearshift.facts import roofline
 from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.facts.model import ModelArch, load_hf_config
-from gearshift.probe.report import MEASURED_MATMUL_EFFICIENCY, compute_score_from_tflops
 from gearshift.probe.run import gpu_model_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def probe_score(doc: dict[str, Any], gpu: str) -> dict[str, Any]:
     """The probed card's GPUProfile compute score against the bare datasheet reference (before) and the
-    reference's achievable matmul rate (``probe.report.MEASURED_MATMUL_EFFICIENCY``), beside the datasheet
+    reference's achievable matmul rate (``api.probedoc.MEASURED_MATMUL_EFFICIENCY``), beside the datasheet
     prior the planner gives an unprobed card of the same model."""
     tflops = float(doc["probe"]["summary"]["matmulTflops"])
     return {

@@ -312,14 +312,9 @@ def fleet_doc(seed: int, gpus: int, classes: int, small_share: float) -> dict:
 
 def _fleet_row(doc: dict, model, slo: float | None) -> dict:
     from gearshift.facts.fleet import parse_fleet
-    from gearshift.planner.fleetplan import (
-        Workload,
-        cheapest,
-        fleet_classes,
-        max_load,
-        peer_cheapest,
-        peer_max_load,
-    )
+    from gearshift.planner.fleetclasses import Workload, fleet_classes
+    from gearshift.planner.fleetpeer import peer_cheapest, peer_max_load
+    from gearshift.planner.fleetplan import cheapest, max_load
 
     fleet = parse_fleet(doc)
     fc = fleet_classes(fleet)
@@ -418,7 +413,8 @@ def _cli_seconds(path: Path, slo: float | None) -> dict:
 def _scaling(model) -> dict:
     """Planning time (both questions) as GPUs grow at 8 classes, and as classes grow at 1,024 GPUs."""
     from gearshift.facts.fleet import parse_fleet
-    from gearshift.planner.fleetplan import Workload, cheapest, fleet_classes, max_load
+    from gearshift.planner.fleetclasses import Workload, fleet_classes
+    from gearshift.planner.fleetplan import cheapest, max_load
 
     def one(doc: dict) -> dict:
         fc = fleet_classes(parse_fleet(doc))

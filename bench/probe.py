@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gearshift.api.probedoc import profile_status_from_probe, validate_probe_output
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import load_fleet
 from gearshift.facts.gpus import compute_score
 from gearshift.probe import link, run
 from gearshift.probe.backends import NumpyBackend, TorchBackend, select_backends, torch_available
-from gearshift.probe.report import profile_status_from_probe, validate_probe_output
 from gearshift.probe.simulated import simulated_probe
 
 ROOT = Path(__file__).resolve().parents[1]

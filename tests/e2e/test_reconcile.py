@@ -29,7 +29,7 @@ import yaml
 from gearshift import planner
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
-from gearshift.control.reconcile import plan_assumptions
+from gearshift.control.reconcile.planning import plan_assumptions
 from gearshift.dev.sandbox.harness import holds, settled, teardown_run
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names

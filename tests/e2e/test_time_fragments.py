@@ -9,7 +9,7 @@ IPs, run by the sandbox pod runner), and the HTTP load through the router pod's 
 that model time instead of computing), and the window itself: the node carries the annotation
 ``gearshift.io/available-until``, and since the GPUProfile handler is disabled here (it would probe the
 shared sandbox's nodes), the test writes ``status.availableUntil`` with the operator's own
-``profiling.lifecycle.window_step`` — the code the handler runs. Nothing reclaims the node at the deadline;
+``profiling.window.window_step`` — the code the handler runs. Nothing reclaims the node at the deadline;
 the test checks that no pod of the service is on it by then.
 
 The nodes are the test's own (a unique node pool, podCIDR indices 150-199, 2 time-sliced

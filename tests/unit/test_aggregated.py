@@ -26,7 +26,9 @@ from gearshift.api.pdservice import PDService
 from gearshift.control import adaptive_batch as ab
 from gearshift.control.autoscale import TTFT_METRIC, ScaleScope, Skip, latency_signal, scope_of
 from gearshift.control.executor import Phase
-from gearshift.control.reconcile import SpecInvalid, plan_assumptions, service_verdict
+from gearshift.control.reconcile.planning import plan_assumptions
+from gearshift.control.reconcile.state import SpecInvalid
+from gearshift.control.reconcile.verdict import service_verdict
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import adaptive_batch as batch_handler
 from gearshift.handlers import reconcile as rec
@@ -192,11 +194,11 @@ class TestPlanAggregated:
         # so no multi-stage candidate planned for it may rely on one stage's extra copy; the simulated
         # engine runs hot-stage extras as planned, so its candidates include them (whether a chosen gear
         # has one depends on the fleet: on the mixed fleet the 70B's best gears have none).
-        from gearshift.planner import gears as planner_gears
+        from gearshift.planner import candidates as planner_candidates
 
         profile = load_cluster(ROOT / "examples" / "fleets" / "mixed.yaml")
         cost = RooflineCostModel(ARCH_70B, RooflineAssumptions(prompt_tokens=1024, output_tokens=128))
-        cands = planner_gears._candidates(profile, cost, "latency", False, whole_pipelines=whole)
+        cands = planner_candidates.gear_candidates(profile, cost, "latency", False, whole_pipelines=whole)
         uneven = [c for c in cands if len(c.nodes) > 1 and len({len(ids) for ids in c.nodes}) > 1]
         assert (uneven == []) == whole, [[len(ids) for ids in c.nodes] for c in uneven]
 

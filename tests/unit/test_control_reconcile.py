@@ -15,38 +15,32 @@ import yaml
 from test_handlers_reconcile import fleet_nodes
 
 from gearshift import planner
-from gearshift.api.common import inputs_hash
+from gearshift.api.common import ConditionUpdate, inputs_hash
 from gearshift.api.gearset import Gear
 from gearshift.api.pdservice import PDService
-from gearshift.control.reconcile import (
-    ConditionUpdate,
-    DesiredState,
-    Readiness,
-    RoleState,
-    bound_nodes,
-    current_ready,
-    degraded_condition,
+from gearshift.control.reconcile.desired import (
     desired_state,
     gearset_status_patch,
-    gearsets_missing,
     pick_active,
-    placed_condition,
-    plan_key,
-    readiness_patch,
-    refusal,
     role_desire,
-    role_readiness,
-    role_state,
-    rollout_ahead,
-    rollouts_starting,
+    stale_gear_services,
+    stale_statefulsets,
+)
+from gearshift.control.reconcile.placement import bound_nodes
+from gearshift.control.reconcile.planning import plan_key, window_events
+from gearshift.control.reconcile.readiness import Readiness, current_ready, readiness_patch, role_readiness
+from gearshift.control.reconcile.rollout import rollout_ahead, rollouts_starting
+from gearshift.control.reconcile.spec import role_state, services_using
+from gearshift.control.reconcile.state import DesiredState, RoleState
+from gearshift.control.reconcile.verdict import (
+    degraded_condition,
+    gearsets_missing,
+    placed_condition,
+    refusal,
     router_ready,
     service_phase,
     service_verdict,
-    services_using,
-    stale_gear_services,
-    stale_statefulsets,
     unschedulable,
-    window_events,
 )
 from gearshift.k8s import names
 from gearshift.k8s.desired import Images, RoleDesire

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gearshift.api.pdservice import ScalingSpec
+from gearshift.api.rolespec import ScalingSpec
 from gearshift.control import scaling as S
 from gearshift.control.scaling import (
     NodeView,

@@ -20,19 +20,10 @@ import pytest
 
 from gearshift.facts.fleet import FleetError, parse_fleet
 from gearshift.planner import LINK_CAP, InfeasibleError, LayerCosts, PlanInputError
-from gearshift.planner.fleetplan import (
-    FleetAnswer,
-    FleetClasses,
-    UnitClass,
-    Workload,
-    bound_cheapest,
-    bound_max_load,
-    cheapest,
-    fleet_classes,
-    max_load,
-    peer_cheapest,
-    peer_max_load,
-)
+from gearshift.planner.fleetbound import bound_cheapest, bound_max_load
+from gearshift.planner.fleetclasses import FleetAnswer, FleetClasses, UnitClass, Workload, fleet_classes
+from gearshift.planner.fleetpeer import peer_cheapest, peer_max_load
+from gearshift.planner.fleetplan import cheapest, max_load
 
 REPO = Path(__file__).resolve().parents[2]
 MIXED = str(REPO / "examples" / "fleets" / "mixed.yaml")
@@ -410,14 +401,14 @@ class TestGearSetPlannerOnLargePools:
         return parse_profile({"nodes": nodes})
 
     def test_large_pool_is_detected_by_the_partitioners_cap(self):
-        from gearshift.planner.gears import _large_pool
+        from gearshift.planner.candidates import large_pool as _large_pool
 
         assert _large_pool(self._profile(110))
         assert not _large_pool(self._profile(5))
 
     def test_throughput_gear_is_feasible_and_uses_the_fleet(self):
         from gearshift.planner import plan
-        from gearshift.planner.fleetplan import profile_classes
+        from gearshift.planner.fleetclasses import profile_classes
 
         profile = self._profile(110)
         model = ToyModel(L=24, weight_gb=3.0)

@@ -18,17 +18,17 @@ import pytest
 
 from gearshift.api.common import API_VERSION
 from gearshift.api.gpuprofile import GPUProfileStatus
+from gearshift.api.probedoc import compact
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import gpuprofile, nodes
 from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
 from gearshift.k8s.probejob import ProbeJobConfig
-from gearshift.probe.report import compact
 from gearshift.probe.run import TINY
 from gearshift.probe.simulated import simulated_probe
-from gearshift.profiling.lifecycle import ProbeSettings
 from gearshift.profiling.profiles import GpuNodeView, node_view
+from gearshift.profiling.settings import ProbeSettings
 from gearshift.testing.kube import FakeKubeApi
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,24 +12,19 @@ import pytest
 
 from gearshift.api.common import find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
+from gearshift.api.probedoc import compact
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import load_fleet
 from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
-from gearshift.probe.report import compact
 from gearshift.probe.run import TINY
 from gearshift.probe.simulated import simulated_probe
 from gearshift.profiling.lifecycle import (
-    JobOutcome,
-    ProbeSettings,
     ProbeStart,
-    SettingsError,
-    Step,
     backoff_s,
     complete_step,
     dump_status,
     job_create_failed,
-    job_outcome,
     mark_stale,
     node_gone_message,
     node_gone_step,
@@ -42,6 +37,7 @@ from gearshift.profiling.lifecycle import (
     running_job,
     start_probe,
 )
+from gearshift.profiling.outcome import JobOutcome, job_outcome
 from gearshift.profiling.profiles import (
     GpuNodeView,
     SelectorError,
@@ -54,6 +50,8 @@ from gearshift.profiling.profiles import (
     node_view,
     parse_selector,
 )
+from gearshift.profiling.settings import ProbeSettings, SettingsError
+from gearshift.profiling.steps import Step
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 T0 = datetime(2025, 1, 31, 18, 0, 0, tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""Unit tests of the GPUProfile's window (issue 13): gearshift.profiling.lifecycle.window_step."""
+"""Unit tests of the GPUProfile's window (issue 13): gearshift.profiling.window.window_step."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from gearshift.api.common import COND_WINDOWED, find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProfileOverride
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
-from gearshift.profiling.lifecycle import parse_rfc3339, window_step
 from gearshift.profiling.profiles import GpuNodeView
+from gearshift.profiling.window import parse_rfc3339, window_step
 
 NOW = datetime(2025, 1, 31, 12, 0, tzinfo=UTC)
 

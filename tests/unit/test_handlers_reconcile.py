@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from gearshift import planner
-from gearshift.control.reconcile import SpecInvalid, plan_message
+from gearshift.control.reconcile.planning import plan_message
+from gearshift.control.reconcile.state import SpecInvalid
 from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec

@@ -14,8 +14,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from gearshift.api.enginespec import _OWNED_RE
 from gearshift.api.gearset import Gear, GearSet
-from gearshift.api.pdservice import _OWNED_RE, PDService
+from gearshift.api.pdservice import PDService
 from gearshift.facts.gpus import GPU_SPECS, gpu_spec
 from gearshift.k8s import names
 from gearshift.k8s.desired import Images, RoleDesire, desired_objects, owner_reference

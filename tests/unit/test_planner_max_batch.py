@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gearshift.facts.fleet import datasheet_profile, load_fleet
+from gearshift.planner.candidates import kv_resident_sequences
 from gearshift.planner.costs import RooflineAssumptions, load_model
-from gearshift.planner.gears import kv_resident_sequences, plan
+from gearshift.planner.gears import plan
 from gearshift.planner.profile import load_cluster, parse_profile
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -127,13 +127,13 @@ class TestPlanner:
 
     def test_smaller_kv_budgets_compete_only_under_a_tpot_target(self) -> None:
         cost = self._cost()
-        budgets = [m.assumptions.kv_sequences for m in planner.gears._kv_budgets(cost)]
+        budgets = [m.assumptions.kv_sequences for m in planner.candidates.kv_budgets(cost)]
         k, expected = cost.assumptions.kv_sequences, []
-        while k >= planner.gears.MIN_KV_SEQUENCES:
+        while k >= planner.candidates.MIN_KV_SEQUENCES:
             expected.append(k)
             k //= 2
         assert budgets == expected and budgets[0] == cost.assumptions.kv_sequences
-        assert planner.gears._kv_budgets(self._cost("decode")) == [self._cost("decode")]
+        assert planner.candidates.kv_budgets(self._cost("decode")) == [self._cost("decode")]
         profile = planner.load_cluster(FLEET)
         free = planner.plan(profile, cost)
         assert {g.max_batch for g in free.gears} == {cost.assumptions.kv_sequences}

@@ -23,7 +23,7 @@ from test_handlers_reconcile import NS, _example, fleet_nodes, service_api, stat
 
 from gearshift import planner
 from gearshift.api.gearset import Gear
-from gearshift.control.reconcile import SpecInvalid
+from gearshift.control.reconcile.state import SpecInvalid
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import reconcile as rec
 from gearshift.planner import PlanError, RooflineAssumptions, RooflineCostModel, StageLimitError, plan

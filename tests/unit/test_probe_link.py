@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from gearshift.api.probedoc import validate_link_output
 from gearshift.facts.fleet import load_fleet
 from gearshift.probe import link
-from gearshift.probe.report import validate_link_output
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = link.LinkBudget(pings=20, frame_bytes=1 << 20, max_bytes=8 << 20, max_seconds=5, connect_timeout_s=5)

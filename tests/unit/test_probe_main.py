@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from gearshift.api.probedoc import ProbeOutputError, validate_link_output, validate_probe_output
 from gearshift.cli import main as gearshift_main
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.probe import link
 from gearshift.probe.__main__ import main
-from gearshift.probe.report import ProbeOutputError, validate_link_output, validate_probe_output
 
 REPO = Path(__file__).resolve().parents[2]
 #: A CPU probe that takes about a second.

@@ -11,13 +11,7 @@ from typing import Any
 import pytest
 
 from gearshift.api.gpuprofile import GPUProfileStatus
-from gearshift.dev.sandbox.nodes import gpu_node_manifest
-from gearshift.facts.fleet import TP_EFFICIENCY, load_fleet
-from gearshift.facts.gpus import GPU_SPECS, compute_score
-from gearshift.facts.model import ModelArch
-from gearshift.probe import ops, run, simulated
-from gearshift.probe.backends import NumpyBackend
-from gearshift.probe.report import (
+from gearshift.api.probedoc import (
     TERMINATION_MESSAGE_MAX_BYTES,
     ProbeOutputError,
     compact,
@@ -27,6 +21,12 @@ from gearshift.probe.report import (
     validate_link_output,
     validate_probe_output,
 )
+from gearshift.dev.sandbox.nodes import gpu_node_manifest
+from gearshift.facts.fleet import TP_EFFICIENCY, load_fleet
+from gearshift.facts.gpus import GPU_SPECS, compute_score
+from gearshift.facts.model import ModelArch
+from gearshift.probe import ops, run, simulated
+from gearshift.probe.backends import NumpyBackend
 from gearshift.probe.timing import ProbeTimeoutError
 
 REPO = Path(__file__).resolve().parents[2]

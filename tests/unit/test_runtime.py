@@ -35,7 +35,7 @@ from gearshift.handlers.runtime import (
     runtime_of,
 )
 from gearshift.k8s import names
-from gearshift.profiling.lifecycle import ProbeSettings, SettingsError
+from gearshift.profiling.settings import ProbeSettings, SettingsError
 from gearshift.testing.kube import FakeKubeApi
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,14 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
+from gearshift.api.enginespec import _OWNED_RE, OPERATOR_OWNED_FLAGS, OPERATOR_OWNED_SHORT_FLAGS, owned_flag
 from gearshift.api.gearset import Gear, GearSet
-from gearshift.api.pdservice import (
-    _OWNED_RE,
-    OPERATOR_OWNED_FLAGS,
-    OPERATOR_OWNED_SHORT_FLAGS,
-    PDService,
-    owned_flag,
-)
+from gearshift.api.pdservice import PDService
 from gearshift.k8s.desired import Images, RoleDesire, gear_objects
 from gearshift.k8s.engine import DEFAULT_VLLM_IMAGE, KV_EPOCH_ANNOTATION, VLLM_VERSION
 

@@ -1,6 +1,8 @@
 """The three custom resources of gearshift as pydantic models, and the CRDs generated from them.
 
 Modules: ``common`` (base configs, conditions and their setter, condition types, event reasons, name
-limits), ``gpuprofile``, ``gearset``, ``pdservice`` (one kind each), ``crdgen`` (models -> CRD YAML) and
-``cli`` (``gearshift crds``). Import from the module that holds a name; this package re-exports nothing.
+limits), ``gpuprofile``, ``gearset``, ``pdservice`` (one kind each; the PDService's sections in
+``modelspec``, ``rolespec``, ``routerspec`` and ``enginespec``), ``probedoc`` (the probe's document, read
+by the operator and written by the worker image), ``crdgen`` (models -> CRD YAML), ``crdcheck`` and ``cli``
+(``gearshift crds``). Import from the module that holds a name; this package re-exports nothing.
 """

@@ -2,15 +2,15 @@
 from files, on a fleet file instead of a cluster (as ``helm template`` renders a chart without one).
 
 The same pure code as the reconciler (:mod:`gearshift.control.reconcile`) does the work, in the same
-order: :func:`~gearshift.control.reconcile.role_state` checks each GearSet against its role,
-:func:`~gearshift.control.reconcile.explicit_layer_problems` and
-:func:`~gearshift.control.reconcile.explicit_engine_problems` the explicit gears against the model and
-the engine (vLLM's decode: one stage),
-:func:`~gearshift.control.reconcile.desired_state` plans the ``auto`` roles on their share of the fleet,
-picks the active gears and checks placement, :func:`~gearshift.k8s.desired.desired_objects` builds the
-manifests and :func:`~gearshift.control.reconcile.gearset_status_patch` the GearSet status the operator
-writes. The fleet file stands in for the cluster (:func:`fleet_cluster`): its nodes as the sandbox makes
-them (:mod:`gearshift.k8s.fleetnodes`), Ready and labelled as profiling labels them, and a datasheet
+order: :func:`~gearshift.control.reconcile.spec.role_state` checks each GearSet against its role,
+:func:`~gearshift.control.reconcile.spec.explicit_layer_problems` and
+:func:`~gearshift.control.reconcile.spec.explicit_engine_problems` the explicit gears against the model
+and the engine (vLLM's decode: one stage), :func:`~gearshift.control.reconcile.desired.desired_state`
+plans the ``auto`` roles on their share of the fleet, picks the active gears and checks placement,
+:func:`~gearshift.k8s.desired.desired_objects` builds the manifests and
+:func:`~gearshift.control.reconcile.desired.gearset_status_patch` the GearSet status the operator writes.
+The fleet file stands in for the cluster (:func:`fleet_cluster`): its nodes as GFD labels them
+(:mod:`gearshift.k8s.fleetnodes`), Ready and labelled as profiling labels them, and a datasheet
 GPUProfile per node (:func:`gearshift.planner.inputs.datasheet_gpuprofile`). A cluster's probes measure
 their own figures, so an ``auto`` role planned there may differ from what is rendered here.
 
@@ -35,16 +35,10 @@ from gearshift import GROUP, VERSION
 from gearshift.api.common import format_validation_error
 from gearshift.api.gpuprofile import GPUProfileStatus
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
-from gearshift.control.reconcile import (
-    RoleState,
-    SpecInvalid,
-    desired_state,
-    explicit_engine_problems,
-    explicit_layer_problems,
-    gearset_status_patch,
-    placement_problems,
-    role_state,
-)
+from gearshift.control.reconcile.desired import desired_state, gearset_status_patch
+from gearshift.control.reconcile.placement import placement_problems
+from gearshift.control.reconcile.spec import explicit_engine_problems, explicit_layer_problems, role_state
+from gearshift.control.reconcile.state import RoleState, SpecInvalid
 from gearshift.facts.fleet import Fleet
 from gearshift.handlers.reconcile import Settings
 from gearshift.k8s import names

@@ -37,7 +37,7 @@ from gearshift.api.gearset import Gear, GearSet, ScalingStatus
 from gearshift.api.pdservice import PDService, SLOSpec
 from gearshift.control import scaling as sc
 from gearshift.control.executor_status import from_time, to_time
-from gearshift.control.reconcile import SHIFT_STEPS
+from gearshift.control.reconcile.state import SHIFT_STEPS
 from gearshift.control.signals import GearSelector, quantile_query, queue_query, running_query, scalar
 from gearshift.k8s import names
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from gearshift.api.pdservice import ScalingSpec
+from gearshift.api.rolespec import ScalingSpec
 
 #: HPA's default tolerance: no change while the load ratio is within 1 ± this.
 TOLERANCE = 0.1

@@ -31,12 +31,9 @@ from gearshift.handlers.runtime import ProfileMemory, Runtime, runtime_of
 from gearshift.k8s.names import COMPONENT_PROBE, LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGED_BY
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
 from gearshift.profiling.lifecycle import (
-    ProbeSettings,
-    Step,
     complete_step,
     dump_status,
     job_create_failed,
-    job_outcome,
     node_gone_step,
     probe_finished,
     probe_start,
@@ -44,7 +41,10 @@ from gearshift.profiling.lifecycle import (
     running_job,
     start_probe,
 )
+from gearshift.profiling.outcome import job_outcome
 from gearshift.profiling.profiles import GpuNodeView, card_score, classify, labels_patch, node_labels
+from gearshift.profiling.settings import ProbeSettings
+from gearshift.profiling.steps import Step
 
 PLURAL = nodes.PLURAL
 #: Seconds between two steps of one profile; bounds how late a finished probe or a new node is seen.

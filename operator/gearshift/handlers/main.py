@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gearshift.adapters.leader import Backoff, LeaderElector, LeaseTimes
-from gearshift.api.pdservice import DNS_SUBDOMAIN_PATTERN
+from gearshift.api.enginespec import DNS_SUBDOMAIN_PATTERN
 from gearshift.handlers.fence import FENCE, install_kopf_fence
 from gearshift.handlers.metrics import LEADER, LEADER_LOSSES
 from gearshift.k8s.names import DOMAIN

@@ -1,7 +1,7 @@
 """kopf handlers on Nodes: index the GPU nodes and give each one a GPUProfile named after it.
 
 GPU nodes are those with ``nvidia.com/gpu`` capacity that match ``GEARSHIFT_GPU_NODE_SELECTOR``
-(:class:`gearshift.profiling.lifecycle.ProbeSettings`, the :class:`~gearshift.handlers.runtime.Runtime`'s
+(:class:`gearshift.profiling.settings.ProbeSettings`, the :class:`~gearshift.handlers.runtime.Runtime`'s
 :meth:`~gearshift.handlers.runtime.Runtime.probe_settings`). Probing itself, staleness and labels are the
 GPUProfile timer's (:mod:`gearshift.handlers.gpuprofile`), which reads the ``gpu_nodes`` index kept here;
 these handlers only watch, so nothing is written onto a node except the profile labels.
@@ -17,8 +17,8 @@ import kopf
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.handlers.runtime import runtime_of
-from gearshift.profiling.lifecycle import SettingsError
 from gearshift.profiling.profiles import GpuNodeView, node_view, parse_selector
+from gearshift.profiling.settings import SettingsError
 
 PLURAL = "gpuprofiles"
 

@@ -34,7 +34,7 @@ from typing import Any
 import kopf
 
 from gearshift.api.common import GROUP, VERSION, inputs_hash
-from gearshift.control.reconcile import SpecInvalid
+from gearshift.control.reconcile.state import SpecInvalid
 from gearshift.control.windows import leave_by_due
 from gearshift.handlers import metrics
 from gearshift.handlers.common import StatusPruned

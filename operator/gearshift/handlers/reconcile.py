@@ -9,22 +9,23 @@ when it differs. It is plain synchronous code over the :class:`~gearshift.handle
 in its thread pool (handlers/pdservice.py). Imports no kopf and registers no handler.
 
 One :func:`reconcile_service`, in order: read the PDService and its GearSets and check them
-(:func:`~gearshift.control.reconcile.role_state`, ``explicit_layer_problems``, ``explicit_engine_problems``);
-read the fleet (through the runtime's :class:`~gearshift.handlers.runtime.FleetCache`) and work out the
-desired state (:func:`~gearshift.control.reconcile.desired_state`, plans memoised by inputs hash in the
+(:func:`~gearshift.control.reconcile.spec.role_state`, ``explicit_layer_problems``,
+``explicit_engine_problems``); read the fleet (through the runtime's
+:class:`~gearshift.handlers.runtime.FleetCache`) and work out the desired state
+(:func:`~gearshift.control.reconcile.desired.desired_state`, plans memoised by inputs hash in the
 runtime's :class:`~gearshift.handlers.runtime.PlanCache`); write each GearSet's
 status and the planning events; apply the owned objects; delete the engine StatefulSets and headless
 Services no wanted gear has (``stale_statefulsets``, ``stale_gear_services``); write each GearSet's
 readiness; write the PDService's conditions, phase and status
-(:func:`~gearshift.control.reconcile.service_verdict`).
+(:func:`~gearshift.control.reconcile.verdict.service_verdict`).
 
 Exceptions (the kopf handlers turn them into kopf errors)::
 
-    gearshift.control.reconcile.ReconcileError
-     ├── gearshift.control.reconcile.SpecInvalid   the PDService or a GearSet cannot be used as written
-     │                                             (permanent)
-     └── NotYet                                    something referenced is not there yet (retry after
-                                                   ``delay`` s)
+    gearshift.control.reconcile.state.ReconcileError
+     ├── gearshift.control.reconcile.state.SpecInvalid   the PDService or a GearSet cannot be used as
+     │                                                   written (permanent)
+     └── NotYet                                          something referenced is not there yet (retry
+                                                         after ``delay`` s)
 
 A shift in flight (GearSet ``status.executor.step`` in Warming/Draining/Switching/RollingBack/Degraded)
 belongs to the gear executor (issue 9): the reconciler then keeps both gears' pods, leaves the role
@@ -43,36 +44,32 @@ from typing import Any
 from pydantic import ValidationError
 
 from gearshift import planner
-from gearshift.api.common import REASON_INVALID_SPEC, Condition, format_validation_error
+from gearshift.api.common import REASON_INVALID_SPEC, Condition, ConditionUpdate, format_validation_error
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
-from gearshift.control.reconcile import (
+from gearshift.control.reconcile.desired import (
+    desired_state,
+    gearset_status_patch,
+    stale_gear_services,
+    stale_statefulsets,
+)
+from gearshift.control.reconcile.placement import bound_nodes
+from gearshift.control.reconcile.planning import memory_utilization, service_event_message
+from gearshift.control.reconcile.readiness import Readiness, readiness_patch, role_readiness
+from gearshift.control.reconcile.rollout import gearset_rollout_ahead, rollout_ahead, rollouts_starting
+from gearshift.control.reconcile.spec import explicit_engine_problems, explicit_layer_problems, role_state
+from gearshift.control.reconcile.state import (
     REASON_GEARSET_MISMATCH,
-    ConditionUpdate,
     DesiredState,
-    Readiness,
     ReconcileError,
     RoleState,
     SpecInvalid,
-    bound_nodes,
-    desired_state,
-    explicit_engine_problems,
-    explicit_layer_problems,
-    gearset_rollout_ahead,
-    gearset_status_patch,
+)
+from gearshift.control.reconcile.verdict import (
     gearsets_missing,
-    memory_utilization,
-    readiness_patch,
     refusal,
-    role_readiness,
-    role_state,
-    rollout_ahead,
-    rollouts_starting,
     router_ready,
-    service_event_message,
     service_verdict,
-    stale_gear_services,
-    stale_statefulsets,
     unschedulable,
 )
 from gearshift.handlers import common
@@ -193,7 +190,7 @@ class _ServiceStatus:
         self.book.changes.clear()
 
     def refuse(self, reason: str, msg: str) -> None:
-        """Write that the spec cannot be served (:func:`gearshift.control.reconcile.refusal`)."""
+        """Write that the spec cannot be served (:func:`gearshift.control.reconcile.verdict.refusal`)."""
         condition, status = refusal(self.old_status, reason, msg)
         self.set([condition])
         self.finish(status)
@@ -322,7 +319,7 @@ def _apply(
     written: dict[str, dict[str, Any]],
 ) -> int:
     """Apply the owned objects of ``want``; returns how many. When that starts a rollout of a serving
-    gear (:func:`~gearshift.control.reconcile.rollouts_starting` against ``live``, the StatefulSets by
+    gear (:func:`~gearshift.control.reconcile.rollout.rollouts_starting` against ``live``, the StatefulSets by
     name), the PDService says ``Progressing``/not ``Ready`` first, and so does the ``Ready`` condition of
     each GearSet whose gear rolls (set into the conditions this reconcile wrote, ``written``, which
     keeps the new list).
@@ -390,9 +387,9 @@ def _write_readiness(
     now: datetime,
     written: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, Readiness]:
-    """Each role's :class:`~gearshift.control.reconcile.Readiness` from the service's StatefulSets, written
-    to its GearSet's status where it differs, with its ``Ready`` condition (set into the conditions this
-    reconcile already wrote, ``written``, else the GearSet's as read)."""
+    """Each role's :class:`~gearshift.control.reconcile.readiness.Readiness` from the service's
+    StatefulSets, written to its GearSet's status where it differs, with its ``Ready`` condition (set
+    into the conditions this reconcile already wrote, ``written``, else the GearSet's as read)."""
     sts = {s["metadata"]["name"]: s for s in rt.api.list(*STS, ns, {names.LABEL_SERVICE: name})}
     out = {}
     for role, rs in roles.items():

@@ -34,7 +34,7 @@ from gearshift.handlers.common import PrunedReports
 from gearshift.handlers.kubeapi import GPUP, JOB, NODE, POD, KubeApi, RestKubeApi
 from gearshift.handlers.signals import LiveSignals, PrometheusSignals, ScaleSignalSource, SignalSource
 from gearshift.k8s.desired import Images
-from gearshift.profiling.lifecycle import ProbeSettings
+from gearshift.profiling.settings import ProbeSettings
 
 if TYPE_CHECKING:  # reconcile imports this module (its Settings)
     from gearshift.handlers.reconcile import ReconcileOutcome
@@ -203,7 +203,7 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 
 class PlanCache:
-    """The last ``size`` plans made, by inputs hash: a :data:`gearshift.control.reconcile.PlanMemo`.
+    """The last ``size`` plans made, by inputs hash: a :data:`gearshift.control.reconcile.state.PlanMemo`.
 
     Keyed by what a plan reads, not by object: many PDServices of one model share a plan, and the size
     bounds it (least recently used go first).
@@ -486,7 +486,7 @@ class Runtime:
         """The profiling settings: the ones given, else read from the environment once.
 
         Raises:
-            gearshift.profiling.lifecycle.SettingsError: a ``GEARSHIFT_PROBE_*`` variable is invalid
+            gearshift.profiling.settings.SettingsError: a ``GEARSHIFT_PROBE_*`` variable is invalid
                 (asked again, the environment is read again).
         """
         with self._lock:

@@ -83,7 +83,7 @@ from gearshift.control.executor import (
 )
 from gearshift.control.executor_status import executor_from_status
 from gearshift.control.policy import GearTable, PolicyError, ShiftRules
-from gearshift.control.reconcile import SHIFT_STEPS
+from gearshift.control.reconcile.state import SHIFT_STEPS
 from gearshift.control.shift_status import (
     ORPHAN_MESSAGE,
     REASON_SHIFT_ABANDONED,

@@ -37,7 +37,7 @@ Arguments (``vllm serve MODEL ...``; the parser is ``vllm/entrypoints/launchers/
   "external_kv_transfer"}`` counting every prompt token. The proxy protocol is unchanged: decode gets
   the ``kv_transfer_params`` prefill returned (``transfer_mode: push``);
 - then ``spec.engineArgs`` as given (flags the operator owns are refused by the API,
-  :data:`gearshift.api.pdservice.OPERATOR_OWNED_FLAGS`).
+  :data:`gearshift.api.enginespec.OPERATOR_OWNED_FLAGS`).
 
 Environment (``vllm/envs.py`` unless noted):
 

@@ -24,7 +24,8 @@ from gearshift.planner.errors import (
     PlanInputError,
     StageLimitError,
 )
-from gearshift.planner.gears import INTENTS, Gear, PlanResult, Prediction, Stage, plan
+from gearshift.planner.gears import Gear, PlanResult, Prediction, Stage, plan
+from gearshift.planner.intents import INTENTS
 from gearshift.planner.partition import Pipeline, PipelineStage, evaluate, even_split, min_bottleneck
 from gearshift.planner.profile import LINK_CAP, Link, Node, Profile, load_cluster, parse_profile
 from gearshift.planner.windows import Windows

@@ -290,7 +290,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     from gearshift.planner import PlanError, load_cluster
     from gearshift.planner.costs import RooflineAssumptions
     from gearshift.planner.errors import PlanInputError
-    from gearshift.planner.fleetplan import Workload, fleet_classes, profile_classes
+    from gearshift.planner.fleetclasses import Workload, fleet_classes, profile_classes
     from gearshift.planner.render import fleet_report, fleet_table
 
     try:

@@ -12,7 +12,7 @@ import yaml
 from gearshift.planner.gears import Gear, PlanResult
 
 if TYPE_CHECKING:
-    from gearshift.planner.fleetplan import FleetAnswer, FleetClasses, Workload
+    from gearshift.planner.fleetclasses import FleetAnswer, FleetClasses, Workload
 
 BAR_WIDTH = 30
 
@@ -106,7 +106,8 @@ def fleet_report(name: str, classes: FleetClasses, wl: Workload, load: float | N
         PlanError: no plan, or a ``load`` the fleet cannot serve (the message gives the bound).
     """
     # Imported here: scipy's solvers load only for --fleet, not for every `gearshift plan`.
-    from gearshift.planner.fleetplan import cheapest, max_load, peer_cheapest, peer_max_load
+    from gearshift.planner.fleetpeer import peer_cheapest, peer_max_load
+    from gearshift.planner.fleetplan import cheapest, max_load
 
     top = max_load(classes, wl)
     target = load if load is not None else top.throughput_rps / 2

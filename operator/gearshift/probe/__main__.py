@@ -302,7 +302,7 @@ def termination_log_path(flag: str | None) -> tuple[str, bool]:
 
 
 def _write_termination_log(path: str, explicit: bool, doc: dict[str, Any]) -> bool:
-    from gearshift.probe.report import compact
+    from gearshift.api.probedoc import compact
 
     try:
         body = compact(doc) if doc.get("probe") == "device" and "error" not in doc else doc
@@ -316,9 +316,9 @@ def _write_termination_log(path: str, explicit: bool, doc: dict[str, Any]) -> bo
 
 def run_args(args: argparse.Namespace) -> int:
     """Run the parsed sub-command; prints, writes the termination log; returns the exit code."""
+    from gearshift.api.probedoc import ProbeOutputError
     from gearshift.probe.backends import BackendError
     from gearshift.probe.link import LinkProbeError
-    from gearshift.probe.report import ProbeOutputError
     from gearshift.probe.simulated import SimulatedDeviceError
     from gearshift.probe.timing import ProbeTimeoutError
 
@@ -328,11 +328,11 @@ def run_args(args: argparse.Namespace) -> int:
     try:
         doc = args.probe_func(args)
         if doc.get("probe") == "device":
-            from gearshift.probe.report import validate_probe_output
+            from gearshift.api.probedoc import validate_probe_output
 
             validate_probe_output(doc)
         elif doc.get("probe") == "link":
-            from gearshift.probe.report import validate_link_output
+            from gearshift.api.probedoc import validate_link_output
 
             validate_link_output(doc)
     except UsageError as exc:

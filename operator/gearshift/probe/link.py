@@ -1,7 +1,7 @@
 """Pairwise link probe: bandwidth and latency between two nodes over TCP, and which pairs to measure.
 
 Two pods run it: ``gearshift-probe link-server`` listens on its pod IP, ``gearshift-probe link-client
---peer-address IP:PORT`` connects, measures, and prints one link document (:mod:`gearshift.probe.report`).
+--peer-address IP:PORT`` connects, measures, and prints one link document (:mod:`gearshift.api.probedoc`).
 
 Wire protocol (client → server frames, network byte order): a 9-byte header ``op (1 byte) + length
 (uint64)``, then ``length`` payload bytes.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from gearshift.probe.report import SCHEMA_VERSION
+from gearshift.api.probedoc import SCHEMA_VERSION
 
 HEADER = struct.Struct("!cQ")
 OP_PING, OP_DATA, OP_ACK, OP_QUIT = b"P", b"D", b"A", b"Q"

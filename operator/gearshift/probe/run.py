@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gearshift.api.probedoc import SCHEMA_VERSION
 from gearshift.facts.gpus import gpu_spec
 from gearshift.facts.model import ModelArch
 from gearshift.probe import ops
 from gearshift.probe.backends import Backend
-from gearshift.probe.report import SCHEMA_VERSION
 from gearshift.probe.timing import Deadline
 
 #: Llama-3-8B's shape (meta-llama/Meta-Llama-3-8B config.json): the default model a GPU probe times.
@@ -192,7 +192,7 @@ def summarize_devices(devices: list[dict[str, Any]], peers: list[dict[str, Any]]
 def run_device_probe(
     backends: list[Backend], cfg: ProbeConfig, *, node: str | None = None, now: datetime | None = None
 ) -> dict[str, Any]:
-    """Probe every backend's device and return the device probe document (:mod:`gearshift.probe.report`).
+    """Probe every backend's device and return the device probe document (:mod:`gearshift.api.probedoc`).
 
     Raises:
         ProbeTimeoutError: ``cfg.time_budget_s`` ran out before a measurement had its minimum repetitions.

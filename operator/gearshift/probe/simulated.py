@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from gearshift.api.probedoc import SCHEMA_VERSION
 from gearshift.facts.gpus import gpu_spec
 from gearshift.facts.model import ModelArch
 from gearshift.k8s.names import ANNOTATION_PREFIX
 from gearshift.probe import ops
-from gearshift.probe.report import SCHEMA_VERSION
 
 ENV_ANNOTATIONS = "GEARSHIFT_NODE_ANNOTATIONS"
 ENV_GPU_COUNT = "GEARSHIFT_GPU_COUNT"

@@ -170,7 +170,7 @@ def card_score(status: GPUProfileStatus) -> float | None:
     """Per-card compute score: ``computeScore / (gpuCount × 0.85 if gpuCount > 1)``, None when unknown.
 
     The 0.85 is seed 000's tensor-parallel factor, which
-    :func:`gearshift.probe.report.compute_score_from_tflops` applied to multi-card nodes.
+    :func:`gearshift.api.probedoc.compute_score_from_tflops` applied to multi-card nodes.
     """
     if status.compute_score is None or not status.compute_score > 0:
         return None

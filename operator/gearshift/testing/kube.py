@@ -45,7 +45,7 @@ from typing import Any
 
 from gearshift.handlers.kubeapi import RESOURCES, KubeApiError, label_selector
 from gearshift.handlers.runtime import PlanCache, Runtime, Settings
-from gearshift.profiling.lifecycle import ProbeSettings
+from gearshift.profiling.settings import ProbeSettings
 
 #: ``(kind, namespace, name)``: where an object is stored; namespace None for cluster-scoped kinds.
 Key = tuple[str, str | None, str]

@@ -329,7 +329,7 @@ def load_example(path: Path, model_config: Path | None) -> list[dict[str, Any]]:
     """The example's documents; with ``model_config`` (an HF config.json) the PDService serves that model."""
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     if model_config is not None:
-        from gearshift.api.pdservice import ModelSpec
+        from gearshift.api.modelspec import ModelSpec
 
         cfg = json.loads(model_config.read_text())
         name = str(cfg.get("_name_or_path") or model_config.stem)
@@ -653,7 +653,7 @@ def _twin(
     each peer layout, or None with a note. The model is the PDService's, the policy and workload those of
     its aggregated GearSet (or its prefill GearSet, for a PD service), the initial gear the one the live run
     started on."""
-    from gearshift.api.pdservice import ModelSpec
+    from gearshift.api.modelspec import ModelSpec
     from gearshift.dev import twin
 
     assert ctx.inputs is not None  # main sets it from _preflight

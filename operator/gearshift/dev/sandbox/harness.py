@@ -36,8 +36,8 @@ from gearshift.facts.gpus import gpu_spec
 from gearshift.k8s import names
 from gearshift.k8s.apply_text import apply_text
 from gearshift.planner.inputs import datasheet_gpuprofile
-from gearshift.profiling.lifecycle import window_step
 from gearshift.profiling.profiles import node_view
+from gearshift.profiling.window import window_step
 
 T = TypeVar("T")
 

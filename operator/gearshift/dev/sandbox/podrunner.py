@@ -281,8 +281,8 @@ class PodRunner:
         self.light = light
         if light:
             # Imported before any fork: a fork imports nothing (the import lock may be another thread's).
+            import gearshift.api.probedoc
             import gearshift.probe.__main__
-            import gearshift.probe.report
             import gearshift.probe.run
             import gearshift.probe.simulated  # noqa: F401
         #: The runner's own command line: the pid file of a fork records it (``procs`` checks it).

@@ -147,7 +147,7 @@ def peer_gears(
     at the largest halving of ``max_batch`` (KV reserved for fewer sequences) that lets it fit on as few
     cards (the micro-batch capped at it): what a peer user does with ``--max-num-seqs``.
 
-    The same rule as :func:`gearshift.planner.fleetplan.peer_configs` (even splits of one class, the
+    The same rule as :func:`gearshift.planner.fleetpeer.peer_configs` (even splits of one class, the
     fewest stages that fit), on the fleet's own nodes rather than its classes, so the twin can run them.
 
     Returns ``(gears named "peer-<gpu model>", [{"gear", "gpu_model", "stages", "copies", "layers",

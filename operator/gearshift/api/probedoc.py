@@ -1,5 +1,9 @@
 """The probe's output: the versioned JSON schema, its validation, and its mapping onto GPUProfile.status.
 
+A data contract between two images: the worker image's probe (:mod:`gearshift.probe`) writes these
+documents and the operator's profiling (:mod:`gearshift.profiling`) reads them, so it lives here, below
+both, and neither imports the other.
+
 A device probe prints one document (``probe: device``)::
 
     {"schemaVersion": 1, "probe": "device", "kind": "cuda" | "cpu" | "simulated",
