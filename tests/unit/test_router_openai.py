@@ -22,7 +22,8 @@ from aiohttp import web
 from test_router_proxy import Factory, FakeEngine, make_router  # noqa: F401  (the fixture)
 from vllm_ref import vllm_protocol
 
-from gearshift.router.proxy import complete_events, error_body, scan_sse
+from gearshift.router.errors import error_body
+from gearshift.router.sse import complete_events, scan_sse
 from gearshift.sim.config import config_from_env
 from gearshift.sim.server import build_app
 
