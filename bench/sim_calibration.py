@@ -24,8 +24,8 @@ from typing import Any
 from aiohttp import web
 
 from gearshift.dev.loadgen import TraceRequest, run_load
+from gearshift.sim.app import build_app
 from gearshift.sim.config import config_from_env
-from gearshift.sim.server import build_app
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "sim.json"

@@ -70,7 +70,7 @@ from gearshift.dev.sandbox.harness import (  # noqa: E402
 from gearshift.dev.sandbox.layout import Layout  # noqa: E402
 from gearshift.facts.model import KV_LEASE_S, ModelArch  # noqa: E402
 from gearshift.k8s.engine import KV_CONNECTOR  # noqa: E402
-from gearshift.router.proxy import REQUEST_ID_HEADER, decode_leg_body, prefill_leg_body  # noqa: E402
+from gearshift.router.legs import REQUEST_ID_HEADER, decode_leg_body, prefill_leg_body  # noqa: E402
 
 
 def _ts(s: str) -> float:

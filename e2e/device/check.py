@@ -22,7 +22,7 @@ Steps, each under its own timeout and one overall budget (``--budget-s``):
    and the seconds and the failed requests are counted.
 6. (b) pipeline: prefill gear ``pp2`` (two ``vllm serve`` processes, ``--nnodes 2``, rank 1 ``--headless``,
    ``VLLM_PP_LAYER_PARTITION=3,1``); its greedy output must equal the reference.
-7. (c) PD: decode gear ``d1`` starts; the two legs of vLLM's toy proxy (``gearshift.router.proxy``'s
+7. (c) PD: decode gear ``d1`` starts; the two legs of vLLM's toy proxy (``gearshift.router.legs``'s
    ``prefill_leg_body``/``decode_leg_body``/``leg_headers``: prefill ``max_tokens: 1`` with
    ``kv_transfer_params.do_remote_decode``, decode with what prefill returned, one ``X-Request-Id``), once
    from ``pp1`` and once from ``pp2``; the KV moved when decode's
@@ -886,7 +886,7 @@ def step_shift(run: Run, old: Replica, shadow: Replica, served: str, reference: 
 
 def pd_request(run: Run, prefill: Replica, decode: Replica, served: str, prompt: str) -> dict[str, Any]:
     """One request through vLLM's toy-proxy protocol; returns the KV figures and the decode text."""
-    from gearshift.router.proxy import decode_leg_body, leg_headers, prefill_leg_body
+    from gearshift.router.legs import decode_leg_body, leg_headers, prefill_leg_body
 
     body = completion_body(served, prompt)
     rid = uuid.uuid4().hex

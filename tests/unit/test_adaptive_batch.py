@@ -19,9 +19,9 @@ from gearshift.api.gearset import AdaptiveBatchStatus
 from gearshift.control import adaptive_batch as ab
 from gearshift.handlers import adaptive_batch as h
 from gearshift.k8s import names
+from gearshift.router.config import ProxyConfig
 from gearshift.router.membership import batch_caps, infos_from_slices, with_caps
 from gearshift.router.pool import BackendInfo
-from gearshift.router.proxy import ProxyConfig
 from gearshift.router.server import balance_round
 from gearshift.testing.daemons import OneTurn
 from gearshift.testing.kube import FakeKubeApi

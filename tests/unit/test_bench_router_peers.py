@@ -100,7 +100,7 @@ def test_error_chunk_uses_fastchats_error_code(fw: ModuleType) -> None:
 
 
 def test_tokenizer_counts_as_the_simulator_does(fw: ModuleType) -> None:
-    from gearshift.sim.server import count_prompt_tokens
+    from gearshift.sim.request import count_prompt_tokens
 
     prompt = " ".join(["hi"] * 37)  # loadgen --chat's prompt; FastChat's raw template passes it through
     assert len(fw.WordTokenizer()(prompt).input_ids) == count_prompt_tokens(prompt) == 37

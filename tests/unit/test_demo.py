@@ -17,7 +17,7 @@ from gearshift.cli import build_parser
 from gearshift.dev.demo import gears, live, plots, report, series
 from gearshift.dev.demo import trace as tw
 from gearshift.dev.demo.kube import DemoError, http_get, is_loopback_url
-from gearshift.dev.demo.run import load_example
+from gearshift.dev.demo.service import load_example
 from gearshift.dev.loadgen import TraceRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -601,13 +601,14 @@ class TestLocalOperatorMetrics:
     """The local operator's ``/metrics`` reach the sandbox Prometheus through a target file of its own."""
 
     def test_target_file_written_then_removed_when_the_operator_stops(self, tmp_path, monkeypatch) -> None:
-        from gearshift.dev.demo import run
+        from gearshift.dev.demo import install
+        from gearshift.dev.demo.context import Ctx
         from gearshift.dev.sandbox.cluster import local_targets_dir
         from gearshift.dev.sandbox.layout import Layout
 
         monkeypatch.setenv("GEARSHIFT_SANDBOX_DIR", str(tmp_path / "sb"))
         layout = Layout.from_env()
-        ctx = run.Ctx(
+        ctx = Ctx(
             SimpleNamespace(namespace="team-a"),
             lambda _m: None,
             layout,
@@ -615,15 +616,15 @@ class TestLocalOperatorMetrics:
             None,
             {},  # type: ignore[arg-type]
         )
-        path = run._announce_local_operator(ctx, 41234)
+        path = install._announce_local_operator(ctx, 41234)
         assert path.parent == local_targets_dir(layout) and path.name == "operator-team-a.json"
         (group,) = json.loads(path.read_text())
         assert group["targets"] == ["127.0.0.1:41234"]
         # labelled as the chart's pod would be after the pod job's relabelling
-        assert group["labels"]["namespace"] == run.SYSTEM_NAMESPACE
+        assert group["labels"]["namespace"] == install.SYSTEM_NAMESPACE
         assert group["labels"]["app_kubernetes_io_component"] == "operator"
         ctx.metrics_target = path
-        run._stop_operator(ctx)  # no process to stop: the file goes all the same
+        install.stop_operator(ctx)  # no process to stop: the file goes all the same
         assert not path.exists() and ctx.metrics_target is None
 
 

@@ -20,7 +20,7 @@ from gearshift.control.adapt import policy_from_api
 from gearshift.dev import twin
 from gearshift.dev.demo import DEFAULT_EXAMPLE, DEFAULT_KEEP_EVERY, DEFAULT_TIME_SCALE, goals, report
 from gearshift.dev.demo import trace as tw
-from gearshift.dev.demo.run import load_example, service_gearsets
+from gearshift.dev.demo.service import load_example, service_gearsets
 from gearshift.dev.loadgen import TraceRequest
 from gearshift.dev.twin.compare import best, dynamic_start, first_minute_rps, row
 from gearshift.dev.twin.gears import gears_from_api, peer_gears

@@ -29,9 +29,9 @@ from gearshift.dev.loadgen import (
     summarize,
 )
 from gearshift.facts.model import load_hf_config
+from gearshift.sim.app import build_app
 from gearshift.sim.config import config_from_env
 from gearshift.sim.perfmodel import PerfModel, parse_pipeline
-from gearshift.sim.server import build_app
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA = REPO / "examples" / "models" / "llama-3-8b.json"

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from gearshift.facts import fastjson
 from gearshift.facts.lax import LAX_BOOL, LAX_FLOAT, LAX_INT, read_lax
+from gearshift.router.legs import RequestIds, request_id_for
 from gearshift.router.metrics import ITL_BUCKETS, VLLM_ITL_BUCKETS, observe_many
-from gearshift.router.proxy import RequestIds, request_id_for
 from gearshift.router.server import Router
 
 

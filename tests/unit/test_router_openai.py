@@ -22,9 +22,10 @@ from aiohttp import web
 from test_router_proxy import Factory, FakeEngine, make_router  # noqa: F401  (the fixture)
 from vllm_ref import vllm_protocol
 
-from gearshift.router.proxy import complete_events, error_body, scan_sse
+from gearshift.router.errors import error_body
+from gearshift.router.sse import complete_events, scan_sse
+from gearshift.sim.app import build_app
 from gearshift.sim.config import config_from_env
-from gearshift.sim.server import build_app
 
 LLAMA = Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json"
 ROLE_DELAY_S = 0.25

@@ -21,9 +21,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 from vllm_ref import vllm_protocol
 
+from gearshift.router.config import ProxyConfig
 from gearshift.router.outlier import OutlierConfig
 from gearshift.router.pool import BackendInfo, PolicyConfig
-from gearshift.router.proxy import ProxyConfig
 from gearshift.router.server import Router, RouterSettings
 
 #: The prefill leg's kv_transfer_params, as vLLM's toy proxy writes them (send_request_to_service).

@@ -275,7 +275,7 @@ def test_a_process_that_outlives_sigkill_does_not_end_the_runner(tmp_path, monke
     out of the runner's loop, and the runner's shutdown stopped every other pod's processes (the decode
     engine, the router) while their pods still read Ready. The stop now goes on and the process is reaped
     later; the other pods keep running and a new pod still starts."""
-    monkeypatch.setattr("gearshift.dev.sandbox.podrunner.KILL_WAIT_S", 0.05)
+    monkeypatch.setattr("gearshift.dev.sandbox.containers.KILL_WAIT_S", 0.05)
     runner, api = make_runner(tmp_path)
     keep = pod("keep", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")
     dying = pod("dying", ["gearshift", "sandbox", "exit-with", "--sleep", "60"], restart="Always")

@@ -15,18 +15,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from vllm_ref import vllm_protocol
 
 from gearshift.facts.model import GIB, ModelArch, load_hf_config
+from gearshift.sim.app import ENGINE_KEY, build_app
 from gearshift.sim.config import SimConfigError, config_from_env, on_own_card
 from gearshift.sim.engine import Engine, RequestRejected
 from gearshift.sim.perfmodel import Link, PerfModel, PerfParams, Work, parse_pipeline
-from gearshift.sim.server import (
-    ENGINE_KEY,
-    REMOTE_PREFILL_KEYS,
-    BadRequest,
-    build_app,
-    engine_request_id,
-    parse_request,
-    remote_prefill_tokens,
-)
+from gearshift.sim.protocol import REMOTE_PREFILL_KEYS, engine_request_id, remote_prefill_tokens
+from gearshift.sim.request import BadRequest, parse_request
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA8B_PATH = str(REPO / "examples" / "models" / "llama-3-8b.json")

@@ -13,8 +13,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from test_sim_engine import a10_env
 from vllm_ref import vllm_protocol
 
+from gearshift.sim.app import build_app
 from gearshift.sim.config import config_from_env
-from gearshift.sim.server import TOKEN_TEXT, build_app, stop_point
+from gearshift.sim.request import TOKEN_TEXT, stop_point
 
 
 @pytest.fixture

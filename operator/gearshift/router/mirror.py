@@ -47,7 +47,7 @@ from gearshift.k8s.names import (
     LABEL_STAGE,
     LABEL_WARMING,
 )
-from gearshift.router.proxy import leg_headers, prefill_leg_body
+from gearshift.router.legs import leg_headers, prefill_leg_body
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def warming_targets(pods: Iterable[Mapping[str, Any]], service: str) -> list[Mir
 
 def mirror_body(role: str, body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     """The copy a warming pod of ``role`` gets of the client's ``body`` (not changed): for prefill, the
-    prefill leg (:func:`gearshift.router.proxy.prefill_leg_body`: one output token, not streamed) without
+    prefill leg (:func:`gearshift.router.legs.prefill_leg_body`: one output token, not streamed) without
     ``kv_transfer_params``, so its KV blocks are freed when it finishes rather than held for a decode pod
     that never comes; for decode, the client's request without ``kv_transfer_params`` (the pod prefills
     it itself, as a decode pod does for a plain request)."""

@@ -45,12 +45,14 @@ from gearshift.control import pd_balance
 from gearshift.facts.model import load_hf_config
 from gearshift.router import outlier
 from gearshift.router import policies as P
+from gearshift.router.config import ProxyConfig
+from gearshift.router.errors import error_response
 from gearshift.router.membership import EndpointSliceMembership, parse_backend
 from gearshift.router.metrics import RouterMetrics, make_metrics
 from gearshift.router.mirror import Mirror, make_mirror_metrics
 from gearshift.router.outlier import OutlierConfig, OutlierConfigError
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool
-from gearshift.router.proxy import Proxy, ProxyConfig, error_response
+from gearshift.router.proxy import Proxy
 from gearshift.router.signals import HealthChecker, PrometheusSource, Scraper
 
 log = logging.getLogger("gearshift.router")

@@ -6,9 +6,15 @@ the router's pod IP with a live line, and writes ``demo-report/`` (``report.md``
 
 Modules: :mod:`~gearshift.dev.demo.trace` (windowing), :mod:`~gearshift.dev.demo.series` (time series from
 measurements), :mod:`~gearshift.dev.demo.gears` (gear tables),
-:mod:`~gearshift.dev.demo.live` (the live line),
-:mod:`~gearshift.dev.demo.report` and :mod:`~gearshift.dev.demo.plots` (the report) are pure;
-:mod:`~gearshift.dev.demo.kube` and :mod:`~gearshift.dev.demo.run` do the I/O.
+:mod:`~gearshift.dev.demo.live` (the live line), :mod:`~gearshift.dev.demo.cost` and
+:mod:`~gearshift.dev.demo.goals` (GPU time, the run's goals),
+:mod:`~gearshift.dev.demo.report`, :mod:`~gearshift.dev.demo.summary` and :mod:`~gearshift.dev.demo.plots`
+(the report) are pure. :mod:`~gearshift.dev.demo.kube` wraps kubectl and Prometheus; the steps do the I/O:
+:mod:`~gearshift.dev.demo.install` (the operator), :mod:`~gearshift.dev.demo.fleet` (GPU profiles),
+:mod:`~gearshift.dev.demo.service` (the example applied, the router's address),
+:mod:`~gearshift.dev.demo.replay` (the load and the live line) and :mod:`~gearshift.dev.demo.results` (the
+report written); :mod:`~gearshift.dev.demo.run` runs them in order, sharing a
+:class:`~gearshift.dev.demo.context.Ctx`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The demo's access to the cluster and to Prometheus: the pinned kubectl and loopback-only HTTP.
 
-Thin I/O wrappers; the decisions live in the pure modules and in :mod:`gearshift.dev.demo.run`.
+Thin I/O wrappers; the decisions live in the pure modules and in the steps :mod:`gearshift.dev.demo.run` runs.
 """
 
 from __future__ import annotations

@@ -165,6 +165,20 @@ def goal_lines(goals: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def explore_commands(namespace: str, service: str) -> list[str]:
+    """The report's "explore the cluster" commands, for the service ``service`` in ``namespace``."""
+    env_cmd = "gearshift sandbox env"
+    return [
+        f'eval "$(.venv/bin/{env_cmd})"        # KUBECONFIG and PATH for kubectl',
+        "kubectl get gearshift -A                # PDServices, GearSets and GPUProfiles",
+        f"kubectl get gearsets -n {namespace}            # active gear, phase, P99, QPS",
+        f"kubectl describe pdservice {service} -n {namespace}",
+        f"kubectl get pods -n {namespace} -o wide        # stages and the nodes they run on",
+        "kubectl get gpup                        # the measured fleet",
+        ".venv/bin/gearshift demo --down          # or: make sandbox-down (tear everything down)",
+    ]
+
+
 def render(d: ReportData) -> str:
     """``report.md`` text."""
     load = d.load

@@ -331,3 +331,42 @@ def gear_spans(role: str, first_gear: str, marks: Sequence[ShiftMark], run_s: fl
             gear, since = m.to_gear, at
     spans.append(GearSpan(role, gear, since, run_s))
     return [s for s in spans if s.end_s > s.start_s or len(spans) == 1]
+
+
+def timeline(
+    gearsets: Mapping[str, Mapping[str, Any]], first_gears: Mapping[str, str], t0: float, run_s: float
+) -> tuple[list[ShiftMark], list[GearSpan]]:
+    """The shifts of every role's GearSet (role → GearSet document, read at the run's end) from its
+    ``status.history``, by start (s since ``t0``), and which gear served each role when (``first_gears``:
+    role → the gear the run started on)."""
+    marks: list[ShiftMark] = []
+    spans: list[GearSpan] = []
+    for role, gs in gearsets.items():
+        m = shift_marks(role, (gs.get("status") or {}).get("history") or [], t0)
+        marks += m
+        spans += gear_spans(role, first_gears[role], m, run_s)
+    marks.sort(key=lambda m: m.started_s)
+    return marks, spans
+
+
+def router_totals(scrapes: Sequence[RouterScrape]) -> dict[str, float]:
+    """The router's own count of requests (all, and answered OK) and P99 TTFT and ITL, ms, between its
+    first and last scrape of the run; empty with fewer than two scrapes."""
+    if len(scrapes) < 2:
+        return {}
+    first, last = scrapes[0], scrapes[-1]
+    w = router_window(first, last)
+    return {
+        "requests": last.total - first.total,
+        "ok": last.ok - first.ok,
+        "ttft_p99_ms": w["ttft_p99_ms"],
+        "itl_p99_ms": w["itl_p99_ms"],
+    }
+
+
+def mean_values(by_role: Mapping[str, Sequence[Series]]) -> dict[str, dict[str, float]]:
+    """Role → series name → the mean of its finite values (a series with none is left out)."""
+    return {
+        role: {s.name: sum(s.finite()) / len(s.finite()) for s in ss if s.finite()}
+        for role, ss in by_role.items()
+    }

@@ -22,6 +22,23 @@ def policy_times(policy: Mapping[str, Any], time_scale: float) -> dict[str, dict
     }
 
 
+def policy_notes(gearsets: Mapping[str, Mapping[str, Any]], time_scale: float) -> list[str]:
+    """The report's note of each role's shifting policy times (role → GearSet document), in run seconds and
+    in trace seconds at ``time_scale`` (:func:`policy_times`); none for a policy without those times."""
+    notes = []
+    for role, gs in gearsets.items():
+        times = policy_times(gs["spec"].get("policy") or {}, time_scale)
+        if times:
+            parts = ", ".join(
+                f"{k.removesuffix('S')} {v['run_s']:g} s ({v['trace_s']:g} s)" for k, v in times.items()
+            )
+            notes.append(
+                f"{role} shifting policy in run seconds (trace seconds at {time_scale:g}×): {parts}. "
+                "The demo's example scales seed 002's 10-minute dwell down to fit a replay of minutes."
+            )
+    return notes
+
+
 def shifts(histories: Mapping[str, Iterable[Mapping[str, Any]]], t0: float) -> list[dict[str, Any]]:
     """Every shift that finished during the run (or is still running), per role, from ``status.history``
     (times relative to the replay's start ``t0``, Unix s; a shift begun before it starts below 0), with

@@ -7,7 +7,9 @@ Modules:
   - ``prometheus``: the Prometheus configuration (pure) and its process;
   - ``procs``: managed local processes with pid files;
   - ``cluster``: ``up``/``down``/``status`` orchestration;
-  - ``podspec`` and ``podrunner``: the local pod runner (pure helpers, and the watch loop);
+  - ``podspec`` and ``podrunner``: the local pod runner (pure helpers, and the watch loop), with
+    ``containers`` (one container as a local process), ``podstatus`` (the status it reports, pure),
+    ``podinputs`` (ConfigMaps, Secrets and ServiceAccount tokens from the API) and ``runlog``;
   - (the tiny servers the runner's e2e tests run inside pods are :mod:`gearshift.testing.servers`);
   - ``cli``: ``gearshift sandbox ...``.
 """

@@ -417,7 +417,9 @@ def code_fingerprint(*modules: str) -> str:
 
 def _ensure_runner(layout: Layout, state: dict[str, Any], say: Say, light: bool = False) -> int:
     pidfile = layout.run_dir / "podrunner.pid"
-    code = code_fingerprint("podrunner", "podspec", "procs", "nodes", "mountns")
+    code = code_fingerprint(
+        "podrunner", "containers", "podstatus", "podinputs", "runlog", "podspec", "procs", "nodes", "mountns"
+    )
     code += "+vllm" if layout.vllm_installed else ""
     code += "+light" if light else ""
     pid = procs.running(pidfile)

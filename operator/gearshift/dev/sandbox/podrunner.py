@@ -36,71 +36,49 @@ any other container's fork sleeps until it is stopped and counts as Ready at onc
 readiness probes are not run). Everything else (pod IPs, status, exit codes, deletion) is as above, and
 pods are supervised every ``LIGHT_SUPERVISE_S`` instead of every ``TICK_S``.
 Run as ``python -m gearshift.dev.sandbox.podrunner`` (``gearshift sandbox up`` does).
+
+This module is the runner's watch loop and its API writes; a container's process (start, probe, exit,
+stop) is :mod:`~gearshift.dev.sandbox.containers`, the status it reports
+:mod:`~gearshift.dev.sandbox.podstatus`, what it reads from the API for a pod
+:mod:`~gearshift.dev.sandbox.podinputs`.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import queue
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gearshift.dev.sandbox import podspec
+from gearshift.dev.sandbox import containers, podspec
+from gearshift.dev.sandbox.containers import ContainerRun, PodRun, advance_probe, exited, kill, spawn
 from gearshift.dev.sandbox.nodes import SANDBOX_RUN_LABEL
-from gearshift.dev.sandbox.procs import write_pidfile
+from gearshift.dev.sandbox.podinputs import credentials, lookup
+from gearshift.dev.sandbox.podstatus import pod_phase, pod_status
+from gearshift.dev.sandbox.runlog import log, utc_now
 from gearshift.k8s.names import GPU_RESOURCE
 
 LABEL_SELECTOR = f"{SANDBOX_RUN_LABEL}=true"
 TICK_S = 0.1
 #: Longest time one pass of the main loop handles watch events before it supervises the runs, s.
 MAX_EVENTS_S = 1.0
-BACKOFF_BASE_S = 1.0
-BACKOFF_CAP_S = 30.0
-#: A container that ran this long has its back-off reset (the kubelet uses 10 min).
-BACKOFF_RESET_S = 60.0
 MAX_GRACE_S = 10.0
-#: How long a stop waits for a process after SIGKILL before it goes on and leaves the reaping to the
-#: supervision passes, s. A 4 GB vLLM engine in its own mount namespace can take longer than this to be
-#: torn down on a loaded 2-core host; a wait that raised there once ended the runner and, with it, every
-#: pod's processes.
-KILL_WAIT_S = 5.0
 #: A pod whose start failed on something other than its spec (the API server refused a lookup) is tried
 #: again after this long, s.
 START_RETRY_S = 2.0
-#: Probe period before the first success (see the module docstring), s.
-FAST_PROBE_S = 1.0
 WATCH_TIMEOUT_S = 60
 #: Light mode: seconds between two supervision passes over the runs (each pass polls every process).
 LIGHT_SUPERVISE_S = 1.0
-#: Light mode: the program whose simulated run happens inside the fork.
-PROBE_COMMAND = "gearshift-probe"
-#: Lifetime of a pod's ServiceAccount token, s. The token is bound to the pod (revoked when it is
-#: deleted) and not rotated, so it outlives any sandbox session.
-TOKEN_TTL_S = 7 * 24 * 3600
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _log(msg: str) -> None:
-    print(f"{_now()} {msg}", flush=True)
 
 
 def _api_error(exc: Exception) -> str:
@@ -114,126 +92,6 @@ def _api_error(exc: Exception) -> str:
             message = body
         return f"{status}: {str(message)[:500]}"
     return f"{type(exc).__name__}: {str(exc)[:300]}"
-
-
-class ForkedProcess:
-    """A light-mode container: a fork of the runner, with the part of ``Popen``'s interface used here."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self.returncode = -1
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-            time.sleep(0.02)
-        return code
-
-
-def _light_child(argv: list[str], env: dict[str, str], log_fd: int) -> None:
-    """The body of a light-mode fork (never returns): the simulated probe, or sleep until signalled."""
-    code = 1
-    try:
-        os.setsid()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        simulated = env.get("GEARSHIFT_PROBE_SIMULATED", "") in ("1", "true", "yes")
-        if Path(argv[0]).name == PROBE_COMMAND and simulated:
-            from gearshift.probe.__main__ import main as probe_main
-
-            os.environ.clear()
-            os.environ.update(env)
-            code = probe_main(argv[1:])
-        else:
-            while True:
-                signal.pause()
-    except BaseException as exc:  # the fork must never return into the runner's loop
-        print(f"light container failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-@dataclass
-class ContainerRun:
-    """One container of a pod run as a local process."""
-
-    name: str
-    image: str
-    argv: list[str]
-    env: dict[str, str]
-    probe: dict[str, Any] | None
-    log: Path
-    message_file: Path
-    pidfile: Path
-    message_policy: str
-    proc: subprocess.Popen[bytes] | ForkedProcess | None = None
-    started_at: str | None = None
-    started_mono: float = 0.0
-    restarts: int = 0
-    backoff_steps: int = 0
-    ready: bool = False
-    successes: int = 0
-    failures: int = 0
-    next_probe: float = 0.0
-    probing: concurrent.futures.Future[bool] | None = None
-    next_start: float | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-    last_state: dict[str, Any] = field(default_factory=dict)
-    done: bool = False
-    exit_code: int | None = None
-
-    def status(self) -> dict[str, Any]:
-        """This container's entry of ``status.containerStatuses``."""
-        return {
-            "name": self.name,
-            "image": self.image,
-            "imageID": "",
-            "containerID": f"gearshift-sandbox://{self.proc.pid}" if self.proc else "",
-            "ready": self.ready,
-            "started": self.proc is not None and self.proc.poll() is None,
-            "restartCount": self.restarts,
-            "state": self.state,
-            "lastState": self.last_state,
-        }
-
-
-@dataclass
-class PodRun:
-    """A pod the runner is responsible for."""
-
-    uid: str
-    namespace: str
-    name: str
-    pod: dict[str, Any]
-    containers: list[ContainerRun]
-    restart_policy: str
-    error: str | None = None
-    deleting: bool = False
-    last_sent: str = ""
-    pod_ip: str = ""
-    """The IP its containers were started on; the runner, as the kubelet, reports it as the pod's."""
-
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
 
 
 class PodRunner:
@@ -318,7 +176,7 @@ class PodRunner:
             except Exception as exc:  # the API server restarting must not end the runner
                 if self.stop.is_set():
                     break
-                _log(f"watch failed ({type(exc).__name__}: {exc}); retrying in 1 s")
+                log(f"watch failed ({type(exc).__name__}: {exc}); retrying in 1 s")
                 self.stop.wait(1.0)
 
     def _node(self, name: str) -> dict[str, Any] | None:
@@ -335,7 +193,7 @@ class PodRunner:
         """Run until ``self.stop`` is set; then stop every process it started."""
         watcher = threading.Thread(target=self._watch, name="watch", daemon=True)
         watcher.start()
-        _log(f"pod runner watching pods with {LABEL_SELECTOR}{' (light mode)' if self.light else ''}")
+        log(f"pod runner watching pods with {LABEL_SELECTOR}{' (light mode)' if self.light else ''}")
         supervised = 0.0
         try:
             while not self.stop.is_set():
@@ -362,7 +220,7 @@ class PodRunner:
                     try:
                         self._supervise(run)
                     except Exception as exc:
-                        _log(f"{run.key}: supervise failed: {type(exc).__name__}: {exc}")
+                        log(f"{run.key}: supervise failed: {type(exc).__name__}: {exc}")
         finally:
             self._shutdown()
 
@@ -373,14 +231,14 @@ class PodRunner:
             self._handle(kind, obj)
         except Exception:
             name = (obj.get("metadata") or {}).get("name", "?")
-            _log(f"{kind} {name}: handling failed; going on\n{traceback.format_exc().rstrip()}")
+            log(f"{kind} {name}: handling failed; going on\n{traceback.format_exc().rstrip()}")
 
     def _reap(self) -> None:
         """Poll the processes that outlived a stop until the kernel has torn them down."""
         for proc in list(self.dying):
             if proc.poll() is not None:
                 self.dying.remove(proc)
-                _log(f"pid {proc.pid}: reaped (exit {proc.returncode})")
+                log(f"pid {proc.pid}: reaped (exit {proc.returncode})")
 
     def _update_dns(self, kind: str, pod: dict[str, Any]) -> None:
         if kind == "RESYNC":
@@ -441,7 +299,7 @@ class PodRunner:
                 # each play taking a new IP from the node's pool (measured: two patches 17 ms apart, the
                 # engine bound to the first IP, the EndpointSlice and router got the second, and every
                 # request to the pod failed to connect). The process listens on the first: say so again.
-                _log(f"{run.key}: pod IP in the API is {seen}, its containers run on {run.pod_ip}: restoring")
+                log(f"{run.key}: pod IP in the API is {seen}, its containers run on {run.pod_ip}: restoring")
                 run.last_sent = ""
             return
         if uid in self.finished or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
@@ -464,65 +322,12 @@ class PodRunner:
             self.runs.pop(uid, None)
             self.waiting[uid] = pod
             self.retry_at[uid] = time.monotonic() + START_RETRY_S
-            _log(f"{meta.get('namespace')}/{meta.get('name')}: start failed ({type(exc).__name__}: {exc}); "
+            log(f"{meta.get('namespace')}/{meta.get('name')}: start failed ({type(exc).__name__}: {exc}); "
                  f"retrying in {START_RETRY_S:.0f} s")  # fmt: skip
             return
         self.retry_at.pop(uid, None)
 
     # ------------------------------------------------------------------------------------ starting
-
-    def _lookup(self, kind: str, ns: str, name: str) -> dict[str, str] | None:
-        from kubernetes.client.rest import ApiException
-
-        try:
-            if kind == "ConfigMap":
-                return dict(self.core.read_namespaced_config_map(name, ns).data or {})
-            secret = self.core.read_namespaced_secret(name, ns)
-            data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
-            return {**data, **(secret.string_data or {})}
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def _credentials(self, pod: dict[str, Any], pod_dir: Path) -> Path | None:
-        """The kubeconfig the pod's containers get: the admin one, or its ServiceAccount's (see
-        ``podspec.service_account_for``); None when the pod must have no credentials.
-
-        Raises:
-            PodSpecError: the ServiceAccount does not exist, or the API refused the token.
-        """
-        import yaml
-        from kubernetes import client
-        from kubernetes.client.rest import ApiException
-
-        sa = podspec.service_account_for(pod)
-        if sa is None:
-            return self.kubeconfig
-        if not sa:
-            return None
-        meta = pod["metadata"]
-        request = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(
-                audiences=[],
-                expiration_seconds=TOKEN_TTL_S,
-                bound_object_ref=client.V1BoundObjectReference(
-                    api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]
-                ),
-            )
-        )
-        try:
-            token = self.core.create_namespaced_service_account_token(sa, meta["namespace"], request)
-        except ApiException as exc:
-            raise podspec.PodSpecError(
-                f"spec.serviceAccountName {sa!r}: cannot get a token ({exc.status} {exc.reason})"
-            ) from None
-        admin = yaml.safe_load(self.kubeconfig.read_text())
-        cfg = podspec.service_account_kubeconfig(admin, token.status.token, meta["namespace"])  # type: ignore[union-attr,arg-type]  # a created TokenRequest has its status
-        path = pod_dir / "serviceaccount.kubeconfig"
-        path.touch(mode=0o600)
-        path.write_text(yaml.safe_dump(cfg))
-        return path
 
     def _start_pod(self, pod: dict[str, Any], node: dict[str, Any]) -> None:
         meta, spec = pod["metadata"], pod["spec"]
@@ -539,9 +344,9 @@ class PodRunner:
             if spec.get("initContainers"):
                 raise podspec.PodSpecError("spec.initContainers are not supported by the sandbox runner")
             gpu_model = (node.get("metadata", {}).get("annotations") or {}).get("gearshift.io/gpu-model", "")
-            kubeconfig = self._credentials(pod, pod_dir)
+            kubeconfig = credentials(self.core, self.kubeconfig, pod, pod_dir)
             for c in spec.get("containers", []):
-                env = podspec.container_env(pod, c, self._lookup)
+                env = podspec.container_env(pod, c, functools.partial(lookup, self.core))
                 msg_file = pod_dir / f"{c['name']}.termination-log"
                 limits = (c.get("resources") or {}).get("limits") or {}
                 extra = {
@@ -604,60 +409,12 @@ class PodRunner:
         except podspec.PodSpecError as exc:
             run.error = str(exc)
             run.containers = []
-            _log(f"{run.key}: cannot run: {exc}")
-        _log(f"{run.key}: accepted on {spec.get('nodeName')} ({pod['status'].get('podIP')})")
+            log(f"{run.key}: cannot run: {exc}")
+        log(f"{run.key}: accepted on {spec.get('nodeName')} ({pod['status'].get('podIP')})")
         if not self.light or run.error is not None:
             # Light mode starts the container on the next pass: its Running report is the first (one
             # status write fewer per pod; the runner writes them one at a time).
             self._report(run)
-
-    def _spawn(self, run: PodRun, c: ContainerRun) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            c.message_file.unlink()
-        c.message_file.touch()
-        with c.log.open("ab") as out:
-            light = " (light)" if self.light else ""
-            out.write(f"--- {_now()} starting {' '.join(c.argv)}{light}\n".encode())
-            out.flush()
-            if self.light:
-                self._fork(run, c, out.fileno())
-                return
-            try:
-                c.proc = subprocess.Popen(
-                    c.argv,
-                    env=c.env,
-                    cwd=c.log.parent,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                run.error = f"containers[{c.name}]: cannot start {c.argv[0]}: {exc}"
-                _log(f"{run.key}: {run.error}")
-                return
-        write_pidfile(c.pidfile, c.proc.pid, c.argv)
-        self._started(run, c)
-
-    def _fork(self, run: PodRun, c: ContainerRun, log_fd: int) -> None:
-        """Light mode: the container as a fork of the runner (see the module docstring)."""
-        pid = os.fork()
-        if pid == 0:
-            _light_child(c.argv, c.env, log_fd)
-        c.proc = ForkedProcess(pid)
-        write_pidfile(c.pidfile, pid, self.own_argv)
-        self._started(run, c)
-
-    def _started(self, run: PodRun, c: ContainerRun) -> None:
-        assert c.proc is not None
-        c.started_at, c.started_mono = _now(), time.monotonic()
-        c.state = {"running": {"startedAt": c.started_at}}
-        c.ready, c.successes, c.failures = c.probe is None, 0, 0
-        c.next_probe = c.started_mono + (c.probe["initial_delay_s"] if c.probe else 0)
-        c.next_start = None
-        _log(f"{run.key}/{c.name}: started pid {c.proc.pid}: {' '.join(c.argv)}")
-
-    # --------------------------------------------------------------------------------- supervising
 
     def _supervise(self, run: PodRun) -> None:
         if run.deleting:
@@ -668,143 +425,29 @@ class PodRunner:
                 continue
             if c.proc is None:
                 if c.next_start is not None and now >= c.next_start and run.error is None:
-                    self._spawn(run, c)
+                    spawn(run, c, self.light, self.own_argv)
                 continue
             code = c.proc.poll()
             if code is not None:
-                self._exited(run, c, code)
+                exited(run, c, code)
                 continue
             if c.probe:
-                self._probe(c, now)
+                advance_probe(c, now, self.probes)
         self._report(run)
         if run.containers and all(c.done for c in run.containers):
             self.finished.add(run.uid)
             del self.runs[run.uid]
-            _log(f"{run.key}: finished ({self._phase(run)})")
-
-    def _exited(self, run: PodRun, c: ContainerRun, code: int) -> None:
-        log_tail = ""
-        if code != 0 and c.message_policy == "FallbackToLogsOnError":
-            with contextlib.suppress(OSError):
-                log_tail = c.log.read_bytes()[-16384:].decode(errors="replace")
-        try:
-            msg_text = c.message_file.read_text(errors="replace")
-        except OSError:
-            msg_text = ""
-        message = podspec.termination_message(msg_text, log_tail, code, c.message_policy)
-        terminated = {
-            "exitCode": code,
-            "reason": "Completed" if code == 0 else "Error",
-            "startedAt": c.started_at,
-            "finishedAt": _now(),
-            "containerID": f"gearshift-sandbox://{c.proc.pid if c.proc else 0}",
-        }
-        if message:
-            terminated["message"] = message
-        ran_s = time.monotonic() - c.started_mono
-        with contextlib.suppress(FileNotFoundError):
-            c.pidfile.unlink()
-        c.proc, c.ready, c.exit_code = None, False, code
-        restart = run.restart_policy == "Always" or (run.restart_policy == "OnFailure" and code != 0)
-        _log(f"{run.key}/{c.name}: exited {code}{' (will restart)' if restart else ''}")
-        if not restart:
-            c.state, c.done = {"terminated": terminated}, True
-            return
-        if ran_s >= BACKOFF_RESET_S:
-            c.backoff_steps = 0
-        delay = podspec.restart_delay(c.backoff_steps, BACKOFF_BASE_S, BACKOFF_CAP_S)
-        c.backoff_steps += 1
-        c.restarts += 1
-        c.last_state = {"terminated": terminated}
-        c.state = {
-            "waiting": {
-                "reason": "CrashLoopBackOff",
-                "message": f"back-off {delay:.0f}s restarting failed container={c.name} pod={run.name}",
-            }
-        }
-        c.next_start = time.monotonic() + delay
-
-    def _probe(self, c: ContainerRun, now: float) -> None:
-        probe = c.probe
-        assert probe is not None
-        if c.probing is not None:
-            if not c.probing.done():
-                return
-            ok = c.probing.result()
-            c.probing = None
-            if ok:
-                c.successes, c.failures = c.successes + 1, 0
-                if c.successes >= probe["success_threshold"]:
-                    c.ready = True
-            else:
-                c.successes, c.failures = 0, c.failures + 1
-                if c.failures >= probe["failure_threshold"]:
-                    c.ready = False
-            period = probe["period_s"] if c.ready else min(probe["period_s"], FAST_PROBE_S)
-            c.next_probe = now + period
-            return
-        if now >= c.next_probe:
-            c.probing = self.probes.submit(_probe_once, probe)
-
-    # ------------------------------------------------------------------------------------ reporting
-
-    def _phase(self, run: PodRun) -> str:
-        cs = run.containers
-        if run.error and run.restart_policy != "Always":
-            return "Failed"
-        if cs and all(c.done for c in cs):
-            return "Succeeded" if all(c.exit_code == 0 for c in cs) else "Failed"
-        if any(c.started_at for c in cs):
-            return "Running"
-        return "Pending"
+            log(f"{run.key}: finished ({pod_phase(run)})")
 
     def _report(self, run: PodRun) -> None:
-        phase = self._phase(run)
-        statuses = []
-        for c in run.containers:
-            statuses.append(c.status())
-        if run.error:
-            reason = "CreateContainerConfigError"
-            spec_containers = run.pod.get("spec", {}).get("containers", [])
-            statuses = [
-                {
-                    "name": sc["name"],
-                    "image": sc.get("image", ""),
-                    "imageID": "",
-                    "ready": False,
-                    "started": False,
-                    "restartCount": 0,
-                    "state": {"waiting": {"reason": reason, "message": run.error}}
-                    if phase != "Failed"
-                    else {"terminated": {"exitCode": 128, "reason": reason, "message": run.error}},
-                }
-                for sc in spec_containers
-            ]
-        ready = phase == "Running" and bool(run.containers) and all(c.ready for c in run.containers)
-        not_ready = [c.name for c in run.containers if not c.ready]
-        why = "" if ready else (run.error or f"containers with unready status: [{' '.join(not_ready)}]")
-        reason = (
-            "" if ready else ("PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady")
-        )
-        flag = "True" if ready else "False"
-        updates = {
-            "Initialized": ("True", "", ""),
-            "Ready": (flag, reason, why),
-            "ContainersReady": (flag, reason, why),
-        }
-        body: dict[str, Any] = {"phase": phase, "containerStatuses": statuses}
-        if run.pod_ip:
-            body["podIP"] = run.pod_ip
-            body["podIPs"] = [{"ip": run.pod_ip}]
-        if run.error:
-            body["message"] = run.error
-            body["reason"] = "CreateContainerConfigError"
+        """Write the pod's status (:func:`~gearshift.dev.sandbox.podstatus.pod_status`) when it changed."""
+        body, updates = pod_status(run)
         # Compare without timestamps so only real changes are written.
         fingerprint = json.dumps([body, {k: v[0] for k, v in updates.items()}], sort_keys=True)
         if fingerprint == run.last_sent:
             return
         current = run.pod.get("status", {}).get("conditions") or []
-        body["conditions"] = podspec.merge_conditions(current, updates, _now())
+        body["conditions"] = podspec.merge_conditions(current, updates, utc_now())
         try:
             # A JSON merge patch, as the kubelet's status manager sends the whole status: the client's
             # default for a dict is a strategic merge, which merges ``podIPs`` by ``ip``. When kwok's
@@ -817,37 +460,17 @@ class PodRunner:
             run.pod = self.api.sanitize_for_serialization(pod)
             run.last_sent = fingerprint
         except Exception as exc:
-            _log(f"{run.key}: status update failed: {_api_error(exc)}")
+            log(f"{run.key}: status update failed: {_api_error(exc)}")
 
     # ------------------------------------------------------------------------------------- stopping
 
-    def _kill(self, c: ContainerRun, grace_s: float) -> None:
-        """SIGTERM to the container's process group, SIGKILL after ``grace_s`` s. Never raises: a process
-        that is still being torn down ``KILL_WAIT_S`` s after SIGKILL joins ``self.dying`` (reaped by the
-        main loop), as the kubelet goes on once it has killed a container."""
-        proc = c.proc
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                proc.wait(timeout=KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                _log(f"pid {proc.pid}: still exiting {KILL_WAIT_S:.0f} s after SIGKILL; going on")
-                self.dying.append(proc)
-        with contextlib.suppress(FileNotFoundError):
-            c.pidfile.unlink()
+    # ------------------------------------------------------------------------------------- stopping
 
     def _delete(self, run: PodRun) -> None:
         grace = float(run.pod.get("spec", {}).get("terminationGracePeriodSeconds", 30))
         for c in run.containers:
-            self._kill(c, min(grace, MAX_GRACE_S))
-        _log(f"{run.key}: stopped for deletion")
+            kill(c, min(grace, MAX_GRACE_S), self.dying)
+        log(f"{run.key}: stopped for deletion")
         self._force_delete(run.namespace, run.name, run.uid)
 
     def _force_delete(self, ns: str, name: str, uid: str) -> None:
@@ -864,7 +487,7 @@ class PodRunner:
             )
         except ApiException as exc:
             if exc.status not in (404, 409):
-                _log(f"{ns}/{name}: delete failed: {exc.status} {exc.reason}")
+                log(f"{ns}/{name}: delete failed: {exc.status} {exc.reason}")
 
     def _forget(self, run: PodRun, why: str) -> None:
         """Drop a run whose pod is gone; its processes are stopped on a thread, so that a slow stop
@@ -872,13 +495,13 @@ class PodRunner:
         self.runs.pop(run.uid, None)
         live = [c for c in run.containers if c.proc is not None and c.proc.poll() is None]
         if not live:
-            _log(f"{run.key}: {why}; processes stopped")
+            log(f"{run.key}: {why}; processes stopped")
             return
 
         def stop() -> None:
             for c in live:
-                self._kill(c, 2.0)
-            _log(f"{run.key}: {why}; processes stopped")
+                kill(c, 2.0, self.dying)
+            log(f"{run.key}: {why}; processes stopped")
 
         t = threading.Thread(target=stop, name=f"stop-{run.name}", daemon=True)
         self.stop_threads = [x for x in self.stop_threads if x.is_alive()] + [t]
@@ -886,35 +509,17 @@ class PodRunner:
 
     def _shutdown(self) -> None:
         # Signal every process first, then wait once: stopping is not serialised over the pods.
-        containers = [c for run in self.runs.values() for c in run.containers if c.proc is not None]
-        for c in containers:
+        started = [c for run in self.runs.values() for c in run.containers if c.proc is not None]
+        for c in started:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(c.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
         deadline = time.monotonic() + 5.0
-        for c in containers:
-            self._kill(c, max(0.1, deadline - time.monotonic()))
+        for c in started:
+            kill(c, max(0.1, deadline - time.monotonic()), self.dying)
         for t in self.stop_threads:
-            t.join(timeout=max(0.1, deadline + KILL_WAIT_S - time.monotonic()))
+            t.join(timeout=max(0.1, deadline + containers.KILL_WAIT_S - time.monotonic()))
         self.probes.shutdown(wait=False, cancel_futures=True)
-        _log("pod runner stopped")
-
-
-def _probe_once(probe: dict[str, Any]) -> bool:
-    """One readiness probe attempt against the pod IP: HTTP 200-399, or a TCP connect."""
-    timeout = probe["timeout_s"]
-    if probe["kind"] == "http":
-        try:
-            with urllib.request.urlopen(probe["url"], timeout=timeout) as resp:
-                return 200 <= int(resp.status) < 400
-        except urllib.error.HTTPError as exc:
-            return 200 <= exc.code < 400
-        except (OSError, ValueError):
-            return False
-    try:
-        with socket.create_connection((probe["host"], probe["port"]), timeout=timeout):
-            return True
-    except OSError:
-        return False
+        log("pod runner stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
