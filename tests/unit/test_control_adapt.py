@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gearshift.api.gearset import Gear, GearHealth, GearPrediction, Stage
-from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy
+from gearshift.api.gearset import Gear, GearPrediction, Stage
+from gearshift.api.gearset_status import GearHealth
+from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.policy import GearTable, Intent, LatencyMetric, PolicyError

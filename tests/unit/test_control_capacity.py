@@ -353,7 +353,7 @@ class TestSampleWindow:
     def test_a_p99_regression_mark_lasts_one_dwell_others_stay(self) -> None:
         from datetime import UTC, datetime
 
-        from gearshift.api.gearset import GearHealth
+        from gearshift.api.gearset_status import GearHealth
         from gearshift.control.shifting import lasting_marks
 
         at = datetime.fromtimestamp(1000.0, UTC)
@@ -368,7 +368,7 @@ class TestSampleWindow:
         # What the shifting handler writes: status.gearHealth keeps only the marks that still bar a gear.
         from datetime import UTC, datetime
 
-        from gearshift.api.gearset import GearHealth
+        from gearshift.api.gearset_status import GearHealth
         from gearshift.control.shift_status import records_to_status
         from gearshift.control.shifting import lasting_marks
 

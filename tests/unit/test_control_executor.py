@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 from scripted_world import GearScript, ScriptedWorld
 
-from gearshift.api.gearset import ExecutorState
+from gearshift.api.gearset_status import ExecutorState
 from gearshift.control.executor import (
     FAIL_NOT_READY,
     FAIL_P99,

@@ -15,7 +15,8 @@ import kopf
 import pytest
 from test_handlers_reconcile import NS, _example, fleet_nodes, new_api, put_fleet
 
-from gearshift.api.gearset import ControlState, ExecutorState, Gear
+from gearshift.api.gearset import Gear
+from gearshift.api.gearset_status import ControlState, ExecutorState
 from gearshift.control import executor_status as es
 from gearshift.control import shift_status as ss
 from gearshift.control import shifting as cs

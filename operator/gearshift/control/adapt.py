@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields
 
-from gearshift.api.gearset import Gear, GearHealth, GearSet, ShiftPolicy
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import GearHealth
 from gearshift.api.pdservice import PDService
+from gearshift.api.shift_policy import ShiftPolicy
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.executor import ShiftRequest
 from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView

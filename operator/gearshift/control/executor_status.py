@@ -12,7 +12,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from gearshift.api.gearset import ExecutorState
+from gearshift.api.gearset_status import ExecutorState
 from gearshift.control.executor import Phase, ShiftState
 
 

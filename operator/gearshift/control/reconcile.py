@@ -51,7 +51,8 @@ from gearshift.api.common import (
     inputs_hash,
     set_condition,
 )
-from gearshift.api.gearset import Gear, GearSet, Workload
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_plan import Workload
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.control import capacity
 from gearshift.control.adapt import gear_views, gearset_rules

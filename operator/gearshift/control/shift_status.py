@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gearshift.api.common import MAX_HISTORY, inputs_hash
-from gearshift.api.gearset import SKIPPED_MAX_CHARS, ControlState, Gear, GearHealth, GearSignals
+from gearshift.api.gearset import Gear
+from gearshift.api.gearset_status import SKIPPED_MAX_CHARS, ControlState, GearHealth, GearSignals
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import Action, MarkUnhealthy, RecordShift, ShiftState

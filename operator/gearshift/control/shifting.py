@@ -18,7 +18,8 @@ from gearshift.api.common import (
     REASON_SIGNALS_MISSING,
     ConditionUpdate,
 )
-from gearshift.api.gearset import Gear, GearHealth, GearSet
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import GearHealth
 from gearshift.control.adapt import shift_request
 from gearshift.control.decide import MANUAL, Decision, DecisionKind, held_triggers
 from gearshift.control.executor import (

@@ -62,7 +62,8 @@ from typing import Any, assert_never
 import kopf
 
 from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
-from gearshift.api.gearset import Gear, GearHealth, GearSet
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import GearHealth
 from gearshift.api.pdservice import PDService
 from gearshift.control.adapt import gear_views, gearset_rules
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, decide

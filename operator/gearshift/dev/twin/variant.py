@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gearshift.api.gearset import GearHealth
+from gearshift.api.gearset_status import GearHealth
 from gearshift.control.adapt import gear_views, shift_request
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, decide
 from gearshift.control.executor import (
