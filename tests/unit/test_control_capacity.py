@@ -16,9 +16,10 @@ import pytest
 from gearshift.control import capacity as cap
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import REASON_DWELL, DecisionKind, DecisionState, decide
-from gearshift.control.policy import GearTable, GearView, Intent, PolicyError, ShiftRules, StageView
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
+from gearshift.errors import PolicyError
 from gearshift.facts.model import load_hf_config
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")

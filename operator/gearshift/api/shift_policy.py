@@ -25,11 +25,12 @@ CEL: dict[str, list[dict[str, str]]] = {
             "fieldPath": ".imbalanceLowUtilization",
         },
         {
-            "rule": "self.p99LowRatio < self.p99HighRatio",
-            "message": "p99LowRatio must be below p99HighRatio",
-            "messageExpression": "'p99LowRatio (%s) must be below p99HighRatio (%s)'"
-            ".format([self.p99LowRatio, self.p99HighRatio])",
-            "fieldPath": ".p99LowRatio",
+            # A low threshold stepped to zero or below would never fire again: keep every level meaningful.
+            "rule": "self.p99LowRatio - double(self.maxRetriggerSteps) * self.retriggerStep > 0.0",
+            "message": "retriggerStep x maxRetriggerSteps must stay below p99LowRatio; lower one of them",
+            "messageExpression": "'retriggerStep (%s) x maxRetriggerSteps (%d) must stay below p99LowRatio "
+            "(%s); lower one of them'.format([self.retriggerStep, self.maxRetriggerSteps, self.p99LowRatio])",
+            "fieldPath": ".retriggerStep",
         },
     ],
 }
@@ -75,10 +76,16 @@ class ShiftPolicy(SpecModel):
         description="... while every other stage is below this -> throughput gear (seed 002: 0.6).",
     )
     p99_high_ratio: float = Field(
-        default=1.2, gt=0, le=100, description="P99 above this x target -> latency gear (seed 002: 1.2)."
+        default=1.2,
+        gt=1,
+        le=100,
+        description="P99 above this x target -> latency gear (seed 002: 1.2); above 1.",
     )
     p99_low_ratio: float = Field(
-        default=0.7, gt=0, le=100, description="P99 below this x target -> balanced gear (seed 002: 0.7)."
+        default=0.7,
+        gt=0,
+        lt=1,
+        description="P99 below this x target -> balanced gear (seed 002: 0.7); below 1.",
     )
     saturation_queue: float = Field(
         default=1.0,
@@ -211,8 +218,9 @@ class ShiftPolicy(SpecModel):
                 f"imbalanceLowUtilization ({self.imbalance_low_utilization}) must be below "
                 f"imbalanceHighUtilization ({self.imbalance_high_utilization})"
             )
-        if self.p99_low_ratio >= self.p99_high_ratio:
+        if self.p99_low_ratio - self.max_retrigger_steps * self.retrigger_step <= 0:
             raise ValueError(
-                f"p99LowRatio ({self.p99_low_ratio}) must be below p99HighRatio ({self.p99_high_ratio})"
+                f"retriggerStep ({self.retrigger_step}) x maxRetriggerSteps ({self.max_retrigger_steps}) "
+                f"must stay below p99LowRatio ({self.p99_low_ratio}); lower one of them"
             )
         return self

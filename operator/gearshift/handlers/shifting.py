@@ -83,7 +83,7 @@ from gearshift.control.executor import (
     step,
 )
 from gearshift.control.executor_status import executor_from_status
-from gearshift.control.policy import GearTable, PolicyError, ShiftRules
+from gearshift.control.policy import GearTable, ShiftRules
 from gearshift.control.reconcile import SHIFT_STEPS
 from gearshift.control.shift_status import (
     ORPHAN_MESSAGE,
@@ -122,6 +122,7 @@ from gearshift.control.signals import (
     unavailable_series,
 )
 from gearshift.control.smoothing import Sample
+from gearshift.errors import PolicyError
 from gearshift.handlers import metrics
 from gearshift.handlers.common import (
     ConditionBook,

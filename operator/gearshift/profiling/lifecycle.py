@@ -42,6 +42,7 @@ from gearshift.api.common import (
     set_condition,
 )
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
+from gearshift.errors import SettingsError
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.k8s.probejob import ProbeJobConfig, ProbeJobError, tolerations_from_json
 from gearshift.probe.report import ProbeOutputError, profile_status_from_probe, validate_probe_output
@@ -87,10 +88,6 @@ STUCK_WAITING = {
 DEADLINE_GRACE_S = 60.0
 
 EventType = Literal["Normal", "Warning"]
-
-
-class SettingsError(ValueError):
-    """A probe setting (environment variable) with a bad value; the message names the variable."""
 
 
 @dataclass(frozen=True)
@@ -807,7 +804,6 @@ __all__ = [
     "JobOutcome",
     "ProbeSettings",
     "ProbeStart",
-    "SettingsError",
     "Step",
     "backoff_s",
     "complete_step",
