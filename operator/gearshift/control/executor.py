@@ -98,17 +98,15 @@ FAIL_P99 = "P99Regression"
 class EnsureGear:
     """Create (or update) the gear's StatefulSets and headless Service.
 
-    ``shadow``: the pods run beside the serving gear, outside the role Service (no client traffic);
-    ``warm_share`` is seed 002's cap on the share a shadow may take: the router mirrors it at most
-    ``warm_share`` of its predicted throughput (the shifting loop's marks, :mod:`gearshift.k8s.warming`,
-    carry the cap while the phase is ``Warming``); its share of a card's compute is not enforced (the
-    sandbox's time-sliced cards give none). ``kv_pool`` false: weights only, no KV-cache pool yet
-    (degraded mode).
+    ``shadow``: the pods run beside the serving gear, outside the role Service (no client traffic); while
+    the phase is ``Warming`` the shifting loop marks its head pods for mirrored warm-up traffic at
+    ``warmupShare`` of its predicted throughput (:mod:`gearshift.k8s.warming`); its share of a card's
+    compute is not enforced (the sandbox's time-sliced cards give none). ``kv_pool`` false: weights only,
+    no KV-cache pool yet (degraded mode).
     """
 
     gear: str
     shadow: bool = False
-    warm_share: float = 0.0
     kv_pool: bool = True
 
 
@@ -406,7 +404,7 @@ def _stable(
     )
     return new, [
         *actions,
-        EnsureGear(request.target, shadow=True, warm_share=policy.warmup_share, kv_pool=not degraded),
+        EnsureGear(request.target, shadow=True, kv_pool=not degraded),
         Event(EVENT_SHIFT_STARTED, shift_started_message(request.trigger, active, request.target, degraded)),
         RecordShift(active, request.target, request.trigger, now, Outcome.IN_PROGRESS),
     ]
@@ -453,9 +451,7 @@ def _warming(state: ShiftState, world: World, policy: ShiftRules) -> tuple[Shift
         )
     actions: list[Action] = []
     if not obs.exists:
-        actions.append(
-            EnsureGear(target, shadow=True, warm_share=policy.warmup_share, kv_pool=not state.degraded)
-        )
+        actions.append(EnsureGear(target, shadow=True, kv_pool=not state.degraded))
     if world.selected != state.from_gear and world.ready(state.from_gear):
         actions.append(SelectGear(state.from_gear))
     return state, actions
