@@ -17,22 +17,23 @@ from gearshift.api.gearset_status import ExecutorState
 from gearshift.control.executor import (
     FAIL_NOT_READY,
     FAIL_P99,
+    Phase,
+    ShiftRequest,
+    ShiftState,
+    draining_gear,
+    rollback_p99_limit,
+    step,
+)
+from gearshift.control.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
     Event,
     Outcome,
-    Phase,
     RecordShift,
     SelectGear,
-    ShiftRequest,
-    ShiftState,
-    StepRecord,
-    draining_gear,
-    rollback_p99_limit,
-    simulate_steps,
-    step,
 )
+from gearshift.control.executor_sim import StepRecord, simulate_steps
 from gearshift.control.executor_status import executor_from_status, executor_to_status, through_status
 from gearshift.control.policy import ShiftRules
 

@@ -22,7 +22,8 @@ from gearshift.control import shift_status as ss
 from gearshift.control import shifting as cs
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
-from gearshift.control.executor import Phase, SelectGear, ShiftState
+from gearshift.control.executor import Phase, ShiftState
+from gearshift.control.executor_actions import SelectGear
 from gearshift.control.policy import ShiftRules
 from gearshift.control.shift_status import ORPHAN_MESSAGE
 from gearshift.control.signals import (

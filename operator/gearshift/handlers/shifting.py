@@ -67,20 +67,15 @@ from gearshift.api.gearset_status import GearHealth
 from gearshift.api.pdservice import PDService
 from gearshift.control.adapt import gear_views, gearset_rules
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, decide
-from gearshift.control.executor import (
+from gearshift.control.executor import GearObservation, Phase, ShiftState, World, draining_gear, step
+from gearshift.control.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
     Event,
-    GearObservation,
     Outcome,
-    Phase,
     RecordShift,
     SelectGear,
-    ShiftState,
-    World,
-    draining_gear,
-    step,
 )
 from gearshift.control.executor_status import executor_from_status
 from gearshift.control.policy import GearTable, ShiftRules
