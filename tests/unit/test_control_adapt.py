@@ -15,7 +15,7 @@ from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.policy import GearTable, Intent, LatencyMetric, ShiftRules
-from gearshift.errors import PolicyError
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import ModelArch
 
 ARCH = ModelArch("m", 32, 4096, 32, 8, 128, 14336, 128256)

@@ -19,7 +19,7 @@ from gearshift.control.decide import REASON_DWELL, DecisionKind, DecisionState, 
 from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
-from gearshift.errors import PolicyError
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import load_hf_config
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")

@@ -32,7 +32,7 @@ from gearshift.control.decide import (
 from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.smoothing import Sample, ema, smooth
 from gearshift.control.triggers import Trigger, conditions, imbalanced, saturated, thresholds
-from gearshift.errors import PolicyError
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import load_hf_config
 
 MODELS = Path(__file__).resolve().parents[2] / "examples" / "models"

@@ -13,7 +13,7 @@ import pytest
 from gearshift.api.common import find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
-from gearshift.errors import SettingsError
+from gearshift.facts.errors import SettingsError
 from gearshift.facts.fleet import load_fleet
 from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from gearshift.errors import PolicyError
+from gearshift.facts.errors import PolicyError
 from gearshift.router import policies as P
 from gearshift.router.outlier import OutlierConfig
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool

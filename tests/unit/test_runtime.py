@@ -20,7 +20,7 @@ from kopf._core.reactor.inventory import ResourceMemories
 from test_handlers_reconcile import NS, PLANS, SETTINGS, new_api, service_api, stateful_sets
 
 from gearshift.api.gearset import Gear
-from gearshift.errors import SettingsError
+from gearshift.facts.errors import SettingsError
 from gearshift.handlers import gearset, nodes, pdservice, shifting
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers.kubeapi import RestKubeApi

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gearshift.api.shift_policy import ShiftPolicy
-from gearshift.errors import PolicyError
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import ModelArch
 
 

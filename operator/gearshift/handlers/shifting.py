@@ -117,7 +117,7 @@ from gearshift.control.signals import (
     unavailable_series,
 )
 from gearshift.control.smoothing import Sample
-from gearshift.errors import PolicyError
+from gearshift.facts.errors import PolicyError
 from gearshift.handlers import metrics
 from gearshift.handlers.common import (
     ConditionBook,

@@ -42,7 +42,7 @@ from gearshift.api.common import (
     set_condition,
 )
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
-from gearshift.errors import SettingsError
+from gearshift.facts.errors import SettingsError
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.k8s.probejob import ProbeJobConfig, ProbeJobError, tolerations_from_json
 from gearshift.probe.report import ProbeOutputError, profile_status_from_probe, validate_probe_output

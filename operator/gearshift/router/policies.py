@@ -59,7 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gearshift.errors import PolicyError
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.fleet import TP_EFFICIENCY
 from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL, compute_score, pd_gpu_prior
 from gearshift.facts.model import KV_HEADROOM

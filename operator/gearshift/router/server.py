@@ -42,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gearshift.control import pd_balance
-from gearshift.errors import PolicyError, SettingsError
+from gearshift.facts.errors import PolicyError, SettingsError
 from gearshift.facts.model import load_hf_config
 from gearshift.router import outlier
 from gearshift.router import policies as P

@@ -1,4 +1,4 @@
-"""The two input errors every layer raises: a policy value and a setting that cannot be used.
+"""The two input errors every layer raises: a policy value and a setting that cannot be used. Pure.
 
 Both are ``ValueError``s whose message names the offending field, flag or variable and what it must be;
 this module imports nothing, so any package may raise them.
