@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
-from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy  # noqa: E402
+from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy  # noqa: E402
 from gearshift.control.adapt import policy_from_api  # noqa: E402
 from gearshift.control.policy import ShiftRules  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import autoscale as fm  # noqa: E402  (the fluid decode model: Req, Replica, goodput, constants)
-from gearshift.api.gearset import PlanConstraints, ShiftPolicy  # noqa: E402
+from gearshift.api.gearset_plan import PlanConstraints  # noqa: E402
+from gearshift.api.shift_policy import ShiftPolicy  # noqa: E402
 from gearshift.control.windows import WindowTiming  # noqa: E402
 from gearshift.dev.loadgen import load_trace  # noqa: E402
 

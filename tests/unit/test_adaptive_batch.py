@@ -15,7 +15,7 @@ from test_handlers_reconcile import NS, _example, new_api, put_fleet
 from test_router_proxy import COMPLETION, Factory, FakeEngine, make_router  # noqa: F401  # fixture
 
 from gearshift.api.common import COND_BATCH_ADAPTED
-from gearshift.api.gearset import AdaptiveBatchStatus
+from gearshift.api.gearset_status import AdaptiveBatchStatus
 from gearshift.control import adaptive_batch as ab
 from gearshift.handlers import adaptive_batch as h
 from gearshift.k8s import names

@@ -12,11 +12,13 @@ import yaml
 from pydantic import ValidationError
 
 from gearshift.api.common import MAX_GEAR_NAME, SpecError, format_validation_error, parse
-from gearshift.api.gearset import Gear, GearSet, GearSetSpec, GearSetStatus, ShiftPolicy, ShiftRecord
+from gearshift.api.gearset import Gear, GearSet, GearSetSpec, GearSetStatus
+from gearshift.api.gearset_status import ShiftRecord
 from gearshift.api.gpuprofile import GPUProfile, GPUProfileStatus
 from gearshift.api.modelspec import ModelSpec
 from gearshift.api.pdservice import PDService, PDServiceSpec, SLOSpec
 from gearshift.api.routerspec import RouterSpec
+from gearshift.api.shift_policy import ShiftPolicy
 from gearshift.facts.model import load_hf_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import math
+from dataclasses import fields
+from typing import Any
 
-from gearshift.api.gearset import Gear, GearHealth, GearPrediction, Stage
-from gearshift.api.gearset import ShiftPolicy as ApiShiftPolicy
+import pytest
+from pydantic import ValidationError
+
+from gearshift.api.gearset import Gear, GearPrediction, Stage
+from gearshift.api.gearset_status import GearHealth
+from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
 from gearshift.control.decide import Decision, DecisionKind
-from gearshift.control.policy import GearTable, Intent, LatencyMetric, PolicyError
+from gearshift.control.policy import GearTable, Intent, LatencyMetric, ShiftRules
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import ModelArch
 
 ARCH = ModelArch("m", 32, 4096, 32, 8, 128, 14336, 128256)
@@ -34,9 +41,12 @@ def test_an_aggregated_pipeline_is_judged_by_ttft_against_the_ttft_slo():
 def test_policy_errors_name_the_field():
     with pytest.raises(ValueError, match="role"):
         policy_from_api(ApiShiftPolicy(), role="encode", ttft_slo_ms=200, itl_slo_ms=50)
-    # The API allows p99HighRatio 0.9 (> 0) but the triggers need it above 1.
+    # The triggers need p99HighRatio above 1: the schema refuses 0.9 first, and rules built without the
+    # API refuse it too, naming the field.
+    with pytest.raises(ValidationError, match="p99HighRatio"):
+        ApiShiftPolicy.model_validate({"p99HighRatio": 0.9})
     with pytest.raises(PolicyError, match=r"spec\.policy\.p99HighRatio"):
-        policy_from_api(ApiShiftPolicy(p99_high_ratio=0.9), role="prefill", ttft_slo_ms=200, itl_slo_ms=50)
+        ShiftRules(p99_high_ratio=0.9)
 
 
 def test_gear_views_with_health_and_predictions():
@@ -66,3 +76,100 @@ def test_gear_views_with_health_and_predictions():
     )
     req = shift_request(sat, table)
     assert (req.trigger, req.baseline_p99_ms, req.baseline_qps) == ("saturation", 3365.0, 11.5)
+
+
+#: A value of every ``spec.policy`` field, none of them the default: the mapping must carry each one.
+NOT_DEFAULT = {
+    "sample_interval_s": 3.0,
+    "ema_alpha": 0.5,
+    "enter_samples": 4,
+    "exit_samples": 5,
+    "dwell_s": 100.0,
+    "imbalance_high_utilization": 0.8,
+    "imbalance_low_utilization": 0.5,
+    "p99_high_ratio": 1.5,
+    "p99_low_ratio": 0.6,
+    "saturation_queue": 2.0,
+    "target_p99_ms": 123.0,
+    "retrigger_step": 0.1,
+    "min_benefit_cost_ratio": 2.0,
+    "warmup_share": 0.3,
+    "warm_s": 10.0,
+    "warmup_timeout_s": 300.0,
+    "max_retrigger_steps": 2,
+    "transfer_gbps": 4.0,
+    "avg_context_tokens": 512,
+    "drain_timeout_s": 60.0,
+    "rollback_window_s": 30.0,
+    "rollback_p99_ratio": 3.0,
+    "expected_arrival_rps": 5.0,
+    "capacity_headroom": 0.8,
+    "downshift_ratio": 0.5,
+    "upshift_dwell_s": 30.0,
+    "allow_degraded": False,
+}
+
+
+def test_every_api_policy_field_reaches_the_rules():
+    # A field added to ShiftPolicy fails here until NOT_DEFAULT and policy_from_api name it.
+    assert set(NOT_DEFAULT) == set(ApiShiftPolicy.model_fields)
+    api = ApiShiftPolicy(**NOT_DEFAULT)
+    rules = policy_from_api(api, role="decode", ttft_slo_ms=200, itl_slo_ms=50)
+    for name, value in NOT_DEFAULT.items():
+        assert getattr(api, name) == value != getattr(ApiShiftPolicy(), name), name
+        assert getattr(rules, name) == value, name
+    assert {f.name for f in fields(ShiftRules)} == set(NOT_DEFAULT) | {"latency_metric"}
+
+
+def test_the_rules_defaults_are_the_apis():
+    rules, api = ShiftRules(), ApiShiftPolicy()
+    assert all(getattr(rules, n) == getattr(api, n) for n in NOT_DEFAULT if n != "target_p99_ms")
+
+
+def _bounds(name: str) -> list[float]:
+    """Values either side of each bound the API schema puts on ``name``."""
+    node = ApiShiftPolicy.model_json_schema(by_alias=False)["properties"][name]
+    node = next((n for n in node.get("anyOf", []) if n.get("type") != "null"), node)
+    out: list[float] = []
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        if key in node:
+            b = node[key]
+            step = 1 if node.get("type") == "integer" else 1e-9
+            out += [b - step, b, b + step]
+    return out
+
+
+def _accepts(cls: Any, **kw: Any) -> bool:
+    try:
+        cls(**kw)
+    except ValueError:  # pydantic's ValidationError and PolicyError alike
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(n for n in NOT_DEFAULT if n != "allow_degraded"))
+def test_schema_and_rules_agree_on_each_bound(name: str):
+    # Every value the schema lets through, the control code can use; at the lower bounds they refuse
+    # the same values (above the schema's upper limits, which only bound typos, the rules still accept).
+    node = ApiShiftPolicy.model_json_schema(by_alias=False)["properties"][name]
+    upper = next((n for n in node.get("anyOf", [node]) if n.get("type") != "null"), node)
+    top = upper.get("maximum", upper.get("exclusiveMaximum", math.inf))
+    for value in _bounds(name):
+        schema_ok, rules_ok = _accepts(ApiShiftPolicy, **{name: value}), _accepts(ShiftRules, **{name: value})
+        assert rules_ok if schema_ok else (not rules_ok or value >= top), (name, value, schema_ok, rules_ok)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"imbalance_low_utilization": 0.9},
+        {"imbalance_low_utilization": 0.5, "imbalance_high_utilization": 0.4},
+        {"retrigger_step": 0.3},
+        {"p99_low_ratio": 0.15},
+        {"p99_low_ratio": 0.1500001},
+        {"max_retrigger_steps": 14},
+        {"max_retrigger_steps": 13},
+    ],
+)
+def test_schema_and_rules_agree_on_cross_field_rules(kwargs: dict[str, Any]):
+    assert _accepts(ApiShiftPolicy, **kwargs) == _accepts(ShiftRules, **kwargs), kwargs

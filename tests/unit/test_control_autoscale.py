@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gearshift.api.gearset import GearSet, ScalingStatus
+from gearshift.api.gearset import GearSet
+from gearshift.api.gearset_status import ScalingStatus
 from gearshift.api.pdservice import PDService, SLOSpec
 from gearshift.control import autoscale as A
 from gearshift.control import scaling as sc

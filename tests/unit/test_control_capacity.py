@@ -16,9 +16,10 @@ import pytest
 from gearshift.control import capacity as cap
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import REASON_DWELL, DecisionKind, DecisionState, decide
-from gearshift.control.policy import GearTable, GearView, Intent, PolicyError, ShiftRules, StageView
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import load_hf_config
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")
@@ -353,7 +354,7 @@ class TestSampleWindow:
     def test_a_p99_regression_mark_lasts_one_dwell_others_stay(self) -> None:
         from datetime import UTC, datetime
 
-        from gearshift.api.gearset import GearHealth
+        from gearshift.api.gearset_status import GearHealth
         from gearshift.control.shifting import lasting_marks
 
         at = datetime.fromtimestamp(1000.0, UTC)
@@ -368,7 +369,7 @@ class TestSampleWindow:
         # What the shifting handler writes: status.gearHealth keeps only the marks that still bar a gear.
         from datetime import UTC, datetime
 
-        from gearshift.api.gearset import GearHealth
+        from gearshift.api.gearset_status import GearHealth
         from gearshift.control.shift_status import records_to_status
         from gearshift.control.shifting import lasting_marks
 

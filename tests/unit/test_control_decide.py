@@ -29,9 +29,10 @@ from gearshift.control.decide import (
     Overrides,
     decide,
 )
-from gearshift.control.policy import GearTable, GearView, Intent, PolicyError, ShiftRules, StageView
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.smoothing import Sample, ema, smooth
 from gearshift.control.triggers import Trigger, conditions, imbalanced, saturated, thresholds
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import load_hf_config
 
 MODELS = Path(__file__).resolve().parents[2] / "examples" / "models"

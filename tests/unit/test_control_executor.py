@@ -13,26 +13,27 @@ import pytest
 from pydantic import ValidationError
 from scripted_world import GearScript, ScriptedWorld
 
-from gearshift.api.gearset import ExecutorState
+from gearshift.api.gearset_status import ExecutorState
 from gearshift.control.executor import (
     FAIL_NOT_READY,
     FAIL_P99,
+    Phase,
+    ShiftRequest,
+    ShiftState,
+    draining_gear,
+    rollback_p99_limit,
+    step,
+)
+from gearshift.control.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
     Event,
     Outcome,
-    Phase,
     RecordShift,
     SelectGear,
-    ShiftRequest,
-    ShiftState,
-    StepRecord,
-    draining_gear,
-    rollback_p99_limit,
-    simulate_steps,
-    step,
 )
+from gearshift.control.executor_sim import StepRecord, simulate_steps
 from gearshift.control.executor_status import executor_from_status, executor_to_status, through_status
 from gearshift.control.policy import ShiftRules
 
@@ -84,7 +85,7 @@ class TestHappyPath:
         records = run(w)
         assert transitions(records) == [(0, "Warming"), (50, "Draining"), (52, "Switching"), (112, "Stable")]
         assert w.lost == {}
-        assert of(records, EnsureGear)[0] == (0, EnsureGear("thr", shadow=True, warm_share=0.2, kv_pool=True))
+        assert of(records, EnsureGear)[0] == (0, EnsureGear("thr", shadow=True, kv_pool=True))
         assert of(records, SelectGear) == [(50, SelectGear("thr"))]
         assert of(records, DeleteGear) == [(112, DeleteGear("bal"))]
         history = [(t, a.outcome, a.finished_at) for t, a in of(records, RecordShift)]
@@ -110,7 +111,7 @@ class TestHappyPath:
         w = world()
         state, _ = step(ShiftState(active="bal"), w.observe(0), POLICY, request=REQUEST)
         again, actions = step(state, w.observe(2), POLICY, request=ShiftRequest("lat", "p99-high"))
-        assert again.to_gear == "thr" and actions == [EnsureGear("thr", shadow=True, warm_share=0.2)]
+        assert again.to_gear == "thr" and actions == [EnsureGear("thr", shadow=True)]
 
 
 class TestRollback:
@@ -341,9 +342,9 @@ class TestRestart:
     def test_actions_lost_before_they_were_applied_are_emitted_again(self):
         w = world()
         state, lost = step(ShiftState(active="bal"), w.observe(0), POLICY, request=REQUEST)
-        assert state.phase is Phase.WARMING and EnsureGear("thr", shadow=True, warm_share=0.2) in lost
+        assert state.phase is Phase.WARMING and EnsureGear("thr", shadow=True) in lost
         state, again = step(state, w.observe(2), POLICY)  # crashed before applying: the gear is missing
-        assert again == [EnsureGear("thr", shadow=True, warm_share=0.2)]
+        assert again == [EnsureGear("thr", shadow=True)]
         w.apply(again, 2)
         records = simulate_steps(state, w, POLICY, request=None, start=4)
         assert transitions(records)[-1] == (114, "Stable") and w.selected == "thr"

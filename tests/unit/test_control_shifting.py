@@ -15,22 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gearshift.api.common import COND_SIGNALS_AVAILABLE, MAX_HISTORY, REASON_SIGNALS_MISSING
-from gearshift.api.gearset import Gear, GearHealth, GearSet, GearSignals
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import GearHealth, GearSignals
 from gearshift.control import shifting as cs
 from gearshift.control.adapt import gear_views
 from gearshift.control.decide import MANUAL, Decision, DecisionKind, DecisionState
-from gearshift.control.executor import (
+from gearshift.control.executor import GearObservation, Phase, ShiftRequest, ShiftState
+from gearshift.control.executor_actions import (
     DeleteGear,
     EnsureGear,
     Event,
-    GearObservation,
     MarkUnhealthy,
     Outcome,
-    Phase,
     RecordShift,
     SelectGear,
-    ShiftRequest,
-    ShiftState,
 )
 from gearshift.control.executor_status import to_time
 from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules

@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from gearshift.api.gearset import Gear as ApiGear
-from gearshift.api.gearset import GearSet, ShiftPolicy
+from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
+from gearshift.api.shift_policy import ShiftPolicy
 from gearshift.cli import build_parser
 from gearshift.control.adapt import policy_from_api
 from gearshift.dev import twin

@@ -14,6 +14,7 @@ from gearshift.api.common import find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo, ProfileOverride
 from gearshift.api.probedoc import compact
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
+from gearshift.facts.errors import SettingsError
 from gearshift.facts.fleet import load_fleet
 from gearshift.facts.gpus import GPU_SPECS, compute_score
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
@@ -50,7 +51,7 @@ from gearshift.profiling.profiles import (
     node_view,
     parse_selector,
 )
-from gearshift.profiling.settings import ProbeSettings, SettingsError
+from gearshift.profiling.settings import ProbeSettings
 from gearshift.profiling.steps import Step
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]

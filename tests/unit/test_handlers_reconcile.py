@@ -135,7 +135,7 @@ class TestAdapter:
         assert by["gpu-h100-1"]["memory_gb"] == 40
 
     def test_candidates_constraints_and_missing_profiles(self) -> None:
-        from gearshift.api.gearset import PlanConstraints
+        from gearshift.api.gearset_plan import PlanConstraints
 
         nodes = fleet_nodes()
         profiles = {

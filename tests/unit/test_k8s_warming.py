@@ -13,7 +13,8 @@ from test_shifting import GS_NAME, NS, T0, FakeSignals, _policy_patch, kubelet, 
 from gearshift.api.gearset import Gear
 from gearshift.control.executor import Phase
 from gearshift.k8s import names
-from gearshift.k8s.warming import format_rps, head_pods_per_pipeline, mirror_cap_rps, warming_mark_patches
+from gearshift.k8s.names import format_mirror_rps
+from gearshift.k8s.warming import gear_mirror_rps, head_pods_per_pipeline, warming_mark_patches
 from gearshift.testing.kube import FakeKubeApi
 
 __all__ = ["world"]  # the fixture, shared with test_shifting
@@ -33,22 +34,26 @@ def _gear(throughput: float | None, head_replicas: int = 1, stages: int = 2) -> 
 
 
 def test_cap_is_the_share_of_the_predicted_throughput_per_head_and_router() -> None:
-    assert mirror_cap_rps(0.2, _gear(10.0)) == pytest.approx(2.0)
-    assert mirror_cap_rps(0.2, _gear(10.0), router_replicas=2) == pytest.approx(1.0)
+    assert gear_mirror_rps(0.2, _gear(10.0)) == pytest.approx(2.0)
+    assert gear_mirror_rps(0.2, _gear(10.0), router_replicas=2) == pytest.approx(1.0)
     # a hot head stage of 2 replicas: the pipeline's share split over its 2 heads
-    assert mirror_cap_rps(0.2, _gear(10.0, head_replicas=2)) == pytest.approx(1.0)
+    assert gear_mirror_rps(0.2, _gear(10.0, head_replicas=2)) == pytest.approx(1.0)
     # vLLM runs one head per pipeline replica (it cannot replicate one stage)
     assert head_pods_per_pipeline(_gear(10.0, head_replicas=2), "vllm") == 1
-    assert mirror_cap_rps(0.2, _gear(10.0, head_replicas=2), engine="vllm") == pytest.approx(2.0)
+    assert gear_mirror_rps(0.2, _gear(10.0, head_replicas=2), engine="vllm") == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("gear", [None, _gear(None), _gear(0.0)])
 def test_no_predicted_throughput_no_cap(gear: Gear | None) -> None:
-    assert mirror_cap_rps(0.2, gear) == 0.0
+    assert gear_mirror_rps(0.2, gear) == 0.0
 
 
 def test_format_rps() -> None:
-    assert (format_rps(2.0), format_rps(0.0), format_rps(1 / 3)) == ("2", "0", "0.333333")
+    assert (format_mirror_rps(2.0), format_mirror_rps(0.0), format_mirror_rps(1 / 3)) == (
+        "2",
+        "0",
+        "0.333333",
+    )
 
 
 def _pod(

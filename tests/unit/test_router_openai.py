@@ -304,7 +304,8 @@ async def test_a_model_id_with_a_slash(make_router: Factory) -> None:  # noqa: F
 def test_router_flags_that_would_break_every_request_are_refused(flags: list[str], named: str) -> None:
     import argparse
 
-    from gearshift.router.server import SettingsError, add_arguments, settings_from_args
+    from gearshift.facts.errors import SettingsError
+    from gearshift.router.server import add_arguments, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import pytest
 
+from gearshift.facts.errors import PolicyError
 from gearshift.router import policies as P
 from gearshift.router.outlier import OutlierConfig
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool
@@ -316,11 +317,11 @@ class TestPoolPick:
             pool.pick("prefill", req, 12.0)
 
     def test_bad_policy_and_weights_name_the_field(self) -> None:
-        with pytest.raises(P.PolicyError, match=r"router\.policy"):
+        with pytest.raises(PolicyError, match=r"router\.policy"):
             PolicyConfig(policy="fastest")
-        with pytest.raises(P.PolicyError, match=r"router\.weights\.prefill\.speed"):
+        with pytest.raises(PolicyError, match=r"router\.weights\.prefill\.speed"):
             PolicyConfig(prefill_weights={"speed": 1.0})
-        with pytest.raises(P.PolicyError, match=r"router\.weights\.decode\.itl"):
+        with pytest.raises(PolicyError, match=r"router\.weights\.decode\.itl"):
             PolicyConfig(decode_weights={"itl": -1.0})
 
 

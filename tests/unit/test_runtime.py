@@ -20,6 +20,7 @@ from kopf._core.reactor.inventory import ResourceMemories
 from test_handlers_reconcile import NS, PLANS, SETTINGS, new_api, service_api, stateful_sets
 
 from gearshift.api.gearset import Gear
+from gearshift.facts.errors import SettingsError
 from gearshift.handlers import gearset, nodes, pdservice, shifting
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers.kubeapi import RestKubeApi
@@ -35,7 +36,7 @@ from gearshift.handlers.runtime import (
     runtime_of,
 )
 from gearshift.k8s import names
-from gearshift.profiling.settings import ProbeSettings, SettingsError
+from gearshift.profiling.settings import ProbeSettings
 from gearshift.testing.kube import FakeKubeApi
 
 REPO = Path(__file__).resolve().parents[2]

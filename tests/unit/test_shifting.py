@@ -15,13 +15,15 @@ import kopf
 import pytest
 from test_handlers_reconcile import NS, _example, fleet_nodes, new_api, put_fleet
 
-from gearshift.api.gearset import ControlState, ExecutorState, Gear
+from gearshift.api.gearset import Gear
+from gearshift.api.gearset_status import ControlState, ExecutorState
 from gearshift.control import executor_status as es
 from gearshift.control import shift_status as ss
 from gearshift.control import shifting as cs
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
-from gearshift.control.executor import Phase, SelectGear, ShiftState
+from gearshift.control.executor import Phase, ShiftState
+from gearshift.control.executor_actions import SelectGear
 from gearshift.control.policy import ShiftRules
 from gearshift.control.shift_status import ORPHAN_MESSAGE
 from gearshift.control.signals import (

@@ -1,9 +1,13 @@
-"""The GearSet kind: the gears of one role of a PDService, the gear-shifting policy, and the gear status.
+"""The GearSet kind: the gears of one role of a PDService, how to plan them, and the GearSet root.
 
 A *gear* is one complete pipeline configuration: contiguous stages of layers ``[start, end)`` with
 unequal layer counts but equal expected time, per-stage replicas, micro-batch and max batch, and the QPS
 range and target latency it suits (seed 002). ``mode: explicit`` lists gears by hand; ``mode: auto``
 lets the planner generate them from the GPUProfiles into ``status.plannedGears``.
+
+The rest of the kind lives beside this module: the shifting policy ``spec.policy`` in
+:mod:`gearshift.api.shift_policy`, the planner's constraints and workload in
+:mod:`gearshift.api.gearset_plan`, the parts of the status in :mod:`gearshift.api.gearset_status`.
 
 Every cross-field rule is written twice, here as a pydantic validator and in :data:`CEL` below as an
 ``x-kubernetes-validations`` rule of the CRD; the e2e agreement test holds the two to the same answer.
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from gearshift.api.common import (
     API_VERSION,
@@ -28,38 +32,30 @@ from gearshift.api.common import (
     ApiVersion,
     Condition,
     DnsLabel,
-    Message,
     NodeName,
     Selector,
     SpecModel,
     StatusModel,
 )
-from gearshift.facts.model import VLLM_GPU_MEMORY_UTILIZATION
+from gearshift.api.gearset_plan import PlanConstraints, Workload
+from gearshift.api.gearset_status import (
+    AdaptiveBatchStatus,
+    ControlState,
+    ExecutorState,
+    GearHealth,
+    GearPhase,
+    GearSignals,
+    ScalingStatus,
+    ShiftRecord,
+    WindowedNode,
+)
+from gearshift.api.shift_policy import ShiftPolicy
 
 Role = Literal["prefill", "decode", "both"]
 GearIntent = Literal["latency", "balanced", "throughput"]
 GearSetMode = Literal["auto", "explicit"]
-#: ``Pending``: no gear serves yet. The six others are seed 002's executor states.
-GearPhase = Literal["Pending", "Stable", "Warming", "Draining", "Switching", "RollingBack", "Degraded"]
-ShiftTrigger = Literal[
-    "imbalance",
-    "saturation",
-    "p99-high",
-    "p99-low",
-    "load-high",
-    "load-low",
-    "forced",
-    "initial",
-    "replan",
-    "window",
-    "rollback",
-]
-ShiftOutcome = Literal["InProgress", "Succeeded", "RolledBack", "Failed", "Aborted"]
-#: Where ``status.signals.stageUtilization`` comes from (``gearshift.control.signals.UtilizationSource``).
-StageUtilizationSource = Literal["engine", "derived", "none"]
 
 GEAR_INTENTS: tuple[GearIntent, ...] = ("latency", "balanced", "throughput")
-GEAR_PHASES: tuple[str, ...] = GearPhase.__args__  # type: ignore[attr-defined]
 
 #: A gear name: a DNS label short enough for ``<pds>-<role>-<gear>-s<k>`` StatefulSet names.
 GearName = Annotated[str, Field(min_length=1, max_length=MAX_GEAR_NAME, pattern=DNS_LABEL_PATTERN)]
@@ -67,8 +63,6 @@ GearName = Annotated[str, Field(min_length=1, max_length=MAX_GEAR_NAME, pattern=
 LayerIndex = Annotated[int, Field(ge=0, le=100000)]
 #: Requests per second.
 Qps = Annotated[float, Field(ge=0, le=1e7)]
-#: A gearshift.facts.gpus model name (e.g. H100-80GB).
-GpuModelName = Annotated[str, Field(min_length=1, max_length=64)]
 
 #: A rule on an object is reported as ``<field>: Invalid value: "object": <message>``, which shows no
 #: value; so each rule that compares values also has a ``messageExpression`` that names them (the API
@@ -127,31 +121,6 @@ CEL: dict[str, list[dict[str, str]]] = {
             "messageExpression": "'qpsRange must be [low, high] with low <= high; got [%s, %s]'"
             ".format([self.qpsRange[0], self.qpsRange[1]])",
             "fieldPath": ".qpsRange",
-        },
-    ],
-    "ShiftPolicy": [
-        {
-            "rule": "self.imbalanceLowUtilization < self.imbalanceHighUtilization",
-            "message": "imbalanceLowUtilization must be below imbalanceHighUtilization",
-            "messageExpression": "'imbalanceLowUtilization (%s) must be below imbalanceHighUtilization (%s)'"
-            ".format([self.imbalanceLowUtilization, self.imbalanceHighUtilization])",
-            "fieldPath": ".imbalanceLowUtilization",
-        },
-        {
-            "rule": "self.p99LowRatio < self.p99HighRatio",
-            "message": "p99LowRatio must be below p99HighRatio",
-            "messageExpression": "'p99LowRatio (%s) must be below p99HighRatio (%s)'"
-            ".format([self.p99LowRatio, self.p99HighRatio])",
-            "fieldPath": ".p99LowRatio",
-        },
-    ],
-    "PlanConstraints": [
-        {
-            "rule": "!has(self.minStages) || !has(self.maxStages) || self.minStages <= self.maxStages",
-            "message": "minStages must be <= maxStages",
-            "messageExpression": "'minStages (%d) must be <= maxStages (%d)'"
-            ".format([self.minStages, self.maxStages])",
-            "fieldPath": ".minStages",
         },
     ],
     "GearSetSpec": [
@@ -388,253 +357,6 @@ class Gear(SpecModel):
             raise ValueError(f"gear {self.name!r} has {len(self.stages)} stages; {why}")
 
 
-class ShiftPolicy(SpecModel):
-    """When to shift gears and how to execute a shift. Defaults are seed 002's numbers unless noted."""
-
-    model_config = ConfigDict(json_schema_extra=_cel("ShiftPolicy"))
-
-    sample_interval_s: float = Field(
-        default=2.0, gt=0, le=3600, description="Seconds between signal samples (seed 002: 2 s)."
-    )
-    ema_alpha: float = Field(
-        default=0.3, gt=0, le=1, description="Weight of the newest sample in the EMA (seed 002: 0.3)."
-    )
-    enter_samples: int = Field(
-        default=3, ge=1, le=1000, description="Consecutive samples a trigger must hold to fire (seed 002: 3)."
-    )
-    exit_samples: int = Field(
-        default=3,
-        ge=1,
-        le=1000,
-        description="Consecutive samples another trigger must hold to leave the new gear (seed 002: 3).",
-    )
-    dwell_s: float = Field(
-        default=600.0, ge=0, le=86400, description="Minimum seconds a gear stays active (seed 002: 10 min)."
-    )
-    imbalance_high_utilization: float = Field(
-        default=0.9,
-        gt=0,
-        le=1,
-        description="Imbalance trigger: some stage's utilisation above this ... (seed 002: 0.9).",
-    )
-    imbalance_low_utilization: float = Field(
-        default=0.6,
-        ge=0,
-        lt=1,
-        description="... while every other stage is below this -> throughput gear (seed 002: 0.6).",
-    )
-    p99_high_ratio: float = Field(
-        default=1.2, gt=0, le=100, description="P99 above this x target -> latency gear (seed 002: 1.2)."
-    )
-    p99_low_ratio: float = Field(
-        default=0.7, gt=0, le=100, description="P99 below this x target -> balanced gear (seed 002: 0.7)."
-    )
-    saturation_queue: float = Field(
-        default=1.0,
-        ge=0,
-        le=1e6,
-        description="Saturation trigger (gearshift extension): P99 above p99HighRatio x target while more "
-        "than this many requests wait per pipeline replica (smoothed) -> the gear with the most predicted "
-        "throughput, if more than the active gear's.",
-    )
-    target_p99_ms: float | None = Field(
-        default=None,
-        gt=0,
-        le=1e7,
-        description="Target of the P99 triggers, ms; unset: the PDService SLO (ttftMs for prefill "
-        "and both, itlMs for decode).",
-    )
-    retrigger_step: float = Field(
-        default=0.05,
-        ge=0,
-        le=10,
-        description="A trigger firing again inside the dwell moves its threshold this much away from "
-        "firing (seed 002 says 'one step'; the size is gearshift's choice).",
-    )
-    min_benefit_cost_ratio: float = Field(
-        default=1.0,
-        ge=0,
-        le=1e6,
-        description="Veto a shift unless its predicted gain over one dwell is at least this x its cost "
-        "(weights and KV moved, seed 002); 0 disables the check.",
-    )
-    warmup_share: float = Field(
-        default=0.2,
-        gt=0,
-        le=1,
-        description="Share of live requests' load a warming shadow gets (seed 002: 20%): the router mirrors "
-        "requests to its head pods at up to warmupShare x the gear's predicted throughput (answers dropped; "
-        "clients never see them) while it is Ready for warmS. The card-time share is not enforced on the "
-        "GPU (the benchmark models it).",
-    )
-    warm_s: float = Field(
-        default=30.0,
-        ge=0,
-        le=86400,
-        description="How long a shadow gear must have been Ready before traffic moves to it, s (gearshift's "
-        "choice: a few hundred warm-up requests at typical rates).",
-    )
-    warmup_timeout_s: float = Field(
-        default=600.0, gt=0, le=86400, description="Shadows not ready and warm by then -> roll back, s."
-    )
-    max_retrigger_steps: int = Field(
-        default=3,
-        ge=0,
-        le=100,
-        description="Most steps a threshold can be raised by re-triggers inside the dwell "
-        "(gearshift's choice).",
-    )
-    transfer_gbps: float = Field(
-        default=2.0,
-        gt=0,
-        le=1e5,
-        description="Rate one pod of a shift's new gear loads its weights and KV, GB/s (pods load at once, "
-        "so the largest stage sets the shift's cost in the cost-benefit check; default: a local NVMe read; "
-        "set the cluster's measured per-node load rate).",
-    )
-    avg_context_tokens: int = Field(
-        default=1024,
-        ge=0,
-        le=10_000_000,
-        description="KV-cache tokens a running request holds on average (prices the KV a shift moves).",
-    )
-    drain_timeout_s: float = Field(
-        default=120.0,
-        gt=0,
-        le=86400,
-        description="Longest wait for in-flight requests on the old gear to finish, s.",
-    )
-    rollback_window_s: float = Field(
-        default=60.0,
-        ge=0,
-        le=86400,
-        description="How long the old gear is kept after the switch to roll back to, s (seed 002 keeps a "
-        "few hundred ms inside one engine; across pods gearshift needs enough samples to judge P99).",
-    )
-    rollback_p99_ratio: float = Field(
-        default=2.0,
-        gt=1,
-        le=100,
-        description="Within the rollback window, the new gear's measured P99 above this x max(the old "
-        "gear's measured P99 when the shift started, the target P99) rolls back.",
-    )
-    expected_arrival_rps: float = Field(
-        default=0.0,
-        ge=0,
-        le=1e6,
-        description="Arrival rate the role expects when it starts, req/s: with initialGear unset it starts "
-        "on the gear with the fewest GPUs predicted to meet the P99 target at this rate.",
-    )
-    capacity_headroom: float = Field(
-        default=0.9,
-        gt=0,
-        le=1,
-        description="A gear is predicted to meet the P99 target up to this x its predicted throughput "
-        "(req/s) until it has measured its own capacity; the load-high/load-low triggers compare the "
-        "smoothed arrival rate with that capacity (status.control.capacity).",
-    )
-    downshift_ratio: float = Field(
-        default=0.75,
-        gt=0,
-        le=1,
-        description="load-low shifts to a gear with fewer GPUs only while the arrival rate is below this x "
-        "that gear's capacity (a margin against shifting back up at the next bump).",
-    )
-    upshift_dwell_s: float = Field(
-        default=60.0,
-        ge=0,
-        le=86400,
-        description="Least seconds after a shift ends before a shift to a gear with more capacity (as the "
-        "HPA scales up at once and down after a stabilization window, dwellS governs the way down).",
-    )
-    allow_degraded: bool = Field(
-        default=True,
-        description="When memory is short for full shadows, load weights first and grow the KV pool after "
-        "the switch (seed 002's degraded mode) instead of refusing the shift.",
-    )
-
-    @model_validator(mode="after")
-    def _check_thresholds(self) -> ShiftPolicy:
-        if self.imbalance_low_utilization >= self.imbalance_high_utilization:
-            raise ValueError(
-                f"imbalanceLowUtilization ({self.imbalance_low_utilization}) must be below "
-                f"imbalanceHighUtilization ({self.imbalance_high_utilization})"
-            )
-        if self.p99_low_ratio >= self.p99_high_ratio:
-            raise ValueError(
-                f"p99LowRatio ({self.p99_low_ratio}) must be below p99HighRatio ({self.p99_high_ratio})"
-            )
-        return self
-
-
-class PlanConstraints(SpecModel):
-    """Limits for the planner when it generates gears (``mode: auto``)."""
-
-    model_config = ConfigDict(json_schema_extra=_cel("PlanConstraints"))
-
-    min_stages: int | None = Field(default=None, ge=1, le=MAX_STAGES, description="Fewest stages per gear.")
-    max_stages: int | None = Field(default=None, ge=1, le=MAX_STAGES, description="Most stages per gear.")
-    max_replicas_per_stage: int | None = Field(
-        default=None, ge=1, le=1024, description="Most replicas of one stage."
-    )
-    node_selector: Selector = Field(
-        default_factory=dict, description="Only nodes with these labels are used."
-    )
-    exclude_nodes: list[NodeName] = Field(
-        default_factory=list, max_length=1024, description="Nodes never used."
-    )
-    gpu_models: list[GpuModelName] = Field(
-        default_factory=list,
-        max_length=64,
-        description="Allowed GPU models (gearshift.facts.gpus names); empty: any.",
-    )
-    link_utilization_cap: float = Field(
-        default=0.7,
-        gt=0,
-        le=1,
-        description="Traffic between adjacent stages must stay below this share of the link's bandwidth "
-        "(seed 002: 70%).",
-    )
-    memory_utilization: float = Field(
-        default=VLLM_GPU_MEMORY_UTILIZATION,
-        gt=0,
-        le=1,
-        description="Share of each GPU's memory for weights and KV cache (vLLM --gpu-memory-utilization, "
-        "default 0.9).",
-    )
-    window_margin_s: float = Field(
-        default=300.0,
-        ge=0,
-        le=86400,
-        description="A time-limited node is used only if the gear's dwell ends this long before its window "
-        "closes, s.",
-    )
-
-    @model_validator(mode="after")
-    def _check_stages(self) -> PlanConstraints:
-        if self.min_stages is not None and self.max_stages is not None and self.min_stages > self.max_stages:
-            raise ValueError(f"minStages ({self.min_stages}) must be <= maxStages ({self.max_stages})")
-        return self
-
-
-class Workload(SpecModel):
-    """The request shape the planner prices a gear's capacity with (mean tokens per request)."""
-
-    prompt_tokens: int = Field(
-        default=512,
-        ge=1,
-        le=1048576,
-        description="Mean prompt tokens per request (prefill work).",
-    )
-    output_tokens: int = Field(
-        default=128,
-        ge=1,
-        le=1048576,
-        description="Mean generated tokens per request (decode steps); the default is about the median of "
-        "the Azure LLM inference conversation trace (129).",
-    )
-
-
 class AutoPlan(SpecModel):
     """What the planner should generate when ``mode: auto``."""
 
@@ -740,343 +462,6 @@ class GearSetSpec(SpecModel):
             if g.name == name:
                 return g
         raise KeyError(f"no gear {name!r} in spec.gears {[g.name for g in self.gears]}")
-
-
-# --- status -----------------------------------------------------------------------------------------
-#: Longest ``status.signals.skipped`` the schema takes (the writer cuts to it).
-SKIPPED_MAX_CHARS = 1024
-
-
-class GearSignals(StatusModel):
-    """The smoothed (EMA) signals of the last sample."""
-
-    sample_time: AwareDatetime | None = Field(default=None, description="When the sample was taken.")
-    qps: float | None = Field(default=None, description="Requests/s over the last minute.")
-    p99_ms: float | None = Field(
-        default=None,
-        description="P99 the triggers compare with the target: TTFT for prefill and both, ITL for decode, "
-        "ms.",
-    )
-    p50_ttft_ms: float | None = Field(default=None, description="P50 time to first token, ms.")
-    p99_ttft_ms: float | None = Field(default=None, description="P99 time to first token, ms.")
-    p50_itl_ms: float | None = Field(default=None, description="P50 inter-token latency, ms.")
-    p99_itl_ms: float | None = Field(default=None, description="P99 inter-token latency, ms.")
-    p50_e2e_ms: float | None = Field(
-        default=None, alias="p50E2eMs", description="P50 end-to-end request latency, ms."
-    )
-    p99_e2e_ms: float | None = Field(
-        default=None, alias="p99E2eMs", description="P99 end-to-end request latency, ms."
-    )
-    queue_length: float | None = Field(default=None, description="Waiting requests per pipeline replica.")
-    kv_cache_usage: float | None = Field(default=None, description="KV-cache usage, 0..1.")
-    stage_utilization: list[float] = Field(
-        default_factory=list,
-        max_length=MAX_STAGES,
-        description="Utilisation of each stage, 0..1, in order; empty when not known.",
-    )
-    stage_utilization_source: StageUtilizationSource | None = Field(
-        default=None,
-        description="Where stageUtilization comes from: engine (the simulated engine measures and "
-        "exports each stage's busy fraction), derived (vLLM exports none: the head's seat occupancy, "
-        "pipelineUtilization, times each stage's predictedTimeMs / the bottleneck's), none (not known "
-        "this sample, e.g. a multi-stage vLLM gear without predictedTimeMs: the imbalance trigger is off; "
-        "the SignalsAvailable condition says why).",
-    )
-    pipeline_utilization: float | None = Field(
-        default=None,
-        description="vLLM only: the head engine's seat occupancy in the last sample (not smoothed), 0..1: "
-        "mean requests in execution over the window (rate of vllm:request_prefill_time_seconds_sum + "
-        "vllm:request_decode_time_seconds_sum per head engine) / maxBatch (--max-num-seqs).",
-    )
-    skipped: str | None = Field(
-        default=None,
-        max_length=SKIPPED_MAX_CHARS,
-        description="Why this tick has no sample (Prometheus unreachable, a series the controller reads "
-        "is missing): sampleTime is the tick's and every value is null, as the SignalsAvailable "
-        "condition also says; null when the sample was taken. The status advances every sample "
-        "interval either way (#31).",
-    )
-    missed_samples: int | None = Field(
-        default=None,
-        ge=0,
-        description="Sample instants the shifting loop let pass since the operator started, because a "
-        "turn took longer than spec.policy.sampleIntervalS (a slow API server or a busy machine); 0 while "
-        "it keeps pace. Also counted by gearshift_operator_samples_missed_total.",
-    )
-
-
-class GearHealth(StatusModel):
-    """Whether a gear may be shifted to; unhealthy until the model or the profiles change (seed 002)."""
-
-    gear: str = Field(max_length=63, description="Gear name.")
-    healthy: bool = Field(description="False after OOM, crash loops or severe timeouts.")
-    reason: str = Field(
-        default="", max_length=1024, description="CamelCase reason (OOMKilled, Timeout, ...)."
-    )
-    message: Message = Field(default="", description="Details.")
-    since: AwareDatetime | None = Field(default=None, description="When the gear was last marked.")
-    profiles_hash: str | None = Field(
-        default=None,
-        max_length=128,
-        description="GPUProfiles fingerprint when marked; a different one clears the mark.",
-    )
-    gear_hash: str | None = Field(
-        default=None,
-        max_length=128,
-        description="Fingerprint of the gear's spec when marked; editing the gear clears the mark.",
-    )
-
-
-class ShiftRecord(StatusModel):
-    """One gear shift, for history and events."""
-
-    from_gear: str | None = Field(default=None, alias="from", max_length=63, description="Gear shifted from.")
-    to_gear: str = Field(alias="to", max_length=63, description="Gear shifted to.")
-    trigger: ShiftTrigger = Field(description="What started the shift.")
-    started_at: AwareDatetime = Field(description="When the shift started.")
-    finished_at: AwareDatetime | None = Field(default=None, description="When it ended.")
-    outcome: ShiftOutcome = Field(default="InProgress", description="How it ended.")
-    message: Message = Field(default="", description="Details.")
-
-
-class ExecutorState(StatusModel):
-    """The gear executor's persisted state, so an operator restart resumes a shift where it stopped."""
-
-    step: GearPhase = Field(default="Stable", description="Current executor step.")
-    from_gear: str | None = Field(default=None, max_length=63, description="Gear being left.")
-    to_gear: str | None = Field(default=None, max_length=63, description="Gear being entered.")
-    trigger: ShiftTrigger | None = Field(default=None, description="Trigger of the shift in progress.")
-    started_at: AwareDatetime | None = Field(default=None, description="When the shift started.")
-    step_started_at: AwareDatetime | None = Field(default=None, description="When the current step started.")
-    deadline: AwareDatetime | None = Field(default=None, description="When the current step times out.")
-    rollback_until: AwareDatetime | None = Field(default=None, description="End of the rollback window.")
-    degraded: bool = Field(default=False, description="Shadows run weights-only; KV pool grows after.")
-    attempt: int = Field(default=0, ge=0, description="Retries of the current step.")
-    in_flight: int | None = Field(
-        default=None,
-        ge=0,
-        description="Requests still on the gear being drained (the old gear while Draining, the failed "
-        "gear while RollingBack).",
-    )
-    predicted_p99_ms: float | None = Field(
-        default=None, ge=0, le=1e7, description="The target gear's predicted P99 (informational), ms."
-    )
-    baseline_p99_ms: float | None = Field(
-        default=None,
-        ge=0,
-        le=1e9,
-        description="The old gear's measured P99 when the shift started (the rollback check's "
-        "yardstick), ms.",
-    )
-    baseline_qps: float | None = Field(
-        default=None,
-        ge=0,
-        le=1e9,
-        description="The old gear's served rate when the shift started, completed requests/s: a "
-        "saturation shift's new gear serving at least this much is not rolled back on P99.",
-    )
-    failure: str | None = Field(
-        default=None, max_length=1024, description="CamelCase reason of the rollback in progress."
-    )
-    failure_message: Message = Field(default="", description="Why it rolls back.")
-    paused_at: AwareDatetime | None = Field(
-        default=None, description="When spec.paused held the shift (deadlines are extended by the pause)."
-    )
-
-
-class GearCapacity(StatusModel):
-    """One gear's SLO capacity (issue 19): what the planner predicted and what the gear measured while it
-    served (gearshift.control.capacity)."""
-
-    gear: str = Field(max_length=63, description="Gear name.")
-    predicted_rps: float | None = Field(
-        default=None,
-        ge=0,
-        le=1e9,
-        description="policy.capacityHeadroom x the planner's predicted throughput, requests/s (0: its "
-        "predicted P99 misses the target).",
-    )
-    measured_low_rps: float | None = Field(
-        default=None,
-        ge=0,
-        le=1e9,
-        description="Highest smoothed arrival rate it served within the P99 target with no backlog, req/s.",
-    )
-    measured_high_rps: float | None = Field(
-        default=None,
-        ge=0,
-        le=1e9,
-        description="Lowest smoothed arrival (or, saturated, completion) rate at which a saturation or "
-        "p99-high trigger latched on it, req/s.",
-    )
-    capacity_rps: float | None = Field(
-        default=None,
-        ge=0,
-        le=1e9,
-        description="The estimate the controller uses: predictedRps clamped into the measured bounds, "
-        "req/s (informational; recomputed from the three above).",
-    )
-    updated_time: AwareDatetime | None = Field(default=None, description="When a bound last changed.")
-    pending_low_rps: float | None = Field(
-        default=None,
-        ge=0,
-        le=1e9,
-        description="Least arrival rate of the current run of within-target samples above measuredLowRps; "
-        "it becomes measuredLowRps after 60 s (the P99's window).",
-    )
-    pending_since: AwareDatetime | None = Field(default=None, description="When that run started.")
-
-
-class ControlState(StatusModel):
-    """The decision loop's persisted memory: EMA values, hysteresis streaks, raised thresholds."""
-
-    capacity: list[GearCapacity] = Field(
-        default_factory=list,
-        max_length=MAX_GEARS,
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["gear"]},
-        description="Per gear: predicted and measured SLO capacity (the load-high / load-low triggers).",
-    )
-
-    ema: dict[str, float] = Field(
-        default_factory=dict, max_length=64, description="Smoothed value per signal name."
-    )
-    streaks: dict[str, int] = Field(
-        default_factory=dict, max_length=16, description="Consecutive samples each trigger has held."
-    )
-    threshold_steps: dict[str, int] = Field(
-        default_factory=dict,
-        max_length=16,
-        description="Steps each trigger's threshold was raised by re-triggers inside the dwell.",
-    )
-    off_streaks: dict[str, int] = Field(
-        default_factory=dict,
-        max_length=16,
-        description="Consecutive samples each trigger has not held (hysteresis on the way out).",
-    )
-    latched: list[str] = Field(
-        default_factory=list, max_length=16, description="Triggers latched by hysteresis now."
-    )
-    dwell_until: AwareDatetime | None = Field(default=None, description="No shift before this time.")
-    last_shift_time: AwareDatetime | None = Field(
-        default=None, description="When the last shift was decided (the dwell counts from it)."
-    )
-    last_retrigger_time: AwareDatetime | None = Field(
-        default=None,
-        description="When a trigger last fired inside the dwell (raised thresholds reset "
-        "one dwell after it).",
-    )
-
-
-class ScalingStatus(StatusModel):
-    """The pipeline-replica autoscaler's report and memory (issue 12; ``PDService.spec.<role>.scaling``)."""
-
-    desired_replicas: int | None = Field(default=None, ge=0, description="Pipeline replicas asked for.")
-    ready_replicas: int | None = Field(default=None, ge=0, description="Pipeline replicas Ready.")
-    last_decision: str | None = Field(
-        default=None, max_length=64, description="Hold, ScaleUp or ScaleDown (the latest decision)."
-    )
-    last_reason: str | None = Field(default=None, max_length=128, description="CamelCase reason of it.")
-    last_message: Message = Field(default="", description="Details of it.")
-    last_scale_time: AwareDatetime | None = Field(default=None, description="When replicas last changed.")
-    up_since: AwareDatetime | None = Field(default=None, description="Start of the scale-up window run.")
-    up_floor: int | None = Field(default=None, ge=0, description="Lowest recommendation in that run.")
-    down_since: AwareDatetime | None = Field(default=None, description="Start of the scale-down window run.")
-    down_ceiling: int | None = Field(default=None, ge=0, description="Highest recommendation in that run.")
-    idle_since: AwareDatetime | None = Field(default=None, description="Since when nothing runs or waits.")
-    router_rejections: float | None = Field(
-        default=None, ge=0, description="Router no-decode-headroom counter at the last read (its baseline)."
-    )
-    draining: list[str] = Field(
-        default_factory=list, max_length=1024, description="Head pods being drained for a scale-down."
-    )
-    drain_target: int | None = Field(default=None, ge=0, description="Replicas the drain scales down to.")
-    drain_started_at: AwareDatetime | None = Field(default=None, description="When the drain began.")
-    placement: Message = Field(default="", description="Nodes the last scale-up expects its new pods on.")
-
-
-class MaxBatchChange(StatusModel):
-    """One change of the serving gear's effective max batch."""
-
-    time: AwareDatetime = Field(description="When it changed.")
-    from_value: int | None = Field(
-        default=None, alias="from", ge=1, description="Effective max batch before (none: a new gear)."
-    )
-    to_value: int = Field(alias="to", ge=1, description="Effective max batch after.")
-    reason: str = Field(max_length=128, description="CamelCase reason (ItlOverTarget, GearChanged, ...).")
-    message: Message = Field(default="", description="Details: the router's proposal and its ITL.")
-    pod: str | None = Field(
-        default=None, max_length=253, description="Head pod whose cap changed (none: the whole gear)."
-    )
-
-
-class PodMaxBatch(StatusModel):
-    """One head pod's adaptive max batch (its own ITL and backlog step it: seed 000's per-node rule)."""
-
-    pod: str = Field(max_length=253, description="Head pod name.")
-    effective: int = Field(ge=1, description="Max batch in force on this pod.")
-    per_router: int = Field(ge=1, description="What each router replica lets this pod run at once.")
-    last_change_time: AwareDatetime | None = Field(
-        default=None, description="When this pod's value last changed (its cooldown counts from it)."
-    )
-
-
-class AdaptiveBatchStatus(StatusModel):
-    """Seed 000's adaptive batch on the active gear (decode role; gearshift.control.adaptive_batch): the
-    router caps each head pod's concurrent requests at that pod's own effective value (``pods``; annotation
-    ``gearshift.io/max-batch``, divided among router replicas); the engines keep their ``--max-num-seqs``
-    (``planned``), so no pod restarts and no request is dropped."""
-
-    gear: str = Field(max_length=63, description="Gear the values are for (the active gear).")
-    planned: int = Field(ge=1, description="The gear's maxBatch, the engine's own limit: the ceiling.")
-    effective: int = Field(
-        ge=1, description="Lowest max batch in force over the head pods (each pod's own value: pods)."
-    )
-    floor: int = Field(ge=1, description="Least effective value: max(1, microBatch, ceil(planned / 4)).")
-    per_router: int = Field(
-        ge=1, description="Requests each router replica keeps at once on the most capped head pod."
-    )
-    pods: list[PodMaxBatch] = Field(
-        default_factory=list,
-        max_length=256,
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["pod"]},
-        description="Each head pod's max batch (the annotation the router reads is its perRouter).",
-    )
-    last_decision: Literal["Lower", "Raise", "Hold", "Reset"] = Field(description="The latest decision.")
-    last_reason: str = Field(max_length=128, description="CamelCase reason of it (Cooldown, AtFloor, ...).")
-    last_message: Message = Field(default="", description="Details of it.")
-    last_decision_time: AwareDatetime | None = Field(
-        default=None,
-        description="When the latest decision that changed this status was taken (a decision that repeats "
-        "the previous one, every 5 s, is not written again).",
-    )
-    last_change_time: AwareDatetime | None = Field(
-        default=None, description="When any head pod's value last changed."
-    )
-    history: list[MaxBatchChange] = Field(
-        default_factory=list, max_length=10, description="Recent changes, oldest first; at most 10."
-    )
-
-
-class WindowedNode(StatusModel):
-    """A time-limited node of this role (issue 13): its deadline, what runs on it, when work leaves it."""
-
-    node: str = Field(max_length=253, description="Node name.")
-    available_until: AwareDatetime = Field(description="When the node is reclaimed (its GPUProfile).")
-    leave_by: AwareDatetime = Field(
-        description="When work must leave it: availableUntil - windowMarginS - max(dwellS, warmS + "
-        "drainTimeoutS + rollbackWindowS); from then on the planner leaves it out and the executor shifts "
-        "the serving gear off it (trigger window)."
-    )
-    stages: list[Annotated[str, Field(max_length=128)]] = Field(
-        default_factory=list,
-        max_length=64,
-        description="What runs on it: '<gear>/s<k>' of the planned gears (empty: nothing).",
-    )
-    state: Literal["InUse", "Unused", "Leaving", "Left"] = Field(
-        default="Unused",
-        description="InUse (a gear places work on it), Unused, Leaving (past leaveBy; the serving gear is "
-        "being shifted off it), Left (past leaveBy, nothing on it).",
-    )
 
 
 class GearSetStatus(StatusModel):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 
-from gearshift.api.gearset import Gear, GearHealth, GearSet, ShiftPolicy
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import GearHealth
 from gearshift.api.pdservice import PDService
+from gearshift.api.shift_policy import ShiftPolicy
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.executor import ShiftRequest
 from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
@@ -18,23 +19,49 @@ ROLE_METRIC = {"prefill": LatencyMetric.TTFT, "decode": LatencyMetric.ITL, "both
 
 
 def policy_from_api(policy: ShiftPolicy, *, role: str, ttft_slo_ms: float, itl_slo_ms: float) -> ShiftRules:
-    """The control policy from ``GearSet.spec.policy``.
-
-    Every field the API model and :class:`ShiftRules` share (same snake-case name) is copied; the others
-    keep :class:`ShiftRules`'s defaults. ``targetP99Ms`` unset means the role's SLO from the PDService
+    """The control policy from ``GearSet.spec.policy``: every field of the API model, named once here
+    (``tests/unit/test_control_adapt.py`` fails when a field of :class:`ShiftPolicy` is left out), plus
+    the role's latency metric. ``targetP99Ms`` unset means the role's SLO from the PDService
     (``ttft_slo_ms`` for prefill and both, ``itl_slo_ms`` for decode, ms).
 
     Raises:
         ValueError: ``role`` is none of ``prefill``, ``decode``, ``both``.
-        PolicyError: a combination of values the control code cannot use, naming the field.
+        PolicyError: an SLO the triggers cannot aim at (not > 0 ms), naming ``spec.policy.targetP99Ms``
+            (the schema already refused every bad ``spec.policy`` value).
     """
     if role not in ROLE_METRIC:
         raise ValueError(f"role must be one of {', '.join(ROLE_METRIC)}, got {role!r}")
-    shared = {f.name: getattr(policy, f.name) for f in fields(ShiftRules) if hasattr(policy, f.name)}
-    shared = {k: v for k, v in shared.items() if v is not None}
-    shared.setdefault("target_p99_ms", itl_slo_ms if role == "decode" else ttft_slo_ms)
-    shared["latency_metric"] = ROLE_METRIC[role]
-    return ShiftRules(**shared)
+    slo_ms = itl_slo_ms if role == "decode" else ttft_slo_ms
+    return ShiftRules(
+        target_p99_ms=slo_ms if policy.target_p99_ms is None else policy.target_p99_ms,
+        latency_metric=ROLE_METRIC[role],
+        sample_interval_s=policy.sample_interval_s,
+        ema_alpha=policy.ema_alpha,
+        enter_samples=policy.enter_samples,
+        exit_samples=policy.exit_samples,
+        dwell_s=policy.dwell_s,
+        imbalance_high_utilization=policy.imbalance_high_utilization,
+        imbalance_low_utilization=policy.imbalance_low_utilization,
+        p99_high_ratio=policy.p99_high_ratio,
+        p99_low_ratio=policy.p99_low_ratio,
+        saturation_queue=policy.saturation_queue,
+        retrigger_step=policy.retrigger_step,
+        max_retrigger_steps=policy.max_retrigger_steps,
+        min_benefit_cost_ratio=policy.min_benefit_cost_ratio,
+        transfer_gbps=policy.transfer_gbps,
+        avg_context_tokens=policy.avg_context_tokens,
+        warmup_share=policy.warmup_share,
+        warm_s=policy.warm_s,
+        warmup_timeout_s=policy.warmup_timeout_s,
+        drain_timeout_s=policy.drain_timeout_s,
+        rollback_window_s=policy.rollback_window_s,
+        rollback_p99_ratio=policy.rollback_p99_ratio,
+        expected_arrival_rps=policy.expected_arrival_rps,
+        capacity_headroom=policy.capacity_headroom,
+        downshift_ratio=policy.downshift_ratio,
+        upshift_dwell_s=policy.upshift_dwell_s,
+        allow_degraded=policy.allow_degraded,
+    )
 
 
 def gearset_rules(gs: GearSet, pds: PDService) -> ShiftRules:

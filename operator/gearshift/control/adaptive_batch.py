@@ -57,7 +57,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from gearshift.api.gearset import AdaptiveBatchStatus
+from gearshift.api.gearset_status import AdaptiveBatchStatus
 from gearshift.control.executor_status import from_time, to_time
 from gearshift.control.pd_balance import GROW_FACTOR, SHRINK_FACTOR
 

@@ -33,7 +33,8 @@ from gearshift.api.common import (
     REASON_SCALED_UP,
     ConditionStatus,
 )
-from gearshift.api.gearset import Gear, GearSet, ScalingStatus
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import ScalingStatus
 from gearshift.api.pdservice import PDService, SLOSpec
 from gearshift.control import scaling as sc
 from gearshift.control.executor_status import from_time, to_time

@@ -37,17 +37,29 @@ re-emits whatever is still missing (a gear to create, a selector to set), so an 
 persisting the state and applying its actions, or in the middle of any phase, resumes. One invariant
 holds at every step: the role Service is only ever pointed at a gear whose pods are Ready, and the gear it
 selects is never deleted.
-The step never reads the clock (``World.now``) and returns declarative :data:`Action` values that the
-handler applies in order. :func:`simulate_steps` runs it over a scripted world until it is Stable and idle.
+The step never reads the clock (``World.now``) and returns declarative actions
+(:mod:`gearshift.control.executor_actions`) that the handler applies in order; its state goes to and from
+``GearSet.status`` through :mod:`gearshift.control.executor_status`, and
+:func:`gearshift.control.executor_sim.simulate_steps` runs it over a scripted world until it is Stable and
+idle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Protocol
 
+from gearshift.control.executor_actions import (
+    Action,
+    DeleteGear,
+    EnsureGear,
+    Event,
+    MarkUnhealthy,
+    Outcome,
+    RecordShift,
+    SelectGear,
+)
 from gearshift.control.policy import ShiftRules
 from gearshift.control.signals import MIN_WINDOW_S
 from gearshift.control.triggers import Trigger
@@ -62,17 +74,6 @@ class Phase(StrEnum):
     SWITCHING = "Switching"
     ROLLING_BACK = "RollingBack"
     DEGRADED = "Degraded"
-
-
-class Outcome(StrEnum):
-    """How a shift ended (``ShiftRecord.outcome``)."""
-
-    IN_PROGRESS = "InProgress"
-    SUCCEEDED = "Succeeded"
-    ROLLED_BACK = "RolledBack"
-    FAILED = "Failed"
-    ABORTED = "Aborted"
-    """Cancelled before the switch: its ``spec.forceGear`` was reverted while the target warmed."""
 
 
 # --- the executor's event reasons (their one place; gearshift.api.common has the other reasons) ---
@@ -91,73 +92,6 @@ EVENT_GEAR_MISSING = "GearMissing"
 # --- why a gear is marked unhealthy --------------------------------------------------------------
 FAIL_NOT_READY = "NotReadyInTime"
 FAIL_P99 = "P99Regression"
-
-
-# --- actions ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EnsureGear:
-    """Create (or update) the gear's StatefulSets and headless Service.
-
-    ``shadow``: the pods run beside the serving gear, outside the role Service (no client traffic);
-    ``warm_share`` is seed 002's cap on the share a shadow may take: the router mirrors it at most
-    ``warm_share`` of its predicted throughput (the shifting loop's marks, :mod:`gearshift.k8s.warming`,
-    carry the cap while the phase is ``Warming``); its share of a card's compute is not enforced (the
-    sandbox's time-sliced cards give none). ``kv_pool`` false: weights only, no KV-cache pool yet
-    (degraded mode).
-    """
-
-    gear: str
-    shadow: bool = False
-    warm_share: float = 0.0
-    kv_pool: bool = True
-
-
-@dataclass(frozen=True)
-class SelectGear:
-    """Point the role Service's selector (and the router) at the gear's head pods."""
-
-    gear: str
-
-
-@dataclass(frozen=True)
-class DeleteGear:
-    """Delete the gear's StatefulSets and headless Service."""
-
-    gear: str
-
-
-@dataclass(frozen=True)
-class MarkUnhealthy:
-    """Record the gear as unhealthy in ``status.gearHealth``; decisions skip it."""
-
-    gear: str
-    reason: str
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class Event:
-    """A Kubernetes event on the GearSet."""
-
-    reason: str
-    message: str
-    warning: bool = False
-
-
-@dataclass(frozen=True)
-class RecordShift:
-    """Add or update (by ``started_at``) the shift's entry in ``status.history``; times in s."""
-
-    from_gear: str
-    to_gear: str
-    trigger: str
-    started_at: float
-    outcome: Outcome
-    finished_at: float | None = None
-    message: str = ""
-
-
-Action = EnsureGear | SelectGear | DeleteGear | MarkUnhealthy | Event | RecordShift
 
 
 # --- observed world ----------------------------------------------------------------------------------
@@ -406,7 +340,7 @@ def _stable(
     )
     return new, [
         *actions,
-        EnsureGear(request.target, shadow=True, warm_share=policy.warmup_share, kv_pool=not degraded),
+        EnsureGear(request.target, shadow=True, kv_pool=not degraded),
         Event(EVENT_SHIFT_STARTED, shift_started_message(request.trigger, active, request.target, degraded)),
         RecordShift(active, request.target, request.trigger, now, Outcome.IN_PROGRESS),
     ]
@@ -453,9 +387,7 @@ def _warming(state: ShiftState, world: World, policy: ShiftRules) -> tuple[Shift
         )
     actions: list[Action] = []
     if not obs.exists:
-        actions.append(
-            EnsureGear(target, shadow=True, warm_share=policy.warmup_share, kv_pool=not state.degraded)
-        )
+        actions.append(EnsureGear(target, shadow=True, kv_pool=not state.degraded))
     if world.selected != state.from_gear and world.ready(state.from_gear):
         actions.append(SelectGear(state.from_gear))
     return state, actions
@@ -619,60 +551,3 @@ def _rolled_back(state: ShiftState, world: World, actions: list[Action]) -> tupl
         Event(EVENT_ROLLED_BACK, message, True),
         RecordShift(old, target, state.trigger, state.started_at, Outcome.ROLLED_BACK, now, message),
     ]
-
-
-# --- driver ------------------------------------------------------------------------------------------
-class WorldModel(Protocol):
-    """Something that can be observed and that applies actions: a scripted world in tests and benches."""
-
-    def observe(self, now: float) -> World: ...
-
-    def apply(self, actions: list[Action], now: float) -> None: ...
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One step of :func:`simulate_steps`: the time, the world seen, the phase after, the actions."""
-
-    now: float
-    world: World
-    phase: Phase
-    actions: list[Action] = field(default_factory=list)
-    state: ShiftState | None = None
-
-
-def simulate_steps(
-    state: ShiftState,
-    world: WorldModel,
-    policy: ShiftRules,
-    *,
-    request: ShiftRequest | None,
-    start: float = 0.0,
-    tick_s: float = 2.0,
-    max_steps: int = 10_000,
-    persist: bool = True,
-) -> list[StepRecord]:
-    """Run :func:`step` every ``tick_s`` over ``world`` until the executor is Stable and idle.
-
-    ``request`` is offered at the first step. With ``persist`` every state goes through the status codec
-    between steps (:func:`gearshift.control.executor_status.through_status`), as it does through
-    ``GearSet.status`` in production.
-
-    Raises:
-        RuntimeError: not Stable and idle after ``max_steps`` steps (a livelock in the step function).
-    """
-    from gearshift.control.executor_status import through_status  # it imports this module
-
-    records: list[StepRecord] = []
-    now = start
-    for i in range(max_steps):
-        seen = world.observe(now)
-        state, actions = step(state, seen, policy, request=request if i == 0 else None)
-        if persist:
-            state = through_status(state)
-        world.apply(actions, now)
-        records.append(StepRecord(now, seen, state.phase, actions, state))
-        if i > 0 and state.phase is Phase.STABLE and not actions:
-            return records
-        now += tick_s
-    raise RuntimeError(f"executor not Stable and idle after {max_steps} steps (phase {state.phase})")

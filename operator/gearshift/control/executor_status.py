@@ -1,6 +1,6 @@
 """The executor's state as ``GearSet.status`` stores it: the one codec, used by the shifting loop and by
-:func:`gearshift.control.executor.simulate_steps` (so restart safety is proven through the codec production
-uses). Pure.
+:func:`gearshift.control.executor_sim.simulate_steps` (so restart safety is proven through the codec
+production uses). Pure.
 
 ``status.activeGear`` holds :attr:`ShiftState.active`; ``status.executor`` (:class:`ExecutorState`) the
 rest, times as RFC 3339 UTC strings.
@@ -12,7 +12,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from gearshift.api.gearset import ExecutorState
+from gearshift.api.gearset_status import ExecutorState
 from gearshift.control.executor import Phase, ShiftState
 
 

@@ -1,8 +1,9 @@
 """The numbers of the gear-shifting policy and the view of a gear that the decision and the executor use.
 
-Every default is seed 002's ("Gear shifting" and "Executor" in DESIGN.md) unless its comment says
-otherwise; the GearSet's ``spec.policy`` overrides each one (:func:`gearshift.control.adapt` builds a
-:class:`ShiftRules` from the API model).
+Every default is the API's (:class:`gearshift.api.shift_policy.ShiftPolicy`: seed 002's, "Gear
+shifting" and "Executor" in DESIGN.md, unless its comment says otherwise); the GearSet's ``spec.policy``
+overrides each one (:func:`gearshift.control.adapt.policy_from_api` builds a :class:`ShiftRules` from the
+API model, naming every field once).
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gearshift.api.shift_policy import ShiftPolicy
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import ModelArch
-
-
-class PolicyError(ValueError):
-    """A shifting-policy value that cannot be used; names the ``spec.policy`` field and the fix."""
 
 
 class Intent(StrEnum):
@@ -33,12 +32,19 @@ class LatencyMetric(StrEnum):
     E2E = "e2e"
 
 
+#: The API's defaults, which are the control code's: one definition of each number.
+_API = ShiftPolicy()
+
+
 @dataclass(frozen=True)
 class ShiftRules:
     """All numbers of the shifting policy; times in s, latencies in ms, ratios as fractions.
 
-    Field names follow ``GearSet.spec.policy`` (:class:`gearshift.api.gearset.ShiftPolicy`) in snake case;
-    :func:`gearshift.control.adapt.policy_from_api` fills this from it.
+    Field names and defaults are ``GearSet.spec.policy``'s (:class:`gearshift.api.shift_policy.ShiftPolicy`)
+    in snake case; :func:`gearshift.control.adapt.policy_from_api` fills this from it. The schema refuses
+    bad input first; the checks here are the schema's lower bounds and cross-field rules, for rules built
+    without the API (the twin, the benchmarks), and ``tests/unit/test_control_adapt.py`` holds the two to
+    the same answer (the schema's upper limits only bound typos: the control code can use any value).
 
     Raises:
         PolicyError: (at construction) a value outside its range, naming the ``spec.policy`` field.
@@ -48,73 +54,73 @@ class ShiftRules:
     """The P99 the latency triggers aim at, ms (DESIGN.md: target TTFT 200 ms)."""
     latency_metric: LatencyMetric = LatencyMetric.TTFT
     """Which P99: TTFT for the prefill role, ITL for decode (the PDService SLOs)."""
-    sample_interval_s: float = 2.0
-    ema_alpha: float = 0.3
-    enter_samples: int = 3
-    exit_samples: int = 3
-    dwell_s: float = 600.0
-    imbalance_high_utilization: float = 0.9
+    sample_interval_s: float = _API.sample_interval_s
+    ema_alpha: float = _API.ema_alpha
+    enter_samples: int = _API.enter_samples
+    exit_samples: int = _API.exit_samples
+    dwell_s: float = _API.dwell_s
+    imbalance_high_utilization: float = _API.imbalance_high_utilization
     """Some stage's smoothed utilisation above this ..."""
-    imbalance_low_utilization: float = 0.6
+    imbalance_low_utilization: float = _API.imbalance_low_utilization
     """... while every other stage's is below this → throughput gear."""
-    p99_high_ratio: float = 1.2
+    p99_high_ratio: float = _API.p99_high_ratio
     """Smoothed P99 above this × target → latency gear."""
-    p99_low_ratio: float = 0.7
+    p99_low_ratio: float = _API.p99_low_ratio
     """Smoothed P99 below this × target → balanced gear."""
-    saturation_queue: float = 1.0
+    saturation_queue: float = _API.saturation_queue
     """gearshift extension (the ``saturation`` trigger): smoothed waiting requests per pipeline replica
     above this, together with a P99 above ``p99HighRatio`` × target, mean the active gear cannot keep up
     with the load → the healthy gear with the most predicted throughput, if it beats the active one. Our
     default: one request waiting per replica on average over several samples (an engine that keeps up
     admits arrivals at its next step, so its waiting queue averages well below one)."""
-    retrigger_step: float = 0.05
+    retrigger_step: float = _API.retrigger_step
     """One threshold level: moves the high thresholds up and the low ones down by this much (seed 002
     says "one step"; the size is gearshift's choice, the API's default)."""
-    max_retrigger_steps: int = 3
+    max_retrigger_steps: int = _API.max_retrigger_steps
     """Most levels a threshold can be raised (our choice; keeps ``p99LowRatio`` above 0)."""
-    min_benefit_cost_ratio: float = 1.0
+    min_benefit_cost_ratio: float = _API.min_benefit_cost_ratio
     """A shift must promise at least this × its cost (both in seconds of full service) over the dwell;
     0 vetoes only shifts predicted to make things worse."""
-    transfer_gbps: float = 2.0
+    transfer_gbps: float = _API.transfer_gbps
     """Rate at which a shift moves weights and KV onto the new gear's cards, GB/s. Our default: the
     order of a local NVMe read; set it to the measured load rate of the cluster."""
-    avg_context_tokens: int = 1024
+    avg_context_tokens: int = _API.avg_context_tokens
     """Tokens of KV cache a running request holds on average (our default); prices the KV a shift moves."""
-    warmup_share: float = 0.2
+    warmup_share: float = _API.warmup_share
     """Largest share of traffic (and of a card's compute) a shadow gear gets while warming (seed 002)."""
-    warm_s: float = 30.0
+    warm_s: float = _API.warm_s
     """How long a shadow gear must have been Ready, taking its warm-up share, before traffic moves (our
     choice: a few hundred warm-up requests at typical rates)."""
-    warmup_timeout_s: float = 600.0
+    warmup_timeout_s: float = _API.warmup_timeout_s
     """A shadow gear not Ready and warm this long after the shift started is rolled back."""
-    drain_timeout_s: float = 120.0
+    drain_timeout_s: float = _API.drain_timeout_s
     """Longest wait for the old gear's in-flight requests to finish."""
-    rollback_window_s: float = 60.0
+    rollback_window_s: float = _API.rollback_window_s
     """How long the old gear is kept after the switch so traffic can return to it. Seed 002 keeps it
     "a few hundred ms" inside one engine; a pod-level switch needs tens of samples to judge P99."""
-    rollback_p99_ratio: float = 2.0
+    rollback_p99_ratio: float = _API.rollback_p99_ratio
     """The new gear is rolled back when its measured P99 in the rollback window exceeds this × the larger
     of the old gear's measured P99 when the shift started and ``targetP99Ms`` (a gearshift choice: the
     planner's predicted P99 assumes its own request shape, not the trace's, so it is no yardstick)."""
-    expected_arrival_rps: float = 0.0
+    expected_arrival_rps: float = _API.expected_arrival_rps
     """The arrival rate a role expects when it starts, requests/s: with ``spec.initialGear`` unset it
     starts on the gear with the fewest GPUs predicted to meet the SLO at this rate."""
-    capacity_headroom: float = 0.9
+    capacity_headroom: float = _API.capacity_headroom
     """A gear is predicted to keep up with this × its predicted throughput (requests/s); measured bounds
     then correct it (:mod:`gearshift.control.capacity`). Our default, from ``bench/results/gears.json``:
     continuous batching keeps latency flat until close to saturation (the 2-card gear keeps up with 26-28
     req/s of the trace as well as the 4-card gear, 0.90-0.97 × its predicted 28.75; the simulated engine
     serves it at 31.2, ``planner_vs_engine.json``); 0.8 shifted up early and spent 2.75-3.45 GPU-hours
     where 0.9 spent 2.5 (``gears_headroom_0.8.json``)."""
-    downshift_ratio: float = 0.75
+    downshift_ratio: float = _API.downshift_ratio
     """``load-low`` shifts to a gear with fewer GPUs only while the smoothed arrival rate is below this ×
     that gear's capacity (a margin against shifting back up at the next bump)."""
-    upshift_dwell_s: float = 60.0
+    upshift_dwell_s: float = _API.upshift_dwell_s
     """``load-high``: least time since the last shift ended before a shift to a gear with more capacity.
     Shorter than ``dwellS`` on purpose, as Kubernetes' HPA scales up at once and down only after a
     stabilization window (``behavior.scaleDown.stabilizationWindowSeconds``, 300 s): too little capacity
     loses requests now, too much only costs GPU time."""
-    allow_degraded: bool = True
+    allow_degraded: bool = _API.allow_degraded
     """Memory short for full shadows: load weights first, grow the KV pool after the switch (seed 002)."""
 
     def __post_init__(self) -> None:
@@ -150,10 +156,10 @@ class ShiftRules:
         need(self.min_benefit_cost_ratio >= 0, "min_benefit_cost_ratio", "must be >= 0")
         need(self.transfer_gbps > 0, "transfer_gbps", "must be > 0 GB/s")
         need(self.avg_context_tokens >= 0, "avg_context_tokens", "must be >= 0")
-        need(0 <= self.warmup_share <= 1, "warmup_share", "must be in [0, 1]")
+        need(0 < self.warmup_share <= 1, "warmup_share", "must be in (0, 1]")
         need(self.warm_s >= 0, "warm_s", "must be >= 0 s")
         need(self.warmup_timeout_s > 0, "warmup_timeout_s", "must be > 0 s")
-        need(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0 s")
+        need(self.drain_timeout_s > 0, "drain_timeout_s", "must be > 0 s")
         need(self.rollback_window_s >= 0, "rollback_window_s", "must be >= 0 s")
         need(self.rollback_p99_ratio > 1, "rollback_p99_ratio", "must be > 1")
         need(self.expected_arrival_rps >= 0, "expected_arrival_rps", "must be >= 0 requests/s")

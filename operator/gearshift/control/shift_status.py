@@ -15,10 +15,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gearshift.api.common import MAX_HISTORY, inputs_hash
-from gearshift.api.gearset import SKIPPED_MAX_CHARS, ControlState, Gear, GearHealth, GearSignals
+from gearshift.api.gearset import Gear
+from gearshift.api.gearset_status import SKIPPED_MAX_CHARS, ControlState, GearHealth, GearSignals
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
-from gearshift.control.executor import Action, MarkUnhealthy, RecordShift, ShiftState
+from gearshift.control.executor import ShiftState
+from gearshift.control.executor_actions import Action, MarkUnhealthy, RecordShift
 from gearshift.control.executor_status import executor_to_status, from_time, to_time
 from gearshift.control.policy import ShiftRules
 from gearshift.control.signals import Reading

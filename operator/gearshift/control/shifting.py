@@ -18,23 +18,26 @@ from gearshift.api.common import (
     REASON_SIGNALS_MISSING,
     ConditionUpdate,
 )
-from gearshift.api.gearset import Gear, GearHealth, GearSet
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import GearHealth
 from gearshift.control.adapt import shift_request
 from gearshift.control.decide import MANUAL, Decision, DecisionKind, held_triggers
 from gearshift.control.executor import (
     FAIL_P99,
+    GearObservation,
+    Phase,
+    ShiftRequest,
+    ShiftState,
+    judged_since,
+)
+from gearshift.control.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
     Event,
-    GearObservation,
     MarkUnhealthy,
-    Phase,
     RecordShift,
     SelectGear,
-    ShiftRequest,
-    ShiftState,
-    judged_since,
 )
 from gearshift.control.executor_status import from_time
 from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules

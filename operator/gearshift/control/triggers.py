@@ -39,7 +39,8 @@ from gearshift.control.smoothing import Sample
 
 
 class Trigger(StrEnum):
-    """Why a shift is wanted; the values are ``ShiftRecord.trigger``'s (:mod:`gearshift.api.gearset`)."""
+    """Why a shift is wanted; the values are ``ShiftRecord.trigger``'s
+    (:mod:`gearshift.api.gearset_status`)."""
 
     IMBALANCE = "imbalance"
     SATURATION = "saturation"

@@ -44,7 +44,7 @@ from typing import Any
 import kopf
 
 from gearshift.api.common import COND_SCALING_ACTIVE, GROUP, VERSION
-from gearshift.api.gearset import ScalingStatus
+from gearshift.api.gearset_status import ScalingStatus
 from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
 from gearshift.control.signals import SignalsUnavailable

@@ -15,10 +15,10 @@ from typing import Any
 import kopf
 
 from gearshift.api.common import API_VERSION, GROUP, VERSION
+from gearshift.facts.errors import SettingsError
 from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.handlers.runtime import runtime_of
 from gearshift.profiling.profiles import GpuNodeView, node_view, parse_selector
-from gearshift.profiling.settings import SettingsError
 
 PLURAL = "gpuprofiles"
 

@@ -62,27 +62,23 @@ from typing import Any, assert_never
 import kopf
 
 from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
-from gearshift.api.gearset import Gear, GearHealth, GearSet
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_status import GearHealth
 from gearshift.api.pdservice import PDService
 from gearshift.control.adapt import gear_views, gearset_rules
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, decide
-from gearshift.control.executor import (
+from gearshift.control.executor import GearObservation, Phase, ShiftState, World, draining_gear, step
+from gearshift.control.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
     Event,
-    GearObservation,
     Outcome,
-    Phase,
     RecordShift,
     SelectGear,
-    ShiftState,
-    World,
-    draining_gear,
-    step,
 )
 from gearshift.control.executor_status import executor_from_status
-from gearshift.control.policy import GearTable, PolicyError, ShiftRules
+from gearshift.control.policy import GearTable, ShiftRules
 from gearshift.control.reconcile.state import SHIFT_STEPS
 from gearshift.control.shift_status import (
     ORPHAN_MESSAGE,
@@ -121,6 +117,7 @@ from gearshift.control.signals import (
     unavailable_series,
 )
 from gearshift.control.smoothing import Sample
+from gearshift.facts.errors import PolicyError
 from gearshift.handlers import metrics
 from gearshift.handlers.common import (
     ConditionBook,
@@ -431,19 +428,19 @@ def _act(rt: Runtime, t: _Inputs, operations: Sequence[ApiOperation]) -> None:
 
 
 def _mark_warming(api: KubeApi, t: _Inputs, pods: Sequence[Mapping[str, Any]], state: ShiftState) -> None:
-    """Label the head pods of the gear ``Warming`` now for mirrored warm-up traffic, with the mirror cap
-    (:func:`gearshift.k8s.warming.mirror_cap_rps`), and unmark every other pod of the role
-    (:mod:`gearshift.k8s.warming` says why on the pods, not in their template). After the actions: the
-    tick that switches to the shadow has just pointed the role Service at it, and the router mirrors to
-    no pod it routes to, so the unmarking that follows loses nothing."""
+    """Label the head pods of the gear ``Warming`` now for mirrored warm-up traffic, with their mirrored
+    requests/s (:func:`gearshift.k8s.warming.gear_mirror_rps` of ``warmupShare``), and unmark every other
+    pod of the role (:mod:`gearshift.k8s.warming` says why on the pods, not in their template). After the
+    actions: the tick that switches to the shadow has just pointed the role Service at it, and the router
+    mirrors to no pod it routes to, so the unmarking that follows loses nothing."""
     gear = state.to_gear if state.phase is Phase.WARMING else None
-    cap = warming.mirror_cap_rps(
+    mirror_rps = warming.gear_mirror_rps(
         t.policy.warmup_share,
         t.gears.get(gear) if gear else None,
         t.pds.spec.engine,
         t.pds.spec.router.replicas,
     )
-    for pod, patch in warming.warming_mark_patches(pods, gear, cap):
+    for pod, patch in warming.warming_mark_patches(pods, gear, mirror_rps):
         try:
             api.patch("v1", "Pod", t.namespace, pod, patch)
         except KubeApiError as exc:

@@ -5,7 +5,9 @@ Every object the operator creates is found again by these labels, never by parsi
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 
 from gearshift import GROUP
 
@@ -45,9 +47,27 @@ LABEL_DRAINING = f"{DOMAIN}/draining"
 #: On a head pod of a warming shadow gear: the router mirrors a share of live requests to it (``"true"``);
 #: set and cleared on the pods by the shifting loop, never in the pod template (gearshift.k8s.warming).
 LABEL_WARMING = f"{DOMAIN}/warming"
-#: On a warming head pod: the most mirrored requests/s one router replica sends it, ``warmupShare`` of the
-#: gear's predicted throughput (gearshift.k8s.warming.mirror_cap_rps); ``"0"``: none predicted, no mirror.
+#: On a warming head pod: its ``mirror_rps``, the most mirrored requests/s one router replica sends it
+#: (gearshift.k8s.warming.mirror_rps, from ``warmupShare``); ``"0"``: none predicted, no mirror. Written by
+#: :func:`format_mirror_rps`, read back by :func:`parse_mirror_rps`.
 ANNOTATION_MIRROR_RPS = f"{DOMAIN}/mirror-rps"
+
+
+def format_mirror_rps(mirror_rps: float) -> str:
+    """The :data:`ANNOTATION_MIRROR_RPS` value of ``mirror_rps`` (requests/s) to 6 significant digits
+    (``"2.4"``, ``"0"``)."""
+    return f"{mirror_rps:.6g}"
+
+
+def parse_mirror_rps(annotations: Mapping[str, str]) -> float:
+    """A pod's ``mirror_rps`` (requests/s) from its annotations: :data:`ANNOTATION_MIRROR_RPS` read back;
+    0 (no mirror) when it is absent, unreadable, not finite or not positive."""
+    try:
+        rps = float(annotations.get(ANNOTATION_MIRROR_RPS, "0"))
+    except ValueError:
+        return 0.0
+    return rps if math.isfinite(rps) and rps > 0 else 0.0
+
 
 #: On a serving (decode) head pod: the most requests one router replica keeps on it at once, the operator's
 #: adaptive max batch (``status.adaptiveBatch.effective`` of its GearSet / router replicas, at least 1;

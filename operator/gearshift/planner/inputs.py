@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from gearshift import planner
 from gearshift.api.gearset import Gear as ApiGear
-from gearshift.api.gearset import PlanConstraints
+from gearshift.api.gearset_plan import PlanConstraints
 from gearshift.api.gpuprofile import GPUProfile, GPUProfileStatus
 from gearshift.facts.fleet import TP_EFFICIENCY, max_micro_batch
 from gearshift.facts.gpus import UnknownGPUError, compute_score, gpu_spec

@@ -1,6 +1,7 @@
 """The operator's profiling settings (:class:`ProbeSettings`): how probe Jobs look, which nodes are GPU
 nodes, the re-probe interval, the back-off and the probe kinds accepted, read from ``GEARSHIFT_*``
-environment variables (:meth:`ProbeSettings.from_env`; :class:`SettingsError` names a bad one).
+environment variables (:meth:`ProbeSettings.from_env`; a bad one raises
+:class:`~gearshift.facts.errors.SettingsError`, naming it).
 """
 
 from __future__ import annotations
@@ -8,12 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gearshift.facts.errors import SettingsError
 from gearshift.k8s.probejob import ProbeJobConfig, ProbeJobError, tolerations_from_json
 from gearshift.profiling.profiles import parse_selector
-
-
-class SettingsError(ValueError):
-    """A probe setting (environment variable) with a bad value; the message names the variable."""
 
 
 @dataclass(frozen=True)

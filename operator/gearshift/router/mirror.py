@@ -3,15 +3,16 @@
 Seed 002's executor warms a shadow gear on a share of live traffic before it serves.
 
 While a gear shift is ``Warming`` the operator labels the target gear's head pods
-``gearshift.io/warming: "true"`` with the annotation ``gearshift.io/mirror-rps`` (``warmupShare`` × the
-gear's predicted pipeline throughput ÷ router replicas; gearshift.k8s.warming). The router's pod poll
+``gearshift.io/warming: "true"`` with the annotation ``gearshift.io/mirror-rps`` (its ``mirror_rps``:
+``warmupShare`` × the gear's predicted pipeline throughput ÷ head pods ÷ router replicas;
+gearshift.k8s.warming.mirror_rps). The router's pod poll
 (router/membership.py) finds those pods of its own PDService (:func:`warming_targets`) and hands them to
 :class:`Mirror`; for each live request the proxy then offers a copy (:meth:`Mirror.offer`):
 
 - per role with warming pods, one copy to one pod (:func:`pick`: round robin over the pods with a token);
-- each pod's copies are bounded by a token bucket at its cap (:class:`TokenBucket`: ``cap`` tokens/s,
-  a burst of one second's worth, at least one), and at most :data:`MAX_IN_FLIGHT` copies are out at once
-  per router; over either bound the copy is not sent and is counted (``dropped``, ``busy``);
+- each pod's copies are bounded by a token bucket at its ``mirror_rps`` (:class:`TokenBucket`: that many
+  tokens/s, a burst of one second's worth, at least one), and at most :data:`MAX_IN_FLIGHT` copies are out
+  at once per router; over either bound the copy is not sent and is counted (``dropped``, ``busy``);
 - a prefill shadow gets the prefill leg without ``kv_transfer_params`` (one output token, its KV freed at
   once: no decode pod will pull it), a decode shadow the client's request without them (it prefills and
   decodes itself, streamed if the client streams); both under ``X-Request-Id`` ``<id>-mirror``;
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +38,6 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gearshift.k8s.names import (
-    ANNOTATION_MIRROR_RPS,
     COMPONENT_ENGINE,
     LABEL_COMPONENT,
     LABEL_GEAR,
@@ -46,6 +45,7 @@ from gearshift.k8s.names import (
     LABEL_SERVICE,
     LABEL_STAGE,
     LABEL_WARMING,
+    parse_mirror_rps,
 )
 from gearshift.router.legs import leg_headers, prefill_leg_body
 
@@ -96,7 +96,7 @@ class MirrorTarget:
     role: str
     gear: str
     url: str
-    cap_rps: float
+    mirror_rps: float
 
 
 def _ready(pod: Mapping[str, Any]) -> bool:
@@ -115,8 +115,9 @@ def _http_port(pod: Mapping[str, Any]) -> int:
 
 
 def warming_targets(pods: Iterable[Mapping[str, Any]], service: str) -> list[MirrorTarget]:
-    """The Ready, Running head pods of PDService ``service`` labelled warming with a positive finite cap,
-    sorted by name (pod API JSON in; pure). A cap that is absent, ``0`` or unreadable: no target."""
+    """The Ready, Running head pods of PDService ``service`` labelled warming with a positive ``mirror_rps``
+    (:func:`gearshift.k8s.names.parse_mirror_rps`), sorted by name (pod API JSON in; pure). One that is
+    absent, ``0`` or unreadable: no target."""
     out: list[MirrorTarget] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -132,11 +133,8 @@ def warming_targets(pods: Iterable[Mapping[str, Any]], service: str) -> list[Mir
         ):
             continue
         ip = (pod.get("status") or {}).get("podIP")
-        try:
-            cap = float((meta.get("annotations") or {}).get(ANNOTATION_MIRROR_RPS, "0"))
-        except ValueError:
-            continue
-        if not ip or not (math.isfinite(cap) and cap > 0):
+        mirror_rps = parse_mirror_rps(meta.get("annotations") or {})
+        if not ip or mirror_rps <= 0:
             continue
         host = f"[{ip}]" if ":" in ip else ip
         out.append(
@@ -145,7 +143,7 @@ def warming_targets(pods: Iterable[Mapping[str, Any]], service: str) -> list[Mir
                 role=str(labels[LABEL_ROLE]),
                 gear=str(labels.get(LABEL_GEAR, "")),
                 url=f"http://{host}:{_http_port(pod)}",
-                cap_rps=cap,
+                mirror_rps=mirror_rps,
             )
         )
     return sorted(out, key=lambda t: t.name)
@@ -198,8 +196,8 @@ def make_mirror_metrics(reg: CollectorRegistry) -> MirrorMetrics:
             "gearshift_router_mirror_requests",
             "Copies of live requests for warming shadow pods, by role, pod and outcome: ok (sent, answered "
             "2xx, the answer read and dropped), failed (sent; an error, a non-2xx answer or a timeout: never "
-            "retried), dropped (not sent: the pod's cap, warmupShare x its predicted throughput, was "
-            "reached), busy (not sent: too many copies in flight).",
+            "retried), dropped (not sent: the pod's mirror-rps, warmupShare x its predicted throughput, "
+            "was reached), busy (not sent: too many copies in flight).",
             ["role", "pod", "outcome"],
             registry=reg,
         ),
@@ -237,7 +235,7 @@ class Mirror:
         return [s.target for slots in self._by_role.values() for s in slots]
 
     def set_targets(self, targets: Iterable[MirrorTarget]) -> None:
-        """The warming pods now; a pod whose URL and cap are unchanged keeps its bucket."""
+        """The warming pods now; a pod whose URL and ``mirror_rps`` are unchanged keeps its bucket."""
         now = self.clock()
         old = {s.target.name: s for slots in self._by_role.values() for s in slots}
         by_role: dict[str, list[_Slot]] = {}
@@ -247,7 +245,7 @@ class Mirror:
                 children = {
                     o: self.metrics.requests.labels(t.role, t.name, o) for o in (OK, FAILED, DROPPED, BUSY)
                 }
-                s = _Slot(t, TokenBucket(t.cap_rps, now), children)
+                s = _Slot(t, TokenBucket(t.mirror_rps, now), children)
             by_role.setdefault(t.role, []).append(s)
         for role in ("prefill", "decode", "both"):
             self.metrics.targets.labels(role).set(len(by_role.get(role, ())))

@@ -59,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gearshift.facts.errors import PolicyError
 from gearshift.facts.fleet import TP_EFFICIENCY
 from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL, compute_score, pd_gpu_prior
 from gearshift.facts.model import KV_HEADROOM
@@ -100,10 +101,6 @@ IDEAL_BATCH_FRACTION = 0.7
 UNKNOWN_PEER_NETWORK_SCORE = 0.5
 #: Seed 000: target TTFT, ms (the scale of the prefill queue term, correction 8).
 TARGET_TTFT_MS = 200.0
-
-
-class PolicyError(ValueError):
-    """A policy name or weight set that cannot be used; the message names the field and the fix."""
 
 
 class NoPodError(RuntimeError):

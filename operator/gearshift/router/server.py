@@ -42,6 +42,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gearshift.control import pd_balance
+from gearshift.facts.errors import PolicyError, SettingsError
 from gearshift.facts.model import load_hf_config
 from gearshift.router import outlier
 from gearshift.router import policies as P
@@ -515,10 +516,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
-class SettingsError(ValueError):
-    """Router flags that cannot be used; the message names the flag and the fix."""
-
-
 def kv_bytes_per_token(model: str | None) -> float:
     """KV bytes per token of ``--model`` (a config.json path or ModelArch JSON); 0 when not given.
 
@@ -616,7 +613,7 @@ def settings_from_args(a: argparse.Namespace) -> RouterSettings:
             target_ttft_ms=a.target_ttft_ms,
             speed_one=a.speed_one,
         )
-    except P.PolicyError as exc:
+    except PolicyError as exc:
         raise SettingsError(str(exc)) from exc
     return RouterSettings(
         backends=[parse_backend(b) for b in a.backend],

@@ -21,7 +21,8 @@ from gearshift.api.common import (
     REASON_WINDOWED_IN_USE,
     inputs_hash,
 )
-from gearshift.api.gearset import Gear, GearSet, Workload
+from gearshift.api.gearset import Gear, GearSet
+from gearshift.api.gearset_plan import Workload
 from gearshift.api.pdservice import PDService
 from gearshift.control.reconcile.placement import explicit_pool
 from gearshift.control.reconcile.state import PlanEvent, PlanMemo, RoleState, shift_in_flight

@@ -23,6 +23,7 @@ from gearshift.dev.twin.gears import GearSpec
 from gearshift.dev.twin.trace import Trace
 from gearshift.facts.gpus import pd_gpu_prior
 from gearshift.facts.model import ModelArch
+from gearshift.k8s.warming import mirror_rps
 from gearshift.sim.engine import Engine, PlannedStep, RequestRejected, SimRequest
 from gearshift.sim.perfmodel import PerfModel, PerfParams, parse_pipeline
 
@@ -246,10 +247,12 @@ class Sim:
                             serving += 1
             shadows += mine
             serving += not mine
-            cap = self.policy.warmup_share
+            warmup_share = self.policy.warmup_share
             # Shadows share warmupShare of a card beside serving work; serving engines share the rest.
             part = (
-                (cap if serving else 1.0) / shadows if mine else ((1.0 - cap) if shadows else 1.0) / serving
+                (warmup_share if serving else 1.0) / shadows
+                if mine
+                else ((1.0 - warmup_share) if shadows else 1.0) / serving
             )
             worst = min(worst, part)
         return worst
@@ -296,12 +299,12 @@ class Sim:
 
     def _mirror(self, i: int, now: float) -> None:
         shadow = next((g for g in self.gears.values() if g.shadow and now >= g.ready_at), None)
-        rate = None if shadow is None else shadow.spec.predicted_rps
-        if shadow is None or not rate or self.policy.warmup_share <= 0:
+        # The whole gear through this one router: the mirror_rps of one head pod and one router replica.
+        rps = 0.0 if shadow is None else mirror_rps(self.policy.warmup_share, shadow.spec.predicted_rps)
+        if shadow is None or rps <= 0:
             return
-        cap = self.policy.warmup_share * rate
         tokens, at = self._bucket
-        tokens = min(cap, tokens + (now - at) * cap)
+        tokens = min(rps, tokens + (now - at) * rps)
         if tokens < 1.0:
             self._bucket = (tokens, now)
             return

@@ -13,20 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from gearshift.api.gearset import GearHealth
+from gearshift.api.gearset_status import GearHealth
 from gearshift.control.adapt import gear_views, shift_request
 from gearshift.control.decide import Decision, DecisionKind, DecisionState, decide
-from gearshift.control.executor import (
-    DeleteGear,
-    EnsureGear,
-    GearObservation,
-    MarkUnhealthy,
-    RecordShift,
-    SelectGear,
-    ShiftState,
-    World,
-    step,
-)
+from gearshift.control.executor import GearObservation, ShiftState, World, step
+from gearshift.control.executor_actions import DeleteGear, EnsureGear, MarkUnhealthy, RecordShift, SelectGear
 from gearshift.control.policy import GearTable, ShiftRules
 from gearshift.control.shifting import lasting_marks, serving_since
 from gearshift.control.signals import sample_window_s
