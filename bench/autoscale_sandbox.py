@@ -88,6 +88,7 @@ from gearshift.facts.model import ModelArch
 from gearshift.k8s import names
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.sim.perfmodel import PerfModel, single_stage_pipeline
+from gearshift.testing import manifests as build
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "autoscale.json"
@@ -189,27 +190,19 @@ def manifests(
 ) -> list[dict[str, Any]]:
     """The explicit prefill gear on ``prefill_node``, the explicit decode gear on ``decode_pool`` and the
     PDService with decode ``scaling: {minReplicas: lo, maxReplicas: hi}``."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": PREFILL_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
-            "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                       "stages": [{"layers": [0, 32], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": DECODE_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "decode", "mode": "explicit",
-            "gears": [{"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                       "stages": [{"layers": [0, 32], "gpuModel": DECODE_CARD,
-                                   "nodeSelector": {"gearshift.io/node-pool": decode_pool}}]}],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
+    prefill = build.gearset(PREFILL_GS, ns, {
+        "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
+        "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+                   "stages": [{"layers": [0, 32], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
+        "policy": POLICY,
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, ns, {
+        "serviceName": SERVICE, "role": "decode", "mode": "explicit",
+        "gears": [{"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+                   "stages": [{"layers": [0, 32], "gpuModel": DECODE_CARD,
+                               "nodeSelector": {"gearshift.io/node-pool": decode_pool}}]}],
+        "policy": POLICY,
+    })  # fmt: skip
     spec: dict[str, Any] = {
         "model": MODEL,
         "engine": "sim",
@@ -223,8 +216,7 @@ def manifests(
     }
     if prom_url:
         spec["prometheusUrl"] = prom_url
-    pds = {"apiVersion": "gearshift.io/v1alpha1", "kind": "PDService",
-           "metadata": {"name": SERVICE, "namespace": ns}, "spec": spec}  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, spec)
     return [prefill, decode, pds]
 
 

@@ -38,10 +38,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
+from gearshift.api.common import API_VERSION  # noqa: E402
 from gearshift.handlers.kubeapi import RestKubeApi  # noqa: E402
 from gearshift.k8s import names  # noqa: E402
+from gearshift.testing import manifests as build  # noqa: E402
 
-G = "gearshift.io/v1alpha1"
+G = API_VERSION
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -69,7 +71,7 @@ def objects(
         spec = {"serviceName": name, "role": role, "mode": "explicit", "replicas": replicas, "gears": gears}
         if policy:
             spec["policy"] = policy
-        return {"apiVersion": G, "kind": "GearSet", "metadata": {"name": f"{name}-{role}"}, "spec": spec}
+        return build.gearset(f"{name}-{role}", None, spec)
 
     prefill = [gear("g1", [(0, 24, "H100-80GB"), (24, 32, "A100-40GB")])]
     if second_gear:
@@ -77,9 +79,9 @@ def objects(
     return [
         gs("prefill", prefill),
         gs("decode", [gear("g1", [(0, 12, "A100-40GB"), (12, 22, "A10-24GB"), (22, 32, decode_last)])]),
-        {"apiVersion": G, "kind": "PDService", "metadata": {"name": name},
-         "spec": {"model": model, "engine": engine, "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
-                  "decode": {"gearSetRef": {"name": f"{name}-decode"}}}},
+        build.pdservice(name, None, {"model": model, "engine": engine,
+                                     "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
+                                     "decode": {"gearSetRef": {"name": f"{name}-decode"}}}),
     ]  # fmt: skip
 
 

@@ -73,6 +73,7 @@ from gearshift.dev.sandbox.harness import (
 from gearshift.dev.sandbox.layout import Layout
 from gearshift.k8s import names
 from gearshift.k8s.services import ROUTER_PORT
+from gearshift.testing import manifests as build
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "time_fragments.json"
@@ -122,26 +123,18 @@ def manifests(
     """The PDService, an explicit prefill gear on ``prefill_node`` and the auto decode GearSet on
     ``decode_pool`` (latency intent only: one gear, so the only shift is the window's), planned for the
     replayed requests' mean shape ``workload`` (``promptTokens``, ``outputTokens``)."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": PREFILL_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
-            "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                       "stages": [{"layers": [0, 28], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": DECODE_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "decode", "mode": "auto",
-            "plan": {"intents": ["latency"], "workload": workload,
-                     "constraints": {"nodeSelector": {"gearshift.io/node-pool": decode_pool},
-                                     "maxStages": 1, "windowMarginS": MARGIN_S}},
-            "policy": POLICY,
-        },
-    }  # fmt: skip
+    prefill = build.gearset(PREFILL_GS, ns, {
+        "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
+        "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+                   "stages": [{"layers": [0, 28], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, ns, {
+        "serviceName": SERVICE, "role": "decode", "mode": "auto",
+        "plan": {"intents": ["latency"], "workload": workload,
+                 "constraints": {"nodeSelector": {"gearshift.io/node-pool": decode_pool},
+                                 "maxStages": 1, "windowMarginS": MARGIN_S}},
+        "policy": POLICY,
+    })  # fmt: skip
     spec: dict[str, Any] = {
         "model": MODEL,
         "engine": "sim",
@@ -151,8 +144,7 @@ def manifests(
     }
     if prom_url:
         spec["prometheusUrl"] = prom_url  # in-flight counts end the drain as soon as the old gear is idle
-    pds = {"apiVersion": "gearshift.io/v1alpha1", "kind": "PDService",
-           "metadata": {"name": SERVICE, "namespace": ns}, "spec": spec}  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, spec)
     return [prefill, decode, pds]
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gearshift.api.common import API_VERSION
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
 from gearshift.planner.inputs import datasheet_gpuprofile
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts/gearshift"
-G = "gearshift.io/v1alpha1"
+G = API_VERSION
 RELEASE = "gearshift"
 SERVICE = "llama3-8b"
 OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"

@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from gearshift import planner
+from gearshift.api.common import API_VERSION
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.control.reconcile import plan_assumptions
@@ -34,34 +35,30 @@ from gearshift.dev.sandbox.harness import holds, settled, teardown_run
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
 from gearshift.planner.inputs import datasheet_gpuprofile, resource_profile
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-G = "gearshift.io/v1alpha1"
+G = API_VERSION
 
-PREFILL = {
-    "apiVersion": G,
-    "kind": "GearSet",
-    "metadata": {"name": "llama3-8b-prefill"},
-    "spec": {
-        "serviceName": "llama3-8b",
-        "role": "prefill",
-        "mode": "explicit",
-        "gears": [
-            {
-                "name": "two",
-                "microBatch": 4,
-                "maxBatch": 64,
-                "qpsRange": [0, 10],
-                "stages": [
-                    {"layers": [0, 24], "nodes": ["gpu-h100-0"], "gpuModel": "H100-80GB"},
-                    {"layers": [24, 32], "nodes": ["gpu-a100-0"], "gpuModel": "A100-40GB"},
-                ],
-            }
-        ],
-    },
-}
+PREFILL = build.gearset("llama3-8b-prefill", None, {
+    "serviceName": "llama3-8b",
+    "role": "prefill",
+    "mode": "explicit",
+    "gears": [
+        {
+            "name": "two",
+            "microBatch": 4,
+            "maxBatch": 64,
+            "qpsRange": [0, 10],
+            "stages": [
+                {"layers": [0, 24], "nodes": ["gpu-h100-0"], "gpuModel": "H100-80GB"},
+                {"layers": [24, 32], "nodes": ["gpu-a100-0"], "gpuModel": "A100-40GB"},
+            ],
+        }
+    ],
+})  # fmt: skip
 
 
 def _free_port() -> int:
