@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,13 +37,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
+from benchlib import cpu_seconds, free_port  # noqa: E402
 from gearshift.api.common import API_VERSION  # noqa: E402
 from gearshift.handlers.kubeapi import RestKubeApi  # noqa: E402
 from gearshift.k8s import names  # noqa: E402
 from gearshift.testing import manifests as build  # noqa: E402
 
 G = API_VERSION
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def objects(
@@ -88,11 +87,6 @@ def objects(
 STS_PER_SERVICE = 5
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -125,12 +119,6 @@ def rest_api(kubeconfig: Path) -> RestKubeApi:
 
     config.load_kube_config(str(kubeconfig))
     return RestKubeApi(client.ApiClient())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_operator(
