@@ -53,11 +53,9 @@ Run: ``PYTHONPATH=operator .venv/bin/python bench/autoscale_sandbox.py [--out FI
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -66,9 +64,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client as kclient
-from kubernetes import config as kconfig
-
+import benchlib
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
 from gearshift.dev.loadgen import LoadResult, TraceRequest, load_trace, run_load
 from gearshift.dev.sandbox import cluster as sbcluster
@@ -76,11 +72,9 @@ from gearshift.dev.sandbox.harness import (
     GpuNodes,
     LayoutKubectl,
     OperatorProcess,
-    Periodic,
     apply,
     install_crds,
     kubectl_for_layout,
-    teardown_run,
     wait_until,
 )
 from gearshift.dev.sandbox.layout import Layout
@@ -88,6 +82,7 @@ from gearshift.facts.model import ModelArch
 from gearshift.k8s import names
 from gearshift.k8s.services import ROUTER_PORT
 from gearshift.sim.perfmodel import PerfModel, single_stage_pipeline
+from gearshift.testing import manifests as build
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "autoscale.json"
@@ -131,9 +126,8 @@ READY_TIMEOUT_S = 180.0
 BIN_S = 10.0
 
 
-def say(msg: str) -> None:
-    """Progress on stderr with the wall clock."""
-    print(f"[as-bench {datetime.now(UTC).strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+#: Progress on stderr with the wall clock.
+say = benchlib.sayer("as-bench")
 
 
 def decode_kv_tokens() -> int:
@@ -189,27 +183,19 @@ def manifests(
 ) -> list[dict[str, Any]]:
     """The explicit prefill gear on ``prefill_node``, the explicit decode gear on ``decode_pool`` and the
     PDService with decode ``scaling: {minReplicas: lo, maxReplicas: hi}``."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": PREFILL_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
-            "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                       "stages": [{"layers": [0, 32], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": DECODE_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "decode", "mode": "explicit",
-            "gears": [{"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                       "stages": [{"layers": [0, 32], "gpuModel": DECODE_CARD,
-                                   "nodeSelector": {"gearshift.io/node-pool": decode_pool}}]}],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
+    prefill = build.gearset(PREFILL_GS, ns, {
+        "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
+        "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+                   "stages": [{"layers": [0, 32], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
+        "policy": POLICY,
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, ns, {
+        "serviceName": SERVICE, "role": "decode", "mode": "explicit",
+        "gears": [{"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+                   "stages": [{"layers": [0, 32], "gpuModel": DECODE_CARD,
+                               "nodeSelector": {"gearshift.io/node-pool": decode_pool}}]}],
+        "policy": POLICY,
+    })  # fmt: skip
     spec: dict[str, Any] = {
         "model": MODEL,
         "engine": "sim",
@@ -223,8 +209,7 @@ def manifests(
     }
     if prom_url:
         spec["prometheusUrl"] = prom_url
-    pds = {"apiVersion": "gearshift.io/v1alpha1", "kind": "PDService",
-           "metadata": {"name": SERVICE, "namespace": ns}, "spec": spec}  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, spec)
     return [prefill, decode, pds]
 
 
@@ -249,7 +234,7 @@ def router_counters(text: str) -> dict[str, float]:
 
 
 @dataclass
-class Sampler:
+class Sampler(benchlib.PeriodicSampler[dict[str, Any]]):
     """Samples the decode GearSet, decode head pods and the router every ``SAMPLE_S`` s on a thread."""
 
     core: Any
@@ -258,7 +243,7 @@ class Sampler:
     router: str
     t0: float = 0.0
     """Unix time the samples' ``t`` is relative to (set when the replay starts)."""
-    _runner: Periodic[dict[str, Any]] | None = None
+    interval_s = SAMPLE_S
 
     def once(self) -> dict[str, Any]:
         t = time.time()
@@ -291,22 +276,9 @@ class Sampler:
             **rc,
         }
 
-    def start(self, t0: float) -> None:
+    def start(self, t0: float = 0.0) -> None:
         self.t0 = t0
-        self._runner = Periodic(self.once, SAMPLE_S)
-        self._runner.start()
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            self._runner.stop()
-
-    @property
-    def samples(self) -> list[Any]:
-        return self._runner.samples if self._runner is not None else []
-
-    @property
-    def errors(self) -> int:
-        return self._runner.errors if self._runner is not None else 0
+        super().start()
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -341,9 +313,7 @@ def run_once(kc: LayoutKubectl, prom_url: str | None, mode: str, load: list[Trac
         say(f"{mode}: namespace {ns}; prefill {prefill_node}; decode pool {decode_nodes}")
         op = OperatorProcess(kc, ns, Path(args.logs) / f"operator-{mode}-{tag}.log")
         apply(kc, manifests(ns, prefill_node, nodes.pool("d"), prom_url, lo, args.max_replicas))
-        api = kconfig.new_client_from_config(config_file=str(kc.kubeconfig))
-        core, custom = kclient.CoreV1Api(api), kclient.CustomObjectsApi(api)
-        router_sel = f"{names.LABEL_SERVICE}={SERVICE},{names.LABEL_COMPONENT}={names.COMPONENT_ROUTER}"
+        core, custom = benchlib.kube_clients(kc)
         head_sel = f"{names.LABEL_SERVICE}={SERVICE},{names.LABEL_ROLE}=decode,gearshift.io/stage=0"
 
         def ready() -> str | None:
@@ -354,42 +324,29 @@ def run_once(kc: LayoutKubectl, prom_url: str | None, mode: str, load: list[Trac
             )  # fmt: skip
             if n_ready < lo:
                 return None
-            for p in core.list_namespaced_pod(ns, label_selector=router_sel).items:
-                conds = {c.type: c.status for c in p.status.conditions or []}
-                if p.status.pod_ip and conds.get("Ready") == "True" and not p.metadata.deletion_timestamp:
-                    url = f"http://{p.status.pod_ip}:{ROUTER_PORT}"
-                    try:  # the router knows the prefill head and every decode head
-                        known = json.loads(http_get(url + "/debug/pods"))["pods"]
-                    except (OSError, ValueError, KeyError):
-                        return None
-                    return url if len(known) >= 1 + lo else None
-            return None
+            ip = benchlib.ready_router_ip(core, ns, SERVICE)
+            if ip is None:
+                return None
+            url = f"http://{ip}:{ROUTER_PORT}"
+            try:  # the router knows the prefill head and every decode head
+                known = json.loads(http_get(url + "/debug/pods"))["pods"]
+            except (OSError, ValueError, KeyError):
+                return None
+            return url if len(known) >= 1 + lo else None
 
         url = wait_until(ready, READY_TIMEOUT_S, f"{lo} decode replica(s), prefill and the router Ready")
         setup_s = time.time() - t_setup
         say(f"{mode}: ready after {setup_s:.0f} s (router {url}); replay of {len(load)} requests")
         sampler = Sampler(core, custom, ns, url)
-        box: dict[str, Any] = {}
         issue_s = phases(args)[-1].end_s
         perf0, t_load0 = time.perf_counter(), time.time()
         sampler.start(t_load0)
-
-        def run() -> None:
-            try:
-                box["r"] = asyncio.run(
-                    run_load([url], load, time_scale=1.0, max_requests=len(load), max_duration_s=issue_s + 1,
+        res = benchlib.replay(
+            lambda: run_load([url], load, time_scale=1.0, max_requests=len(load), max_duration_s=issue_s + 1,
                              drain_s=DRAIN_S, stream=True, model=MODEL["name"], slo_ttft_ms=SLO["ttftMs"],
-                             slo_itl_ms=SLO["itlMs"])
-                )  # fmt: skip
-            except Exception as exc:
-                box["e"] = exc
-
-        th = threading.Thread(target=run, name="loadgen", daemon=True)
-        th.start()
-        th.join(timeout=issue_s + DRAIN_S + 60)
-        if th.is_alive() or "e" in box:
-            raise RuntimeError(f"the load did not finish: {box.get('e')!r}")
-        res: LoadResult = box["r"]
+                             slo_itl_ms=SLO["itlMs"]),
+            issue_s + DRAIN_S + 60,
+        )  # fmt: skip
         # Keep sampling after the last answer until the scale-down lands (bounded): it is part of the figure.
         if mode == "autoscaled":
             end = time.monotonic() + args.tail_s
@@ -423,21 +380,14 @@ def run_once(kc: LayoutKubectl, prom_url: str | None, mode: str, load: list[Trac
     finally:
         if sampler is not None:
             sampler.stop()
-        teardown(kc, ns, op, nodes)
-
-
-def teardown(kc: LayoutKubectl, ns: str, op: OperatorProcess | None, nodes: GpuNodes) -> None:
-    """Delete the run's resources (while its operator still runs), the operator, namespace and nodes."""
-    left = teardown_run(kc, ns, op, nodes)
-    if left:
-        say(f"WARNING: not deleted: {left}")
+        benchlib.teardown(kc, ns, op, nodes, say)
 
 
 # --------------------------------------------------------------------------------------- analysis
 def meets_slo(req: list[Any]) -> bool:
     """The load generator's SLO test (TTFT ≤ ttftMs and TPOT ≤ itlMs) on one compact request record."""
     _, ok, ttft, tpot, _, _ = req
-    return bool(ok) and ttft is not None and ttft <= SLO["ttftMs"] and (tpot is None or tpot <= SLO["itlMs"])
+    return benchlib.within_slo(ok, ttft, tpot, SLO)
 
 
 def interval(requests: list[list[Any]], lo: float, hi: float) -> dict[str, Any]:
@@ -574,9 +524,7 @@ def write_entry(args: argparse.Namespace, meta: dict[str, Any], runs: dict[str, 
             for m, r in runs.items()
         },
     }
-    data = json.loads(args.out.read_text()) if args.out.exists() else {}
-    data[KEY] = entry
-    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    benchlib.write_result(args.out, KEY, entry)
     say(f"wrote {args.out} ({KEY}, runs {sorted(runs)})")
 
 

@@ -35,6 +35,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when loaded by file
+
+from benchlib import write_result
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench/results/reliability.json"
 MODULES = (
@@ -137,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "not_passed": bad + broken,
         "goal_met": not bad and not broken,
     }
-    kept = json.loads(a.out.read_text()) if a.out.exists() else {}
-    kept["busy_classes"] = section
-    a.out.write_text(json.dumps(kept, indent=1, ensure_ascii=False) + "\n")
+    write_result(a.out, "busy_classes", section, indent=1, ensure_ascii=False)
     return 0 if section["goal_met"] else 1
 
 

@@ -54,6 +54,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchlib import cpu_seconds, free_port
+from gearshift.facts.rfc3339 import from_rfc3339
 from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.k8s import names
 from reconcile import (
@@ -61,8 +63,6 @@ from reconcile import (
     STS_PER_SERVICE,
     G,
     apply,
-    cpu_seconds,
-    free_port,
     kubectl,
     objects,
     rest_api,
@@ -228,9 +228,7 @@ def _reconcile_buckets(m: dict[str, list[tuple[dict[str, str], float]]]) -> list
 
 
 def _ts(text: str | None) -> float | None:
-    from datetime import datetime
-
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
+    return from_rfc3339(text).timestamp() if text else None
 
 
 def _pcts(xs: list[float]) -> dict[str, float | int | None]:

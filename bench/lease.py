@@ -43,6 +43,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when loaded by file
+
+from benchlib import write_result
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench/results/reliability.json"
 #: kubelet's CrashLoopBackOff: 10 s doubling, at most 300 s.
@@ -345,9 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         **results,
     }
     section.update(judge(section))
-    kept = json.loads(a.out.read_text()) if a.out.exists() else {}
-    kept["lease"] = section
-    a.out.write_text(json.dumps(kept, indent=1, ensure_ascii=False) + "\n")
+    write_result(a.out, "lease", section, indent=1, ensure_ascii=False)
     return 0 if section["goal_met"] else 1
 
 

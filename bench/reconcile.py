@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,11 +37,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
+from benchlib import cpu_seconds, free_port  # noqa: E402
+from gearshift.api.common import API_VERSION  # noqa: E402
 from gearshift.handlers.kubeapi import RestKubeApi  # noqa: E402
 from gearshift.k8s import names  # noqa: E402
+from gearshift.testing import manifests as build  # noqa: E402
 
-G = "gearshift.io/v1alpha1"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+G = API_VERSION
 
 
 def objects(
@@ -69,7 +70,7 @@ def objects(
         spec = {"serviceName": name, "role": role, "mode": "explicit", "replicas": replicas, "gears": gears}
         if policy:
             spec["policy"] = policy
-        return {"apiVersion": G, "kind": "GearSet", "metadata": {"name": f"{name}-{role}"}, "spec": spec}
+        return build.gearset(f"{name}-{role}", None, spec)
 
     prefill = [gear("g1", [(0, 24, "H100-80GB"), (24, 32, "A100-40GB")])]
     if second_gear:
@@ -77,18 +78,13 @@ def objects(
     return [
         gs("prefill", prefill),
         gs("decode", [gear("g1", [(0, 12, "A100-40GB"), (12, 22, "A10-24GB"), (22, 32, decode_last)])]),
-        {"apiVersion": G, "kind": "PDService", "metadata": {"name": name},
-         "spec": {"model": model, "engine": engine, "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
-                  "decode": {"gearSetRef": {"name": f"{name}-decode"}}}},
+        build.pdservice(name, None, {"model": model, "engine": engine,
+                                     "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
+                                     "decode": {"gearSetRef": {"name": f"{name}-decode"}}}),
     ]  # fmt: skip
 
 
 STS_PER_SERVICE = 5
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def rss_mb(pid: int) -> float:
@@ -123,12 +119,6 @@ def rest_api(kubeconfig: Path) -> RestKubeApi:
 
     config.load_kube_config(str(kubeconfig))
     return RestKubeApi(client.ApiClient())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_operator(

@@ -17,7 +17,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchlib import free_port
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,12 +33,6 @@ PY = sys.executable
 RESULTS = REPO / "bench" / "results" / "router.json"
 MODEL = REPO / "examples" / "models" / "llama-3-8b.json"
 BIN = Path(PY).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Procs:
@@ -95,12 +89,6 @@ def loadgen(url: str, trace: Path, *, time_scale: float, max_requests: int, seco
         args.append("--chat")
     out = subprocess.run(args, capture_output=True, check=True, cwd=REPO, timeout=seconds + drain + 60)
     return json.loads(out.stdout)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, s (``/proc/<pid>/stat`` fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def write_trace(path: Path, rows: list[tuple[float, int, int]]) -> None:

@@ -44,7 +44,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router import BIN, PY, REPO, Procs, cpu_seconds, free_port, loadgen, wait_http, write_trace
+from benchlib import cpu_seconds, free_port, write_result
+from router import BIN, PY, REPO, Procs, loadgen, wait_http, write_trace
 from router_peers import RESULTS, VLLM_VENV_PY, vllm_proxy
 
 GOAL_PLAIN_P99_MS = 2.0
@@ -337,9 +338,7 @@ def main() -> int:
         "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "machine": {"cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
     }
-    doc = json.loads(a.output.read_text()) if a.output.exists() else {}
-    doc["router_cost"] = entry
-    a.output.write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(a.output, "router_cost", entry)
     print(json.dumps(entry["goals"], indent=2))
     print(
         f"wrote router_cost into {a.output.relative_to(REPO) if a.output.is_relative_to(REPO) else a.output}"

@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "operator"))
 sys.path.insert(0, str(REPO / "bench"))
 
+from benchlib import write_result  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
 from gearshift.dev.loadgen import load_trace  # noqa: E402
 from gearshift.facts.model import load_hf_config  # noqa: E402
@@ -325,9 +326,7 @@ def main() -> int:
             goal[label] = {"pd_score_p99_ttft_ms": x, "sq_speed1_p99_ttft_ms": y, "reduction": 1 - x / y}
     out["goal"] = goal
     out["wall_s"] = time.monotonic() - wall0
-    doc = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    doc["policies_virtual_time"] = out
-    RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(RESULTS, "policies_virtual_time", out)
     print(json.dumps(goal, indent=1))
     return 0
 

@@ -49,15 +49,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router import (  # bench/router.py: the shared helpers
+from benchlib import cpu_seconds, free_port
+from router import (  # bench/router.py: the router benchmarks' helpers
     BIN,
     MODEL,
     PY,
     REPO,
     Procs,
     brief,
-    cpu_seconds,
-    free_port,
     loadgen,
     pool_capacity,
     scaled_trace,

@@ -39,11 +39,9 @@ Run: ``PYTHONPATH=operator .venv/bin/python bench/time_fragments_sandbox.py [--o
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -51,9 +49,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client as kclient
-from kubernetes import config as kconfig
-
+import benchlib
 from gearshift.dev.demo import trace as tracewin
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE
 from gearshift.dev.loadgen import LoadResult, RequestRecord, load_trace, run_load
@@ -62,17 +58,16 @@ from gearshift.dev.sandbox.harness import (
     GpuNodes,
     LayoutKubectl,
     OperatorProcess,
-    Periodic,
     apply,
     install_crds,
     kubectl_for_layout,
     pod_ready,
-    teardown_run,
     wait_until,
 )
 from gearshift.dev.sandbox.layout import Layout
 from gearshift.k8s import names
 from gearshift.k8s.services import ROUTER_PORT
+from gearshift.testing import manifests as build
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "time_fragments.json"
@@ -111,9 +106,8 @@ READY_TIMEOUT_S = 150.0
 BIN_S = 10.0
 
 
-def say(msg: str) -> None:
-    """Progress on stderr with the wall clock."""
-    print(f"[tf-bench {datetime.now(UTC).strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+#: Progress on stderr with the wall clock.
+say = benchlib.sayer("tf-bench")
 
 
 def manifests(
@@ -122,26 +116,18 @@ def manifests(
     """The PDService, an explicit prefill gear on ``prefill_node`` and the auto decode GearSet on
     ``decode_pool`` (latency intent only: one gear, so the only shift is the window's), planned for the
     replayed requests' mean shape ``workload`` (``promptTokens``, ``outputTokens``)."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": PREFILL_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
-            "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                       "stages": [{"layers": [0, 28], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1", "kind": "GearSet",
-        "metadata": {"name": DECODE_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "decode", "mode": "auto",
-            "plan": {"intents": ["latency"], "workload": workload,
-                     "constraints": {"nodeSelector": {"gearshift.io/node-pool": decode_pool},
-                                     "maxStages": 1, "windowMarginS": MARGIN_S}},
-            "policy": POLICY,
-        },
-    }  # fmt: skip
+    prefill = build.gearset(PREFILL_GS, ns, {
+        "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
+        "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+                   "stages": [{"layers": [0, 28], "nodes": [prefill_node], "gpuModel": PREFILL_CARD}]}],
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, ns, {
+        "serviceName": SERVICE, "role": "decode", "mode": "auto",
+        "plan": {"intents": ["latency"], "workload": workload,
+                 "constraints": {"nodeSelector": {"gearshift.io/node-pool": decode_pool},
+                                 "maxStages": 1, "windowMarginS": MARGIN_S}},
+        "policy": POLICY,
+    })  # fmt: skip
     spec: dict[str, Any] = {
         "model": MODEL,
         "engine": "sim",
@@ -151,8 +137,7 @@ def manifests(
     }
     if prom_url:
         spec["prometheusUrl"] = prom_url  # in-flight counts end the drain as soon as the old gear is idle
-    pds = {"apiVersion": "gearshift.io/v1alpha1", "kind": "PDService",
-           "metadata": {"name": SERVICE, "namespace": ns}, "spec": spec}  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, spec)
     return [prefill, decode, pds]
 
 
@@ -172,14 +157,14 @@ class Sample:
 
 
 @dataclass
-class Sampler:
+class Sampler(benchlib.PeriodicSampler[Sample]):
     """Samples pods and the decode GearSet every ``SAMPLE_S`` s on a thread until :meth:`stop`."""
 
     core: Any
     custom: Any
     ns: str
     windowed: list[str]
-    _runner: Periodic[Sample] | None = None
+    interval_s = SAMPLE_S
 
     def once(self) -> Sample:
         """One sample (two API calls)."""
@@ -208,22 +193,6 @@ class Sampler:
                              "gear": labels.get(names.LABEL_GEAR), "ready": ready})  # fmt: skip
         return Sample(t, on_w, st.get("activeGear"), st.get("phase"), st.get("targetGear"),
                       list(st.get("windowedNodes") or []), decode_ready)  # fmt: skip
-
-    def start(self) -> None:
-        self._runner = Periodic(self.once, SAMPLE_S)
-        self._runner.start()
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            self._runner.stop()
-
-    @property
-    def samples(self) -> list[Any]:
-        return self._runner.samples if self._runner is not None else []
-
-    @property
-    def errors(self) -> int:
-        return self._runner.errors if self._runner is not None else 0
 
 
 @dataclass
@@ -271,10 +240,8 @@ def run_once(
         }
         apply(kc, manifests(ns, prefill_node, nodes.pool("d"), prom_url, shape))
 
-        api = kconfig.new_client_from_config(config_file=str(kc.kubeconfig))
-        core, custom = kclient.CoreV1Api(api), kclient.CustomObjectsApi(api)
+        core, custom = benchlib.kube_clients(kc)
         sampler = Sampler(core, custom, ns, windowed)
-        router_sel = f"{names.LABEL_SERVICE}={SERVICE},{names.LABEL_COMPONENT}={names.COMPONENT_ROUTER}"
 
         def ready() -> str | None:
             pds = custom.get_namespaced_custom_object("gearshift.io", "v1alpha1", ns, "pdservices", SERVICE)
@@ -283,11 +250,7 @@ def run_once(
             s = sampler.once()
             if mode == "use" and sum(p["ready"] for p in s.on_windowed) < WINDOWED:
                 return None
-            for p in core.list_namespaced_pod(ns, label_selector=router_sel).items:
-                conds = {c.type: c.status for c in p.status.conditions or []}
-                if p.status.pod_ip and conds.get("Ready") == "True" and not p.metadata.deletion_timestamp:
-                    return str(p.status.pod_ip)
-            return None
+            return benchlib.ready_router_ip(core, ns, SERVICE)
 
         ip = wait_until(
             ready, READY_TIMEOUT_S, "the PDService Ready, the router, and (use) pods on the windowed nodes"
@@ -308,27 +271,15 @@ def run_once(
             f"{start_at - time.time():.0f} s")  # fmt: skip
         sampler.start()
         time.sleep(max(0.0, start_at - time.time()))
-        box: dict[str, Any] = {}
         perf0, t_load0 = time.perf_counter(), time.time()
-
-        def load() -> None:
-            try:
-                box["r"] = asyncio.run(
-                    run_load([url], list(win.requests), time_scale=win.time_scale,
+        res = benchlib.replay(
+            lambda: run_load([url], list(win.requests), time_scale=win.time_scale,
                              max_requests=len(win.requests), max_duration_s=win.run_s + 1.0, drain_s=DRAIN_S,
                              stream=True, model=MODEL["name"], slo_ttft_ms=SLO["ttftMs"],
-                             slo_itl_ms=SLO["itlMs"])
-                )  # fmt: skip
-            except Exception as exc:
-                box["e"] = exc
-
-        th = threading.Thread(target=load, name="loadgen", daemon=True)
-        th.start()
-        th.join(timeout=win.run_s + DRAIN_S + 60)
-        if th.is_alive() or "e" in box:
-            raise RuntimeError(f"the load did not finish: {box.get('e')!r}")
+                             slo_itl_ms=SLO["itlMs"]),
+            win.run_s + DRAIN_S + 60,
+        )  # fmt: skip
         sampler.stop()
-        res: LoadResult = box["r"]
         sent_wall = [t_load0 + (r.sent_at - perf0) for r in res.records]
         gs = custom.get_namespaced_custom_object("gearshift.io", "v1alpha1", ns, "gearsets", DECODE_GS)
         say(f"{mode}: {res.issued} issued, {res.completed} completed, {res.failed} failed, "
@@ -338,14 +289,7 @@ def run_once(
     finally:
         if sampler is not None:
             sampler.stop()
-        teardown(kc, ns, op, nodes)
-
-
-def teardown(kc: LayoutKubectl, ns: str, op: OperatorProcess | None, nodes: GpuNodes) -> None:
-    """Delete the run's resources (while its operator still runs), the operator, namespace and nodes."""
-    left = teardown_run(kc, ns, op, nodes)
-    if left:
-        say(f"WARNING: not deleted: {left}")
+        benchlib.teardown(kc, ns, op, nodes, say)
 
 
 # --------------------------------------------------------------------------------------- analysis
@@ -382,10 +326,10 @@ def interval_stats(recs: list[RequestRecord], sent: list[float], lo: float, hi: 
 
 def meets_slo(r: RequestRecord) -> bool:
     """The load generator's SLO test (TTFT ≤ ttftMs and TPOT ≤ itlMs) on one finished request."""
-    if not r.ok or r.ttft_s is None:
-        return False
     tpot = r.tpot_s
-    return r.ttft_s * 1e3 <= SLO["ttftMs"] and (tpot is None or tpot * 1e3 <= SLO["itlMs"])
+    return benchlib.within_slo(
+        r.ok, None if r.ttft_s is None else r.ttft_s * 1e3, None if tpot is None else tpot * 1e3, SLO
+    )
 
 
 def bins(run: RunOut, t0: float, end: float) -> list[dict[str, Any]]:
@@ -553,9 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         say("both modes are needed for the figures; nothing written")
         return 0
     entry = summarize(outs["use"], outs["ignore"], win, args)
-    data = json.loads(args.out.read_text()) if args.out.exists() else {}
-    data["sandbox_trace"] = entry
-    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    benchlib.write_result(args.out, "sandbox_trace", entry)
     say(f"wrote {args.out} (sandbox_trace): goodput {json.dumps(entry['goodput_rps'])}; "
         f"vacate {json.dumps(entry['vacate'])}; failed {entry['failed_requests']}")  # fmt: skip
     return 0

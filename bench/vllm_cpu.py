@@ -47,7 +47,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +68,13 @@ from gearshift.dev.sandbox.harness import (  # noqa: E402
 )
 from gearshift.dev.sandbox.layout import Layout  # noqa: E402
 from gearshift.facts.model import KV_LEASE_S, ModelArch  # noqa: E402
+from gearshift.facts.rfc3339 import from_rfc3339  # noqa: E402
 from gearshift.k8s.engine import KV_CONNECTOR  # noqa: E402
 from gearshift.router.legs import REQUEST_ID_HEADER, decode_leg_body, prefill_leg_body  # noqa: E402
 
 
 def _ts(s: str) -> float:
-    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    return from_rfc3339(s).timestamp()
 
 
 def startup_s(pod: dict[str, Any]) -> float | None:

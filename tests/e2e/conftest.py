@@ -25,6 +25,8 @@ Fixtures (names are stable; other tests rely on them):
 ``namespace`` (function) — creates a unique namespace ``e2e-<test>-<random>`` and deletes it after the
     test (without waiting for it to go).
 ``wait_for`` (session) — the function below.
+``fleet_profiles`` (function) — ``fleet_profiles(api)`` gives the GPU nodes without a GPUProfile one from
+    the datasheet, and a gpu-model label (for tests that run no profiling).
 
 ``GEARSHIFT_E2E_LOAD=one-core-busy`` runs the whole session with one core taken by a CPU hog
 (``harness.machine_load``, the busy machine of ``bench/reliability.py``; #31: "run #20's classes there
@@ -53,7 +55,10 @@ from typing import Any
 
 import pytest
 
+from gearshift.api.common import API_VERSION
+from gearshift.k8s import names
 from gearshift.k8s.apply_text import apply_text
+from gearshift.planner.inputs import datasheet_gpuprofile
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -268,6 +273,27 @@ def k8s(sandbox: Cluster) -> Callable[[], Any]:
 def wait_for_fixture() -> Callable[..., Any]:
     """:func:`wait_for` as a fixture."""
     return wait_for
+
+
+@pytest.fixture
+def fleet_profiles(sandbox: Cluster) -> Callable[[Any], None]:
+    """``ensure(api)``: datasheet GPUProfiles and gpu-model labels for the GPU nodes that have none yet
+    (profiling is off, or the probe operator has not written them); ``api`` is a ``RestKubeApi`` on the
+    cluster under test."""
+
+    def ensure(api: Any) -> None:
+        for node in api.list("v1", "Node"):
+            if not (node["status"].get("allocatable") or {}).get("nvidia.com/gpu"):
+                continue
+            name = node["metadata"]["name"]
+            prof = datasheet_gpuprofile(node)
+            if api.get(API_VERSION, "GPUProfile", None, name) is None:
+                sandbox.apply({k: prof[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+                api.patch_status(API_VERSION, "GPUProfile", None, name, prof["status"])
+            if names.NODE_GPU_MODEL not in (node["metadata"].get("labels") or {}):
+                sandbox.kubectl("label", "node", name, f"{names.NODE_GPU_MODEL}={prof['status']['gpuModel']}")
+
+    return ensure
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from gearshift.dev.sandbox.harness import (
     serving_router_url,
     teardown_run,
 )
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -54,39 +55,29 @@ LOAD_RPS = 4.0
 def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any]]:
     """The aggregated GearSet (1-stage ``one``, 2-stage ``two``) on the ``a10`` selector, the PDService."""
     layers = MODEL["numLayers"]
-    gearset = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": GEARSET, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "both",
-            "mode": "explicit",
-            "initialGear": "one",
-            "gears": [
-                {"name": "one", "intent": "latency", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, layers], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
-                {"name": "two", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                 "predicted": {"throughputQps": 10},
-                 "stages": [{"layers": [0, 10], "nodeSelector": a10, "gpuModel": "A10-24GB"},
-                            {"layers": [10, layers], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
-            ],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
-    pds = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": ns},
-        "spec": {
-            "model": MODEL,
-            "engine": "sim",
-            "serving": {"gearSetRef": {"name": GEARSET}},
-            "router": {"policy": "shortest-queue"},
-            "slo": {"ttftMs": 200, "itlMs": 50},
-            "prometheusUrl": prom_url,
-        },
-    }
+    gearset = build.gearset(GEARSET, ns, {
+        "serviceName": SERVICE,
+        "role": "both",
+        "mode": "explicit",
+        "initialGear": "one",
+        "gears": [
+            {"name": "one", "intent": "latency", "microBatch": 4, "maxBatch": 64,
+             "stages": [{"layers": [0, layers], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+            {"name": "two", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+             "predicted": {"throughputQps": 10},
+             "stages": [{"layers": [0, 10], "nodeSelector": a10, "gpuModel": "A10-24GB"},
+                        {"layers": [10, layers], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+        ],
+        "policy": POLICY,
+    })  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, {
+        "model": MODEL,
+        "engine": "sim",
+        "serving": {"gearSetRef": {"name": GEARSET}},
+        "router": {"policy": "shortest-queue"},
+        "slo": {"ttftMs": 200, "itlMs": 50},
+        "prometheusUrl": prom_url,
+    })  # fmt: skip
     return [gearset, pds]
 
 

@@ -23,6 +23,7 @@ from gearshift.api.common import format_validation_error
 from gearshift.api.gearset import GearSet
 from gearshift.api.gpuprofile import GPUProfile
 from gearshift.api.pdservice import PDService
+from gearshift.testing import manifests as build
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = ["gpuprofile.yaml", "gearset-explicit.yaml", "gearset-auto.yaml", "pdservice-llama3-8b.yaml"]
@@ -162,8 +163,7 @@ class TestInstall:
     def test_gpuprofile_columns_show_the_status(self, crds: Any) -> None:
         # A profile of a node that does not exist, so the probe's real profiles are left alone.
         name = f"gpu-e2e-api-{uuid.uuid4().hex[:6]}"
-        crds.apply({"apiVersion": "gearshift.io/v1alpha1", "kind": "GPUProfile", "metadata": {"name": name},
-                    "spec": {"nodeName": name}})  # fmt: skip
+        crds.apply(build.gpuprofile(name, {"nodeName": name}))
         try:
             status = {
                 "gpuModel": "A100-40GB",

@@ -33,10 +33,10 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
     wait_until,
 )
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-G = "gearshift.io/v1alpha1"
 MODEL = LLAMA_3_2_1B
 ANNOTATION = "example.com/notes"
 ANNOTATION_BYTES = 150 * 1024
@@ -73,34 +73,21 @@ def world(sandbox: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
 
 
 def _gearset(name: str, service: str, role: str, stages: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "apiVersion": G,
-        "kind": "GearSet",
-        "metadata": {"name": name},
-        "spec": {
-            "serviceName": service,
-            "role": role,
-            "mode": "explicit",
-            "gears": [{"name": "g", "microBatch": 4, "maxBatch": 32, "stages": stages}],
-        },
-    }
+    return build.gearset(name, None, {
+        "serviceName": service,
+        "role": role,
+        "mode": "explicit",
+        "gears": [{"name": "g", "microBatch": 4, "maxBatch": 32, "stages": stages}],
+    })  # fmt: skip
 
 
 def _service(name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name}
-    if annotations:
-        meta["annotations"] = annotations
-    return {
-        "apiVersion": G,
-        "kind": "PDService",
-        "metadata": meta,
-        "spec": {
-            "model": MODEL,
-            "engine": "sim",
-            "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
-            "decode": {"gearSetRef": {"name": f"{name}-decode"}},
-        },
-    }
+    return build.pdservice(name, None, {
+        "model": MODEL,
+        "engine": "sim",
+        "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
+        "decode": {"gearSetRef": {"name": f"{name}-decode"}},
+    }, **({"annotations": annotations} if annotations else {}))  # fmt: skip
 
 
 def _statefulsets(w: World, service: str) -> list[dict[str, Any]]:

@@ -55,6 +55,7 @@ import pytest
 from gearshift.dev.loadgen import TraceRequest, run_load
 from gearshift.dev.sandbox.harness import GpuNodes, OperatorProcess, holds, pod_ready, pods, teardown_run
 from gearshift.k8s.services import ROUTER_PORT
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -90,37 +91,27 @@ HEAD0 = "gearshift.io/stage=0"
 
 def manifests(ns: str, prefill_node: str, decode_pool: str, prom_url: str | None) -> list[dict[str, Any]]:
     """The two explicit GearSets (prefill on the A10 node, decode on the T4 pool) and the PDService."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": PREFILL_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "prefill",
-            "mode": "explicit",
-            "gears": [
-                {"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, 32], "nodes": [prefill_node], "gpuModel": "A10-24GB"}]},
-            ],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": DECODE_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "decode",
-            "mode": "explicit",
-            "gears": [
-                {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                 "stages": [{"layers": [0, 32], "nodeSelector": {"gearshift.io/node-pool": decode_pool},
-                             "gpuModel": "T4-16GB"}]},
-            ],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
+    prefill = build.gearset(PREFILL_GS, ns, {
+        "serviceName": SERVICE,
+        "role": "prefill",
+        "mode": "explicit",
+        "gears": [
+            {"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+             "stages": [{"layers": [0, 32], "nodes": [prefill_node], "gpuModel": "A10-24GB"}]},
+        ],
+        "policy": POLICY,
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, ns, {
+        "serviceName": SERVICE,
+        "role": "decode",
+        "mode": "explicit",
+        "gears": [
+            {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+             "stages": [{"layers": [0, 32], "nodeSelector": {"gearshift.io/node-pool": decode_pool},
+                         "gpuModel": "T4-16GB"}]},
+        ],
+        "policy": POLICY,
+    })  # fmt: skip
     spec: dict[str, Any] = {
         "model": MODEL,
         "engine": "sim",
@@ -131,12 +122,7 @@ def manifests(ns: str, prefill_node: str, decode_pool: str, prom_url: str | None
     }
     if prom_url:
         spec["prometheusUrl"] = prom_url
-    pds = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": ns},
-        "spec": spec,
-    }
+    pds = build.pdservice(SERVICE, ns, spec)
     return [prefill, decode, pds]
 
 

@@ -58,6 +58,7 @@ from gearshift.dev.sandbox.harness import (
     serving_router_url,
     teardown_run,
 )
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -426,33 +427,22 @@ def manifests(ns: str, prefill_node: str, decode_node: str) -> list[dict[str, An
 
     def gearset(role: str, gear: str, node: str, gpu: str) -> dict[str, Any]:
         stage = {"layers": [0, MODEL["numLayers"]], "nodes": [node], "gpuModel": gpu}
-        return {
-            "apiVersion": "gearshift.io/v1alpha1",
-            "kind": "GearSet",
-            "metadata": {"name": f"{SERVICE}-{role}", "namespace": ns},
-            "spec": {
-                "serviceName": SERVICE,
-                "role": role,
-                "mode": "explicit",
-                "gears": [
-                    {"name": gear, "intent": "balanced", "microBatch": 4, "maxBatch": 64, "stages": [stage]}
-                ],
-            },
-        }
+        return build.gearset(f"{SERVICE}-{role}", ns, {
+            "serviceName": SERVICE,
+            "role": role,
+            "mode": "explicit",
+            "gears": [{"name": gear, "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+                       "stages": [stage]}],
+        })  # fmt: skip
 
-    pds = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": ns},
-        "spec": {
-            "model": MODEL,
-            "engine": "sim",
-            "prefill": {"gearSetRef": {"name": f"{SERVICE}-prefill"}},
-            "decode": {"gearSetRef": {"name": f"{SERVICE}-decode"}},
-            "slo": {"ttftMs": 200, "itlMs": 50},
-            "router": {"policy": "pd-score"},
-        },
-    }
+    pds = build.pdservice(SERVICE, ns, {
+        "model": MODEL,
+        "engine": "sim",
+        "prefill": {"gearSetRef": {"name": f"{SERVICE}-prefill"}},
+        "decode": {"gearSetRef": {"name": f"{SERVICE}-decode"}},
+        "slo": {"ttftMs": 200, "itlMs": 50},
+        "router": {"policy": "pd-score"},
+    })  # fmt: skip
     return [
         gearset("prefill", "p", prefill_node, "A10-24GB"),
         gearset("decode", "d", decode_node, "T4-16GB"),

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from gearshift.api import crdgen
+from gearshift.api.common import API_VERSION
 from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
@@ -43,11 +44,12 @@ from gearshift.dev.sandbox.harness import (
     wait_until,
 )
 from gearshift.handlers.kubeapi import RestKubeApi
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-G = "gearshift.io/v1alpha1"
+G = API_VERSION
 SERVICE = "crdlive"
 GEARSET = "crdlive"
 GEARSETS = next(k for k in crdgen.KINDS if k.kind == "GearSet")
@@ -60,35 +62,25 @@ ONE_EVENT_S = 15.0
 
 def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any]]:
     """The aggregated GearSet (one one-stage gear ``one`` on the ``a10`` selector) and the PDService."""
-    gearset = {
-        "apiVersion": G,
-        "kind": "GearSet",
-        "metadata": {"name": GEARSET, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "both",
-            "mode": "explicit",
-            "gears": [
-                {"name": "one", "intent": "latency", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, LLAMA_3_2_1B["numLayers"]], "nodeSelector": a10,
-                             "gpuModel": "A10-24GB"}]},
-            ],
-            "policy": {"sampleIntervalS": 2},
-        },
-    }  # fmt: skip
-    pds = {
-        "apiVersion": G,
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": ns},
-        "spec": {
-            "model": LLAMA_3_2_1B,
-            "engine": "sim",
-            "serving": {"gearSetRef": {"name": GEARSET}},
-            "router": {"policy": "shortest-queue"},
-            "slo": {"ttftMs": 200, "itlMs": 50},
-            "prometheusUrl": prom_url,
-        },
-    }
+    gearset = build.gearset(GEARSET, ns, {
+        "serviceName": SERVICE,
+        "role": "both",
+        "mode": "explicit",
+        "gears": [
+            {"name": "one", "intent": "latency", "microBatch": 4, "maxBatch": 64,
+             "stages": [{"layers": [0, LLAMA_3_2_1B["numLayers"]], "nodeSelector": a10,
+                         "gpuModel": "A10-24GB"}]},
+        ],
+        "policy": {"sampleIntervalS": 2},
+    })  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, {
+        "model": LLAMA_3_2_1B,
+        "engine": "sim",
+        "serving": {"gearSetRef": {"name": GEARSET}},
+        "router": {"policy": "shortest-queue"},
+        "slo": {"ttftMs": 200, "itlMs": 50},
+        "prometheusUrl": prom_url,
+    })  # fmt: skip
     return [gearset, pds]
 
 

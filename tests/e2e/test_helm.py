@@ -24,15 +24,15 @@ from typing import Any
 import pytest
 import yaml
 
+from gearshift.api.common import API_VERSION
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
-from gearshift.planner.inputs import datasheet_gpuprofile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts/gearshift"
-G = "gearshift.io/v1alpha1"
+G = API_VERSION
 RELEASE = "gearshift"
 SERVICE = "llama3-8b"
 OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
@@ -55,20 +55,6 @@ def _install_args(ns: str) -> list[str]:
         "--set", "profiling.enabled=false", "--set", "sandbox.enabled=true",
         "--set", "resources.requests.cpu=10m", "--set", "resources.requests.memory=32Mi",
     ]  # fmt: skip
-
-
-def _ensure_fleet_profiles(sandbox: Any, api: RestKubeApi) -> None:
-    """Datasheet GPUProfiles and gpu-model labels for GPU nodes that have none (profiling is off here)."""
-    for node in api.list("v1", "Node"):
-        if not (node["status"].get("allocatable") or {}).get("nvidia.com/gpu"):
-            continue
-        name = node["metadata"]["name"]
-        prof = datasheet_gpuprofile(node)
-        if api.get(G, "GPUProfile", None, name) is None:
-            sandbox.apply({k: prof[k] for k in ("apiVersion", "kind", "metadata", "spec")})
-            api.patch_status(G, "GPUProfile", None, name, prof["status"])
-        if names.NODE_GPU_MODEL not in (node["metadata"].get("labels") or {}):
-            sandbox.kubectl("label", "node", name, f"{names.NODE_GPU_MODEL}={prof['status']['gpuModel']}")
 
 
 def _operator_pods(api: RestKubeApi, ns: str) -> list[dict[str, Any]]:
@@ -167,9 +153,11 @@ def test_operator_pod_runs_with_its_service_account(release: Release, sandbox: A
     assert user["extra"]["authentication.kubernetes.io/pod-name"] == [pod["metadata"]["name"]]
 
 
-def test_example_pdservice_gets_its_statefulsets(release: Release, sandbox: Any, wait_for: Any) -> None:
+def test_example_pdservice_gets_its_statefulsets(
+    release: Release, sandbox: Any, wait_for: Any, fleet_profiles: Any
+) -> None:
     ns, api = release.namespace, release.api
-    _ensure_fleet_profiles(sandbox, api)
+    fleet_profiles(api)  # profiling is off here
     for f in ("gearset-explicit.yaml", "gearset-auto.yaml", "pdservice-llama3-8b.yaml"):
         sandbox.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / f))
 

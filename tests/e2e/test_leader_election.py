@@ -30,10 +30,10 @@ import pytest
 
 from gearshift.dev.sandbox.cluster import free_port
 from gearshift.dev.sandbox.harness import LLAMA_3_2_1B, OperatorProcess, get_json, install_crds, wait_until
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-G = "gearshift.io/v1alpha1"
 LEASE = "gearshift-e2e"
 LEASE_S, RENEW_S, RETRY_S = 6, 4, 1
 LEADING = re.compile(r"leading: acquired Lease \S+ as (\S+)")
@@ -76,15 +76,17 @@ class World:
         stages = [{"layers": [0, 16], "gpuModel": "A10-24GB", "nodes": [f"{name}-no-such-node"]}]
         for role in ("prefill", "decode"):
             gear = {"name": "g", "microBatch": 4, "maxBatch": 32, "stages": stages}
-            gs = {"apiVersion": G, "kind": "GearSet",
-                  "metadata": {"name": f"{name}-{role}", "namespace": self.ns},
-                  "spec": {"serviceName": name, "role": role, "mode": "explicit",
-                           "gears": [gear]}}  # fmt: skip
+            gs = build.gearset(
+                f"{name}-{role}",
+                self.ns,
+                {"serviceName": name, "role": role, "mode": "explicit", "gears": [gear]},
+            )
             self.sandbox.kubectl("apply", "-f", "-", input=json.dumps(gs))
-        pds = {"apiVersion": G, "kind": "PDService", "metadata": {"name": name, "namespace": self.ns},
-               "spec": {"model": LLAMA_3_2_1B, "engine": "sim",
-                        "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
-                        "decode": {"gearSetRef": {"name": f"{name}-decode"}}}}  # fmt: skip
+        pds = build.pdservice(name, self.ns, {
+            "model": LLAMA_3_2_1B, "engine": "sim",
+            "prefill": {"gearSetRef": {"name": f"{name}-prefill"}},
+            "decode": {"gearSetRef": {"name": f"{name}-decode"}},
+        })  # fmt: skip
         self.sandbox.kubectl("apply", "-f", "-", input=json.dumps(pds))
 
     def handled(self, name: str) -> bool | None:

@@ -44,6 +44,7 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
     wait_until,
 )
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -213,23 +214,23 @@ def _manifests(ns: str, prom_url: str, a10: dict[str, str], t4: dict[str, str]) 
     stage = {"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}
     halves = [{"layers": [0, 8], "nodeSelector": a10, "gpuModel": "A10-24GB"},
               {"layers": [8, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]  # fmt: skip
-    gs = "gearshift.io/v1alpha1"
-    prefill = {"apiVersion": gs, "kind": "GearSet", "metadata": {"name": PREFILL_GS, "namespace": ns},
-               "spec": {"serviceName": SERVICE, "role": "prefill", "mode": "explicit", "initialGear": "one",
-                        "gears": [{"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                                   "stages": [stage]},
-                                  {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32,
-                                   "stages": halves}],
-                        "policy": POLICY}}  # fmt: skip
-    decode = {"apiVersion": gs, "kind": "GearSet", "metadata": {"name": DECODE_GS, "namespace": ns},
-              "spec": {"serviceName": SERVICE, "role": "decode", "mode": "explicit",
-                       "gears": [{"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                                  "stages": [{**stage, "nodeSelector": t4, "gpuModel": "T4-16GB"}]}],
-                       "policy": POLICY}}  # fmt: skip
-    pds = {"apiVersion": gs, "kind": "PDService", "metadata": {"name": SERVICE, "namespace": ns},
-           "spec": {"model": LLAMA_3_2_1B, "engine": "sim", "prefill": {"gearSetRef": {"name": PREFILL_GS}},
-                    "decode": {"gearSetRef": {"name": DECODE_GS}}, "slo": {"ttftMs": 200, "itlMs": 50},
-                    "prometheusUrl": prom_url}}  # fmt: skip
+    prefill = build.gearset(PREFILL_GS, ns, {
+        "serviceName": SERVICE, "role": "prefill", "mode": "explicit", "initialGear": "one",
+        "gears": [{"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64, "stages": [stage]},
+                  {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32, "stages": halves}],
+        "policy": POLICY,
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, ns, {
+        "serviceName": SERVICE, "role": "decode", "mode": "explicit",
+        "gears": [{"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+                   "stages": [{**stage, "nodeSelector": t4, "gpuModel": "T4-16GB"}]}],
+        "policy": POLICY,
+    })  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, {
+        "model": LLAMA_3_2_1B, "engine": "sim", "prefill": {"gearSetRef": {"name": PREFILL_GS}},
+        "decode": {"gearSetRef": {"name": DECODE_GS}}, "slo": {"ttftMs": 200, "itlMs": 50},
+        "prometheusUrl": prom_url,
+    })  # fmt: skip
     return [prefill, decode, pds]
 
 

@@ -27,41 +27,38 @@ import pytest
 import yaml
 
 from gearshift import planner
+from gearshift.api.common import API_VERSION
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.control.reconcile.planning import plan_assumptions
 from gearshift.dev.sandbox.harness import holds, settled, teardown_run
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
-from gearshift.planner.inputs import datasheet_gpuprofile, resource_profile
+from gearshift.planner.inputs import resource_profile
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-G = "gearshift.io/v1alpha1"
+G = API_VERSION
 
-PREFILL = {
-    "apiVersion": G,
-    "kind": "GearSet",
-    "metadata": {"name": "llama3-8b-prefill"},
-    "spec": {
-        "serviceName": "llama3-8b",
-        "role": "prefill",
-        "mode": "explicit",
-        "gears": [
-            {
-                "name": "two",
-                "microBatch": 4,
-                "maxBatch": 64,
-                "qpsRange": [0, 10],
-                "stages": [
-                    {"layers": [0, 24], "nodes": ["gpu-h100-0"], "gpuModel": "H100-80GB"},
-                    {"layers": [24, 32], "nodes": ["gpu-a100-0"], "gpuModel": "A100-40GB"},
-                ],
-            }
-        ],
-    },
-}
+PREFILL = build.gearset("llama3-8b-prefill", None, {
+    "serviceName": "llama3-8b",
+    "role": "prefill",
+    "mode": "explicit",
+    "gears": [
+        {
+            "name": "two",
+            "microBatch": 4,
+            "maxBatch": 64,
+            "qpsRange": [0, 10],
+            "stages": [
+                {"layers": [0, 24], "nodes": ["gpu-h100-0"], "gpuModel": "H100-80GB"},
+                {"layers": [24, 32], "nodes": ["gpu-a100-0"], "gpuModel": "A100-40GB"},
+            ],
+        }
+    ],
+})  # fmt: skip
 
 
 def _free_port() -> int:
@@ -95,21 +92,6 @@ def operator(sandbox: Any, namespace: str, tmp_path: Path) -> Iterator[subproces
     print((tmp_path / "operator.log").read_text()[-5000:])
 
 
-def _ensure_fleet_profiles(sandbox: Any, api: RestKubeApi) -> None:
-    """GPUProfiles and gpu-model labels for the sandbox's GPU nodes, where the probe operator has not
-    written them yet."""
-    for node in api.list("v1", "Node"):
-        if not (node["status"].get("allocatable") or {}).get("nvidia.com/gpu"):
-            continue
-        name = node["metadata"]["name"]
-        prof = datasheet_gpuprofile(node)
-        if api.get(G, "GPUProfile", None, name) is None:
-            sandbox.apply({k: prof[k] for k in ("apiVersion", "kind", "metadata", "spec")})
-            api.patch_status(G, "GPUProfile", None, name, prof["status"])
-        if names.NODE_GPU_MODEL not in (node["metadata"].get("labels") or {}):
-            sandbox.kubectl("label", "node", name, f"{names.NODE_GPU_MODEL}={prof['status']['gpuModel']}")
-
-
 def _owned(api: RestKubeApi, ns: str) -> dict[tuple[str, str], str]:
     """What the operator writes, per owned object: the spec generation of workloads (their controllers
     write status, which moves resourceVersion but not generation) and the resourceVersion of Services."""
@@ -127,9 +109,11 @@ def _cond(body: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
-def test_example_pdservice_lifecycle(sandbox: Any, namespace: str, operator: Any, wait_for: Any) -> None:
+def test_example_pdservice_lifecycle(
+    sandbox: Any, namespace: str, operator: Any, wait_for: Any, fleet_profiles: Any
+) -> None:
     api = RestKubeApi(sandbox.api_client())
-    _ensure_fleet_profiles(sandbox, api)
+    fleet_profiles(api)
     pds_body = yaml.safe_load((ROOT / "examples/pdservice-llama3-8b.yaml").read_text())
     sandbox.apply(PREFILL, namespace=namespace)
     sandbox.apply(yaml.safe_load((ROOT / "examples/gearset-auto.yaml").read_text()), namespace=namespace)

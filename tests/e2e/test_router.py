@@ -44,6 +44,7 @@ from gearshift.dev.sandbox.harness import (
     serving_router_url,
     teardown_run,
 )
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -58,48 +59,33 @@ TARGET_RPS = 4.0
 
 def manifests(ns: str, prefill_nodes: list[str], decode_nodes: list[str]) -> list[dict[str, Any]]:
     """Two explicit GearSets pinned to the test's nodes, and the PDService (router policy pd-score)."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": f"{SERVICE}-prefill", "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "prefill",
-            "mode": "explicit",
-            "gears": [
-                {"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "replicas": 2, "nodes": prefill_nodes,
-                             "gpuModel": "A10-24GB"}]},
-            ],
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": f"{SERVICE}-decode", "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "decode",
-            "mode": "explicit",
-            "gears": [
-                {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "nodes": decode_nodes, "gpuModel": "T4-16GB"}]},
-            ],
-        },
-    }  # fmt: skip
-    pds = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": ns},
-        "spec": {
-            "model": MODEL,
-            "engine": "sim",
-            "prefill": {"gearSetRef": {"name": f"{SERVICE}-prefill"}},
-            "decode": {"gearSetRef": {"name": f"{SERVICE}-decode"}},
-            "slo": {"ttftMs": 200, "itlMs": 50},
-            "router": {"policy": "pd-score"},
-        },
-    }
+    prefill = build.gearset(f"{SERVICE}-prefill", ns, {
+        "serviceName": SERVICE,
+        "role": "prefill",
+        "mode": "explicit",
+        "gears": [
+            {"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+             "stages": [{"layers": [0, 16], "replicas": 2, "nodes": prefill_nodes,
+                         "gpuModel": "A10-24GB"}]},
+        ],
+    })  # fmt: skip
+    decode = build.gearset(f"{SERVICE}-decode", ns, {
+        "serviceName": SERVICE,
+        "role": "decode",
+        "mode": "explicit",
+        "gears": [
+            {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+             "stages": [{"layers": [0, 16], "nodes": decode_nodes, "gpuModel": "T4-16GB"}]},
+        ],
+    })  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, {
+        "model": MODEL,
+        "engine": "sim",
+        "prefill": {"gearSetRef": {"name": f"{SERVICE}-prefill"}},
+        "decode": {"gearSetRef": {"name": f"{SERVICE}-decode"}},
+        "slo": {"ttftMs": 200, "itlMs": 50},
+        "router": {"policy": "pd-score"},
+    })  # fmt: skip
     return [prefill, decode, pds]
 
 

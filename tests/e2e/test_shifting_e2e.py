@@ -46,6 +46,7 @@ from gearshift.dev.sandbox.harness import (
     pods,
     teardown_run,
 )
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,53 +70,38 @@ def _free_port() -> int:
 
 def manifests(namespace: str, prom_url: str, a10: dict[str, str], t4: dict[str, str]) -> list[dict[str, Any]]:
     """Two explicit prefill gears on the ``a10`` node selector, one decode gear on ``t4``, the PDService."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": PREFILL_GS, "namespace": namespace},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "prefill",
-            "mode": "explicit",
-            "initialGear": "one",
-            "gears": [
-                {"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
-                {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32,
-                 "stages": [{"layers": [0, 8], "nodeSelector": a10, "gpuModel": "A10-24GB"},
-                            {"layers": [8, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
-            ],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": DECODE_GS, "namespace": namespace},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "decode",
-            "mode": "explicit",
-            "gears": [
-                {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "nodeSelector": t4, "gpuModel": "T4-16GB"}]},
-            ],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
-    pds = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": namespace},
-        "spec": {
-            "model": MODEL,
-            "engine": "sim",
-            "prefill": {"gearSetRef": {"name": PREFILL_GS}},
-            "decode": {"gearSetRef": {"name": DECODE_GS}},
-            "slo": {"ttftMs": 200, "itlMs": 50},
-            "prometheusUrl": prom_url,
-        },
-    }
+    prefill = build.gearset(PREFILL_GS, namespace, {
+        "serviceName": SERVICE,
+        "role": "prefill",
+        "mode": "explicit",
+        "initialGear": "one",
+        "gears": [
+            {"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+             "stages": [{"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+            {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32,
+             "stages": [{"layers": [0, 8], "nodeSelector": a10, "gpuModel": "A10-24GB"},
+                        {"layers": [8, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+        ],
+        "policy": POLICY,
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, namespace, {
+        "serviceName": SERVICE,
+        "role": "decode",
+        "mode": "explicit",
+        "gears": [
+            {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+             "stages": [{"layers": [0, 16], "nodeSelector": t4, "gpuModel": "T4-16GB"}]},
+        ],
+        "policy": POLICY,
+    })  # fmt: skip
+    pds = build.pdservice(SERVICE, namespace, {
+        "model": MODEL,
+        "engine": "sim",
+        "prefill": {"gearSetRef": {"name": PREFILL_GS}},
+        "decode": {"gearSetRef": {"name": DECODE_GS}},
+        "slo": {"ttftMs": 200, "itlMs": 50},
+        "prometheusUrl": prom_url,
+    })  # fmt: skip
     return [prefill, decode, pds]
 
 

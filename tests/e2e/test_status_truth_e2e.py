@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.api.common import API_VERSION
 from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
@@ -46,12 +47,13 @@ from gearshift.dev.sandbox.harness import (
 )
 from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s.engine import ENGINE_PORT
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SERVICE = "truth"
 GEARSET = "truth"
-G = "gearshift.io/v1alpha1"
+G = API_VERSION
 STS = f"{SERVICE}-both-one-s0"
 #: Seconds the API objects are read apart while a rollout is watched (REST calls, not kubectl).
 POLL_S = 0.1
@@ -60,34 +62,24 @@ POLL_S = 0.1
 def manifests(ns: str, prom_url: str, a10: dict[str, str]) -> list[dict[str, Any]]:
     """The aggregated GearSet (one one-stage gear ``one`` on the ``a10`` selector) and the PDService."""
     layers = LLAMA_3_2_1B["numLayers"]
-    gearset = {
-        "apiVersion": G,
-        "kind": "GearSet",
-        "metadata": {"name": GEARSET, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "both",
-            "mode": "explicit",
-            "gears": [
-                {"name": "one", "intent": "latency", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, layers], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
-            ],
-            "policy": {"sampleIntervalS": 1},
-        },
-    }  # fmt: skip
-    pds = {
-        "apiVersion": G,
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": ns},
-        "spec": {
-            "model": LLAMA_3_2_1B,
-            "engine": "sim",
-            "serving": {"gearSetRef": {"name": GEARSET}},
-            "router": {"policy": "shortest-queue"},
-            "slo": {"ttftMs": 200, "itlMs": 50},
-            "prometheusUrl": prom_url,
-        },
-    }
+    gearset = build.gearset(GEARSET, ns, {
+        "serviceName": SERVICE,
+        "role": "both",
+        "mode": "explicit",
+        "gears": [
+            {"name": "one", "intent": "latency", "microBatch": 4, "maxBatch": 64,
+             "stages": [{"layers": [0, layers], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+        ],
+        "policy": {"sampleIntervalS": 1},
+    })  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, {
+        "model": LLAMA_3_2_1B,
+        "engine": "sim",
+        "serving": {"gearSetRef": {"name": GEARSET}},
+        "router": {"policy": "shortest-queue"},
+        "slo": {"ttftMs": 200, "itlMs": 50},
+        "prometheusUrl": prom_url,
+    })  # fmt: skip
     return [gearset, pds]
 
 

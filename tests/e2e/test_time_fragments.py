@@ -44,6 +44,7 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
 )
 from gearshift.k8s.services import ROUTER_PORT
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -60,27 +61,17 @@ RPS, PROMPT, OUTPUT = 2.0, 128, 16
 
 def manifests(ns: str, prefill_node: str, decode_pool: str, prom_url: str | None) -> list[dict[str, Any]]:
     """Explicit prefill on one node, auto decode on the decode pool (short policy), the PDService."""
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": f"{SERVICE}-prefill", "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
-            "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                       "stages": [{"layers": [0, 16], "nodes": [prefill_node], "gpuModel": "A10-24GB"}]}],
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": DECODE_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE, "role": "decode", "mode": "auto",
-            "plan": {"constraints": {"nodeSelector": {"gearshift.io/node-pool": decode_pool},
-                                     "windowMarginS": MARGIN_S}},
-            "policy": POLICY,
-        },
-    }  # fmt: skip
+    prefill = build.gearset(f"{SERVICE}-prefill", ns, {
+        "serviceName": SERVICE, "role": "prefill", "mode": "explicit",
+        "gears": [{"name": "p", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+                   "stages": [{"layers": [0, 16], "nodes": [prefill_node], "gpuModel": "A10-24GB"}]}],
+    })  # fmt: skip
+    decode = build.gearset(DECODE_GS, ns, {
+        "serviceName": SERVICE, "role": "decode", "mode": "auto",
+        "plan": {"constraints": {"nodeSelector": {"gearshift.io/node-pool": decode_pool},
+                                 "windowMarginS": MARGIN_S}},
+        "policy": POLICY,
+    })  # fmt: skip
     spec: dict[str, Any] = {
         "model": MODEL,
         "engine": "sim",
@@ -90,8 +81,7 @@ def manifests(ns: str, prefill_node: str, decode_pool: str, prom_url: str | None
     }
     if prom_url:
         spec["prometheusUrl"] = prom_url  # in-flight counts end the drain early; not needed to vacate
-    pds = {"apiVersion": "gearshift.io/v1alpha1", "kind": "PDService",
-           "metadata": {"name": SERVICE, "namespace": ns}, "spec": spec}  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, spec)
     return [prefill, decode, pds]
 
 

@@ -50,6 +50,7 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
 )
 from gearshift.k8s import names
+from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -68,52 +69,37 @@ POLICY = {"sampleIntervalS": 1, "warmS": 300, "warmupTimeoutS": 900, "rollbackWi
 
 
 def manifests(ns: str, a10: dict[str, str], t4: dict[str, str]) -> list[dict[str, Any]]:
-    prefill = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": PREFILL_GS, "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "prefill",
-            "mode": "explicit",
-            "initialGear": "one",
-            "gears": [
-                {"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
-                {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32,
-                 "predicted": {"throughputQps": PREDICTED_RPS},
-                 "stages": [{"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
-            ],
-            "policy": POLICY,
-        },
-    }  # fmt: skip
-    decode = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "GearSet",
-        "metadata": {"name": f"{SERVICE}-decode", "namespace": ns},
-        "spec": {
-            "serviceName": SERVICE,
-            "role": "decode",
-            "mode": "explicit",
-            "gears": [
-                {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
-                 "stages": [{"layers": [0, 16], "nodeSelector": t4, "gpuModel": "T4-16GB"}]},
-            ],
-            "policy": {"sampleIntervalS": 1, "dwellS": 600},
-        },
-    }  # fmt: skip
-    pds = {
-        "apiVersion": "gearshift.io/v1alpha1",
-        "kind": "PDService",
-        "metadata": {"name": SERVICE, "namespace": ns},
-        "spec": {
-            "model": MODEL,
-            "engine": "sim",
-            "prefill": {"gearSetRef": {"name": PREFILL_GS}},
-            "decode": {"gearSetRef": {"name": f"{SERVICE}-decode"}},
-            "slo": {"ttftMs": 200, "itlMs": 50},
-        },
-    }
+    prefill = build.gearset(PREFILL_GS, ns, {
+        "serviceName": SERVICE,
+        "role": "prefill",
+        "mode": "explicit",
+        "initialGear": "one",
+        "gears": [
+            {"name": "one", "intent": "balanced", "microBatch": 4, "maxBatch": 64,
+             "stages": [{"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+            {"name": "two", "intent": "latency", "microBatch": 2, "maxBatch": 32,
+             "predicted": {"throughputQps": PREDICTED_RPS},
+             "stages": [{"layers": [0, 16], "nodeSelector": a10, "gpuModel": "A10-24GB"}]},
+        ],
+        "policy": POLICY,
+    })  # fmt: skip
+    decode = build.gearset(f"{SERVICE}-decode", ns, {
+        "serviceName": SERVICE,
+        "role": "decode",
+        "mode": "explicit",
+        "gears": [
+            {"name": "d", "intent": "balanced", "microBatch": 8, "maxBatch": 64,
+             "stages": [{"layers": [0, 16], "nodeSelector": t4, "gpuModel": "T4-16GB"}]},
+        ],
+        "policy": {"sampleIntervalS": 1, "dwellS": 600},
+    })  # fmt: skip
+    pds = build.pdservice(SERVICE, ns, {
+        "model": MODEL,
+        "engine": "sim",
+        "prefill": {"gearSetRef": {"name": PREFILL_GS}},
+        "decode": {"gearSetRef": {"name": f"{SERVICE}-decode"}},
+        "slo": {"ttftMs": 200, "itlMs": 50},
+    })  # fmt: skip
     return [prefill, decode, pds]
 
 

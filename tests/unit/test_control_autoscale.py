@@ -410,19 +410,24 @@ class TestActOn:
         with pytest.raises(ValueError, match="placement"):
             self.act(sc.ScaleDecision(sc.ScaleKind.UP, 2, "KvCacheHigh", "m"))
 
-    def test_a_scale_down_drains_the_highest_ordinals_first(self) -> None:
-        d = sc.ScaleDecision(sc.ScaleKind.DOWN, 1, "LowLoad", "load ratio 0.1")
-        a = A.act_on(
-            d,
+    @staticmethod
+    def act_from_three(decision: sc.ScaleDecision, heads: list[str]) -> A.ScaleActions:
+        """``act_on`` at 3 replicas, one pod each, no scaling history, with these head pods."""
+        return A.act_on(
+            decision,
             before=sc.ScaleState(),
             after=sc.ScaleState(),
             scaling={},
             current=3,
             placement=None,
-            heads=["g-s0-2", "g-s0-0", "g-s0-1"],
+            heads=heads,
             pods_per_replica=1,
             now=T0,
         )
+
+    def test_a_scale_down_drains_the_highest_ordinals_first(self) -> None:
+        d = sc.ScaleDecision(sc.ScaleKind.DOWN, 1, "LowLoad", "load ratio 0.1")
+        a = self.act_from_three(d, ["g-s0-2", "g-s0-0", "g-s0-1"])
         assert (a.replicas, a.label) == (None, ("g-s0-1", "g-s0-2"))
         assert (a.scaling["draining"], a.scaling["drainTarget"]) == (["g-s0-1", "g-s0-2"], 1)
         assert a.scaling["drainStartedAt"] == T0_RFC3339
@@ -437,17 +442,7 @@ class TestActOn:
     def test_a_scale_down_with_nothing_to_drain_lowers_replicas_at_once(self) -> None:
         # no head pod has an ordinal at or above 2 x 1
         d = sc.ScaleDecision(sc.ScaleKind.DOWN, 2, "LowLoad", "m")
-        a = A.act_on(
-            d,
-            before=sc.ScaleState(),
-            after=sc.ScaleState(),
-            scaling={},
-            current=3,
-            placement=None,
-            heads=["g-s0-0", "g-s0-1", "not-a-statefulset-pod"],
-            pods_per_replica=1,
-            now=T0,
-        )
+        a = self.act_from_three(d, ["g-s0-0", "g-s0-1", "not-a-statefulset-pod"])
         assert (a.replicas, a.label, a.scaling["desiredReplicas"]) == (2, (), 2)
         assert "draining" not in a.scaling
         assert a.events == (A.ScaleEvent("ScaledDown", "3 -> 2 pipeline replicas", False),)

@@ -67,6 +67,13 @@ class FakeSignals:
     def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
         return Sample(at=at, stage_utilization=(0.5, 0.5), qps=3.0, ttft_p99_ms=150.0, itl_p99_ms=20.0)
 
+    def record(self, sel: GearSelector, engine: str, shape: PipelineShape | None, window: str) -> None:
+        """Note what a sample was asked for (the tests read it back)."""
+        self.windows.append(window)
+        self.asked.append(sel.gear)
+        self.engines.append(engine)
+        self.shapes.append(shape)
+
     def sample(
         self,
         url: str,
@@ -77,10 +84,7 @@ class FakeSignals:
         shape: PipelineShape | None,
         window: str = "1m",
     ) -> Reading:
-        self.windows.append(window)
-        self.asked.append(sel.gear)
-        self.engines.append(engine)
-        self.shapes.append(shape)
+        self.record(sel, engine, shape, window)
         if not self.up:
             raise SignalsUnavailable(f"Prometheus at {url} did not answer: connection refused")
         return Reading(self.raw(url, sel, at), UtilizationSource.ENGINE)
@@ -834,10 +838,7 @@ class VllmProm(FakeSignals):
         shape: PipelineShape | None,
         window: str = "1m",
     ) -> Reading:
-        self.windows.append(window)
-        self.asked.append(sel.gear)
-        self.engines.append(engine)
-        self.shapes.append(shape)
+        self.record(sel, engine, shape, window)
         q = signal_queries(sel, engine=engine)  # type: ignore[arg-type]
         answers = {q.queue: _vec(self.waiting), q.running: _vec("24"), q.qps: _vec("3")}
         if q.concurrency is not None:

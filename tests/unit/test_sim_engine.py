@@ -210,6 +210,19 @@ def a10_env(**extra: str) -> dict[str, str]:
     }
 
 
+def spy_new_requests(engine: Engine) -> list[dict[str, Any]]:
+    """The keyword arguments of every ``engine.new_request`` call from now on (the engine still runs it)."""
+    calls: list[dict[str, Any]] = []
+    real = engine.new_request
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        calls.append(kw)
+        return real(*args, **kw)
+
+    engine.new_request = spy  # type: ignore[method-assign]
+    return calls
+
+
 @pytest.fixture
 async def client_for() -> AsyncIterator[Any]:
     clients: list[TestClient] = []
@@ -361,15 +374,7 @@ class TestServer_:
 
     async def test_decode_with_invalid_params_prefills_itself(self, client_for: Any) -> None:
         decode = await client_for(a10_env(GEARSHIFT_ROLE="decode"))
-        engine = decode.server.app[ENGINE_KEY]
-        calls: list[dict[str, Any]] = []
-        real = engine.new_request
-
-        def spy(*args: Any, **kw: Any) -> Any:
-            calls.append(kw)
-            return real(*args, **kw)
-
-        engine.new_request = spy  # type: ignore[method-assign]
+        calls = spy_new_requests(decode.server.app[ENGINE_KEY])
         # vLLM 0.11's shape lacks remote_request_id: 0.32 ignores such params ("Got invalid KVTransferParams")
         old = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],
                "remote_engine_id": "e", "remote_host": "h", "remote_port": 5600, "tp_size": 1}  # fmt: skip
@@ -498,15 +503,7 @@ async def test_router_and_sim_speak_one_protocol(client_for: Any) -> None:
 
     prefill = await client_for(a10_env(GEARSHIFT_ROLE="prefill"))
     decode = await client_for(a10_env(GEARSHIFT_ROLE="decode"))
-    engine = decode.server.app[ENGINE_KEY]
-    calls: list[dict[str, Any]] = []
-    real = engine.new_request
-
-    def spy(*args: Any, **kw: Any) -> Any:
-        calls.append(kw)
-        return real(*args, **kw)
-
-    engine.new_request = spy  # type: ignore[method-assign]
+    calls = spy_new_requests(decode.server.app[ENGINE_KEY])
     router = Router(
         RouterSettings(
             backends=[

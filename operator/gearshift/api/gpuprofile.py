@@ -25,6 +25,7 @@ from gearshift.api.common import (
     SpecModel,
     StatusModel,
 )
+from gearshift.facts.rfc3339 import from_rfc3339
 
 #: RFC 3339 date-time with a time zone, as the API server's ``format: date-time`` wants it.
 RFC3339_PATTERN = (
@@ -118,7 +119,7 @@ class ProfileOverride(SpecModel):
     def _check_time(self) -> ProfileOverride:
         if self.available_until is not None:
             try:
-                datetime.fromisoformat(self.available_until.replace("Z", "+00:00"))
+                from_rfc3339(self.available_until)
             except ValueError:
                 raise ValueError(
                     f"availableUntil {self.available_until!r} must be an RFC 3339 time, "
@@ -279,7 +280,7 @@ class GPUProfile(StatusModel):
             k: v for k, v in ov.model_dump(exclude_none=True).items() if k != "available_until"
         }
         if ov.available_until is not None:
-            pinned["available_until"] = datetime.fromisoformat(ov.available_until.replace("Z", "+00:00"))
+            pinned["available_until"] = from_rfc3339(ov.available_until)
         if pinned:
             pinned["source"] = "override"
         return self.status.model_copy(update=pinned, deep=True)

@@ -39,8 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from gearshift.api.common import LABEL_VALUE_PATTERN, format_validation_error
-from gearshift.facts.fleet import TP_EFFICIENCY
+from gearshift.facts.fleet import tp_efficiency
 from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL
+from gearshift.facts.rfc3339 import from_rfc3339
 
 #: The schema version this module writes and reads.
 SCHEMA_VERSION = 1
@@ -216,8 +217,7 @@ def compute_score_from_tflops(
     ref = reference_tflops if reference_tflops is not None else GPU_SPECS[REFERENCE_MODEL].bf16_tflops
     if measured:
         ref *= MEASURED_MATMUL_EFFICIENCY
-    eff = TP_EFFICIENCY if gpu_count > 1 else 1.0
-    return tflops_per_gpu * gpu_count * eff / ref
+    return tflops_per_gpu * gpu_count * tp_efficiency(gpu_count) / ref
 
 
 def interconnect_from_links(node: str, link_docs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -262,14 +262,12 @@ def profile_status_from_probe(
     Raises:
         ProbeOutputError: the document (or a link document) fails validation.
     """
-    from datetime import datetime, timedelta
+    from datetime import timedelta
 
     data = validate_probe_output(doc)
     s = data["summary"]
     node = data.get("node")
-    ended = datetime.fromisoformat(str(data["startedAt"]).replace("Z", "+00:00")) + timedelta(
-        seconds=float(data["durationS"])
-    )
+    ended = from_rfc3339(str(data["startedAt"])) + timedelta(seconds=float(data["durationS"]))
     score = compute_score_from_tflops(
         s["matmulTflops"], data["gpuCount"], reference_tflops, measured=data.get("kind") == "cuda"
     )

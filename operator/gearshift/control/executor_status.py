@@ -14,6 +14,7 @@ from typing import Any
 
 from gearshift.api.gearset_status import ExecutorState
 from gearshift.control.executor import Phase, ShiftState
+from gearshift.facts.rfc3339 import from_rfc3339
 
 
 # --- time ----------------------------------------------------------------------------------------------
@@ -29,7 +30,7 @@ def from_time(dt: datetime | str | None) -> float | None:
     if dt is None:
         return None
     if isinstance(dt, str):
-        dt = datetime.fromisoformat(dt.replace("Z", "+00:00"))
+        dt = from_rfc3339(dt)
     return dt.timestamp()
 
 

@@ -31,6 +31,12 @@ from gearshift.facts.gpus import GPUSpec, compute_score, gpu_spec
 TP_EFFICIENCY = 0.85
 
 
+def tp_efficiency(gpus: int, efficiency: float = TP_EFFICIENCY) -> float:
+    """The factor a stage's summed compute is scaled by: ``efficiency`` when it spans more than one card
+    (``gpus > 1``), else 1.0 (one card loses nothing to tensor-parallel communication)."""
+    return efficiency if gpus > 1 else 1.0
+
+
 class FleetError(ValueError):
     """A fleet file that cannot be used; the message names the field and the fix."""
 
@@ -58,8 +64,7 @@ class FleetNode:
     @property
     def compute_score(self) -> float:
         """Datasheet compute score of the node (H100 SXM card = 1.0), with TP efficiency for >1 card."""
-        eff = TP_EFFICIENCY if self.gpus > 1 else 1.0
-        return compute_score(self.gpu.model) * self.gpus * eff
+        return compute_score(self.gpu.model) * self.gpus * tp_efficiency(self.gpus)
 
 
 @dataclass(frozen=True)

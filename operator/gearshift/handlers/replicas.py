@@ -43,6 +43,7 @@ from typing import Any
 
 import kopf
 
+from gearshift.facts.rfc3339 import from_rfc3339
 from gearshift.handlers.common import emit
 from gearshift.handlers.kubeapi import PDS, POD, KubeApi, KubeApiError
 from gearshift.handlers.runtime import runtime_of
@@ -166,7 +167,7 @@ def _time(raw: Any) -> datetime | None:
     if not raw:
         return None
     try:
-        return datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+        return from_rfc3339(str(raw))
     except ValueError:
         return None
 

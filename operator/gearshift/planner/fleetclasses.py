@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.facts.fleet import TP_EFFICIENCY, Fleet, max_micro_batch
+from gearshift.facts.fleet import Fleet, max_micro_batch, tp_efficiency
 from gearshift.facts.gpus import compute_score, gpu_spec
 from gearshift.planner.costs import CostModel
 from gearshift.planner.errors import PlanInputError
@@ -223,7 +223,7 @@ def fleet_classes(fleet: Fleet, prices: Mapping[str, float] | None = None) -> Fl
                     pool=pool,
                     tp=t,
                     count=nodes[key] * (gpus // t),
-                    score=card * t * (TP_EFFICIENCY if t > 1 else 1.0),
+                    score=card * t * tp_efficiency(t),
                     memory_gb=spec.memory_gib * t,
                     max_micro_batch=max_micro_batch(spec.memory_gib),
                     nic_gbps=nic,

@@ -27,7 +27,7 @@ from gearshift import planner
 from gearshift.api.gearset import Gear as ApiGear
 from gearshift.api.gearset_plan import PlanConstraints
 from gearshift.api.gpuprofile import GPUProfile, GPUProfileStatus
-from gearshift.facts.fleet import TP_EFFICIENCY, max_micro_batch
+from gearshift.facts.fleet import max_micro_batch, tp_efficiency
 from gearshift.facts.gpus import UnknownGPUError, compute_score, gpu_spec
 from gearshift.facts.model import GIB, ModelArch
 from gearshift.k8s.names import GPU_RESOURCE, NODE_GPU_MODEL
@@ -185,7 +185,7 @@ def resource_profile(
         count = eff.gpu_count or 1
         score = eff.compute_score
         if score is None:
-            score = compute_score(eff.gpu_model) * count * (TP_EFFICIENCY if count > 1 else 1.0)
+            score = compute_score(eff.gpu_model) * count * tp_efficiency(count)
         inter = {}
         for link in eff.interconnect:
             if link.peer in effs and link.peer != n and link.bandwidth_gbps > 0:
@@ -423,7 +423,7 @@ def datasheet_gpuprofile(node: Mapping[str, Any]) -> dict[str, Any]:
         count = int(labels["nvidia.com/gpu.count"])
     except (KeyError, ValueError):
         count = max(node_gpus(node), 1)
-    score = compute_score(spec.model) * count * (TP_EFFICIENCY if count > 1 else 1.0)
+    score = compute_score(spec.model) * count * tp_efficiency(count)
     name = str(meta.get("name"))
     return {
         "apiVersion": "gearshift.io/v1alpha1",

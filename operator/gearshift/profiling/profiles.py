@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gearshift.api.gpuprofile import ComputeClass, GPUProfileSpec, GPUProfileStatus, ProfileOverride
-from gearshift.facts.fleet import TP_EFFICIENCY
+from gearshift.facts.fleet import tp_efficiency
 from gearshift.k8s.names import (
     ANNOTATION_AVAILABLE_UNTIL,
     ANNOTATION_REPROBE,
@@ -175,8 +175,7 @@ def card_score(status: GPUProfileStatus) -> float | None:
     if status.compute_score is None or not status.compute_score > 0:
         return None
     count = status.gpu_count or 1
-    eff = TP_EFFICIENCY if count > 1 else 1.0
-    return status.compute_score / (count * eff)
+    return status.compute_score / (count * tp_efficiency(count))
 
 
 def _kmeans_1d(values: np.ndarray, weights: np.ndarray, k: int) -> list[int]:

@@ -9,6 +9,7 @@ from datetime import datetime
 
 from gearshift.api.common import COND_WINDOWED, find_condition
 from gearshift.api.gpuprofile import GPUProfileStatus, ProfileOverride
+from gearshift.facts.rfc3339 import from_rfc3339
 from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.profiling.profiles import GpuNodeView
 from gearshift.profiling.steps import Step, record_condition
@@ -27,7 +28,7 @@ def parse_rfc3339(text: str) -> datetime:
     Raises:
         ValueError: not a date-time, or no offset (RFC 3339 requires one).
     """
-    t = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    t = from_rfc3339(text.strip().replace("z", "Z"))
     if "T" not in text.upper() or t.tzinfo is None:
         raise ValueError(f"{text!r} is not an RFC 3339 date-time with an offset")
     return t

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gearshift.facts.errors import PolicyError
-from gearshift.facts.fleet import TP_EFFICIENCY
+from gearshift.facts.fleet import tp_efficiency
 from gearshift.facts.gpus import GPU_SPECS, REFERENCE_MODEL, compute_score, pd_gpu_prior
 from gearshift.facts.model import KV_HEADROOM
 
@@ -286,8 +286,7 @@ def card_compute(pod: PodView) -> float:
 
 def raw_compute(pod: PodView) -> float:
     """Seed 000's prefill compute term before normalisation: ``card × (0.85 if tp > 1) × sqrt(gpus)``."""
-    eff = TP_EFFICIENCY if pod.tp_size > 1 else 1.0
-    return card_compute(pod) * eff * math.sqrt(max(1, pod.gpu_count))
+    return card_compute(pod) * tp_efficiency(pod.tp_size) * math.sqrt(max(1, pod.gpu_count))
 
 
 def card_hbm(pod: PodView) -> float:
@@ -310,7 +309,7 @@ def pod_speed(pod: PodView, role: Role, speed_one: bool = False) -> float:
         return 1.0
     if pod.speed is not None:
         return pod.speed
-    eff = TP_EFFICIENCY if pod.gpu_count > 1 else 1.0
+    eff = tp_efficiency(pod.gpu_count)
     gpus = max(1, pod.gpu_count)
     if role == "decode":
         return card_hbm(pod) / GPU_SPECS[REFERENCE_MODEL].hbm_gbps * gpus * eff

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.facts import roofline
-from gearshift.facts.fleet import TP_EFFICIENCY
+from gearshift.facts.fleet import TP_EFFICIENCY, tp_efficiency
 from gearshift.facts.gpus import UnknownGPUError, gpu_spec
 from gearshift.facts.model import GIB, VLLM_GPU_MEMORY_UTILIZATION, ModelArch
 
@@ -263,7 +263,7 @@ class PerfModel:
         self.params = params or PerfParams()
         n = len(pipeline.stages)
         self._held = [self._stage_held_bytes(k) for k in range(n)]
-        eff = [self.params.tp_efficiency if s.gpus > 1 else 1.0 for s in pipeline.stages]
+        eff = [tp_efficiency(s.gpus, self.params.tp_efficiency) for s in pipeline.stages]
         self._flops_per_s = [
             s.tflops * 1e12 * s.gpus * e * self.params.mfu for s, e in zip(pipeline.stages, eff, strict=True)
         ]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import numpy as np
+
+from gearshift.facts.rfc3339 import from_rfc3339
 
 # ------------------------------------------------------------------------------------ wire (loadgen)
 
@@ -279,7 +280,7 @@ class ShiftMark:
 def _ts(value: Any) -> float | None:
     if not value:
         return None
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    return from_rfc3339(str(value)).timestamp()
 
 
 def shift_marks(role: str, history: Iterable[Mapping[str, Any]], t0: float) -> list[ShiftMark]:
