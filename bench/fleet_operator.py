@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gearshift.handlers.kubeapi import KubeApiError
+from gearshift.adapters.kube import KubeApiError
 from gearshift.k8s import names
 from reconcile import (
     REPO,

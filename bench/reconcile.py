@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
-from gearshift.handlers.kubeapi import RestKubeApi  # noqa: E402
+from gearshift.adapters.kube import RestKubeApi  # noqa: E402
 from gearshift.k8s import names  # noqa: E402
 
 G = "gearshift.io/v1alpha1"

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.api import crdgen
 from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
@@ -42,7 +43,6 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
     wait_until,
 )
-from gearshift.handlers.kubeapi import RestKubeApi
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gearshift.handlers.kubeapi import RestKubeApi
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.k8s import names
 from gearshift.planner.inputs import datasheet_gpuprofile
 

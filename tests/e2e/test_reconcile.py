@@ -27,11 +27,11 @@ import pytest
 import yaml
 
 from gearshift import planner
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.control.reconcile import plan_assumptions
 from gearshift.dev.sandbox.harness import holds, settled, teardown_run
-from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
 from gearshift.planner.inputs import datasheet_gpuprofile, resource_profile
 

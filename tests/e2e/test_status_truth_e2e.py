@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
@@ -44,7 +45,6 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
     wait_until,
 )
-from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s.engine import ENGINE_PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

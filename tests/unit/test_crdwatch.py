@@ -307,7 +307,7 @@ def test_a_crd_without_conditions_in_its_schema_gets_events_only() -> None:
 
 
 def test_a_forbidden_crd_read_is_said_once_and_the_poll_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    from gearshift.handlers.kubeapi import KubeApiError
+    from gearshift.adapters.kube import KubeApiError
 
     api = cluster()
     api.refuse[("get", "CustomResourceDefinition")] = KubeApiError("forbidden", 403)

@@ -31,7 +31,7 @@ sleeps a retry period *after* the renewal returned, so with requests taking 3 s 
   (a standby takes the Lease no sooner than the lease duration after the server stored it, so the
   leader stops at least ``lease - renew`` s earlier) or whose Lease shows another holder;
 - :meth:`LeaderElector.may_act` is that same test, asked by the write fence
-  (:mod:`gearshift.handlers.fence`) before every write, so nothing is written between a missed deadline
+  (:mod:`gearshift.adapters.kube`) before every write, so nothing is written between a missed deadline
   and the watchdog's next look;
 - a release on clean shutdown (client-go's ``ReleaseOnCancel``): the holder is cleared, so a standby
   takes over within one retry period instead of one lease duration.

@@ -1,7 +1,7 @@
 """Seed 000's adaptive batch, applied: per decode GearSet, every 5 s (the router's balance round), the
 routers' proposals → :func:`gearshift.control.adaptive_batch.decide` → the active gear's head pods.
 
-One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
 
 1. read the GearSet and its PDService; skip unless the role is ``decode`` with an active gear;
 2. the router pods' ``GET /debug/decisions`` (their pod IPs, port 8000: the same seam the autoscaler
@@ -23,57 +23,26 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import kopf
-import requests
 
+from gearshift.adapters.kube import GS, POD, KubeApi, KubeApiError
+from gearshift.adapters.signals import HttpRouterDecisions, RouterDecisionSource
 from gearshift.api.common import COND_BATCH_ADAPTED, GROUP, VERSION
 from gearshift.control import adaptive_batch as rules
 from gearshift.control.autoscale import head_pods
 from gearshift.control.executor_status import executor_from_status
 from gearshift.control.pd_balance import INTERVAL_S
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
-from gearshift.handlers.kubeapi import GS, POD, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import NotYet
 from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.k8s import names
-from gearshift.k8s.services import ROUTER_PORT
 
 log = logging.getLogger(__name__)
 
 PLURAL = "gearsets"
-
-
-class RouterDecisionSource(Protocol):
-    """Where a tick reads the routers' balance rounds (HTTP in the operator, a fake in unit tests)."""
-
-    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
-        """``(router pod name, its /debug/decisions JSON)`` for each router pod that answered."""
-        ...
-
-
-class HttpRouterDecisions:
-    """:class:`RouterDecisionSource` over the router pods' ``/debug/decisions`` (pod IPs)."""
-
-    def __init__(self, timeout_s: float = 2.0) -> None:
-        self.timeout_s = timeout_s
-
-    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
-        out: list[tuple[str, Mapping[str, Any]]] = []
-        for p in pods:
-            ip = (p.get("status") or {}).get("podIP")
-            if not ip or (p.get("metadata") or {}).get("deletionTimestamp"):
-                continue
-            try:
-                r = requests.get(f"http://{ip}:{ROUTER_PORT}/debug/decisions", timeout=self.timeout_s)
-                doc = r.json() if r.status_code == 200 else None
-            except (requests.RequestException, ValueError):
-                continue
-            if isinstance(doc, dict):
-                out.append((str(p["metadata"]["name"]), doc))
-        return out
 
 
 @dataclass

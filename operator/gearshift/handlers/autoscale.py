@@ -5,7 +5,7 @@ It acts only by writing ``GearSet.spec.replicas`` (the scale subresource's targe
 the operator never writes it, so HPA/KEDA may drive it instead); the reconciler then sets every stage
 StatefulSet of the gear to ``replicas × stage replicas`` together, so there are no half-pipelines.
 
-One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
 
 1. read the GearSet and its PDService; skip without ``scaling`` or an active gear;
 2. ready pipeline replicas of the active gear (the least over its stage StatefulSets);
@@ -43,6 +43,8 @@ from typing import Any
 
 import kopf
 
+from gearshift.adapters.kube import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
+from gearshift.adapters.signals import ScaleSignalSource
 from gearshift.api.common import COND_SCALING_ACTIVE, GROUP, VERSION
 from gearshift.api.gearset import ScalingStatus
 from gearshift.control import autoscale as rules
@@ -50,11 +52,9 @@ from gearshift.control import scaling as sc
 from gearshift.control.signals import SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
-from gearshift.handlers.kubeapi import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import NotYet
 from gearshift.handlers.runtime import Runtime, runtime_of
-from gearshift.handlers.signals import ScaleSignalSource
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.placement import pod_gpus

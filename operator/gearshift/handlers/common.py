@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gearshift.adapters.kube import KubeApi, KubeApiError
 from gearshift.api import crdcheck
 from gearshift.api.common import REASON_FIELDS_PRUNED, Condition, ConditionStatus, set_condition
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ compute class from the fleet (:func:`gearshift.profiling.profiles.classify` over
 and makes the node's ``gearshift.io/*`` labels match the profile (removed unless Ready).
 
 The decisions are the life cycle's pure functions; this module makes the calls between them, through the
-operator's :class:`~gearshift.handlers.kubeapi.KubeApi` (the :class:`~gearshift.handlers.runtime.Runtime`'s,
+operator's :class:`~gearshift.adapters.kube.KubeApi` (the :class:`~gearshift.handlers.runtime.Runtime`'s,
 from kopf's ``memo``). Status is written with the status subresource by this module (not through kopf's
 ``patch``), and the object returned is remembered (``Runtime.profiles``): a tick that runs before the
 watch delivers that write uses the remembered status, so a probe is never started twice. Importing this
@@ -23,11 +23,12 @@ from typing import Any
 
 import kopf
 
+from gearshift.adapters.kube import GPUP, JOB, NODE, KubeApi, KubeApiError
+from gearshift.adapters.memory import ProfileMemory
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus, ProfileOverride
 from gearshift.handlers import common, nodes
-from gearshift.handlers.kubeapi import GPUP, JOB, NODE, KubeApi, KubeApiError
-from gearshift.handlers.runtime import ProfileMemory, Runtime, runtime_of
+from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.k8s.names import COMPONENT_PROBE, LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGED_BY
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
 from gearshift.profiling.lifecycle import (
@@ -115,7 +116,7 @@ def _now() -> datetime:
 
 def _read_job(rt: Runtime, namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The probe Job and its pods (API dicts), or ``(None, [])`` when the Job is gone: from the listing of
-    every probe Job that all profiles share (:class:`~gearshift.handlers.runtime.ProbeJobs`)."""
+    every probe Job that all profiles share (:class:`~gearshift.adapters.caches.ProbeJobs`)."""
     selector = {LABEL_COMPONENT: COMPONENT_PROBE, LABEL_MANAGED_BY: MANAGED_BY}
     return rt.probe_jobs.job(rt.api, namespace, name, selector)
 

@@ -16,11 +16,11 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from gearshift.adapters import metrics
+from gearshift.adapters.kube import GS, PDS, KubeApi
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
-from gearshift.handlers import metrics
 from gearshift.handlers.common import StatusPruned
-from gearshift.handlers.kubeapi import GS, PDS, KubeApi
 
 log = logging.getLogger("gearshift.loop")
 

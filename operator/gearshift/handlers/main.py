@@ -5,11 +5,11 @@ else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config`` (kopf's and the kuber
 Scope: ``--namespace`` (repeatable, globs allowed as kopf allows them) or every namespace.
 Health: kopf's liveness endpoint ``http://<probe-host>:<probe-port>/healthz`` (answers once the operator
 runs; the chart uses it for liveness and readiness). Metrics: the operator's own Prometheus metrics
-(:mod:`gearshift.handlers.metrics`) on ``--metrics-port``. High availability: ``--leader-elect`` makes
+(:mod:`gearshift.adapters.metrics`) on ``--metrics-port``. High availability: ``--leader-elect`` makes
 replicas campaign for a Lease (:mod:`gearshift.adapters.leader`); a standby answers ``/healthz`` itself and
 starts kopf only once it leads. Without the flag the operator runs alone.
 
-Losing the Lease (#31 item 5): the write fence (:mod:`gearshift.handlers.fence`) refuses every write from
+Losing the Lease (#31 item 5): the write fence (:mod:`gearshift.adapters.kube`) refuses every write from
 that moment, then the process re-executes itself in place (``os.execve`` of its own interpreter and
 command line): same PID, same container, a fresh kopf with no state, a standby again. It campaigns anew
 after :class:`~gearshift.adapters.leader.Backoff` (4 s doubling to 60 s over a run of short terms), keeping
@@ -52,10 +52,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gearshift.adapters.kube import FENCE, install_kopf_fence
 from gearshift.adapters.leader import Backoff, LeaderElector, LeaseTimes
+from gearshift.adapters.metrics import LEADER, LEADER_LOSSES
 from gearshift.api.pdservice import DNS_SUBDOMAIN_PATTERN
-from gearshift.handlers.fence import FENCE, install_kopf_fence
-from gearshift.handlers.metrics import LEADER, LEADER_LOSSES
 from gearshift.k8s.names import DOMAIN
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def load_handlers(disabled: list[str]) -> list[str]:
 class Reexec:
     """What crosses a re-exec after a lost Lease: the Lease identity, the back-off attempt (0: this
     process image was not re-executed), and the losses so far (for
-    :data:`~gearshift.handlers.metrics.LEADER_LOSSES`)."""
+    :data:`~gearshift.adapters.metrics.LEADER_LOSSES`)."""
 
     identity: str | None = None
     attempt: int = 0
@@ -286,7 +286,7 @@ def _until_answered(
     """
     import urllib3
 
-    from gearshift.handlers.kubeapi import KubeApiError
+    from gearshift.adapters.kube import KubeApiError
 
     while True:
         try:
@@ -387,7 +387,7 @@ def campaign(
     """Block until this replica holds the Lease; meanwhile answer ``/healthz`` (200: a standby is ready to
     take over, and a rolling update with ``maxUnavailable: 0`` waits for the new pod to be Ready before it
     stops the old leader). After a re-exec (``reexec``) the first try waits the back-off and uses the same
-    identity. Returns the elector, still renewing, with :data:`~gearshift.handlers.fence.FENCE` guarded by
+    identity. Returns the elector, still renewing, with :data:`~gearshift.adapters.kube.FENCE` guarded by
     it."""
     ns, name = args.leader_election_namespace, args.leader_election_id
     reexec = reexec or Reexec()

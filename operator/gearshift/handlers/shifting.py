@@ -1,6 +1,6 @@
 """The gear-shifting loop: per GearSet, every ``spec.policy.sampleIntervalS``, signals → decision → executor.
 
-One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
 
 1. read the GearSet and its PDService fresh; skip until the reconciler has set ``status.activeGear``;
 2. observe the role's world: StatefulSets and pods per gear (Ready, Ready since, OOM/crash loops), the
@@ -61,6 +61,10 @@ from typing import Any, assert_never
 
 import kopf
 
+from gearshift.adapters import metrics
+from gearshift.adapters.kube import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
+from gearshift.adapters.memory import GearSetMemory
+from gearshift.adapters.signals import SignalSource
 from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
 from gearshift.api.gearset import Gear, GearHealth, GearSet
 from gearshift.api.pdservice import PDService
@@ -121,7 +125,6 @@ from gearshift.control.signals import (
     unavailable_series,
 )
 from gearshift.control.smoothing import Sample
-from gearshift.handlers import metrics
 from gearshift.handlers.common import (
     ConditionBook,
     StatusHeld,
@@ -130,11 +133,9 @@ from gearshift.handlers.common import (
     emit,
     patch_status,
 )
-from gearshift.handlers.kubeapi import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
 from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
 from gearshift.handlers.reconcile import NotYet, delete_gear_sync, ensure_gear_sync, select_gear_sync
-from gearshift.handlers.runtime import GearSetMemory, Runtime, Settings, runtime_of
-from gearshift.handlers.signals import SignalSource
+from gearshift.handlers.runtime import Runtime, Settings, runtime_of
 from gearshift.k8s import names, warming
 
 log = logging.getLogger(__name__)
