@@ -17,7 +17,6 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeA
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -29,20 +28,17 @@ import kopf
 
 from gearshift.adapters.kube import GS, POD, KubeApi, KubeApiError
 from gearshift.adapters.signals import HttpRouterDecisions, RouterDecisionSource
-from gearshift.api.common import COND_BATCH_ADAPTED, GROUP, VERSION
+from gearshift.api.common import COND_BATCH_ADAPTED
 from gearshift.control import adaptive_batch as rules
 from gearshift.control.autoscale import head_pods
 from gearshift.control.executor_status import executor_from_status
 from gearshift.control.pd_balance import INTERVAL_S
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
-from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import NotYet
-from gearshift.handlers.runtime import Runtime, runtime_of
+from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
+from gearshift.handlers.runtime import Runtime
 from gearshift.k8s import names
 
 log = logging.getLogger(__name__)
-
-PLURAL = "gearsets"
 
 
 @dataclass
@@ -193,18 +189,7 @@ def _decode(body: kopf.Body, **_: Any) -> bool:
     return (body.get("spec") or {}).get("role") in rules.ROLES
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_decode)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-async def gearset_adaptive_batch(
-    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
-) -> None:
-    """Every router balance round (5 s, or ``spec.policy.sampleIntervalS`` when longer): one :func:`tick`."""
-    await every_sample_interval(
-        namespace,
-        name,
-        body,
-        stopped,
-        functools.partial(run_tick, runtime_of(memo)),
-        what="adaptive batch tick",
-        floor_s=INTERVAL_S,
-        expected=(KubeApiError, NotYet, KeyError),
-    )
+# Every router balance round (5 s, or spec.policy.sampleIntervalS when longer): one tick.
+gearset_adaptive_batch = sampling_daemon(
+    "gearset_adaptive_batch", run_tick, what="adaptive batch tick", floor_s=INTERVAL_S, when=_decode
+)

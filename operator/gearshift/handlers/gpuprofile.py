@@ -28,6 +28,7 @@ from gearshift.adapters.memory import ProfileMemory
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus, ProfileOverride
 from gearshift.handlers import common, nodes
+from gearshift.handlers.loop import step_timer
 from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.k8s.names import COMPONENT_PROBE, LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGED_BY
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
@@ -193,9 +194,9 @@ def _is_not_ready(body: kopf.Body, **_: Any) -> bool:
     return not _is_ready(body)
 
 
-# kopf starts and stops a timer as its filter starts and stops matching, so one of the two runs.
-@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S, when=_is_not_ready)  # type: ignore[arg-type]  # kopf passes its indices as keywords its protocol does not name
-def gpuprofile_reconcile(
+def _timer_step(
+    rt: Runtime,
+    *,
     name: str,
     body: kopf.Body,
     spec: kopf.Spec,
@@ -203,27 +204,25 @@ def gpuprofile_reconcile(
     gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
-    memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    """One step of the probe life cycle of this profile (see the module docstring)."""
-    _step(runtime_of(memo), name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
+    """One step of the probe life cycle of this profile, now (see the module docstring)."""
+    _step(rt, name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=READY_TICK_S, initial_delay=READY_TICK_S, when=_is_ready)  # type: ignore[arg-type]  # kopf passes its indices as keywords its protocol does not name
-def gpuprofile_ready_reconcile(
-    name: str,
-    body: kopf.Body,
-    spec: kopf.Spec,
-    meta: kopf.Meta,
-    gpu_nodes: kopf.Index[str, GpuNodeView],
-    profile_scores: kopf.Index[str, float],
-    logger: Any,
-    memo: kopf.Memo,
-    **_: Any,
-) -> None:
-    """The same step for a Ready profile, at the slower :data:`READY_TICK_S`."""
-    _step(runtime_of(memo), name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
+# kopf starts and stops a timer as its filter starts and stops matching, so one of the two runs: a Ready
+# profile steps at the slower READY_TICK_S.
+gpuprofile_reconcile = step_timer(
+    "gpuprofile_reconcile", PLURAL, _timer_step, interval=TICK_S, when=_is_not_ready
+)
+gpuprofile_ready_reconcile = step_timer(
+    "gpuprofile_ready_reconcile",
+    PLURAL,
+    _timer_step,
+    interval=READY_TICK_S,
+    initial_delay=READY_TICK_S,
+    when=_is_ready,
+)
 
 
 def _step(

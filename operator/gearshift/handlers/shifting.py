@@ -51,7 +51,6 @@ it every turn. Both need kopf's finalizer on the GearSet.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -133,8 +132,8 @@ from gearshift.handlers.common import (
     emit,
     patch_status,
 )
-from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import NotYet, delete_gear_sync, ensure_gear_sync, select_gear_sync
+from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
+from gearshift.handlers.reconcile import delete_gear_sync, ensure_gear_sync, select_gear_sync
 from gearshift.handlers.runtime import Runtime, Settings, runtime_of
 from gearshift.k8s import names, warming
 
@@ -551,23 +550,14 @@ def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:
     return (body.get("spec") or {}).get("replicas", 1) != 0 or not _settled(body)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_serving_or_busy)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-async def gearset_shifting(
-    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
-) -> None:
-    """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
-    rt = runtime_of(memo)
-    await every_sample_interval(
-        namespace,
-        name,
-        body,
-        stopped,
-        functools.partial(run_tick, rt),
-        what="shifting tick",
-        floor_s=MIN_INTERVAL_S,
-        expected=(KubeApiError, NotYet, KeyError),
-        on_missed=functools.partial(rt.gearsets.add_missed, (namespace, name)),
-    )
+gearset_shifting = sampling_daemon(
+    "gearset_shifting",
+    run_tick,
+    what="shifting tick",
+    floor_s=MIN_INTERVAL_S,
+    when=_serving_or_busy,
+    count_missed=True,
+)
 
 
 def free_gears_of_deleted_gearset(rt: Runtime, namespace: str, body: Mapping[str, Any]) -> list[str]:
