@@ -51,6 +51,7 @@ NODE = ("v1", "Node")
 POD = ("v1", "Pod")
 DEPLOY = ("apps/v1", "Deployment")
 JOB = ("batch/v1", "Job")
+CRD = ("apiextensions.k8s.io/v1", "CustomResourceDefinition")
 
 #: Field manager of every server-side apply by the operator.
 FIELD_MANAGER = "gearshift"
@@ -71,7 +72,7 @@ RESOURCES: Mapping[tuple[str, str], tuple[str, bool]] = MappingProxyType(
         PDS: ("pdservices", True),
         GS: ("gearsets", True),
         GPUP: ("gpuprofiles", False),
-        ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
+        CRD: ("customresourcedefinitions", False),
     }
 )
 

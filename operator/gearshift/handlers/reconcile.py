@@ -44,6 +44,7 @@ from pydantic import ValidationError
 
 from gearshift import planner
 from gearshift.adapters.kube import DEPLOY, GS, PDS, POD, STS, SVC, KubeApi
+from gearshift.adapters.memory import PrunedReports
 from gearshift.api.common import REASON_INVALID_SPEC, Condition, format_validation_error
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
@@ -79,7 +80,6 @@ from gearshift.control.reconcile import (
 from gearshift.handlers import common
 from gearshift.handlers.common import (
     ConditionBook,
-    PrunedReports,
     conditions_from,
     emit,
     now_utc,

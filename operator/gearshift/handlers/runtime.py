@@ -35,10 +35,10 @@ from gearshift.adapters.memory import (
     KeyedLocks,
     ObjectKey,
     ProfileMemory,
+    PrunedReports,
     ServiceMemory,
 )
 from gearshift.adapters.signals import LiveSignals, PrometheusSignals, ScaleSignalSource, SignalSource
-from gearshift.handlers.common import PrunedReports
 from gearshift.k8s.desired import Images
 from gearshift.profiling.lifecycle import ProbeSettings
 
