@@ -44,16 +44,14 @@ import logging
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gearshift.adapters.kube import FENCE, install_kopf_fence
-from gearshift.adapters.leader import Backoff, LeaderElector, LeaseTimes
+from gearshift.adapters.leader import Backoff, LeaderElector, LeaseTimes, standby_health
 from gearshift.adapters.metrics import LEADER, LEADER_LOSSES
 from gearshift.api.pdservice import DNS_SUBDOMAIN_PATTERN
 from gearshift.k8s.names import DOMAIN
@@ -400,7 +398,7 @@ def campaign(
     made.append(elector)
     FENCE.guard(elector.may_act)
     try:
-        server = _standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
+        server = standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
     except OSError as exc:
         print(
             f"gearshift operator: --probe-port {args.probe_port} on {args.probe_host}: {exc}", file=sys.stderr
@@ -453,25 +451,3 @@ def _lost(elector: LeaderElector, reexec: Reexec) -> None:
         sys.stderr.flush()
     # kopf's handlers cannot be stopped from this thread, and a deposed leader must stop acting now.
     os._exit(EXIT_LEADERSHIP_LOST)
-
-
-def _standby_health(host: str, port: int, elector: LeaderElector) -> ThreadingHTTPServer:
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # http.server's name
-            if self.path.split("?")[0] != "/healthz":
-                self.send_error(404)
-                return
-            body = json.dumps({"leader": False, "lease": f"{elector.namespace}/{elector.name}",
-                               "holder": elector.holder()}).encode()  # fmt: skip
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: Any) -> None:  # the kubelet probes every 10 s
-            pass
-
-    server = ThreadingHTTPServer((host, port), Health)
-    threading.Thread(target=server.serve_forever, name="standby /healthz", daemon=True).start()
-    return server
