@@ -55,8 +55,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import cpu_seconds, free_port
+from gearshift.adapters.kube import KubeApiError
 from gearshift.facts.rfc3339 import from_rfc3339
-from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.k8s import names
 from reconcile import (
     REPO,

@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 
 from benchlib import cpu_seconds, free_port  # noqa: E402
+from gearshift.adapters.kube import RestKubeApi  # noqa: E402
 from gearshift.api.common import API_VERSION  # noqa: E402
-from gearshift.handlers.kubeapi import RestKubeApi  # noqa: E402
 from gearshift.k8s import names  # noqa: E402
 from gearshift.testing import manifests as build  # noqa: E402
 

@@ -108,7 +108,7 @@ ROWS: dict[str, dict[str, Any]] = {
     },
     "#31 item 5 no crash loop": {
         "fix": "adapters/leader.py: one resourceVersion-guarded PUT per renewal, paced from its sending; "
-        "handlers/fence.py: no write (ours or kopf's) while not leading; handlers/main.py: on a loss, "
+        "adapters/kube.py: no write (ours or kopf's) while not leading; handlers/main.py: on a loss, "
         "re-exec in place and campaign again after 4 s doubling to 60 s (exit 4 only if the exec fails)",
         "tests": [
             "tests/e2e/test_lease_starved.py",

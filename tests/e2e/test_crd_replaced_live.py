@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.api import crdgen
 from gearshift.api.common import API_VERSION
 from gearshift.dev.sandbox.harness import (
@@ -43,7 +44,6 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
     wait_until,
 )
-from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.testing import manifests as build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.api.common import API_VERSION
-from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

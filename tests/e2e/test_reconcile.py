@@ -27,12 +27,12 @@ import pytest
 import yaml
 
 from gearshift import planner
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.api.common import API_VERSION
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.control.reconcile.planning import plan_assumptions
 from gearshift.dev.sandbox.harness import holds, settled, teardown_run
-from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s import names
 from gearshift.planner.inputs import resource_profile
 from gearshift.testing import manifests as build

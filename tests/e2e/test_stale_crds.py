@@ -66,8 +66,8 @@ def test_a_status_write_an_older_crd_prunes_is_reported(sandbox: Any) -> None:
     """Write-back: the same older GearSet CRD, put in while an operator runs. The real API server prunes
     ``status.executor`` from the write; the operator's status writer finds it, records a Warning event and
     ``CRDCurrent=False``, and raises instead of going on from state that was not kept."""
+    from gearshift.adapters.kube import RestKubeApi
     from gearshift.handlers import common
-    from gearshift.handlers.kubeapi import RestKubeApi
 
     ns = f"e2e-prune-{uuid.uuid4().hex[:6]}"
     sandbox.kubectl("create", "namespace", ns)
@@ -117,9 +117,9 @@ def test_a_gpuprofile_status_write_an_older_crd_prunes_is_reported(sandbox: Any)
     namespace of a cluster-scoped object's events), and the step stops with kopf's delayed retry."""
     import kopf
 
+    from gearshift.adapters.kube import RestKubeApi
     from gearshift.api.gpuprofile import GPUProfileStatus, ProbeInfo
     from gearshift.handlers import gpuprofile
-    from gearshift.handlers.kubeapi import RestKubeApi
     from gearshift.handlers.runtime import Runtime
 
     name = f"e2e-prune-{uuid.uuid4().hex[:6]}"

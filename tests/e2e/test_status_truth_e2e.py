@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.adapters.kube import RestKubeApi
 from gearshift.api.common import API_VERSION
 from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
@@ -45,7 +46,6 @@ from gearshift.dev.sandbox.harness import (
     teardown_run,
     wait_until,
 )
-from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.testing import manifests as build
 

@@ -370,7 +370,7 @@ class TestRbac:
             f"gearshift-{NS}-workloads": f"gearshift-{NS}-workloads",
         }
         probes = one(docs, "Role", "gearshift-probes")
-        # list: in-flight probes share one label-selected listing (runtime.ProbeJobs); without it every
+        # list: in-flight probes share one label-selected listing (caches.ProbeJobs); without it every
         # profile stays Probing under the chart's ServiceAccount.
         assert verbs(probes, "batch", "jobs") == {"get", "list", "create", "delete"}
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from gearshift.adapters.kube import KubeApiError
 from gearshift.api import crdcheck, crdgen
 from gearshift.handlers.crds import StaleCRDs, check_installed_crds
-from gearshift.handlers.kubeapi import KubeApiError
 
 
 def current() -> dict[str, dict[str, Any]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.adapters import memory
 from gearshift.api import crdcheck, crdgen
 from gearshift.handlers import common, crdwatch, loop
 from gearshift.handlers.runtime import Settings
@@ -144,10 +145,10 @@ def gearset(name: str, uid: str, conditions: list[dict[str, Any]] | None = None)
 def test_a_write_the_held_schema_would_prune_is_not_sent() -> None:
     api = FakeKubeApi()
     api.put(gearset("g", "u1"))
-    reported = common.PrunedReports()
+    reported = memory.PrunedReports()
     schema = crdcheck.status_schema(schema_of(older()))
     assert schema is not None
-    reported.hold("GearSet", common.HeldKind(schema, "the installed CRD is older; Fix: apply"))
+    reported.hold("GearSet", memory.HeldKind(schema, "the installed CRD is older; Fix: apply"))
     with pytest.raises(common.StatusHeld) as exc:
         common.patch_status(
             api, G, "GearSet", "ns", "g", {"phase": "Warming", "executor": {"a": 1}}, reported
@@ -166,7 +167,7 @@ def test_a_write_the_held_schema_would_prune_is_not_sent() -> None:
 
 
 def test_a_pruned_write_wakes_the_poller() -> None:
-    reported, woken = common.PrunedReports(), []
+    reported, woken = memory.PrunedReports(), []
 
     class Pruning(FakeKubeApi):
         def patch_status(self, *args: Any) -> dict[str, Any]:
@@ -307,7 +308,7 @@ def test_a_crd_without_conditions_in_its_schema_gets_events_only() -> None:
 
 
 def test_a_forbidden_crd_read_is_said_once_and_the_poll_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    from gearshift.handlers.kubeapi import KubeApiError
+    from gearshift.adapters.kube import KubeApiError
 
     api = cluster()
     api.refuse[("get", "CustomResourceDefinition")] = KubeApiError("forbidden", 403)

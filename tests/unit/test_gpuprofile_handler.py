@@ -16,13 +16,13 @@ from typing import Any
 import kopf
 import pytest
 
+from gearshift.adapters.kube import KubeApiError
 from gearshift.api.common import API_VERSION
 from gearshift.api.gpuprofile import GPUProfileStatus
 from gearshift.api.probedoc import compact
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import gpuprofile, nodes
-from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.k8s.names import NODE_COMPUTE_CLASS, NODE_GPU_MODEL, NODE_MEMORY_GIB, NODE_PROFILED
 from gearshift.k8s.probejob import ProbeJobConfig
 from gearshift.probe.run import TINY

@@ -12,13 +12,13 @@ import pytest
 import yaml
 
 from gearshift import planner
+from gearshift.adapters.caches import PlanCache
+from gearshift.adapters.kube import KubeApiError
 from gearshift.control.reconcile.planning import plan_message
 from gearshift.control.reconcile.state import SpecInvalid
 from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
-from gearshift.handlers.kubeapi import KubeApiError
-from gearshift.handlers.runtime import PlanCache
 from gearshift.k8s import names
 from gearshift.planner.inputs import (
     datasheet_gpuprofile,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gearshift.handlers.kubeapi import JOB, NODE, POD, KubeApiError, RestKubeApi, resource_path
+from gearshift.adapters.kube import JOB, NODE, POD, KubeApiError, RestKubeApi, resource_path
 
 
 class _Response:
@@ -132,7 +132,7 @@ def test_status_write_goes_to_the_subresource() -> None:
 
 def test_every_request_is_counted_by_verb_and_resource() -> None:
     """gearshift_operator_api_requests_total: the fleet benchmark's count of the operator's own calls."""
-    from gearshift.handlers.metrics import API_REQUESTS
+    from gearshift.adapters.metrics import API_REQUESTS
 
     def count(verb: str, resource: str) -> float:
         return API_REQUESTS.labels(verb, resource)._value.get()
@@ -157,6 +157,6 @@ def test_every_request_is_counted_by_verb_and_resource() -> None:
     ],
 )
 def test_resource_of_path(path: str, resource: str) -> None:
-    from gearshift.handlers.kubeapi import resource_of_path
+    from gearshift.adapters.kube import resource_of_path
 
     assert resource_of_path(path) == resource

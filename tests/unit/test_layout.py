@@ -41,7 +41,7 @@ def test_the_package_root_holds_only_the_command_line():
 
 
 #: Calls that make a mutable object (by the called name's last dotted part, or its module: asyncio,
-#: threading, collections). prometheus_client's metrics (handlers/metrics.py) are not among them: they
+#: threading, collections). prometheus_client's metrics (adapters/metrics.py) are not among them: they
 #: register in the library's process-wide registry when made, which one /metrics endpoint serves.
 _MUTABLE_CALLS = {"dict", "set", "list", "bytearray", "defaultdict", "OrderedDict", "deque",
                   "Lock", "RLock", "Event", "Condition", "Semaphore", "BoundedSemaphore"}  # fmt: skip

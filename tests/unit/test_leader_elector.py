@@ -23,12 +23,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import MaxRetryError
 
+from gearshift.adapters.kube import FENCE, KubeApiError
 from gearshift.adapters.leader import LeaderElector, LeaseTimes
+from gearshift.adapters.metrics import LEADER_LOSSES
 from gearshift.handlers import main
 from gearshift.handlers.crds import StaleCRDs
-from gearshift.handlers.fence import FENCE
-from gearshift.handlers.kubeapi import KubeApiError
-from gearshift.handlers.metrics import LEADER_LOSSES
 
 TIMES = LeaseTimes(lease_duration_s=4, renew_deadline_s=2, retry_period_s=1)
 

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from kopf._cogs.clients import api as kopf_api
 
-from gearshift.handlers.fence import FENCE, NotLeader, install_kopf_fence
-from gearshift.handlers.kubeapi import KubeApiError, RestKubeApi
+from gearshift.adapters.kube import FENCE, KubeApiError, NotLeader, RestKubeApi, install_kopf_fence
 
 
 @pytest.fixture(autouse=True)

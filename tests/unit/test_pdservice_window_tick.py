@@ -9,8 +9,8 @@ from typing import Any
 import kopf
 import pytest
 
+from gearshift.adapters.kube import KubeApiError
 from gearshift.handlers import pdservice
-from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.handlers.runtime import Runtime
 
 BY = "2025-01-31T12:01:50+00:00"

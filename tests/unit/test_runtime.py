@@ -19,22 +19,15 @@ import pytest
 from kopf._core.reactor.inventory import ResourceMemories
 from test_handlers_reconcile import NS, PLANS, SETTINGS, new_api, service_api, stateful_sets
 
+from gearshift.adapters.caches import FleetCache, PlanCache
+from gearshift.adapters.kube import RestKubeApi
+from gearshift.adapters.memory import GearSetMemory, KeyedLocks, ServiceMemory
 from gearshift.api.gearset import Gear
 from gearshift.facts.errors import SettingsError
 from gearshift.handlers import gearset, nodes, pdservice, shifting
 from gearshift.handlers import reconcile as rec
-from gearshift.handlers.kubeapi import RestKubeApi
 from gearshift.handlers.main import add_arguments, build_runtime
-from gearshift.handlers.reconcile import ReconcileOutcome
-from gearshift.handlers.runtime import (
-    FleetCache,
-    GearSetMemory,
-    KeyedLocks,
-    PlanCache,
-    Runtime,
-    ServiceMemory,
-    runtime_of,
-)
+from gearshift.handlers.runtime import ReconcileOutcome, Runtime, runtime_of
 from gearshift.k8s import names
 from gearshift.profiling.settings import ProbeSettings
 from gearshift.testing.kube import FakeKubeApi

@@ -466,7 +466,7 @@ class TestTicks:
 
     def test_each_written_sample_records_its_lag_to_the_status(self, world: FakeKubeApi) -> None:
         # #31 item 3: the sample → status lag is measured (gearshift_operator_sample_to_status_seconds).
-        from gearshift.handlers import metrics
+        from gearshift.adapters import metrics
 
         def count() -> float:
             (fam,) = metrics.SAMPLE_TO_STATUS_SECONDS.collect()

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.adapters import memory
 from gearshift.api.crdcheck import UPGRADE_HINT, pruned_paths
 from gearshift.handlers import common
 from gearshift.testing.kube import FakeKubeApi
@@ -65,7 +66,7 @@ class PruningApi(FakeKubeApi):
 
 
 def test_a_pruned_write_raises_with_one_event_and_the_condition():
-    api, reported = PruningApi(), common.PrunedReports()
+    api, reported = PruningApi(), memory.PrunedReports()
     with pytest.raises(common.StatusPruned) as exc:
         common.patch_status(
             api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"executor": {"state": "Warming"}}, reported
@@ -103,7 +104,7 @@ def test_without_a_memory_every_pruned_write_reports():
 
 
 def test_a_kept_write_returns_the_stored_object():
-    api, reported = PruningApi(), common.PrunedReports()
+    api, reported = PruningApi(), memory.PrunedReports()
     stored = common.patch_status(
         api, "gearshift.io/v1alpha1", "GearSet", "ns", "g", {"phase": "Ready"}, reported
     )

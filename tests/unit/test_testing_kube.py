@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from gearshift.handlers.kubeapi import KubeApiError
-from gearshift.handlers.runtime import PlanCache, Settings
+from gearshift.adapters.caches import PlanCache
+from gearshift.adapters.kube import KubeApiError
+from gearshift.handlers.runtime import Settings
 from gearshift.testing.kube import FakeKubeApi, merge_patch
 
 NS = "ns1"

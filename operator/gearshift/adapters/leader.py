@@ -31,18 +31,20 @@ sleeps a retry period *after* the renewal returned, so with requests taking 3 s 
   (a standby takes the Lease no sooner than the lease duration after the server stored it, so the
   leader stops at least ``lease - renew`` s earlier) or whose Lease shows another holder;
 - :meth:`LeaderElector.may_act` is that same test, asked by the write fence
-  (:mod:`gearshift.handlers.fence`) before every write, so nothing is written between a missed deadline
+  (:mod:`gearshift.adapters.kube`) before every write, so nothing is written between a missed deadline
   and the watchdog's next look;
 - a release on clean shutdown (client-go's ``ReleaseOnCancel``): the holder is cleared, so a standby
   takes over within one retry period instead of one lease duration.
 
-What the operator does once the Lease is lost (re-exec itself after :class:`Backoff`) is in
-:mod:`gearshift.handlers.main`.
+While it campaigns, a standby answers ``/healthz`` itself (:func:`standby_health`): kopf, whose endpoint
+it is once the replica leads, has not started. What the operator does once the Lease is lost (re-exec
+itself after :class:`Backoff`) is in :mod:`gearshift.handlers.main`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -52,6 +54,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 log = logging.getLogger("gearshift.leader")
@@ -462,3 +465,34 @@ class LeaderElector:
                 return
             if lease.spec is None or lease.spec.holder_identity != self.identity:
                 return
+
+
+def standby_health(host: str, port: int, elector: LeaderElector) -> ThreadingHTTPServer:
+    """Serve ``GET /healthz`` on ``host:port`` from a daemon thread while this replica stands by: 200 with
+    ``{"leader": false, "lease": "<namespace>/<name>", "holder": <the holder's identity or null>}`` (a
+    standby is ready to take over), 404 for any other path. The caller shuts it down once it leads (kopf's
+    own ``/healthz`` binds the port next).
+
+    Raises:
+        OSError: ``host:port`` cannot be bound.
+    """
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's name
+            if self.path.split("?")[0] != "/healthz":
+                self.send_error(404)
+                return
+            body = json.dumps({"leader": False, "lease": f"{elector.namespace}/{elector.name}",
+                               "holder": elector.holder()}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:  # the kubelet probes every 10 s
+            pass
+
+    server = ThreadingHTTPServer((host, port), Health)
+    threading.Thread(target=server.serve_forever, name="standby /healthz", daemon=True).start()
+    return server

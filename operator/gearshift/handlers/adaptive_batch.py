@@ -1,7 +1,7 @@
 """Seed 000's adaptive batch, applied: per decode GearSet, every 5 s (the router's balance round), the
 routers' proposals → :func:`gearshift.control.adaptive_batch.decide` → the active gear's head pods.
 
-One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
 
 1. read the GearSet and its PDService; skip unless the role is ``decode`` with an active gear;
 2. the router pods' ``GET /debug/decisions`` (their pod IPs, port 8000: the same seam the autoscaler
@@ -17,63 +17,28 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.Ku
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import kopf
-import requests
 
-from gearshift.api.common import COND_BATCH_ADAPTED, GROUP, VERSION
+from gearshift.adapters.kube import GS, POD, KubeApi, KubeApiError
+from gearshift.adapters.signals import HttpRouterDecisions, RouterDecisionSource
+from gearshift.api.common import COND_BATCH_ADAPTED
 from gearshift.control import adaptive_batch as rules
 from gearshift.control.autoscale import head_pods
 from gearshift.control.executor_status import executor_from_status
 from gearshift.control.pd_balance import INTERVAL_S
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
-from gearshift.handlers.kubeapi import GS, POD, KubeApi, KubeApiError
-from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import NotYet
-from gearshift.handlers.runtime import Runtime, runtime_of
+from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
+from gearshift.handlers.runtime import Runtime
 from gearshift.k8s import names
-from gearshift.k8s.services import ROUTER_PORT
 
 log = logging.getLogger(__name__)
-
-PLURAL = "gearsets"
-
-
-class RouterDecisionSource(Protocol):
-    """Where a tick reads the routers' balance rounds (HTTP in the operator, a fake in unit tests)."""
-
-    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
-        """``(router pod name, its /debug/decisions JSON)`` for each router pod that answered."""
-        ...
-
-
-class HttpRouterDecisions:
-    """:class:`RouterDecisionSource` over the router pods' ``/debug/decisions`` (pod IPs)."""
-
-    def __init__(self, timeout_s: float = 2.0) -> None:
-        self.timeout_s = timeout_s
-
-    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
-        out: list[tuple[str, Mapping[str, Any]]] = []
-        for p in pods:
-            ip = (p.get("status") or {}).get("podIP")
-            if not ip or (p.get("metadata") or {}).get("deletionTimestamp"):
-                continue
-            try:
-                r = requests.get(f"http://{ip}:{ROUTER_PORT}/debug/decisions", timeout=self.timeout_s)
-                doc = r.json() if r.status_code == 200 else None
-            except (requests.RequestException, ValueError):
-                continue
-            if isinstance(doc, dict):
-                out.append((str(p["metadata"]["name"]), doc))
-        return out
 
 
 @dataclass
@@ -224,18 +189,7 @@ def _decode(body: kopf.Body, **_: Any) -> bool:
     return (body.get("spec") or {}).get("role") in rules.ROLES
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_decode)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-async def gearset_adaptive_batch(
-    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
-) -> None:
-    """Every router balance round (5 s, or ``spec.policy.sampleIntervalS`` when longer): one :func:`tick`."""
-    await every_sample_interval(
-        namespace,
-        name,
-        body,
-        stopped,
-        functools.partial(run_tick, runtime_of(memo)),
-        what="adaptive batch tick",
-        floor_s=INTERVAL_S,
-        expected=(KubeApiError, NotYet, KeyError),
-    )
+# Every router balance round (5 s, or spec.policy.sampleIntervalS when longer): one tick.
+gearset_adaptive_batch = sampling_daemon(
+    "gearset_adaptive_batch", run_tick, what="adaptive batch tick", floor_s=INTERVAL_S, when=_decode
+)

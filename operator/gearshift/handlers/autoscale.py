@@ -5,7 +5,7 @@ It acts only by writing ``GearSet.spec.replicas`` (the scale subresource's targe
 the operator never writes it, so HPA/KEDA may drive it instead); the reconciler then sets every stage
 StatefulSet of the gear to ``replicas × stage replicas`` together, so there are no half-pipelines.
 
-One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
 
 1. read the GearSet and its PDService; skip without ``scaling`` or an active gear;
 2. ready pipeline replicas of the active gear (the least over its stage StatefulSets);
@@ -33,7 +33,6 @@ records. Status writes re-read the GearSet under the reconciler's per-service lo
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,18 +42,17 @@ from typing import Any
 
 import kopf
 
-from gearshift.api.common import COND_SCALING_ACTIVE, GROUP, VERSION
+from gearshift.adapters.kube import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
+from gearshift.adapters.signals import ScaleSignalSource
+from gearshift.api.common import COND_SCALING_ACTIVE
 from gearshift.api.gearset_status import ScalingStatus
 from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
 from gearshift.control.signals import SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
-from gearshift.handlers.kubeapi import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiError
-from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import NotYet
-from gearshift.handlers.runtime import Runtime, runtime_of
-from gearshift.handlers.signals import ScaleSignalSource
+from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
+from gearshift.handlers.runtime import Runtime
 from gearshift.k8s import names
 from gearshift.k8s.engine import ENGINE_PORT
 from gearshift.k8s.placement import pod_gpus
@@ -63,7 +61,6 @@ from gearshift.planner.inputs import node_gpus, usable_profile
 
 log = logging.getLogger(__name__)
 
-PLURAL = "gearsets"
 #: Shortest loop period, s.
 MIN_INTERVAL_S = 0.5
 
@@ -326,18 +323,6 @@ def _autoscaled(body: kopf.Body, **_: Any) -> bool:
     return bool((body.get("status") or {}).get("autoscaled"))
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_autoscaled)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-async def gearset_autoscale(
-    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
-) -> None:
-    """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
-    await every_sample_interval(
-        namespace,
-        name,
-        body,
-        stopped,
-        functools.partial(run_tick, runtime_of(memo)),
-        what="autoscale tick",
-        floor_s=MIN_INTERVAL_S,
-        expected=(KubeApiError, NotYet, KeyError),
-    )
+gearset_autoscale = sampling_daemon(
+    "gearset_autoscale", run_tick, what="autoscale tick", floor_s=MIN_INTERVAL_S, when=_autoscaled
+)

@@ -9,15 +9,15 @@ and an Event is emitted only when a condition actually changed (status, reason o
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gearshift.adapters.kube import KubeApi, KubeApiError
+from gearshift.adapters.memory import PrunedReports
 from gearshift.api import crdcheck
 from gearshift.api.common import REASON_FIELDS_PRUNED, Condition, ConditionStatus, set_condition
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 
 log = logging.getLogger(__name__)
 
@@ -125,78 +125,6 @@ def conditions_from(raw: Sequence[Mapping[str, Any]] | None) -> list[Condition]:
 
 #: Condition set when a status write lost fields to an older CRD (positive polarity, API conventions).
 CONDITION_CRD_CURRENT = "CRDCurrent"
-
-
-@dataclass(frozen=True)
-class HeldKind:
-    """A kind whose installed CRD is older than this operator, as the CRD poller found it: the installed
-    schema of ``status`` (what a write keeps) and the message that names the gaps and the fix."""
-
-    status_schema: Mapping[str, Any]
-    message: str
-
-
-class PrunedReports:
-    """What this process knows of status pruning (the operator's one lives in its
-    :class:`~gearshift.handlers.runtime.Runtime`):
-
-    - ``(uid, paths)`` of status writes an older CRD pruned that were reported: the event and the error
-      log come once per object and loss, not per tick;
-    - per kind, the installed CRD's status schema while the CRD poller (:mod:`gearshift.handlers.crdwatch`)
-      finds it older than the operator: :func:`patch_status` then holds a write it would prune;
-    - a wake-up for that poller: a pruned write is the earliest sign of a CRD replaced under the operator
-      (about a second after the apply, where the next poll may be seconds away), so it reads the CRDs at
-      once (:meth:`suspect` calls what :meth:`on_suspect` registered).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: set[tuple[str, tuple[str, ...]]] = set()
-        self._held: dict[str, HeldKind] = {}
-        self._wake: Callable[[], None] | None = None
-
-    def first(self, uid: str, paths: tuple[str, ...]) -> bool:
-        """True the first time ``(uid, paths)`` is seen (remembered)."""
-        with self._lock:
-            if (uid, paths) in self._seen:
-                return False
-            self._seen.add((uid, paths))
-            return True
-
-    def forget(self, uid: str) -> None:
-        """Drop the reports of a deleted object."""
-        with self._lock:
-            self._seen = {k for k in self._seen if k[0] != uid}
-
-    def known(self, uid: str) -> bool:
-        """Whether a report of ``uid`` is remembered (tests)."""
-        with self._lock:
-            return any(k[0] == uid for k in self._seen)
-
-    def hold(self, kind: str, held: HeldKind | None) -> None:
-        """Hold writes of ``kind`` (``GearSet``, ...) that ``held``'s schema would prune; None: release."""
-        with self._lock:
-            if held is None:
-                self._held.pop(kind, None)
-            else:
-                self._held[kind] = held
-
-    def held(self, kind: str) -> HeldKind | None:
-        """What holds writes of ``kind`` now, if anything."""
-        with self._lock:
-            return self._held.get(kind)
-
-    def on_suspect(self, wake: Callable[[], None] | None) -> None:
-        """Register what :meth:`suspect` calls (from any thread; None: nothing)."""
-        with self._lock:
-            self._wake = wake
-
-    def suspect(self) -> None:
-        """A status write was pruned: wake the CRD poller, if one registered."""
-        with self._lock:
-            wake = self._wake
-        if wake is not None:
-            wake()
 
 
 class StatusPruned(RuntimeError):

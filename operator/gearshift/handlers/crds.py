@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 
+from gearshift.adapters.kube import CRD, KubeApi, KubeApiError
 from gearshift.api import crdcheck
 from gearshift.api.crdgen import KINDS
-from gearshift.handlers.kubeapi import KubeApi, KubeApiError
 
 log = logging.getLogger(__name__)
-CRD = ("apiextensions.k8s.io/v1", "CustomResourceDefinition")
 
 
 class StaleCRDs(RuntimeError):

@@ -45,6 +45,8 @@ from typing import Any
 
 import kopf
 
+from gearshift.adapters.kube import CRD, KubeApiError
+from gearshift.adapters.memory import HeldKind
 from gearshift.api import crdcheck
 from gearshift.api.common import (
     API_VERSION,
@@ -55,9 +57,7 @@ from gearshift.api.common import (
     set_condition,
 )
 from gearshift.api.crdgen import KINDS, Kind
-from gearshift.handlers.common import CONDITION_CRD_CURRENT, HeldKind, conditions_from, emit, now_utc
-from gearshift.handlers.crds import CRD
-from gearshift.handlers.kubeapi import KubeApiError
+from gearshift.handlers.common import CONDITION_CRD_CURRENT, conditions_from, emit, now_utc
 from gearshift.handlers.runtime import Runtime, runtime_of
 
 log = logging.getLogger("gearshift.crdwatch")

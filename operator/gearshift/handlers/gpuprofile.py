@@ -8,7 +8,7 @@ compute class from the fleet (:func:`gearshift.profiling.profiles.classify` over
 and makes the node's ``gearshift.io/*`` labels match the profile (removed unless Ready).
 
 The decisions are the life cycle's pure functions; this module makes the calls between them, through the
-operator's :class:`~gearshift.handlers.kubeapi.KubeApi` (the :class:`~gearshift.handlers.runtime.Runtime`'s,
+operator's :class:`~gearshift.adapters.kube.KubeApi` (the :class:`~gearshift.handlers.runtime.Runtime`'s,
 from kopf's ``memo``). Status is written with the status subresource by this module (not through kopf's
 ``patch``), and the object returned is remembered (``Runtime.profiles``): a tick that runs before the
 watch delivers that write uses the remembered status, so a probe is never started twice. Importing this
@@ -23,11 +23,13 @@ from typing import Any
 
 import kopf
 
+from gearshift.adapters.kube import GPUP, JOB, NODE, KubeApi, KubeApiError
+from gearshift.adapters.memory import ProfileMemory
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.api.gpuprofile import GPUProfileSpec, GPUProfileStatus, ProfileOverride
 from gearshift.handlers import common, nodes
-from gearshift.handlers.kubeapi import GPUP, JOB, NODE, KubeApi, KubeApiError
-from gearshift.handlers.runtime import ProfileMemory, Runtime, runtime_of
+from gearshift.handlers.loop import step_timer
+from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.k8s.names import COMPONENT_PROBE, LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGED_BY
 from gearshift.k8s.probejob import build_probe_job_spec, probe_job_name
 from gearshift.profiling.lifecycle import (
@@ -115,7 +117,7 @@ def _now() -> datetime:
 
 def _read_job(rt: Runtime, namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The probe Job and its pods (API dicts), or ``(None, [])`` when the Job is gone: from the listing of
-    every probe Job that all profiles share (:class:`~gearshift.handlers.runtime.ProbeJobs`)."""
+    every probe Job that all profiles share (:class:`~gearshift.adapters.caches.ProbeJobs`)."""
     selector = {LABEL_COMPONENT: COMPONENT_PROBE, LABEL_MANAGED_BY: MANAGED_BY}
     return rt.probe_jobs.job(rt.api, namespace, name, selector)
 
@@ -192,9 +194,9 @@ def _is_not_ready(body: kopf.Body, **_: Any) -> bool:
     return not _is_ready(body)
 
 
-# kopf starts and stops a timer as its filter starts and stops matching, so one of the two runs.
-@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S, when=_is_not_ready)  # type: ignore[arg-type]  # kopf passes its indices as keywords its protocol does not name
-def gpuprofile_reconcile(
+def _timer_step(
+    rt: Runtime,
+    *,
     name: str,
     body: kopf.Body,
     spec: kopf.Spec,
@@ -202,27 +204,25 @@ def gpuprofile_reconcile(
     gpu_nodes: kopf.Index[str, GpuNodeView],
     profile_scores: kopf.Index[str, float],
     logger: Any,
-    memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    """One step of the probe life cycle of this profile (see the module docstring)."""
-    _step(runtime_of(memo), name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
+    """One step of the probe life cycle of this profile, now (see the module docstring)."""
+    _step(rt, name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=READY_TICK_S, initial_delay=READY_TICK_S, when=_is_ready)  # type: ignore[arg-type]  # kopf passes its indices as keywords its protocol does not name
-def gpuprofile_ready_reconcile(
-    name: str,
-    body: kopf.Body,
-    spec: kopf.Spec,
-    meta: kopf.Meta,
-    gpu_nodes: kopf.Index[str, GpuNodeView],
-    profile_scores: kopf.Index[str, float],
-    logger: Any,
-    memo: kopf.Memo,
-    **_: Any,
-) -> None:
-    """The same step for a Ready profile, at the slower :data:`READY_TICK_S`."""
-    _step(runtime_of(memo), name, body, spec, meta, gpu_nodes, profile_scores, logger, _now())
+# kopf starts and stops a timer as its filter starts and stops matching, so one of the two runs: a Ready
+# profile steps at the slower READY_TICK_S.
+gpuprofile_reconcile = step_timer(
+    "gpuprofile_reconcile", PLURAL, _timer_step, interval=TICK_S, when=_is_not_ready
+)
+gpuprofile_ready_reconcile = step_timer(
+    "gpuprofile_ready_reconcile",
+    PLURAL,
+    _timer_step,
+    interval=READY_TICK_S,
+    initial_delay=READY_TICK_S,
+    when=_is_ready,
+)
 
 
 def _step(

@@ -1,26 +1,35 @@
-"""The per-GearSet sampling loop that the gear-shift and the autoscale daemons both run.
+"""The operator's periodic kopf handlers, built in one place: the per-GearSet sampling daemons (the
+gear-shifting loop, the autoscaler, the adaptive batch) by :func:`sampling_daemon`, the per-object step
+timers (the GPUProfiles') by :func:`step_timer`.
 
-A kopf daemon rather than a timer: a timer's interval is fixed when it is registered, while
-``spec.policy.sampleIntervalS`` is per object and may be edited.
+The GearSet loops are kopf daemons rather than timers: a timer's interval is fixed when it is registered,
+while ``spec.policy.sampleIntervalS`` is per object and may be edited (:func:`every_sample_interval`
+re-reads it every turn). A GPUProfile's step runs at a fixed interval, so a timer serves it. Each factory
+registers its handler with kopf when called (a handler module calls it at import, so ``--disable`` of the
+module keeps it off) under the id it is given, and returns the function for tests to call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
+from gearshift.adapters import metrics
+from gearshift.adapters.kube import GS, PDS, KubeApi, KubeApiError
+from gearshift.api.common import GROUP, VERSION
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
-from gearshift.handlers import metrics
 from gearshift.handlers.common import StatusPruned
-from gearshift.handlers.kubeapi import GS, PDS, KubeApi
+from gearshift.handlers.reconcile import NotYet
+from gearshift.handlers.runtime import Runtime, runtime_of
 
 log = logging.getLogger("gearshift.loop")
 
@@ -136,3 +145,84 @@ def load_gearset_and_service(
     if pds.spec.role_spec(role).gear_set_ref.name != name:
         return f"PDService {service!r} {section} refers to another GearSet"
     return gs_body, gs, pds
+
+
+# --- the factories -------------------------------------------------------------------------------------
+#: What a sampling tick may raise that is one warning line, not a traceback: a refused API call, something
+#: referenced not there yet, a key missing from a body read while it changes.
+TICK_ERRORS: tuple[type[BaseException], ...] = (KubeApiError, NotYet, KeyError)
+#: Seconds kopf waits for a sampling daemon to return once stopped before it cancels it.
+CANCELLATION_TIMEOUT_S = 10.0
+
+
+def sampling_daemon(
+    handler_id: str,
+    run_tick: Callable[[Runtime, str, str], object],
+    *,
+    what: str,
+    floor_s: float,
+    when: Callable[..., bool],
+    count_missed: bool = False,
+) -> Callable[..., Awaitable[None]]:
+    """Register with kopf, and return, the daemon ``handler_id`` of every GearSet ``when`` accepts: every
+    sample interval (``spec.policy.sampleIntervalS``, at least ``floor_s`` s), ``run_tick(rt, namespace,
+    name)`` in a thread with the :class:`~gearshift.handlers.runtime.Runtime` of kopf's ``memo``
+    (:func:`every_sample_interval`; ``what`` names the tick in logs and in
+    ``gearshift_operator_samples_missed_total``; :data:`TICK_ERRORS` are one warning line each).
+    ``count_missed``: the sample instants a turn let pass also go to ``rt.gearsets`` (the shifting loop's
+    ``status.signals.missedSamples``). kopf stops the daemon when ``when`` stops accepting the GearSet, and
+    cancels it :data:`CANCELLATION_TIMEOUT_S` s after.
+    """
+
+    async def daemon(
+        namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
+    ) -> None:
+        rt = runtime_of(memo)
+        await every_sample_interval(
+            namespace,
+            name,
+            body,
+            stopped,
+            functools.partial(run_tick, rt),
+            what=what,
+            floor_s=floor_s,
+            expected=TICK_ERRORS,
+            on_missed=functools.partial(rt.gearsets.add_missed, (namespace, name)) if count_missed else None,
+        )
+
+    daemon.__name__ = daemon.__qualname__ = handler_id
+    daemon.__doc__ = f"Every ``spec.policy.sampleIntervalS`` (at least {floor_s:g} s): one {what}."
+    register = kopf.daemon(
+        GROUP, VERSION, "gearsets", id=handler_id, cancellation_timeout=CANCELLATION_TIMEOUT_S, when=when
+    )
+    register(daemon)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
+    return daemon
+
+
+def step_timer(
+    handler_id: str,
+    plural: str,
+    step: Callable[..., None],
+    *,
+    interval: float,
+    when: Callable[..., bool],
+    initial_delay: float | None = None,
+) -> Callable[..., None]:
+    """Register with kopf, and return, the timer ``handler_id`` of every object of ``plural`` (this API
+    group) that ``when`` accepts: every ``interval`` s, after ``initial_delay`` s (None: at once),
+    ``step(rt, **kwargs)`` in kopf's thread pool, with the :class:`~gearshift.handlers.runtime.Runtime` of
+    kopf's ``memo`` and every other keyword kopf passes (``name``, ``body``, ``spec``, ``meta``, its
+    indices, ``logger``, ...). kopf starts and stops the timer as ``when`` starts and stops accepting the
+    object, and retries a step that raised at its own pace.
+    """
+
+    def timer(memo: kopf.Memo, **kwargs: Any) -> None:
+        step(runtime_of(memo), **kwargs)
+
+    timer.__name__ = timer.__qualname__ = handler_id
+    timer.__doc__ = f"Every {interval:g} s: one step of the {plural[:-1]}."
+    register = kopf.timer(
+        GROUP, VERSION, plural, id=handler_id, interval=interval, initial_delay=initial_delay, when=when
+    )
+    register(timer)
+    return timer

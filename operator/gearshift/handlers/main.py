@@ -5,11 +5,11 @@ else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config`` (kopf's and the kuber
 Scope: ``--namespace`` (repeatable, globs allowed as kopf allows them) or every namespace.
 Health: kopf's liveness endpoint ``http://<probe-host>:<probe-port>/healthz`` (answers once the operator
 runs; the chart uses it for liveness and readiness). Metrics: the operator's own Prometheus metrics
-(:mod:`gearshift.handlers.metrics`) on ``--metrics-port``. High availability: ``--leader-elect`` makes
+(:mod:`gearshift.adapters.metrics`) on ``--metrics-port``. High availability: ``--leader-elect`` makes
 replicas campaign for a Lease (:mod:`gearshift.adapters.leader`); a standby answers ``/healthz`` itself and
 starts kopf only once it leads. Without the flag the operator runs alone.
 
-Losing the Lease (#31 item 5): the write fence (:mod:`gearshift.handlers.fence`) refuses every write from
+Losing the Lease (#31 item 5): the write fence (:mod:`gearshift.adapters.kube`) refuses every write from
 that moment, then the process re-executes itself in place (``os.execve`` of its own interpreter and
 command line): same PID, same container, a fresh kopf with no state, a standby again. It campaigns anew
 after :class:`~gearshift.adapters.leader.Backoff` (4 s doubling to 60 s over a run of short terms), keeping
@@ -44,18 +44,16 @@ import logging
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gearshift.adapters.leader import Backoff, LeaderElector, LeaseTimes
+from gearshift.adapters.kube import FENCE, install_kopf_fence
+from gearshift.adapters.leader import Backoff, LeaderElector, LeaseTimes, standby_health
+from gearshift.adapters.metrics import LEADER, LEADER_LOSSES
 from gearshift.api.enginespec import DNS_SUBDOMAIN_PATTERN
-from gearshift.handlers.fence import FENCE, install_kopf_fence
-from gearshift.handlers.metrics import LEADER, LEADER_LOSSES
 from gearshift.k8s.names import DOMAIN
 
 if TYPE_CHECKING:
@@ -188,7 +186,7 @@ def load_handlers(disabled: list[str]) -> list[str]:
 class Reexec:
     """What crosses a re-exec after a lost Lease: the Lease identity, the back-off attempt (0: this
     process image was not re-executed), and the losses so far (for
-    :data:`~gearshift.handlers.metrics.LEADER_LOSSES`)."""
+    :data:`~gearshift.adapters.metrics.LEADER_LOSSES`)."""
 
     identity: str | None = None
     attempt: int = 0
@@ -286,7 +284,7 @@ def _until_answered(
     """
     import urllib3
 
-    from gearshift.handlers.kubeapi import KubeApiError
+    from gearshift.adapters.kube import KubeApiError
 
     while True:
         try:
@@ -387,7 +385,7 @@ def campaign(
     """Block until this replica holds the Lease; meanwhile answer ``/healthz`` (200: a standby is ready to
     take over, and a rolling update with ``maxUnavailable: 0`` waits for the new pod to be Ready before it
     stops the old leader). After a re-exec (``reexec``) the first try waits the back-off and uses the same
-    identity. Returns the elector, still renewing, with :data:`~gearshift.handlers.fence.FENCE` guarded by
+    identity. Returns the elector, still renewing, with :data:`~gearshift.adapters.kube.FENCE` guarded by
     it."""
     ns, name = args.leader_election_namespace, args.leader_election_id
     reexec = reexec or Reexec()
@@ -400,7 +398,7 @@ def campaign(
     made.append(elector)
     FENCE.guard(elector.may_act)
     try:
-        server = _standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
+        server = standby_health(args.probe_host, args.probe_port, elector) if args.probe_port else None
     except OSError as exc:
         print(
             f"gearshift operator: --probe-port {args.probe_port} on {args.probe_host}: {exc}", file=sys.stderr
@@ -453,25 +451,3 @@ def _lost(elector: LeaderElector, reexec: Reexec) -> None:
         sys.stderr.flush()
     # kopf's handlers cannot be stopped from this thread, and a deposed leader must stop acting now.
     os._exit(EXIT_LEADERSHIP_LOST)
-
-
-def _standby_health(host: str, port: int, elector: LeaderElector) -> ThreadingHTTPServer:
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # http.server's name
-            if self.path.split("?")[0] != "/healthz":
-                self.send_error(404)
-                return
-            body = json.dumps({"leader": False, "lease": f"{elector.namespace}/{elector.name}",
-                               "holder": elector.holder()}).encode()  # fmt: skip
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: Any) -> None:  # the kubelet probes every 10 s
-            pass
-
-    server = ThreadingHTTPServer((host, port), Health)
-    threading.Thread(target=server.serve_forever, name="standby /healthz", daemon=True).start()
-    return server

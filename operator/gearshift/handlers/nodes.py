@@ -14,9 +14,9 @@ from typing import Any
 
 import kopf
 
+from gearshift.adapters.kube import KubeApiError
 from gearshift.api.common import API_VERSION, GROUP, VERSION
 from gearshift.facts.errors import SettingsError
-from gearshift.handlers.kubeapi import KubeApiError
 from gearshift.handlers.runtime import runtime_of
 from gearshift.profiling.profiles import GpuNodeView, node_view, parse_selector
 

@@ -33,14 +33,14 @@ from typing import Any
 
 import kopf
 
+from gearshift.adapters import metrics
+from gearshift.adapters.kube import KubeApiError
 from gearshift.api.common import GROUP, VERSION, inputs_hash
 from gearshift.control.reconcile.state import SpecInvalid
 from gearshift.control.windows import leave_by_due
-from gearshift.handlers import metrics
 from gearshift.handlers.common import StatusPruned
-from gearshift.handlers.kubeapi import KubeApiError
-from gearshift.handlers.reconcile import NotYet, ReconcileOutcome, reconcile_service
-from gearshift.handlers.runtime import Runtime, runtime_of
+from gearshift.handlers.reconcile import NotYet, reconcile_service
+from gearshift.handlers.runtime import ReconcileOutcome, Runtime, runtime_of
 from gearshift.k8s import names
 from gearshift.planner.inputs import node_gpus, node_ready, usable_profile
 

@@ -5,15 +5,15 @@ events.
 Level-triggered and idempotent: every call recomputes the whole desired state from what it reads, applies
 it with server-side apply (a no-op when nothing changed: no resourceVersion moves), and patches status only
 when it differs. It is plain synchronous code over the :class:`~gearshift.handlers.runtime.Runtime`'s
-:class:`~gearshift.handlers.kubeapi.KubeApi`, so unit tests drive it with an in-memory API and kopf runs it
+:class:`~gearshift.adapters.kube.KubeApi`, so unit tests drive it with an in-memory API and kopf runs it
 in its thread pool (handlers/pdservice.py). Imports no kopf and registers no handler.
 
 One :func:`reconcile_service`, in order: read the PDService and its GearSets and check them
 (:func:`~gearshift.control.reconcile.spec.role_state`, ``explicit_layer_problems``,
 ``explicit_engine_problems``); read the fleet (through the runtime's
-:class:`~gearshift.handlers.runtime.FleetCache`) and work out the desired state
+:class:`~gearshift.adapters.caches.FleetCache`) and work out the desired state
 (:func:`~gearshift.control.reconcile.desired.desired_state`, plans memoised by inputs hash in the
-runtime's :class:`~gearshift.handlers.runtime.PlanCache`); write each GearSet's
+runtime's :class:`~gearshift.adapters.caches.PlanCache`); write each GearSet's
 status and the planning events; apply the owned objects; delete the engine StatefulSets and headless
 Services no wanted gear has (``stale_statefulsets``, ``stale_gear_services``); write each GearSet's
 readiness; write the PDService's conditions, phase and status
@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
 
 from gearshift import planner
+from gearshift.adapters.kube import DEPLOY, GS, PDS, POD, STS, SVC, KubeApi
+from gearshift.adapters.memory import PrunedReports
 from gearshift.api.common import REASON_INVALID_SPEC, Condition, ConditionUpdate, format_validation_error
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
@@ -75,14 +77,12 @@ from gearshift.control.reconcile.verdict import (
 from gearshift.handlers import common
 from gearshift.handlers.common import (
     ConditionBook,
-    PrunedReports,
     conditions_from,
     emit,
     now_utc,
     patch_status,
 )
-from gearshift.handlers.kubeapi import DEPLOY, GS, PDS, POD, STS, SVC, KubeApi
-from gearshift.handlers.runtime import Runtime, Settings
+from gearshift.handlers.runtime import ReconcileOutcome, Runtime, Settings
 from gearshift.k8s import names
 from gearshift.k8s.desired import RoleDesire, desired_objects, gear_objects, owner_reference
 from gearshift.k8s.engine import EngineSpecError
@@ -102,22 +102,6 @@ class NotYet(ReconcileError):
     def __init__(self, message: str, delay: float = NOT_YET_DELAY_S) -> None:
         super().__init__(message)
         self.delay = delay
-
-
-@dataclass
-class ReconcileOutcome:
-    """What one reconcile did (for metrics, logs and tests)."""
-
-    applied: int = 0
-    deleted: int = 0
-    planned: list[str] = field(default_factory=list)
-    phase: str = ""
-    ready: bool = False
-    placed: bool = True
-    auto: bool = False
-    """Some role plans from GPUProfiles (a fleet change may re-plan it)."""
-    nodes: set[str] = field(default_factory=set)
-    """Nodes named by the running gears' stages (a change of one of them concerns this service)."""
 
 
 def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dict[str, RoleState]:

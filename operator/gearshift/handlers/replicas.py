@@ -43,9 +43,9 @@ from typing import Any
 
 import kopf
 
+from gearshift.adapters.kube import PDS, POD, KubeApi, KubeApiError
 from gearshift.facts.rfc3339 import from_rfc3339
 from gearshift.handlers.common import emit
-from gearshift.handlers.kubeapi import PDS, POD, KubeApi, KubeApiError
 from gearshift.handlers.runtime import runtime_of
 from gearshift.k8s import names
 from gearshift.k8s.engine import KV_EPOCH_ANNOTATION, KV_EPOCH_ENV, KV_EPOCH_GATE

@@ -1,6 +1,6 @@
 """The gear-shifting loop: per GearSet, every ``spec.policy.sampleIntervalS``, signals → decision → executor.
 
-One tick (:func:`tick`, synchronous, over :class:`~gearshift.handlers.kubeapi.KubeApi`):
+One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
 
 1. read the GearSet and its PDService fresh; skip until the reconciler has set ``status.activeGear``;
 2. observe the role's world: StatefulSets and pods per gear (Ready, Ready since, OOM/crash loops), the
@@ -51,7 +51,6 @@ it every turn. Both need kopf's finalizer on the GearSet.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -61,6 +60,10 @@ from typing import Any, assert_never
 
 import kopf
 
+from gearshift.adapters import metrics
+from gearshift.adapters.kube import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
+from gearshift.adapters.memory import GearSetMemory
+from gearshift.adapters.signals import SignalSource
 from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import GearHealth
@@ -118,7 +121,6 @@ from gearshift.control.signals import (
 )
 from gearshift.control.smoothing import Sample
 from gearshift.facts.errors import PolicyError
-from gearshift.handlers import metrics
 from gearshift.handlers.common import (
     ConditionBook,
     StatusHeld,
@@ -127,11 +129,9 @@ from gearshift.handlers.common import (
     emit,
     patch_status,
 )
-from gearshift.handlers.kubeapi import GS, NODE, POD, STS, SVC, KubeApi, KubeApiError
-from gearshift.handlers.loop import every_sample_interval, load_gearset_and_service
-from gearshift.handlers.reconcile import NotYet, delete_gear_sync, ensure_gear_sync, select_gear_sync
-from gearshift.handlers.runtime import GearSetMemory, Runtime, Settings, runtime_of
-from gearshift.handlers.signals import SignalSource
+from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
+from gearshift.handlers.reconcile import delete_gear_sync, ensure_gear_sync, select_gear_sync
+from gearshift.handlers.runtime import Runtime, Settings, runtime_of
 from gearshift.k8s import names, warming
 
 log = logging.getLogger(__name__)
@@ -547,23 +547,14 @@ def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:
     return (body.get("spec") or {}).get("replicas", 1) != 0 or not _settled(body)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, when=_serving_or_busy)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-async def gearset_shifting(
-    namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
-) -> None:
-    """Every ``spec.policy.sampleIntervalS``: one :func:`tick` (in a thread: the API client is sync)."""
-    rt = runtime_of(memo)
-    await every_sample_interval(
-        namespace,
-        name,
-        body,
-        stopped,
-        functools.partial(run_tick, rt),
-        what="shifting tick",
-        floor_s=MIN_INTERVAL_S,
-        expected=(KubeApiError, NotYet, KeyError),
-        on_missed=functools.partial(rt.gearsets.add_missed, (namespace, name)),
-    )
+gearset_shifting = sampling_daemon(
+    "gearset_shifting",
+    run_tick,
+    what="shifting tick",
+    floor_s=MIN_INTERVAL_S,
+    when=_serving_or_busy,
+    count_missed=True,
+)
 
 
 def free_gears_of_deleted_gearset(rt: Runtime, namespace: str, body: Mapping[str, Any]) -> list[str]:

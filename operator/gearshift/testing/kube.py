@@ -1,4 +1,4 @@
-"""An in-memory :class:`~gearshift.handlers.kubeapi.KubeApi` for unit tests: one fake API server that every
+"""An in-memory :class:`~gearshift.adapters.kube.KubeApi` for unit tests: one fake API server that every
 handler test runs against, so that they all see the same semantics (and the ones of a real server, where
 the fake can have them cheaply).
 
@@ -43,14 +43,15 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from gearshift.handlers.kubeapi import RESOURCES, KubeApiError, label_selector
-from gearshift.handlers.runtime import PlanCache, Runtime, Settings
+from gearshift.adapters.caches import PlanCache
+from gearshift.adapters.kube import RESOURCES, KubeApiError, label_selector
+from gearshift.handlers.runtime import Runtime, Settings
 from gearshift.profiling.settings import ProbeSettings
 
 #: ``(kind, namespace, name)``: where an object is stored; namespace None for cluster-scoped kinds.
 Key = tuple[str, str | None, str]
 #: ``(verb, kind, namespace, name)`` of one call: verb is the method's name; a list's name is its label
-#: selector (``k=v,...``, sorted, as :class:`~gearshift.handlers.kubeapi.RestKubeApi` sends it).
+#: selector (``k=v,...``, sorted, as :class:`~gearshift.adapters.kube.RestKubeApi` sends it).
 Call = tuple[str, str, str | None, str]
 
 #: Kinds without a namespace (Node, GPUProfile, CustomResourceDefinition).
@@ -83,7 +84,7 @@ def _spec_part(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class FakeKubeApi:
-    """An in-memory API server implementing :class:`~gearshift.handlers.kubeapi.KubeApi` (see the module
+    """An in-memory API server implementing :class:`~gearshift.adapters.kube.KubeApi` (see the module
     docstring for its semantics). Thread-safe: handlers call it from kopf's threads.
 
     Args:
@@ -122,7 +123,7 @@ class FakeKubeApi:
         """The Runtime of the one operator serving this API (made on first use, with this API's settings,
         plans and probe settings): its locks, caches and per-object memory last as long as the API, as
         they last as long as the operator's process. (Passing ``self`` as its ``api`` is also where mypy
-        checks that this class is a :class:`~gearshift.handlers.kubeapi.KubeApi`.)"""
+        checks that this class is a :class:`~gearshift.adapters.kube.KubeApi`.)"""
         settings, plans, probe = self._runtime_args
         return Runtime(api=self, settings=settings, plans=plans, probe=probe)
 

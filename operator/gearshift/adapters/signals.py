@@ -1,9 +1,10 @@
 """Where the sampling loops get their numbers: the protocols the ticks read through, and the live sources
-over Prometheus and the pods' own ``/metrics``.
+over Prometheus, the pods' own ``/metrics`` and the router pods' ``/debug/decisions``.
 
-Here rather than in :mod:`gearshift.handlers.shifting` and :mod:`gearshift.handlers.autoscale`, whose
-import registers their kopf daemons: the :class:`~gearshift.handlers.runtime.Runtime` holds one source of
-each kind (unit tests give fakes) and must not register handlers that ``--disable`` keeps off.
+The :class:`~gearshift.handlers.runtime.Runtime` holds one source of each of the first two kinds (unit
+tests give fakes); the adaptive batch tick is handed its router source. A source raises
+:class:`~gearshift.control.signals.SignalsUnavailable` where it cannot answer, or leaves out whom it could
+not reach, as each method says.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gearshift.adapters import prometheus
 from gearshift.control import autoscale as rules
 from gearshift.control import scaling as sc
 from gearshift.control.signals import Engine, GearSelector, PipelineShape, Reading
+from gearshift.k8s.services import ROUTER_PORT
 
 
 class SignalSource(Protocol):
@@ -108,3 +110,33 @@ class LiveSignals:
             if v is not None:
                 total, seen = total + v, True
         return total if seen else None
+
+
+class RouterDecisionSource(Protocol):
+    """Where a tick reads the routers' balance rounds (HTTP in the operator, a fake in unit tests)."""
+
+    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+        """``(router pod name, its /debug/decisions JSON)`` for each router pod that answered."""
+        ...
+
+
+class HttpRouterDecisions:
+    """:class:`RouterDecisionSource` over the router pods' ``/debug/decisions`` (pod IPs)."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.timeout_s = timeout_s
+
+    def fetch(self, pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+        out: list[tuple[str, Mapping[str, Any]]] = []
+        for p in pods:
+            ip = (p.get("status") or {}).get("podIP")
+            if not ip or (p.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            try:
+                r = requests.get(f"http://{ip}:{ROUTER_PORT}/debug/decisions", timeout=self.timeout_s)
+                doc = r.json() if r.status_code == 200 else None
+            except (requests.RequestException, ValueError):
+                continue
+            if isinstance(doc, dict):
+                out.append((str(p["metadata"]["name"]), doc))
+        return out

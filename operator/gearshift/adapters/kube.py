@@ -1,24 +1,45 @@
 """The operator's narrow view of the Kubernetes API: get, list, create, server-side apply, delete, patch,
-status, events.
+status, events; and the write fence that keeps a replica that does not lead from writing.
 
 :class:`KubeApi` is the protocol the reconciler codes against; :class:`RestKubeApi` implements it with the
 ``kubernetes`` client's REST layer (no discovery round trips: the few kinds gearshift touches have fixed
-paths in :data:`RESOURCES`). Applies use server-side apply with field manager ``gearshift`` and
-``force=true`` (the operator owns these objects), so applying the same manifest twice is a no-op that
-leaves ``resourceVersion`` unchanged, and a changed manifest patches only the fields that changed.
-Every call counts in :data:`gearshift.handlers.metrics.API_REQUESTS` (by verb and resource), the
-operator's own API traffic (kopf's watches and its own patches are not in it).
+paths in :data:`RESOURCES`), and :func:`rest_api_from_config` builds one from the process's credentials.
+Applies use server-side apply with field manager ``gearshift`` and ``force=true`` (the operator owns these
+objects), so applying the same manifest twice is a no-op that leaves ``resourceVersion`` unchanged, and a
+changed manifest patches only the fields that changed. Every call counts in
+:data:`gearshift.adapters.metrics.API_REQUESTS` (by verb and resource), the operator's own API traffic
+(kopf's watches and its own patches are not in it).
+
+The write fence (:data:`FENCE`): losing the Lease must stop every handler at once (nothing acts without
+it). kopf's handlers cannot be cancelled from outside, so the operator re-executes itself on a loss
+(``gearshift.handlers.main``); the fence covers the time before that, and a failed re-exec: every write
+goes through one of two functions, and both ask :data:`FENCE` first.
+
+- the handlers' own API calls: :meth:`RestKubeApi._call`;
+- kopf's: every request kopf makes (its patches of status, finalizers and annotations, its events, its
+  watches) goes through ``kopf._cogs.clients.api.request`` (kopf 1.45: ``get``/``post``/``patch``/
+  ``delete``/``stream`` in that module look it up by its global name at each call), which
+  :func:`install_kopf_fence` wraps once.
+
+A write is any method but GET, HEAD and OPTIONS (watches are GETs): reads cannot act, and a standby may
+read. Without ``--leader-elect`` the fence stays open. controller-runtime has no such fence: it exits on
+a loss, and its manager stops the runnables on the way ("leader election lost"). The fence lives here, with
+the client it guards, because its refusal is a :class:`KubeApiError` the client raises.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from gearshift.adapters.metrics import API_REQUESTS
 from gearshift.api.common import API_VERSION
-from gearshift.handlers.metrics import API_REQUESTS
+
+log = logging.getLogger("gearshift.fence")
 
 # --- the (apiVersion, kind) of every object the handlers read or write: one place ------------------------
 PDS = (API_VERSION, "PDService")
@@ -30,6 +51,7 @@ NODE = ("v1", "Node")
 POD = ("v1", "Pod")
 DEPLOY = ("apps/v1", "Deployment")
 JOB = ("batch/v1", "Job")
+CRD = ("apiextensions.k8s.io/v1", "CustomResourceDefinition")
 
 #: Field manager of every server-side apply by the operator.
 FIELD_MANAGER = "gearshift"
@@ -50,7 +72,7 @@ RESOURCES: Mapping[tuple[str, str], tuple[str, bool]] = MappingProxyType(
         PDS: ("pdservices", True),
         GS: ("gearsets", True),
         GPUP: ("gpuprofiles", False),
-        ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
+        CRD: ("customresourcedefinitions", False),
     }
 )
 
@@ -63,6 +85,78 @@ class KubeApiError(RuntimeError):
         self.status = status
 
 
+# --- the write fence ------------------------------------------------------------------------------------
+#: HTTP methods that change nothing.
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class NotLeader(KubeApiError):
+    """A write refused by the fence: this replica does not hold the Lease (``status`` 0: never sent)."""
+
+
+class Fence:
+    """Whether writes may go out: open by default; :meth:`guard` makes a predicate decide, :meth:`close`
+    shuts it for good (the process is about to re-execute or exit)."""
+
+    def __init__(self) -> None:
+        self._may: Callable[[], bool] | None = None
+        self._closed = threading.Event()
+        self.refused = 0
+
+    def guard(self, may_act: Callable[[], bool]) -> None:
+        """Writes go out only while ``may_act()`` is true (asked at each write)."""
+        self._may = may_act
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def reset(self) -> None:
+        """Open again, unguarded (tests)."""
+        self._may = None
+        self._closed.clear()
+        self.refused = 0
+
+    def allows(self, method: str) -> bool:
+        if method.upper() in READS:
+            return True
+        if self._closed.is_set():
+            return False
+        may = self._may
+        return may is None or may()
+
+    def check(self, method: str, what: str) -> None:
+        """Raise :class:`NotLeader` for a write the fence refuses.
+
+        Raises:
+            NotLeader: ``method`` writes and this replica may not act.
+        """
+        if not self.allows(method):
+            self.refused += 1
+            if self.refused == 1:
+                log.warning("not the leader: refused %s %s (and every write until the re-exec)", method, what)
+            raise NotLeader(f"{method.upper()} {what}: refused, this replica does not hold the Lease")
+
+
+FENCE = Fence()
+
+
+def install_kopf_fence() -> None:
+    """Wrap ``kopf._cogs.clients.api.request`` with :data:`FENCE` (idempotent)."""
+    from kopf._cogs.clients import api
+
+    original = api.request
+    if getattr(original, "_gearshift_fenced", False):
+        return
+
+    async def fenced(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        FENCE.check(method, url)
+        return await original(method, url, *args, **kwargs)
+
+    fenced._gearshift_fenced = True  # type: ignore[attr-defined]
+    api.request = fenced
+
+
+# --- the client ------------------------------------------------------------------------------------------
 def resource_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
     """The REST path of a collection or object.
 
@@ -170,9 +264,7 @@ class RestKubeApi:
     ) -> Any:
         from kubernetes.client.exceptions import ApiException
 
-        from gearshift.handlers.fence import FENCE
-
-        FENCE.check(method, path)  # before anything is counted or sent: see gearshift.handlers.fence
+        FENCE.check(method, path)  # before anything is counted or sent: see the module docstring
         API_REQUESTS.labels(method, resource_of_path(path)).inc()
         headers = {"Accept": "application/json"}
         if content_type:
@@ -273,3 +365,18 @@ class RestKubeApi:
     def create_event(self, event: Mapping[str, Any]) -> None:
         ns = event["metadata"]["namespace"]
         self._call("POST", resource_path("v1", "Event", ns), body=dict(event))
+
+
+def rest_api_from_config() -> RestKubeApi:
+    """A :class:`RestKubeApi` over in-cluster credentials, else ``$KUBECONFIG`` / ``~/.kube/config``.
+
+    Raises:
+        kubernetes.config.ConfigException: neither is there.
+    """
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return RestKubeApi(client.ApiClient())
