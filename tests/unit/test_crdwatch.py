@@ -15,8 +15,8 @@ import pytest
 
 from gearshift.adapters import memory
 from gearshift.api import crdcheck, crdgen
+from gearshift.control.reconcile.settings import Settings
 from gearshift.handlers import common, crdwatch, loop
-from gearshift.handlers.runtime import Settings
 from gearshift.testing.kube import FakeKubeApi
 
 G = "gearshift.io/v1alpha1"

@@ -15,6 +15,7 @@ from gearshift import planner
 from gearshift.adapters.caches import PlanCache
 from gearshift.adapters.kube import KubeApiError
 from gearshift.control.reconcile.planning import plan_message
+from gearshift.control.reconcile.settings import Settings
 from gearshift.control.reconcile.state import SpecInvalid
 from gearshift.dev.sandbox.nodes import sandbox_nodes
 from gearshift.facts.fleet import load_fleet
@@ -31,7 +32,7 @@ from gearshift.testing.kube import FakeKubeApi
 ROOT = Path(__file__).resolve().parents[2]
 NS = "ns1"
 #: The reconciler's settings in these tests (fewer simulated requests per gear candidate: faster plans).
-SETTINGS = rec.Settings(sim_requests=200)
+SETTINGS = Settings(sim_requests=200)
 #: Plans made by the tests' reconciles, shared by every test's Runtime as the operator shares its plans
 #: across services (planning takes seconds); keyed by the plan's inputs, so no test sees another's fleet.
 PLANS = PlanCache()

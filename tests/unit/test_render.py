@@ -24,6 +24,7 @@ from gearshift.commands.rendering import (
     render,
     to_yaml,
 )
+from gearshift.control.reconcile.settings import Settings
 from gearshift.facts.fleet import load_fleet
 from gearshift.handlers import reconcile as rec
 from gearshift.testing.kube import FakeKubeApi
@@ -238,7 +239,7 @@ class TestSameAsTheReconciler:
     def test_render_prints_what_a_first_reconcile_applies(self, files: list[str]) -> None:
         ns = "team-a"
         docs = load_documents([ROOT / f for f in files])
-        api = FakeKubeApi(settings=rec.Settings())
+        api = FakeKubeApi(settings=Settings())
         nodes, profiles = fleet_cluster(load_fleet(FLEET), NOW)
         for obj in [*nodes.values(), *profiles.values()]:
             api.put(obj)

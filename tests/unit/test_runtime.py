@@ -23,6 +23,7 @@ from gearshift.adapters.caches import FleetCache, PlanCache
 from gearshift.adapters.kube import RestKubeApi
 from gearshift.adapters.memory import GearSetMemory, KeyedLocks, ServiceMemory
 from gearshift.api.gearset import Gear
+from gearshift.control.reconcile.settings import Settings
 from gearshift.facts.errors import SettingsError
 from gearshift.handlers import gearset, nodes, pdservice, shifting
 from gearshift.handlers import reconcile as rec
@@ -479,7 +480,7 @@ def test_the_flags_make_the_runtimes_settings() -> None:
     rt = build_runtime(args)
     assert rt.settings.prometheus_url == "http://prom:9090"
     assert (rt.settings.images.router, rt.settings.images.sim) == ("r:1", "s:2")
-    assert rt.settings.images.vllm == rec.Settings().images.vllm
+    assert rt.settings.images.vllm == Settings().images.vllm
 
 
 #: ``gearshift operator`` as tests/e2e and dev/sandbox/harness.py start it (``handlers.main.run`` in a

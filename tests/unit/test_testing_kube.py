@@ -14,7 +14,7 @@ import pytest
 
 from gearshift.adapters.caches import PlanCache
 from gearshift.adapters.kube import KubeApiError
-from gearshift.handlers.runtime import Settings
+from gearshift.control.reconcile.settings import Settings
 from gearshift.testing.kube import FakeKubeApi, merge_patch
 
 NS = "ns1"

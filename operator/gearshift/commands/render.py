@@ -57,8 +57,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Render and print; errors go to stderr with exit code 1."""
     from gearshift.commands.rendering import RenderError, documents, load_documents, render, to_json, to_yaml
+    from gearshift.control.reconcile.settings import Settings
     from gearshift.facts.fleet import FleetError, load_fleet
-    from gearshift.handlers.reconcile import Settings
     from gearshift.k8s.desired import Images
 
     try:

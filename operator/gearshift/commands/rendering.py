@@ -37,10 +37,10 @@ from gearshift.api.gpuprofile import GPUProfileStatus
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
 from gearshift.control.reconcile.desired import desired_state, gearset_status_patch
 from gearshift.control.reconcile.placement import placement_problems
+from gearshift.control.reconcile.settings import Settings
 from gearshift.control.reconcile.spec import explicit_engine_problems, explicit_layer_problems, role_state
 from gearshift.control.reconcile.state import RoleState, SpecInvalid
 from gearshift.facts.fleet import Fleet
-from gearshift.handlers.reconcile import Settings
 from gearshift.k8s import names
 from gearshift.k8s.desired import desired_objects, owner_reference
 from gearshift.k8s.engine import EngineSpecError

@@ -306,7 +306,8 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     """The operator's :class:`~gearshift.handlers.runtime.Runtime` from the flags: the images and the
     Prometheus URL; the API is built on first use (``--kubeconfig`` exported before), the probe settings
     read from the environment when the GPUProfile handlers start."""
-    from gearshift.handlers.runtime import Runtime, Settings
+    from gearshift.control.reconcile.settings import Settings
+    from gearshift.handlers.runtime import Runtime
     from gearshift.k8s.desired import Images
 
     images = Images()

@@ -59,6 +59,7 @@ from gearshift.control.reconcile.placement import bound_nodes
 from gearshift.control.reconcile.planning import memory_utilization, service_event_message
 from gearshift.control.reconcile.readiness import Readiness, readiness_patch, role_readiness
 from gearshift.control.reconcile.rollout import gearset_rollout_ahead, rollout_ahead, rollouts_starting
+from gearshift.control.reconcile.settings import Settings
 from gearshift.control.reconcile.spec import explicit_engine_problems, explicit_layer_problems, role_state
 from gearshift.control.reconcile.state import (
     REASON_GEARSET_MISMATCH,
@@ -82,7 +83,7 @@ from gearshift.handlers.common import (
     now_utc,
     patch_status,
 )
-from gearshift.handlers.runtime import ReconcileOutcome, Runtime, Settings
+from gearshift.handlers.runtime import ReconcileOutcome, Runtime
 from gearshift.k8s import names
 from gearshift.k8s.desired import RoleDesire, desired_objects, gear_objects, owner_reference
 from gearshift.k8s.engine import EngineSpecError

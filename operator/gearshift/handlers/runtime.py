@@ -39,25 +39,11 @@ from gearshift.adapters.memory import (
     ServiceMemory,
 )
 from gearshift.adapters.signals import LiveSignals, PrometheusSignals, ScaleSignalSource, SignalSource
-from gearshift.k8s.desired import Images
+from gearshift.control.reconcile.settings import Settings
 from gearshift.profiling.settings import ProbeSettings
 
 #: The key of the :class:`Runtime` in kopf's memo.
 MEMO_KEY = "runtime"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Operator-wide settings (from ``gearshift operator`` flags)."""
-
-    images: Images = field(default_factory=Images)
-    prometheus_url: str | None = None
-    sim_requests: int = 500
-    """Requests per planner simulation run (bounds planning time per gear candidate)."""
-    namespaces: tuple[str, ...] = ()
-    """The namespaces served (``--namespace``, globs as kopf allows them); empty: all."""
-    profiles: bool = True
-    """Whether this operator writes GPUProfiles (False under ``--disable gearshift.handlers.gpuprofile``)."""
 
 
 @dataclass

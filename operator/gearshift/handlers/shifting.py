@@ -82,6 +82,7 @@ from gearshift.control.executor_actions import (
 )
 from gearshift.control.executor_status import executor_from_status
 from gearshift.control.policy import GearTable, ShiftRules
+from gearshift.control.reconcile.settings import Settings
 from gearshift.control.reconcile.state import SHIFT_STEPS
 from gearshift.control.shift_status import (
     ORPHAN_MESSAGE,
@@ -131,7 +132,7 @@ from gearshift.handlers.common import (
 )
 from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
 from gearshift.handlers.reconcile import delete_gear_sync, ensure_gear_sync, select_gear_sync
-from gearshift.handlers.runtime import Runtime, Settings, runtime_of
+from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.k8s import names, warming
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,8 @@ from typing import Any
 
 from gearshift.adapters.caches import PlanCache
 from gearshift.adapters.kube import RESOURCES, KubeApiError, label_selector
-from gearshift.handlers.runtime import Runtime, Settings
+from gearshift.control.reconcile.settings import Settings
+from gearshift.handlers.runtime import Runtime
 from gearshift.profiling.settings import ProbeSettings
 
 #: ``(kind, namespace, name)``: where an object is stored; namespace None for cluster-scoped kinds.

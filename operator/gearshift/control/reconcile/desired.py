@@ -31,7 +31,7 @@ from gearshift.planner.inputs import initial_gear
 
 
 class PlanSettings(Protocol):
-    """What planning reads of the operator's settings (``gearshift.handlers.reconcile.Settings``)."""
+    """What planning reads of the operator's settings (``gearshift.control.reconcile.settings.Settings``)."""
 
     @property
     def sim_requests(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gearshift.control.reconcile.settings import SIM_REQUESTS
+
 #: SLOs (DESIGN.md: target TTFT 200 ms, target ITL 50 ms), s.
 SLO_TTFT_S = 0.200
 SLO_ITL_S = 0.050
@@ -12,8 +14,8 @@ CLIENT_TIMEOUT_S = 60.0
 #: vLLM's ``--gpu-memory-utilization`` default; the reconciler's resource profile scales memory by it
 #: (:func:`gearshift.planner.inputs.resource_profile`).
 MEMORY_UTILIZATION = 0.9
-#: The reconciler's planner setting (gearshift.handlers.reconcile.Settings.sim_requests).
-PLAN_SIM_REQUESTS = 500
+#: The reconciler's planner setting (its default ``Settings.sim_requests``).
+PLAN_SIM_REQUESTS = SIM_REQUESTS
 #: How long an engine that has waiting requests but could schedule nothing retries (Engine.run's poll), s.
 RETRY_S = 0.005
 #: Most virtual seconds simulated after the last arrival, to let in-flight requests finish.
