@@ -140,8 +140,8 @@ class LagWatch:
     def _run(self) -> None:
         from kubernetes import client, config, watch
 
-        from gearshift.control.executor_status import from_time
         from gearshift.dev.sandbox.layout import Layout
+        from gearshift.facts.rfc3339 import from_time
 
         while not self.stop.is_set():
             try:

@@ -43,7 +43,6 @@ import aiohttp
 import pytest
 
 from gearshift.control import adaptive_batch as ab
-from gearshift.control.executor_status import from_time
 from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,
@@ -53,6 +52,7 @@ from gearshift.dev.sandbox.harness import (
     serving_router_url,
     teardown_run,
 )
+from gearshift.facts.rfc3339 import from_time
 from gearshift.k8s import names
 from gearshift.testing import manifests as build
 

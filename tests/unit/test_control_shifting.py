@@ -30,7 +30,6 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.executor_status import to_time
 from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules
 from gearshift.control.shift_status import (
     MESSAGE_LIMIT,
@@ -44,6 +43,7 @@ from gearshift.control.signals import Reading, UtilizationSource
 from gearshift.control.smoothing import Sample
 from gearshift.control.windows import TRIGGER_WINDOW
 from gearshift.facts.model import load_hf_config
+from gearshift.facts.rfc3339 import to_time
 from gearshift.k8s import names
 from gearshift.k8s.placement import pod_gpus
 

@@ -39,6 +39,7 @@ from gearshift.control.signals import (
 )
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import Trigger
+from gearshift.facts.rfc3339 import to_time
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh
 from gearshift.handlers.common import StatusPruned
@@ -138,7 +139,7 @@ def kubelet(api: FakeKubeApi, now: float) -> None:
                     "status": {
                         "phase": "Running",
                         "conditions": [
-                            {"type": "Ready", "status": "True", "lastTransitionTime": es.to_time(now)}
+                            {"type": "Ready", "status": "True", "lastTransitionTime": to_time(now)}
                         ],
                     },
                 },
@@ -240,7 +241,7 @@ class TestStateRoundTrip:
             },
         )
         raw = ss.control_to_status(d, ShiftRules(dwell_s=600))
-        assert raw["dwellUntil"] == es.to_time(T0 + 570)
+        assert raw["dwellUntil"] == to_time(T0 + 570)
         back = ss.control_from_status(ControlState.model_validate(raw))
         assert back == d
 
@@ -266,7 +267,7 @@ def _pod(ready: bool, at: float, waiting: str | None = None) -> dict[str, Any]:
                 {
                     "type": "Ready",
                     "status": "True" if ready else "False",
-                    "lastTransitionTime": es.to_time(at),
+                    "lastTransitionTime": to_time(at),
                 }
             ],
             "containerStatuses": cs,
@@ -407,7 +408,7 @@ class TestTicks:
         sig.up = False
         run(world, sig, T0 + 4)
         st = status(world)["signals"]
-        assert st["sampleTime"] == es.to_time(T0 + 4)
+        assert st["sampleTime"] == to_time(T0 + 4)
         assert "connection refused" in st["skipped"] and st["missedSamples"] == 2
         # A merge patch's null removes the key: none of the last sample's values is left.
         assert st.get("qps") is None and st.get("p99Ms") is None and not st.get("stageUtilization")
@@ -415,7 +416,7 @@ class TestTicks:
         sig.up = True
         run(world, sig, T0 + 6)
         st = status(world)["signals"]
-        assert st["sampleTime"] == es.to_time(T0 + 6) and st.get("skipped") is None
+        assert st["sampleTime"] == to_time(T0 + 6) and st.get("skipped") is None
         assert st["missedSamples"] == 3
         assert st["qps"] is not None and st["qps"] > 0
 

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from gearshift.api.gearset_status import AdaptiveBatchStatus
-from gearshift.control.executor_status import from_time, to_time
 from gearshift.control.pd_balance import GROW_FACTOR, SHRINK_FACTOR
+from gearshift.facts.rfc3339 import from_time, to_time
 
 #: GearSet roles whose engines decode, where seed 000's per-node batch rule applies: decode, and an
 #: aggregated pipeline (both), whose head pods run every request's decode steps.

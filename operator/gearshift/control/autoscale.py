@@ -37,9 +37,9 @@ from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import ScalingStatus
 from gearshift.api.pdservice import PDService, SLOSpec
 from gearshift.control import scaling as sc
-from gearshift.control.executor_status import from_time, to_time
 from gearshift.control.reconcile.state import SHIFT_STEPS
 from gearshift.control.signals import GearSelector, quantile_query, queue_query, running_query, scalar
+from gearshift.facts.rfc3339 import from_time, to_time
 from gearshift.k8s import names
 
 #: Seconds the router gets to drop a labelled pod before its in-flight count is trusted: its pod poll

@@ -9,29 +9,11 @@ rest, times as RFC 3339 UTC strings.
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from typing import Any
 
 from gearshift.api.gearset_status import ExecutorState
 from gearshift.control.executor import Phase, ShiftState
-from gearshift.facts.rfc3339 import from_rfc3339
-
-
-# --- time ----------------------------------------------------------------------------------------------
-def to_time(ts: float | None) -> str | None:
-    """Epoch seconds → RFC 3339 UTC with microseconds (as status stores times), ``None`` passes."""
-    if ts is None:
-        return None
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
-
-
-def from_time(dt: datetime | str | None) -> float | None:
-    """RFC 3339 time (or an aware datetime) → epoch seconds; ``None`` passes."""
-    if dt is None:
-        return None
-    if isinstance(dt, str):
-        dt = from_rfc3339(dt)
-    return dt.timestamp()
+from gearshift.facts.rfc3339 import from_time, to_time
 
 
 # --- executor state <-> status ---------------------------------------------------------------------------

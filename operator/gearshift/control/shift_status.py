@@ -21,11 +21,12 @@ from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.decide import DecisionState, TriggerTrack
 from gearshift.control.executor import ShiftState
 from gearshift.control.executor_actions import Action, MarkUnhealthy, RecordShift
-from gearshift.control.executor_status import executor_to_status, from_time, to_time
+from gearshift.control.executor_status import executor_to_status
 from gearshift.control.policy import ShiftRules
 from gearshift.control.signals import Reading
 from gearshift.control.smoothing import Sample
 from gearshift.control.triggers import TRIGGERS, Trigger
+from gearshift.facts.rfc3339 import from_time, to_time
 
 #: Longest ``message`` of a history or gear-health entry, characters (a status stays well under etcd's
 #: object size limit however long the executor's messages get).

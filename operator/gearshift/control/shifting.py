@@ -39,7 +39,6 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.executor_status import from_time
 from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules
 from gearshift.control.scaling import NodeRank, NodeView, StageNeed, place_replicas
 from gearshift.control.shift_status import gear_fingerprint
@@ -54,6 +53,7 @@ from gearshift.control.signals import (
 )
 from gearshift.control.smoothing import Sample
 from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
+from gearshift.facts.rfc3339 import from_time
 from gearshift.k8s import names
 from gearshift.k8s.placement import pod_gpus
 from gearshift.planner.inputs import node_gpus
