@@ -14,7 +14,8 @@ from gearshift.api.gearset_status import GearHealth
 from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy
 from gearshift.control.adapt import gear_views, policy_from_api, shift_request
 from gearshift.control.decide import Decision, DecisionKind
-from gearshift.control.policy import GearTable, Intent, LatencyMetric, ShiftRules
+from gearshift.control.policy import GearTable, Intent, ShiftRules
+from gearshift.control.smoothing import LatencyMetric
 from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import ModelArch
 

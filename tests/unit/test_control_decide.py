@@ -571,7 +571,7 @@ class TestHeldTriggers:
 
     def test_which_triggers_read_what(self):
         from gearshift.control.decide import held_triggers
-        from gearshift.control.policy import LatencyMetric
+        from gearshift.control.smoothing import LatencyMetric
 
         p99 = {Trigger.SATURATION, Trigger.LATENCY_HIGH, Trigger.LATENCY_LOW}
         assert held_triggers(["ttft_p99_ms"], LatencyMetric.TTFT) == p99

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gearshift.control.decide import DecisionKind, DecisionState, decide
-from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
-from gearshift.control.smoothing import Sample
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.smoothing import LatencyMetric, Sample
 from gearshift.control.triggers import Trigger, conditions
 from gearshift.facts.model import ModelArch
 

@@ -30,7 +30,7 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules
+from gearshift.control.policy import GearTable, ShiftRules
 from gearshift.control.shift_status import (
     MESSAGE_LIMIT,
     Signals,
@@ -40,7 +40,7 @@ from gearshift.control.shift_status import (
     status_patch,
 )
 from gearshift.control.signals import Reading, UtilizationSource
-from gearshift.control.smoothing import Sample
+from gearshift.control.smoothing import LatencyMetric, Sample
 from gearshift.control.windows import TRIGGER_WINDOW
 from gearshift.facts.model import load_hf_config
 from gearshift.facts.rfc3339 import to_time

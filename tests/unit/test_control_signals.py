@@ -160,8 +160,8 @@ class TestSeriesHealth:
         assert r.sample.ttft_p50_ms is None and r.sample.arrival_rps is None and r.sample.ttft_p99_ms == 100.0
 
     def test_unavailable_only_while_requests_flow(self):
-        from gearshift.control.policy import LatencyMetric
         from gearshift.control.signals import SeriesHealth, unavailable_series
+        from gearshift.control.smoothing import LatencyMetric
 
         idle = self._reading("0", drop=("ttft_p50_ms",), nan=("e2e_p99_ms", "ttft_p99_ms"))
         assert unavailable_series(idle, LatencyMetric.TTFT) == {}
@@ -180,9 +180,8 @@ class TestSeriesHealth:
         }
 
     def test_a_reading_without_health_reports_an_absent_policy_p99(self):
-        from gearshift.control.policy import LatencyMetric
         from gearshift.control.signals import Reading, SeriesHealth, unavailable_series
-        from gearshift.control.smoothing import Sample
+        from gearshift.control.smoothing import LatencyMetric, Sample
 
         r = Reading(Sample(at=0.0, qps=3.0, itl_p99_ms=20.0))
         assert unavailable_series(r, LatencyMetric.TTFT) == {"ttft_p99_ms": SeriesHealth.NOT_A_NUMBER}

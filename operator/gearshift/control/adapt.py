@@ -10,7 +10,8 @@ from gearshift.api.pdservice import PDService
 from gearshift.api.shift_policy import ShiftPolicy
 from gearshift.control.decide import Decision, DecisionKind
 from gearshift.control.executor import ShiftRequest
-from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules, StageView
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.smoothing import LatencyMetric
 
 #: The P99 each role's latency triggers read (DESIGN.md: prefill is judged by TTFT, decode by ITL). An
 #: aggregated pipeline (``both``) by TTFT: what a deeper or shallower gear changes most (every stage adds

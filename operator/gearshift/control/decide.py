@@ -38,8 +38,8 @@ from typing import Any
 from gearshift.control import capacity
 from gearshift.control.capacity import CapacityEstimate
 from gearshift.control.cost import CostBenefit, cost_benefit
-from gearshift.control.policy import GearTable, GearView, Intent, LatencyMetric, ShiftRules
-from gearshift.control.smoothing import Sample, p99_field, smooth
+from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules
+from gearshift.control.smoothing import LatencyMetric, Sample, p99_field, smooth
 from gearshift.control.triggers import (
     LOAD_TRIGGERS,
     TRIGGER_INTENT,

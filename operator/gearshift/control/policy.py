@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gearshift.api.shift_policy import ShiftPolicy
+from gearshift.control.smoothing import LatencyMetric
 from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import ModelArch
 
@@ -22,14 +23,6 @@ class Intent(StrEnum):
     LATENCY = "latency"
     BALANCED = "balanced"
     THROUGHPUT = "throughput"
-
-
-class LatencyMetric(StrEnum):
-    """Which P99 the latency triggers compare with ``targetP99Ms``."""
-
-    TTFT = "ttft"
-    ITL = "itl"
-    E2E = "e2e"
 
 
 #: The API's defaults, which are the control code's: one definition of each number.

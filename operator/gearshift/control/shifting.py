@@ -39,7 +39,7 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.policy import GearTable, LatencyMetric, ShiftRules
+from gearshift.control.policy import GearTable, ShiftRules
 from gearshift.control.scaling import NodeRank, NodeView, StageNeed, place_replicas
 from gearshift.control.shift_status import gear_fingerprint
 from gearshift.control.signals import (
@@ -51,7 +51,7 @@ from gearshift.control.signals import (
     describe_series,
     unavailable_series,
 )
-from gearshift.control.smoothing import Sample
+from gearshift.control.smoothing import LatencyMetric, Sample
 from gearshift.control.windows import TRIGGER_WINDOW, closing_nodes, uses, vacate_target
 from gearshift.facts.rfc3339 import from_time
 from gearshift.k8s import names

@@ -45,8 +45,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
-from gearshift.control.policy import LatencyMetric
-from gearshift.control.smoothing import Sample, p99_field
+from gearshift.control.smoothing import LatencyMetric, Sample, p99_field
 
 
 class SignalsUnavailable(RuntimeError):

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from enum import StrEnum
 from typing import Any
 
-from gearshift.control.policy import LatencyMetric
+
+class LatencyMetric(StrEnum):
+    """Which P99 the latency triggers compare with ``targetP99Ms``."""
+
+    TTFT = "ttft"
+    ITL = "itl"
+    E2E = "e2e"
 
 
 def p99_field(metric: LatencyMetric) -> str:
