@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 from gearshift import planner  # noqa: E402
 from gearshift.api.shift_policy import ShiftPolicy  # noqa: E402
-from gearshift.control.adapt import policy_from_api  # noqa: E402
+from gearshift.control.shifting.adapt import policy_from_api  # noqa: E402
 from gearshift.dev.twin.constants import Slo  # noqa: E402
 from gearshift.dev.twin.gears import GearSpec, fleet_profile, peer_gears, plan_gears  # noqa: E402
 from gearshift.dev.twin.trace import Trace  # noqa: E402

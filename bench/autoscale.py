@@ -1,5 +1,6 @@
 """Virtual-time benchmark of the pipeline-replica autoscaler: the shared trace with a burst past one
-replica's capacity, the real decision code (gearshift.control.scaling), a fluid model of decode replicas.
+replica's capacity, the real decision code (gearshift.control.autoscale.scaling), a fluid model of decode
+replicas.
 
 What is modelled (stated, not measured on GPUs): a decode pipeline replica runs continuous batching of at
 most ``MAX_BATCH`` sequences; one decode step takes ``STEP_BASE_MS + STEP_PER_SEQ_MS × batch`` (weights
@@ -30,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
-from gearshift.control import scaling as sc  # noqa: E402
+from gearshift.control.autoscale import scaling as sc  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
 from gearshift.dev.loadgen import load_trace  # noqa: E402
 
@@ -210,7 +211,7 @@ def main() -> int:
     auto, fixed = run(True), run(False)
     one_replica_rps = 1000.0 / (STEP_BASE_MS + STEP_PER_SEQ_MS * MAX_BATCH) * MAX_BATCH
     result = {
-        "kind": "virtual-time (fluid decode model + the real gearshift.control.scaling decisions)",
+        "kind": "virtual-time (fluid decode model + the real gearshift.control.autoscale.scaling decisions)",
         "note": __doc__.split("\n\n")[1].replace("\n", " "),
         "trace": str(TRACE.name),
         "window_s": WINDOW_S,

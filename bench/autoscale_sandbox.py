@@ -117,7 +117,8 @@ WINDOWS = {"scaleUpS": 30, "scaleDownS": 30, "scaleToMinDelayS": 600}
 #: The API's default targets (sloRatio 1). A first run found that the P99/SLO ratio, then a proportional
 #: load measure, held two replicas at any load: decode ITL is mostly the weights read once per step (~65 ms
 #: alone on an L4; P99 ~97 ms from the histogram buckets, ratio 0.65 → ceil(2 × 0.65) = 2). The autoscaler
-#: now uses the P99 one-sidedly (control/scaling.py: scale up above the SLO, veto a scale-down near it).
+# : now uses the P99 one-sidedly (control/autoscale/scaling.py: scale up above the SLO, veto a scale-down near
+# it).
 TARGETS: dict[str, float] = {}
 SAMPLE_S = 1.0
 #: Seconds the load generator waits for requests in flight once issuing stops.

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
 from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy  # noqa: E402
-from gearshift.control.adapt import policy_from_api  # noqa: E402
-from gearshift.control.policy import ShiftRules  # noqa: E402
+from gearshift.control.shifting.adapt import policy_from_api  # noqa: E402
+from gearshift.control.shifting.policy import ShiftRules  # noqa: E402
 from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
 from gearshift.dev.twin import (  # noqa: E402
     CLIENT_TIMEOUT_S,

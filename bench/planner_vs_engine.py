@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gears as gb  # noqa: E402
 from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy  # noqa: E402
-from gearshift.control.adapt import policy_from_api  # noqa: E402
+from gearshift.control.shifting.adapt import policy_from_api  # noqa: E402
 from gearshift.facts.model import ModelArch, load_hf_config  # noqa: E402
 from gearshift.sim.engine import Engine  # noqa: E402
 from gearshift.sim.perfmodel import PerfModel, PerfParams, parse_pipeline  # noqa: E402

@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gearshift.control import adaptive_batch as ab
+from gearshift.control.adaptive_batch import tick as ab
 from gearshift.dev.sandbox.harness import (
     LLAMA_3_2_1B,
     GpuNodes,

@@ -2,7 +2,7 @@
 become Ready, fail, drain and report P99 on cue.
 
 It applies the executor's actions the way the handler and Kubernetes would (create, delete, select),
-with timings given per gear, so tests can run :func:`gearshift.control.executor_sim.simulate_steps`
+with timings given per gear, so tests can run :func:`gearshift.control.shifting.executor_sim.simulate_steps`
 and check invariants at every step. Pure: time is passed in.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gearshift.control.executor import GearObservation, World
-from gearshift.control.executor_actions import (
+from gearshift.control.shifting.executor import GearObservation, World
+from gearshift.control.shifting.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,

@@ -1,7 +1,7 @@
-"""Seed 000's adaptive batch, applied (issue 19 item 4): the pure step (control/adaptive_batch.py: bounds,
-cooldown, never during a shift, stale proposals), the handler over an in-memory API (annotation, status,
-condition, events), and the router's side (the annotation read by membership, the per-pod cap that holds
-requests in the router rather than sending them)."""
+"""Seed 000's adaptive batch, applied (issue 19 item 4): the pure step (control/adaptive_batch/tick.py:
+bounds, cooldown, never during a shift, stale proposals), the handler over an in-memory API (annotation,
+status, condition, events), and the router's side (the annotation read by membership, the per-pod cap that
+holds requests in the router rather than sending them)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from test_router_proxy import COMPLETION, Factory, FakeEngine, make_router  # no
 
 from gearshift.api.common import COND_BATCH_ADAPTED
 from gearshift.api.gearset_status import AdaptiveBatchStatus
-from gearshift.control import adaptive_batch as ab
+from gearshift.control.adaptive_batch import tick as ab
 from gearshift.handlers import adaptive_batch as h
 from gearshift.k8s import names
 from gearshift.router.config import ProxyConfig

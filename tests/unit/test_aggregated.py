@@ -23,12 +23,12 @@ from test_shifting import FakeSignals, PerGearSignals, kubelet
 
 from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
-from gearshift.control import adaptive_batch as ab
-from gearshift.control.autoscale import TTFT_METRIC, ScaleScope, Skip, latency_signal, scope_of
-from gearshift.control.executor import Phase
+from gearshift.control.adaptive_batch import tick as ab
+from gearshift.control.autoscale.tick import TTFT_METRIC, ScaleScope, Skip, latency_signal, scope_of
 from gearshift.control.reconcile.planning import plan_assumptions
 from gearshift.control.reconcile.state import SpecInvalid
 from gearshift.control.reconcile.verdict import service_verdict
+from gearshift.control.shifting.executor import Phase
 from gearshift.facts.model import GIB, load_hf_config
 from gearshift.handlers import adaptive_batch as batch_handler
 from gearshift.handlers import reconcile as rec

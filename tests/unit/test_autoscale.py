@@ -12,8 +12,8 @@ import pytest
 from test_handlers_reconcile import NS, _example, new_api, put_fleet
 
 from gearshift.api.common import COND_SCALING_ACTIVE
-from gearshift.control import autoscale as rules
-from gearshift.control import scaling as sc
+from gearshift.control.autoscale import scaling as sc
+from gearshift.control.autoscale import tick as rules
 from gearshift.control.signals import GearSelector
 from gearshift.handlers import autoscale as au
 from gearshift.k8s import names

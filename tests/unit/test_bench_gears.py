@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.policy import ShiftRules
 from gearshift.dev.twin.oracle import oracle_schedule
 from gearshift.facts.model import load_hf_config
 

@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from gearshift.api.gearset import Gear, GearPrediction, Stage
 from gearshift.api.gearset_status import GearHealth
 from gearshift.api.shift_policy import ShiftPolicy as ApiShiftPolicy
-from gearshift.control.adapt import gear_views, policy_from_api, shift_request
-from gearshift.control.decide import Decision, DecisionKind
-from gearshift.control.policy import GearTable, Intent, ShiftRules
+from gearshift.control.shifting.adapt import gear_views, policy_from_api, shift_request
+from gearshift.control.shifting.decide import Decision, DecisionKind
+from gearshift.control.shifting.policy import GearTable, Intent, ShiftRules
 from gearshift.control.smoothing import LatencyMetric
 from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import ModelArch

@@ -1,7 +1,7 @@
-"""The autoscaler tick's pure rules (control/autoscale.py): which gear, knobs and latency metric apply, the
-sample's PromQL and parsing, what the tick reads off pods and StatefulSets, the drain (abort, hold, end,
-timeout), and what a decision writes to spec.replicas, status.scaling, the condition, the draining label
-and the events. Expected values are worked out by hand in each case's comment."""
+"""The autoscaler tick's pure rules (control/autoscale/tick.py): which gear, knobs and latency metric apply,
+the sample's PromQL and parsing, what the tick reads off pods and StatefulSets, the drain (abort, hold, end,
+timeout), and what a decision writes to spec.replicas, status.scaling, the condition, the draining label and
+the events. Expected values are worked out by hand in each case's comment."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import yaml
 from gearshift.api.gearset import GearSet
 from gearshift.api.gearset_status import ScalingStatus
 from gearshift.api.pdservice import PDService, SLOSpec
-from gearshift.control import autoscale as A
-from gearshift.control import scaling as sc
+from gearshift.control.autoscale import scaling as sc
+from gearshift.control.autoscale import tick as A
 from gearshift.control.signals import GearSelector, SignalsUnavailable
 from gearshift.k8s import names
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from gearshift.control import capacity as cap
-from gearshift.control.capacity import CapacityEstimate
-from gearshift.control.decide import REASON_DWELL, DecisionKind, DecisionState, decide
-from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.shifting import capacity as cap
+from gearshift.control.shifting.capacity import CapacityEstimate
+from gearshift.control.shifting.decide import REASON_DWELL, DecisionKind, DecisionState, decide
+from gearshift.control.shifting.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.smoothing import Sample
-from gearshift.control.triggers import Trigger
 from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import load_hf_config
 
@@ -314,8 +314,8 @@ class TestSampleWindow:
         assert (sample_window_s(None, 5.0), sample_window_s(1000.0, 1037.2)) == (60.0, 38.0)
 
     def test_serving_since_is_the_switch_while_draining_and_the_check_start_while_switching(self) -> None:
-        from gearshift.control.executor import Phase, ShiftState
-        from gearshift.control.shifting import serving_since
+        from gearshift.control.shifting.executor import Phase, ShiftState
+        from gearshift.control.shifting.tick import serving_since
 
         rules = ShiftRules(rollback_window_s=60.0)
         for phase, since in (
@@ -355,7 +355,7 @@ class TestSampleWindow:
         from datetime import UTC, datetime
 
         from gearshift.api.gearset_status import GearHealth
-        from gearshift.control.shifting import lasting_marks
+        from gearshift.control.shifting.tick import lasting_marks
 
         at = datetime.fromtimestamp(1000.0, UTC)
         p99 = GearHealth(gear="thr", healthy=False, reason="P99Regression", since=at)
@@ -370,8 +370,8 @@ class TestSampleWindow:
         from datetime import UTC, datetime
 
         from gearshift.api.gearset_status import GearHealth
-        from gearshift.control.shift_status import records_to_status
-        from gearshift.control.shifting import lasting_marks
+        from gearshift.control.shifting.shift_status import records_to_status
+        from gearshift.control.shifting.tick import lasting_marks
 
         at = datetime.fromtimestamp(1000.0, UTC)
         stored = [

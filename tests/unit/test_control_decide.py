@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gearshift.control.cost import cost_benefit, shift_cost_bytes
-from gearshift.control.decide import (
+from gearshift.control.shifting.cost import cost_benefit, shift_cost_bytes
+from gearshift.control.shifting.decide import (
     REASON_FORCE_UNHEALTHY,
     REASON_FORCE_UNKNOWN,
     REASON_FORCED,
@@ -29,9 +29,9 @@ from gearshift.control.decide import (
     Overrides,
     decide,
 )
-from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.shifting.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.shifting.triggers import Trigger, conditions, imbalanced, saturated, thresholds
 from gearshift.control.smoothing import Sample, ema, smooth
-from gearshift.control.triggers import Trigger, conditions, imbalanced, saturated, thresholds
 from gearshift.facts.errors import PolicyError
 from gearshift.facts.model import load_hf_config
 
@@ -570,7 +570,7 @@ class TestHeldTriggers:
     average would otherwise go on from its last value as if it were fresh."""
 
     def test_which_triggers_read_what(self):
-        from gearshift.control.decide import held_triggers
+        from gearshift.control.shifting.decide import held_triggers
         from gearshift.control.smoothing import LatencyMetric
 
         p99 = {Trigger.SATURATION, Trigger.LATENCY_HIGH, Trigger.LATENCY_LOW}

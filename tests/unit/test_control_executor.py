@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from scripted_world import GearScript, ScriptedWorld
 
 from gearshift.api.gearset_status import ExecutorState
-from gearshift.control.executor import (
+from gearshift.control.shifting.executor import (
     FAIL_NOT_READY,
     FAIL_P99,
     Phase,
@@ -24,7 +24,7 @@ from gearshift.control.executor import (
     rollback_p99_limit,
     step,
 )
-from gearshift.control.executor_actions import (
+from gearshift.control.shifting.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
@@ -33,9 +33,13 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.executor_sim import StepRecord, simulate_steps
-from gearshift.control.executor_status import executor_from_status, executor_to_status, through_status
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.executor_sim import StepRecord, simulate_steps
+from gearshift.control.shifting.executor_status import (
+    executor_from_status,
+    executor_to_status,
+    through_status,
+)
+from gearshift.control.shifting.policy import ShiftRules
 
 # warm 30 s after Ready, drain ≤ 120 s, rollback window 60 s, warm-up timeout 600 s, P99 ratio 2.
 POLICY = ShiftRules(warm_s=30, drain_timeout_s=120, rollback_window_s=60, warmup_timeout_s=600)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gearshift.control.decide import DecisionKind, DecisionState, decide
-from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.shifting.decide import DecisionKind, DecisionState, decide
+from gearshift.control.shifting.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.shifting.triggers import Trigger, conditions
 from gearshift.control.smoothing import LatencyMetric, Sample
-from gearshift.control.triggers import Trigger, conditions
 from gearshift.facts.model import ModelArch
 
 POLICY = ShiftRules(target_p99_ms=200.0, latency_metric=LatencyMetric.TTFT, dwell_s=0.0)

@@ -1,6 +1,6 @@
-"""The autoscaler's pure decisions (control/scaling.py): recommendation, stabilisation windows, immediate
-scale-up, scale-to-min, coordination with shifts, placement, drain, counters. Expected values are worked
-out by hand in each case's comment."""
+"""The autoscaler's pure decisions (control/autoscale/scaling.py): recommendation, stabilisation windows,
+immediate scale-up, scale-to-min, coordination with shifts, placement, drain, counters. Expected values are
+worked out by hand in each case's comment."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from gearshift.api.rolespec import ScalingSpec
-from gearshift.control import scaling as S
-from gearshift.control.scaling import (
+from gearshift.control.autoscale import scaling as S
+from gearshift.control.autoscale.scaling import (
     NodeView,
     ScaleKind,
     ScaleSample,

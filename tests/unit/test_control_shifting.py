@@ -1,6 +1,6 @@
-"""The gear-shifting tick's pure parts (control/shifting.py, control/shift_status.py): the observed gears,
-free GPUs and the shadow check (on control/scaling.place_replicas), the executor's request with a
-time-limited node, the decision's events, the SignalsAvailable condition, actions → API operations, and
+"""The gear-shifting tick's pure parts (control/shifting/tick.py, control/shifting/shift_status.py): the
+observed gears, free GPUs and the shadow check (on control/scaling.place_replicas), the executor's request
+with a time-limited node, the decision's events, the SignalsAvailable condition, actions → API operations, and
 the status patch with its history and gear-health entries."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from gearshift.api.common import COND_SIGNALS_AVAILABLE, MAX_HISTORY, REASON_SIGNALS_MISSING
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import GearHealth, GearSignals
-from gearshift.control import shifting as cs
-from gearshift.control.adapt import gear_views
-from gearshift.control.decide import MANUAL, Decision, DecisionKind, DecisionState
-from gearshift.control.executor import GearObservation, Phase, ShiftRequest, ShiftState
-from gearshift.control.executor_actions import (
+from gearshift.control.shifting import tick as cs
+from gearshift.control.shifting.adapt import gear_views
+from gearshift.control.shifting.decide import MANUAL, Decision, DecisionKind, DecisionState
+from gearshift.control.shifting.executor import GearObservation, Phase, ShiftRequest, ShiftState
+from gearshift.control.shifting.executor_actions import (
     DeleteGear,
     EnsureGear,
     Event,
@@ -30,8 +30,8 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.policy import GearTable, ShiftRules
-from gearshift.control.shift_status import (
+from gearshift.control.shifting.policy import GearTable, ShiftRules
+from gearshift.control.shifting.shift_status import (
     MESSAGE_LIMIT,
     Signals,
     gear_fingerprint,

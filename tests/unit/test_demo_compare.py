@@ -17,7 +17,7 @@ from gearshift.api.gearset import GearSet
 from gearshift.api.pdservice import PDService
 from gearshift.api.shift_policy import ShiftPolicy
 from gearshift.cli import build_parser
-from gearshift.control.adapt import policy_from_api
+from gearshift.control.shifting.adapt import policy_from_api
 from gearshift.dev import twin
 from gearshift.dev.demo import DEFAULT_EXAMPLE, DEFAULT_KEEP_EVERY, DEFAULT_TIME_SCALE, goals, report
 from gearshift.dev.demo import trace as tw

@@ -11,7 +11,7 @@ import pytest
 from test_shifting import GS_NAME, NS, T0, FakeSignals, _policy_patch, kubelet, run, selected, status, world
 
 from gearshift.api.gearset import Gear
-from gearshift.control.executor import Phase
+from gearshift.control.shifting.executor import Phase
 from gearshift.k8s import names
 from gearshift.k8s.names import format_mirror_rps
 from gearshift.k8s.warming import gear_mirror_rps, head_pods_per_pipeline, warming_mark_patches

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gearshift.control import scaling
+from gearshift.control.autoscale import scaling
 from gearshift.router import policies as P
 from gearshift.router.pool import Backend, BackendInfo, PolicyConfig, Pool
 from gearshift.router.signals import PrometheusSource, apply_sample, parse_metrics

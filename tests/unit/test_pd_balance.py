@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from gearshift.control.pd_balance import PodLoad, adapt_batch, detect_imbalance, evaluate, rebalance
+from gearshift.control.adaptive_batch.pd_balance import (
+    PodLoad,
+    adapt_batch,
+    detect_imbalance,
+    evaluate,
+    rebalance,
+)
 
 
 def pod(name: str, util: float, mem: float = 0.0, role: str = "decode", **kw: object) -> PodLoad:

@@ -13,7 +13,7 @@ import pytest
 
 from gearshift import planner
 from gearshift.api.shift_policy import ShiftPolicy
-from gearshift.control.adapt import policy_from_api
+from gearshift.control.shifting.adapt import policy_from_api
 from gearshift.dev.twin.constants import Slo
 from gearshift.dev.twin.gears import fleet_profile, gears_from_api
 from gearshift.dev.twin.trace import Trace

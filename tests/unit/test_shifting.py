@@ -1,6 +1,6 @@
-"""The gear-shifting loop (handlers/shifting.py; its pure parts are control/shifting.py and
-control/shift_status.py) over an in-memory API: state round trips, the observed world, free-GPU check,
-and whole shifts driven tick by tick (forced, restarts, signals lost, paused)."""
+"""The gear-shifting loop (handlers/shifting.py; its pure parts are control/shifting/tick.py and
+control/shifting/shift_status.py) over an in-memory API: state round trips, the observed world, free-GPU
+check, and whole shifts driven tick by tick (forced, restarts, signals lost, paused)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,16 @@ from test_handlers_reconcile import NS, _example, fleet_nodes, new_api, put_flee
 
 from gearshift.api.gearset import Gear
 from gearshift.api.gearset_status import ControlState, ExecutorState
-from gearshift.control import executor_status as es
-from gearshift.control import shift_status as ss
-from gearshift.control import shifting as cs
-from gearshift.control.capacity import CapacityEstimate
-from gearshift.control.decide import DecisionState, TriggerTrack
-from gearshift.control.executor import Phase, ShiftState
-from gearshift.control.executor_actions import SelectGear
-from gearshift.control.policy import ShiftRules
-from gearshift.control.shift_status import ORPHAN_MESSAGE
+from gearshift.control.shifting import executor_status as es
+from gearshift.control.shifting import shift_status as ss
+from gearshift.control.shifting import tick as cs
+from gearshift.control.shifting.capacity import CapacityEstimate
+from gearshift.control.shifting.decide import DecisionState, TriggerTrack
+from gearshift.control.shifting.executor import Phase, ShiftState
+from gearshift.control.shifting.executor_actions import SelectGear
+from gearshift.control.shifting.policy import ShiftRules
+from gearshift.control.shifting.shift_status import ORPHAN_MESSAGE
+from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.signals import (
     SERIES_NAMES,
     GearSelector,
@@ -38,7 +39,6 @@ from gearshift.control.signals import (
     signal_queries,
 )
 from gearshift.control.smoothing import Sample
-from gearshift.control.triggers import Trigger
 from gearshift.facts.rfc3339 import to_time
 from gearshift.handlers import reconcile as rec
 from gearshift.handlers import shifting as sh

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.policy import ShiftRules
 from gearshift.dev import twin
 from gearshift.facts.model import load_hf_config
 

@@ -25,8 +25,8 @@ from test_shifting import FakeSignals, kubelet
 
 from gearshift.api.common import MAX_GEAR_NAME
 from gearshift.api.gearset import Gear
-from gearshift.control.executor import Phase
 from gearshift.control.reconcile.planning import drop_superseded, merge_plan
+from gearshift.control.shifting.executor import Phase
 from gearshift.control.windows import closing_nodes, uses, vacate_name, vacate_target, windowed_nodes
 from gearshift.dev.sandbox.nodes import gpu_node_manifest
 from gearshift.facts.fleet import FleetNode

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import requests
 
 from gearshift.adapters import prometheus
-from gearshift.control import autoscale as rules
-from gearshift.control import scaling as sc
+from gearshift.control.autoscale import scaling as sc
+from gearshift.control.autoscale import tick as rules
 from gearshift.control.signals import Engine, GearSelector, PipelineShape, Reading
 from gearshift.k8s.services import ROUTER_PORT
 

@@ -175,7 +175,7 @@ class ExecutorState(StatusModel):
 
 class GearCapacity(StatusModel):
     """One gear's SLO capacity (issue 19): what the planner predicted and what the gear measured while it
-    served (gearshift.control.capacity)."""
+    served (gearshift.control.shifting.capacity)."""
 
     gear: str = Field(max_length=63, description="Gear name.")
     predicted_rps: float | None = Field(
@@ -310,7 +310,7 @@ class PodMaxBatch(StatusModel):
 
 
 class AdaptiveBatchStatus(StatusModel):
-    """Seed 000's adaptive batch on the active gear (decode role; gearshift.control.adaptive_batch): the
+    """Seed 000's adaptive batch on the active gear (decode role; gearshift.control.adaptive_batch.tick): the
     router caps each head pod's concurrent requests at that pod's own effective value (``pods``; annotation
     ``gearshift.io/max-batch``, divided among router replicas); the engines keep their ``--max-num-seqs``
     (``planned``), so no pod restarts and no request is dropped."""

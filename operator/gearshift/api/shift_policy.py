@@ -1,8 +1,8 @@
 """The gear-shifting policy of a GearSet (``spec.policy``): when to shift gears and how to execute a shift.
 
 The schema is where a bad value is refused: every range here is one the control code can use
-(:class:`gearshift.control.policy.ShiftRules` checks the same ranges for rules built without the API, and
-``tests/unit/test_control_adapt.py`` holds the two to the same answer). Each cross-field rule is written
+(:class:`gearshift.control.shifting.policy.ShiftRules` checks the same ranges for rules built without the API,
+and ``tests/unit/test_control_adapt.py`` holds the two to the same answer). Each cross-field rule is written
 twice, as a pydantic validator and in :data:`CEL` as an ``x-kubernetes-validations`` rule of the CRD.
 """
 

@@ -27,7 +27,7 @@ is classified per sample as ok, missing (no series: not exported, not scraped, d
 by a relabel rule) or not a number (:class:`SeriesHealth`, :attr:`Reading.health`), and
 :func:`unavailable_series` says which of them should have had a value because requests flow; the
 shifting tick reports those (``SignalsAvailable=False``) and the decision holds the triggers that read
-them (:func:`gearshift.control.decide.held_triggers`).
+them (:func:`gearshift.control.shifting.decide.held_triggers`).
 
 Everything here is pure: :mod:`gearshift.adapters.prometheus` sends the queries and hands the answers to
 :func:`reading_from_results`.

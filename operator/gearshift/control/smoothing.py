@@ -41,7 +41,7 @@ class Sample:
     arrival_rps: float | None = None
     """Requests arriving per second over the last minute: completions plus the growth of the requests
     in flight (``running + waiting``); ``None`` when not measured (the capacity controller then stays
-    off, :mod:`gearshift.control.capacity`)."""
+    off, :mod:`gearshift.control.shifting.capacity`)."""
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     itl_p50_ms: float | None = None

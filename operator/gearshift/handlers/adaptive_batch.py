@@ -1,5 +1,5 @@
 """Seed 000's adaptive batch, applied: per decode GearSet, every 5 s (the router's balance round), the
-routers' proposals → :func:`gearshift.control.adaptive_batch.decide` → the active gear's head pods.
+routers' proposals → :func:`gearshift.control.adaptive_batch.tick.decide` → the active gear's head pods.
 
 One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
 
@@ -29,10 +29,10 @@ import kopf
 from gearshift.adapters.kube import GS, POD, KubeApi, KubeApiError
 from gearshift.adapters.signals import HttpRouterDecisions, RouterDecisionSource
 from gearshift.api.common import COND_BATCH_ADAPTED
-from gearshift.control import adaptive_batch as rules
-from gearshift.control.autoscale import head_pods
-from gearshift.control.executor_status import executor_from_status
-from gearshift.control.pd_balance import INTERVAL_S
+from gearshift.control.adaptive_batch import tick as rules
+from gearshift.control.adaptive_batch.pd_balance import INTERVAL_S
+from gearshift.control.autoscale.tick import head_pods
+from gearshift.control.shifting.executor_status import executor_from_status
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status
 from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
 from gearshift.handlers.runtime import Runtime

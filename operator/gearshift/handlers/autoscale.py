@@ -1,5 +1,5 @@
 """The pipeline-replica autoscaler: per GearSet whose role has ``PDService.spec.<role>.scaling``, every
-``spec.policy.sampleIntervalS``, signals → :func:`gearshift.control.scaling.decide_scale` → act.
+``spec.policy.sampleIntervalS``, signals → :func:`gearshift.control.autoscale.scaling.decide_scale` → act.
 
 It acts only by writing ``GearSet.spec.replicas`` (the scale subresource's target: with ``scaling`` absent
 the operator never writes it, so HPA/KEDA may drive it instead); the reconciler then sets every stage
@@ -16,7 +16,8 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeA
 4. a sample: Prometheus (KV-cache usage of the fullest head pod, waiting and running requests, the
    role's P99 against its SLO) plus, for decode, the router pods' ``gearshift_router_no_decode_headroom``
    counter read from their ``/metrics`` (its increase since the last read is the immediate trigger);
-5. decide; a scale-up is placed first (:func:`gearshift.control.scaling.place_replicas` over free GPUs of
+5. decide; a scale-up is placed first (:func:`gearshift.control.autoscale.scaling.place_replicas` over free
+GPUs of
    the allowed compute classes): what fits is added, what does not sets ``ScalingActive=False``
    (``NoFreeGPU``) and is retried every tick (new nodes make it fit). Nothing is ever evicted. A
    scale-down labels the leaving head pods ``gearshift.io/draining: "true"`` (the router drops them) and
@@ -26,7 +27,7 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeA
    events for changes.
 
 The rules of a tick (the scope and its knobs, what it reads off pods and StatefulSets, the drain, what a
-decision writes) are :mod:`gearshift.control.autoscale`'s; this module reads, calls them, writes and
+decision writes) are :mod:`gearshift.control.autoscale.tick`'s; this module reads, calls them, writes and
 records. Status writes re-read the GearSet under the reconciler's per-service lock and change only the
 ``ScalingActive`` condition, so the shifting loop's and the reconciler's conditions survive.
 """
@@ -46,8 +47,8 @@ from gearshift.adapters.kube import GPUP, GS, NODE, POD, STS, KubeApi, KubeApiEr
 from gearshift.adapters.signals import ScaleSignalSource
 from gearshift.api.common import COND_SCALING_ACTIVE
 from gearshift.api.gearset_status import ScalingStatus
-from gearshift.control import autoscale as rules
-from gearshift.control import scaling as sc
+from gearshift.control.autoscale import scaling as sc
+from gearshift.control.autoscale import tick as rules
 from gearshift.control.signals import SignalsUnavailable
 from gearshift.facts.gpus import UnknownGPUError, compute_score
 from gearshift.handlers.common import ConditionBook, conditions_from, emit, patch_status

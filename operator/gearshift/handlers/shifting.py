@@ -11,7 +11,7 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeA
    it is derived from the head's metrics and the gear's ``predictedTimeMs``
    (:func:`gearshift.control.signals.derived_stage_utilization`); during ``Draining`` also the old
    gear's in-flight requests, during ``RollingBack`` the failed gear's
-   (:func:`~gearshift.control.executor.draining_gear`). No Prometheus, an error or a missing series →
+   (:func:`~gearshift.control.shifting.executor.draining_gear`). No Prometheus, an error or a missing series →
    ``SignalsAvailable=False`` and the decision holds (no shift starts; a shift already running still
    finishes, its steps need no signals). A vLLM sample without derivable stage utilisation (a
    multi-stage gear without stage times, or no completions yet) is still a sample:
@@ -19,23 +19,23 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeA
    sample whose latency quantiles or arrival rate have no value while requests flow is one too, but
    ``SignalsAvailable=False`` (``LatencyUnavailable`` / ``SeriesMissing``, naming each series, one
    Warning event) and the triggers that read them hold (#31: missing is never fine);
-4. :func:`gearshift.control.decide.decide` → :func:`gearshift.control.adapt.shift_request` →
-   :func:`gearshift.control.executor.step`; when the active gear holds stages on a time-limited node the
-   reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``),
-   :func:`gearshift.control.shifting.window_request` replaces the decision's request with a shift
+4. :func:`gearshift.control.shifting.decide.decide` → :func:`gearshift.control.shifting.adapt.shift_request` →
+   :func:`gearshift.control.shifting.executor.step`; when the active gear holds stages on a time-limited node
+   the reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``),
+   :func:`gearshift.control.shifting.tick.window_request` replaces the decision's request with a shift
    (trigger ``window``) to the reconciler's window-free replacement, signals or not (issue 13);
 5. persist the new executor and decision state, smoothed signals, history, gear health and the
    condition in ``GearSet.status`` (under the reconciler's per-service lock, so a concurrent reconcile
    sees either the old or the new executor step, never a half), *then* apply the actions through the
    reconciler's :func:`~gearshift.handlers.reconcile.ensure_gear_sync`, ``select_gear_sync`` and
    ``delete_gear_sync`` and record events. An action type the tick does not know fails the tick before
-   anything is written (:func:`gearshift.control.shifting.api_operations`);
+   anything is written (:func:`gearshift.control.shifting.tick.api_operations`);
 6. mark the head pods of a ``Warming`` shadow for the router's mirrored warm-up traffic and unmark every
    other pod of the role (:func:`_mark_warming`, :mod:`gearshift.k8s.warming`).
 
 What is decided in a tick is pure code: the observation, the shadow check, the request, the condition,
-the events and the mapping of actions to API operations in :mod:`gearshift.control.shifting`, the status
-patch in :mod:`gearshift.control.shift_status`; this module reads, calls them, writes and records.
+the events and the mapping of actions to API operations in :mod:`gearshift.control.shifting.tick`, the status
+patch in :mod:`gearshift.control.shifting.shift_status`; this module reads, calls them, writes and records.
 
 Persisting before acting is what makes a restart safe: the executor step is level-triggered and re-emits
 whatever the world still lacks (a gear to create, a selector to set, a leftover to delete), so an
@@ -68,10 +68,12 @@ from gearshift.api.common import GROUP, REASON_WINDOW_NO_TARGET, VERSION
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import GearHealth
 from gearshift.api.pdservice import PDService
-from gearshift.control.adapt import gear_views, gearset_rules
-from gearshift.control.decide import Decision, DecisionKind, DecisionState, Overrides, decide
-from gearshift.control.executor import GearObservation, Phase, ShiftState, World, draining_gear, step
-from gearshift.control.executor_actions import (
+from gearshift.control.reconcile.settings import Settings
+from gearshift.control.reconcile.state import SHIFT_STEPS
+from gearshift.control.shifting.adapt import gear_views, gearset_rules
+from gearshift.control.shifting.decide import Decision, DecisionKind, DecisionState, Overrides, decide
+from gearshift.control.shifting.executor import GearObservation, Phase, ShiftState, World, draining_gear, step
+from gearshift.control.shifting.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
@@ -80,11 +82,9 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.executor_status import executor_from_status
-from gearshift.control.policy import GearTable, ShiftRules
-from gearshift.control.reconcile.settings import Settings
-from gearshift.control.reconcile.state import SHIFT_STEPS
-from gearshift.control.shift_status import (
+from gearshift.control.shifting.executor_status import executor_from_status
+from gearshift.control.shifting.policy import GearTable, ShiftRules
+from gearshift.control.shifting.shift_status import (
     ORPHAN_MESSAGE,
     REASON_SHIFT_ABANDONED,
     Signals,
@@ -94,7 +94,7 @@ from gearshift.control.shift_status import (
     records_to_status,
     status_patch,
 )
-from gearshift.control.shifting import (
+from gearshift.control.shifting.tick import (
     ApiOperation,
     api_operations,
     current_marks,
@@ -175,7 +175,7 @@ class _Inputs:
     gears: dict[str, Gear]
     """The spec's gears by name."""
     marks: list[GearHealth]
-    """The gear-health marks that still hold (:func:`~gearshift.control.shifting.current_marks`)."""
+    """The gear-health marks that still hold (:func:`~gearshift.control.shifting.tick.current_marks`)."""
 
 
 @dataclass(frozen=True)
@@ -516,7 +516,7 @@ def _now_dt(now: float) -> datetime:
 def _decision_event(
     api: KubeApi, memory: GearSetMemory, body: Mapping[str, Any], key: tuple[str, str], decision: Decision
 ) -> None:
-    """The event :func:`~gearshift.control.shifting.decision_event` calls for, given this GearSet's last
+    """The event :func:`~gearshift.control.shifting.tick.decision_event` calls for, given this GearSet's last
     hold reason (remembered in ``memory``: the loop ticks every few s)."""
     previous: str | None = None
     if decision.kind is DecisionKind.HOLD:

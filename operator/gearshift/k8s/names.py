@@ -71,7 +71,7 @@ def parse_mirror_rps(annotations: Mapping[str, str]) -> float:
 
 #: On a serving (decode) head pod: the most requests one router replica keeps on it at once, the operator's
 #: adaptive max batch (``status.adaptiveBatch.effective`` of its GearSet / router replicas, at least 1;
-#: gearshift.control.adaptive_batch). Absent: no router-side cap (the engine's own max batch applies).
+#: gearshift.control.adaptive_batch.tick). Absent: no router-side cap (the engine's own max batch applies).
 ANNOTATION_MAX_BATCH = f"{DOMAIN}/max-batch"
 #: On a GearSet: ``"off"`` (or ``"false"``) keeps the operator's adaptive max batch off (the pods' caps are
 #: removed); ``"on"``/``"true"`` or absent: on; any other value is ignored with a warning.

@@ -22,7 +22,7 @@ live requests to them (:mod:`gearshift.router.mirror`). It does so in a real clu
 EndpointSlices hold the serving pods: only the poll sees pods no Service selects.
 
 The same poll reads each pod's ``gearshift.io/max-batch`` annotation: the operator's adaptive max batch
-(:mod:`gearshift.control.adaptive_batch`), the most requests this router keeps on that pod at once
+(:mod:`gearshift.control.adaptive_batch.tick`), the most requests this router keeps on that pod at once
 (:attr:`BackendInfo.batch_cap`); a head pod's ``GEARSHIFT_PIPELINE`` gives the engine's own max batch.
 """
 

@@ -38,8 +38,9 @@ class BackendInfo:
     itl_prior_ms: float | None = None
     batch_cap: int | None = None
     """Most requests this router keeps on the pod at once, when it serves (decode or both): the operator's
-    adaptive max batch (pod annotation ``gearshift.io/max-batch``, :mod:`gearshift.control.adaptive_batch`).
-    None: no cap here (the engine's own ``max_batch`` queues what is beyond it)."""
+    adaptive max batch (pod annotation ``gearshift.io/max-batch``,
+    :mod:`gearshift.control.adaptive_batch.tick`). None: no cap here (the engine's own ``max_batch`` queues
+    what is beyond it)."""
 
 
 @dataclass

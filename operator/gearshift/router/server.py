@@ -3,12 +3,12 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming passed through),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the router's own, prometheus_client),
 ``GET /debug/pods`` (every pod's signals and counters), ``GET /debug/decisions`` (the latest
-:mod:`gearshift.control.pd_balance` round). The router applies the round's rebalancing itself (new
-requests spare the pods it names, unless ``--no-apply-rebalance``); the adaptive-batch proposals are the
-operator's to apply (:mod:`gearshift.handlers.adaptive_batch` reads this endpoint and writes each decode
-head pod's ``gearshift.io/max-batch``, which the router then enforces as a per-pod cap: requests beyond
-it wait here, none reaches the engine's queue). The JSON contract is in docs/ARCHITECTURE.md, "Router
-decisions → operator".
+:mod:`gearshift.control.adaptive_batch.pd_balance` round). The router applies the round's rebalancing itself
+(new requests spare the pods it names, unless ``--no-apply-rebalance``); the adaptive-batch proposals are the
+operator's to apply (:mod:`gearshift.handlers.adaptive_batch` reads this endpoint and writes each decode head
+pod's ``gearshift.io/max-batch``, which the router then enforces as a per-pod cap: requests beyond it wait
+here, none reaches the engine's queue). The JSON contract is in docs/ARCHITECTURE.md, "Router decisions →
+operator".
 
 Membership: with ``--service`` the router watches the role Services' EndpointSlices; where those hold no
 endpoint (the sandbox: the API server refuses loopback pod IPs) it falls back to the Services' selectors
@@ -41,7 +41,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gearshift.control import pd_balance
+from gearshift.control.adaptive_batch import pd_balance
 from gearshift.facts.errors import PolicyError, SettingsError
 from gearshift.facts.model import load_hf_config
 from gearshift.router import outlier
@@ -96,7 +96,8 @@ def _report_crash(task: asyncio.Task[Any]) -> None:
 def balance_round(
     pool: Pool, now: float, target_itl_ms: float, waiting: Mapping[str, int] | None = None
 ) -> pd_balance.Decisions:
-    """One :mod:`gearshift.control.pd_balance` round over the pool's live signals (the operator's hook).
+    """One :mod:`gearshift.control.adaptive_batch.pd_balance` round over the pool's live signals (the
+    operator's hook).
 
     ITL P99 per pod comes from the ITL histogram delta since the previous round (kept in ``extra``), or,
     with signals from Prometheus, from its 30 s ``histogram_quantile`` (``extra["itl_p99_ms"]``). A pod's

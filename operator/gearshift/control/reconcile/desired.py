@@ -19,12 +19,12 @@ from gearshift.api.common import (
 )
 from gearshift.api.gearset import Gear
 from gearshift.api.pdservice import PDService
-from gearshift.control import capacity
-from gearshift.control.adapt import gear_views, gearset_rules
-from gearshift.control.policy import ShiftRules
 from gearshift.control.reconcile.placement import placement_problems
 from gearshift.control.reconcile.planning import memory_utilization, no_memo, plan_roles
 from gearshift.control.reconcile.state import DesiredState, PlanMemo, RoleState, shift_in_flight
+from gearshift.control.shifting import capacity
+from gearshift.control.shifting.adapt import gear_views, gearset_rules
+from gearshift.control.shifting.policy import ShiftRules
 from gearshift.k8s import names
 from gearshift.k8s.desired import RoleDesire
 from gearshift.planner.inputs import initial_gear
@@ -46,7 +46,7 @@ def pick_active(rs: RoleState, rules: ShiftRules | None = None) -> list[Gear]:
 
     ``rules``: the role's shifting policy; with it and ``spec.initialGear`` unset, the initial gear is the
     one with the fewest GPUs predicted to meet the SLO at the expected load
-    (:func:`gearshift.control.capacity.initial_gear`), else the planner's :func:`initial_gear`."""
+    (:func:`gearshift.control.shifting.capacity.initial_gear`), else the planner's :func:`initial_gear`."""
     gnames = [g.name for g in rs.gears]
     rs.in_flight = shift_in_flight(rs.gs)
     st = rs.gs.status

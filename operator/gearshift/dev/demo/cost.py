@@ -25,7 +25,7 @@ from typing import Any
 
 from gearshift.api.gearset import Gear as ApiGear
 from gearshift.api.shift_policy import ShiftPolicy
-from gearshift.control.adapt import policy_from_api
+from gearshift.control.shifting.adapt import policy_from_api
 from gearshift.dev.loadgen import TraceRequest, clip_to_context
 from gearshift.dev.twin import Slo, plan_gears, trace_from_requests
 from gearshift.dev.twin.compare import replay_window

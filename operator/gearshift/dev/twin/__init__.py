@@ -13,9 +13,9 @@ What is real and what is modelled:
   (:func:`gearshift.k8s.engine.sim_pipeline` with :func:`gearshift.planner.inputs.gear_links`), the simulated
   engine itself (:class:`gearshift.sim.engine.Engine`: its scheduler, paged KV pool, preemption and
   :class:`~gearshift.sim.perfmodel.PerfModel` roofline timing, driven by its ``begin_step``/``end_step``
-  hook), and the operator's pure control code: :func:`gearshift.control.decide.decide`,
-  :func:`gearshift.control.executor.step`, :func:`gearshift.control.adapt.policy_from_api` with the
-  GearSet API's default :class:`~gearshift.api.shift_policy.ShiftPolicy`.
+  hook), and the operator's pure control code: :func:`gearshift.control.shifting.decide.decide`,
+  :func:`gearshift.control.shifting.executor.step`, :func:`gearshift.control.shifting.adapt.policy_from_api`
+  with the GearSet API's default :class:`~gearshift.api.shift_policy.ShiftPolicy`.
 - **Simulated here**: time (virtual: one trace hour = 3600 virtual seconds, no wall-clock sleeps); the
   router (shortest queue, ``running + waiting``, over the selected gear's head pods, each queue divided by
   the head's GPU prior -- the PD router's seed-000 prior, :func:`gearshift.facts.gpus.pd_gpu_prior`, of its

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from gearshift.control.adapt import gear_views
-from gearshift.control.capacity import initial_gear as capacity_gear
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.adapt import gear_views
+from gearshift.control.shifting.capacity import initial_gear as capacity_gear
+from gearshift.control.shifting.policy import ShiftRules
 from gearshift.dev.twin.constants import DEFAULT_SLO, WINDOW_S, Slo
 from gearshift.dev.twin.gears import GearSpec
 from gearshift.dev.twin.oracle import oracle_schedule
@@ -49,8 +49,8 @@ def dynamic_start(
 
     Unless ``expected_given`` (the GearSet set ``expectedArrivalRps``), the policy's expected arrival rate
     becomes the trace's first minute (:func:`first_minute_rps`, requests/s). The start gear is the
-    capacity controller's (:func:`gearshift.control.capacity.initial_gear`: the fewest GPUs predicted to
-    meet the SLO at that rate), or the planner's default (:func:`gearshift.planner.inputs.initial_gear`)
+    capacity controller's (:func:`gearshift.control.shifting.capacity.initial_gear`: the fewest GPUs predicted
+    to meet the SLO at that rate), or the planner's default (:func:`gearshift.planner.inputs.initial_gear`)
     when none is predicted to.
     """
     run_policy = policy if expected_given else replace(policy, expected_arrival_rps=first_minute_rps(trace))

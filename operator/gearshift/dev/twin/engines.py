@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.policy import ShiftRules
 from gearshift.control.signals import WINDOW_S as PROM_WINDOW_S
 from gearshift.control.smoothing import Sample
 from gearshift.dev.demo.series import histogram_quantile

@@ -11,7 +11,7 @@ from typing import Any
 
 from gearshift import planner
 from gearshift.api.gearset import Gear as ApiGear
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.policy import ShiftRules
 from gearshift.dev.twin.constants import MEMORY_UTILIZATION, PLAN_SIM_REQUESTS
 from gearshift.facts import fleet as fleet_mod
 from gearshift.facts.model import ModelArch

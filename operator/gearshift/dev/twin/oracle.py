@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.policy import ShiftRules
 from gearshift.dev.twin.constants import WINDOW_S
 from gearshift.dev.twin.gears import GearSpec, is_upshift, shift_lead_s
 

@@ -14,14 +14,20 @@ from typing import Any
 import numpy as np
 
 from gearshift.api.gearset_status import GearHealth
-from gearshift.control.adapt import gear_views, shift_request
-from gearshift.control.decide import Decision, DecisionKind, DecisionState, decide
-from gearshift.control.executor import GearObservation, ShiftState, World, step
-from gearshift.control.executor_actions import DeleteGear, EnsureGear, MarkUnhealthy, RecordShift, SelectGear
-from gearshift.control.policy import GearTable, ShiftRules
-from gearshift.control.shifting import lasting_marks, serving_since
+from gearshift.control.shifting.adapt import gear_views, shift_request
+from gearshift.control.shifting.decide import Decision, DecisionKind, DecisionState, decide
+from gearshift.control.shifting.executor import GearObservation, ShiftState, World, step
+from gearshift.control.shifting.executor_actions import (
+    DeleteGear,
+    EnsureGear,
+    MarkUnhealthy,
+    RecordShift,
+    SelectGear,
+)
+from gearshift.control.shifting.policy import GearTable, ShiftRules
+from gearshift.control.shifting.tick import lasting_marks, serving_since
+from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.signals import sample_window_s
-from gearshift.control.triggers import Trigger
 from gearshift.dev.twin.constants import DEFAULT_SLO, REJECTED, TAIL_S, WINDOW_S, Slo
 from gearshift.dev.twin.engines import Sim
 from gearshift.dev.twin.gears import GearSpec, is_upshift, shift_lead_s

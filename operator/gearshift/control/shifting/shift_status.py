@@ -17,15 +17,15 @@ from typing import Any
 from gearshift.api.common import MAX_HISTORY, inputs_hash
 from gearshift.api.gearset import Gear
 from gearshift.api.gearset_status import SKIPPED_MAX_CHARS, ControlState, GearHealth, GearSignals
-from gearshift.control.capacity import CapacityEstimate
-from gearshift.control.decide import DecisionState, TriggerTrack
-from gearshift.control.executor import ShiftState
-from gearshift.control.executor_actions import Action, MarkUnhealthy, RecordShift
-from gearshift.control.executor_status import executor_to_status
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.capacity import CapacityEstimate
+from gearshift.control.shifting.decide import DecisionState, TriggerTrack
+from gearshift.control.shifting.executor import ShiftState
+from gearshift.control.shifting.executor_actions import Action, MarkUnhealthy, RecordShift
+from gearshift.control.shifting.executor_status import executor_to_status
+from gearshift.control.shifting.policy import ShiftRules
+from gearshift.control.shifting.triggers import TRIGGERS, Trigger
 from gearshift.control.signals import Reading
 from gearshift.control.smoothing import Sample
-from gearshift.control.triggers import TRIGGERS, Trigger
 from gearshift.facts.rfc3339 import from_time, to_time
 
 #: Longest ``message`` of a history or gear-health entry, characters (a status stays well under etcd's
@@ -310,7 +310,7 @@ def records_to_status(
     :class:`MarkUnhealthy` actions, from the stored lists.
 
     Health entries of gears without a mark in ``marks`` (the marks that still hold, see
-    :func:`gearshift.control.shifting.current_marks`) leave: ``kubectl get`` must not show a gear as
+    :func:`gearshift.control.shifting.tick.current_marks`) leave: ``kubectl get`` must not show a gear as
     unhealthy that is tried again, or serving. ``gears`` (spec gears by name) give a new mark's gear hash.
     """
     out_history = [dict(h) for h in history]

@@ -17,13 +17,13 @@ Per sample (every ``sampleIntervalSeconds``, seed 002):
    differs from the active gear's; saturation wants the healthy gear with the most predicted throughput
    above the active gear's, whatever its intent, and while saturation's condition holds p99-high passes
    over latency gears with less predicted throughput than the active one (gearshift extension, see
-   :mod:`gearshift.control.triggers`); a trigger whose gears are all unhealthy is skipped (the next one
-   is tried);
+   :mod:`gearshift.control.shifting.triggers`); a trigger whose gears are all unhealthy is skipped (the next
+   one is tried);
 6. inside the dwell (``dwellSeconds`` since the last shift *ended*: each sample taken while a shift is in
    progress restarts the streaks and the dwell) a latched trigger does not shift: its
    threshold goes up one step (at most ``maxRetriggerSteps``) and it unlatches. Levels return to 0
    after a whole dwell with no re-trigger;
-7. the cost–benefit check (:mod:`gearshift.control.cost`) may veto; otherwise ``Shift``.
+7. the cost–benefit check (:mod:`gearshift.control.shifting.cost`) may veto; otherwise ``Shift``.
 
 The function never reads the clock: ``now`` (s) is passed in.
 """
@@ -35,12 +35,11 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from gearshift.control import capacity
-from gearshift.control.capacity import CapacityEstimate
-from gearshift.control.cost import CostBenefit, cost_benefit
-from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules
-from gearshift.control.smoothing import LatencyMetric, Sample, p99_field, smooth
-from gearshift.control.triggers import (
+from gearshift.control.shifting import capacity
+from gearshift.control.shifting.capacity import CapacityEstimate
+from gearshift.control.shifting.cost import CostBenefit, cost_benefit
+from gearshift.control.shifting.policy import GearTable, GearView, Intent, ShiftRules
+from gearshift.control.shifting.triggers import (
     LOAD_TRIGGERS,
     TRIGGER_INTENT,
     TRIGGER_REASON,
@@ -51,6 +50,7 @@ from gearshift.control.triggers import (
     saturated,
     thresholds,
 )
+from gearshift.control.smoothing import LatencyMetric, Sample, p99_field, smooth
 
 #: The trigger of a shift asked for through ``spec.forceGear``.
 MANUAL = "forced"
@@ -127,7 +127,7 @@ class DecisionState:
     last_shift_at: float | None = None
     last_retrigger_at: float | None = None
     capacity: dict[str, CapacityEstimate] = field(default_factory=dict)
-    """Each gear's SLO capacity, predicted and measured (:mod:`gearshift.control.capacity`)."""
+    """Each gear's SLO capacity, predicted and measured (:mod:`gearshift.control.shifting.capacity`)."""
 
     def levels(self) -> dict[Trigger, int]:
         return {t: self.tracks[t].level for t in TRIGGERS}

@@ -2,9 +2,9 @@
 :mod:`gearshift.handlers.autoscale` observes and decides, the handler only reading, calling these, writing
 and recording. Pure: no clock (``now`` is passed in, epoch s), no I/O.
 
-:mod:`gearshift.control.scaling` is the algorithm over plain numbers (recommendation, windows, placement,
-drain primitives) that the virtual-time benchmark also runs; this module maps a GearSet and its PDService
-onto it and its results back onto the GearSet:
+:mod:`gearshift.control.autoscale.scaling` is the algorithm over plain numbers (recommendation, windows,
+placement, drain primitives) that the virtual-time benchmark also runs; this module maps a GearSet and its
+PDService onto it and its results back onto the GearSet:
 
 - which gear and knobs apply (:func:`scope_of`), which latency metric and SLO the sample compares
   (:func:`latency_signal`) and the PromQL of a sample (:func:`sample_queries`, :func:`sample_from`);
@@ -36,7 +36,7 @@ from gearshift.api.common import (
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import ScalingStatus
 from gearshift.api.pdservice import PDService, SLOSpec
-from gearshift.control import scaling as sc
+from gearshift.control.autoscale import scaling as sc
 from gearshift.control.reconcile.state import SHIFT_STEPS
 from gearshift.control.signals import GearSelector, quantile_query, queue_query, running_query, scalar
 from gearshift.facts.rfc3339 import from_time, to_time
@@ -321,8 +321,8 @@ def continue_drain(
     timeout_s: float,
     grace_s: float = DRAIN_GRACE_S,
 ) -> DrainStep:
-    """One tick of the drain in ``old`` (:func:`gearshift.control.scaling.drain_done`): hold, or write
-    ``spec.replicas`` = the drain's target (``current`` when none is stored) and clear the drain.
+    """One tick of the drain in ``old`` (:func:`gearshift.control.autoscale.scaling.drain_done`): hold, or
+    write ``spec.replicas`` = the drain's target (``current`` when none is stored) and clear the drain.
 
     ``in_flight``: :func:`drain_in_flight`; ``timeout_s``, ``grace_s``: s.
     """
@@ -427,8 +427,8 @@ def act_on(
     pods_per_replica: int,
     now: float,
 ) -> ScaleActions:
-    """What ``decision`` (of :func:`gearshift.control.scaling.decide_scale`, state ``before`` → ``after``)
-    writes, from ``status.scaling`` = ``scaling`` and ``current`` pipeline replicas.
+    """What ``decision`` (of :func:`gearshift.control.autoscale.scaling.decide_scale`, state ``before`` →
+    ``after``) writes, from ``status.scaling`` = ``scaling`` and ``current`` pipeline replicas.
 
     A scale-up adds what ``placement`` fits (nothing fits: the windows' memory stays ``before``'s so the
     next tick retries at once); a scale-down drains the ``heads`` (stage-0 pod names) whose ordinals go,

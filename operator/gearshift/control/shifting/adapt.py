@@ -8,9 +8,9 @@ from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import GearHealth
 from gearshift.api.pdservice import PDService
 from gearshift.api.shift_policy import ShiftPolicy
-from gearshift.control.decide import Decision, DecisionKind
-from gearshift.control.executor import ShiftRequest
-from gearshift.control.policy import GearTable, GearView, Intent, ShiftRules, StageView
+from gearshift.control.shifting.decide import Decision, DecisionKind
+from gearshift.control.shifting.executor import ShiftRequest
+from gearshift.control.shifting.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.smoothing import LatencyMetric
 
 #: The P99 each role's latency triggers read (DESIGN.md: prefill is judged by TTFT, decode by ITL). An

@@ -18,7 +18,8 @@ step per re-trigger in a dwell.
     than ``saturationQueue`` requests wait per pipeline replica (gearshift: a low P99 of the requests
     the engines admitted says nothing about those still queued).
   - ``load-high`` (issue 19, with the arrival rate known): the smoothed arrival rate is above the active
-    gear's SLO capacity (:mod:`gearshift.control.capacity`) → the gear with the fewest GPUs that fits it;
+    gear's SLO capacity (:mod:`gearshift.control.shifting.capacity`) → the gear with the fewest GPUs that fits
+    it;
   - ``load-low`` (issue 19): a gear with fewer GPUs fits the smoothed arrival rate within
     ``downshiftRatio`` of its capacity, and the P99 is within target with no backlog → that gear.
 Priority when several hold at once (:data:`TRIGGERS`): ``load-high`` first (the arrival rate leads every
@@ -34,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gearshift.control.policy import Intent, ShiftRules
+from gearshift.control.shifting.policy import Intent, ShiftRules
 from gearshift.control.smoothing import Sample
 
 
@@ -60,8 +61,9 @@ TRIGGERS: tuple[Trigger, ...] = (
     Trigger.LATENCY_LOW,
     Trigger.LOAD_LOW,
 )
-#: The triggers of the capacity controller (:mod:`gearshift.control.capacity`): they need the arrival
-#: rate and each gear's capacity, so :func:`conditions` leaves them to :func:`gearshift.control.decide`.
+#: The triggers of the capacity controller (:mod:`gearshift.control.shifting.capacity`): they need the arrival
+# : rate and each gear's capacity, so :func:`conditions` leaves them to
+# :func:`gearshift.control.shifting.decide`.
 LOAD_TRIGGERS = (Trigger.LOAD_HIGH, Trigger.LOAD_LOW)
 
 #: CamelCase event reasons of the triggers.

@@ -1,8 +1,8 @@
 """The executor run over a world model, step after step, until it is Stable and idle: what tests and
 benchmarks drive it with. Pure.
 
-Each state goes through the status codec between steps (:mod:`gearshift.control.executor_status`), so a
-run proves restart safety through the codec production uses; it sits apart from :mod:`~gearshift.control.
+Each state goes through the status codec between steps (:mod:`gearshift.control.shifting.executor_status`), so
+a run proves restart safety through the codec production uses; it sits apart from :mod:`~gearshift.control.
 executor` because the codec imports the executor's types.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gearshift.control.executor import Phase, ShiftRequest, ShiftState, World, step
-from gearshift.control.executor_actions import Action
-from gearshift.control.executor_status import through_status
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.executor import Phase, ShiftRequest, ShiftState, World, step
+from gearshift.control.shifting.executor_actions import Action
+from gearshift.control.shifting.executor_status import through_status
+from gearshift.control.shifting.policy import ShiftRules
 
 
 class WorldModel(Protocol):
@@ -50,7 +50,7 @@ def simulate_steps(
     """Run :func:`step` every ``tick_s`` over ``world`` until the executor is Stable and idle.
 
     ``request`` is offered at the first step. With ``persist`` every state goes through the status codec
-    between steps (:func:`~gearshift.control.executor_status.through_status`), as it does through
+    between steps (:func:`~gearshift.control.shifting.executor_status.through_status`), as it does through
     ``GearSet.status`` in production.
 
     Raises:

@@ -2,8 +2,8 @@
 
 Every default is the API's (:class:`gearshift.api.shift_policy.ShiftPolicy`: seed 002's, "Gear
 shifting" and "Executor" in DESIGN.md, unless its comment says otherwise); the GearSet's ``spec.policy``
-overrides each one (:func:`gearshift.control.adapt.policy_from_api` builds a :class:`ShiftRules` from the
-API model, naming every field once).
+overrides each one (:func:`gearshift.control.shifting.adapt.policy_from_api` builds a :class:`ShiftRules` from
+the API model, naming every field once).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ class ShiftRules:
     """All numbers of the shifting policy; times in s, latencies in ms, ratios as fractions.
 
     Field names and defaults are ``GearSet.spec.policy``'s (:class:`gearshift.api.shift_policy.ShiftPolicy`)
-    in snake case; :func:`gearshift.control.adapt.policy_from_api` fills this from it. The schema refuses
-    bad input first; the checks here are the schema's lower bounds and cross-field rules, for rules built
-    without the API (the twin, the benchmarks), and ``tests/unit/test_control_adapt.py`` holds the two to
-    the same answer (the schema's upper limits only bound typos: the control code can use any value).
+    in snake case; :func:`gearshift.control.shifting.adapt.policy_from_api` fills this from it. The schema
+    refuses bad input first; the checks here are the schema's lower bounds and cross-field rules, for rules
+    built without the API (the twin, the benchmarks), and ``tests/unit/test_control_adapt.py`` holds the two
+    to the same answer (the schema's upper limits only bound typos: the control code can use any value).
 
     Raises:
         PolicyError: (at construction) a value outside its range, naming the ``spec.policy`` field.
@@ -100,11 +100,11 @@ class ShiftRules:
     starts on the gear with the fewest GPUs predicted to meet the SLO at this rate."""
     capacity_headroom: float = _API.capacity_headroom
     """A gear is predicted to keep up with this × its predicted throughput (requests/s); measured bounds
-    then correct it (:mod:`gearshift.control.capacity`). Our default, from ``bench/results/gears.json``:
-    continuous batching keeps latency flat until close to saturation (the 2-card gear keeps up with 26-28
-    req/s of the trace as well as the 4-card gear, 0.90-0.97 × its predicted 28.75; the simulated engine
-    serves it at 31.2, ``planner_vs_engine.json``); 0.8 shifted up early and spent 2.75-3.45 GPU-hours
-    where 0.9 spent 2.5 (``gears_headroom_0.8.json``)."""
+    then correct it (:mod:`gearshift.control.shifting.capacity`). Our default, from
+    ``bench/results/gears.json``: continuous batching keeps latency flat until close to saturation (the 2-card
+    gear keeps up with 26-28 req/s of the trace as well as the 4-card gear, 0.90-0.97 × its predicted 28.75;
+    the simulated engine serves it at 31.2, ``planner_vs_engine.json``); 0.8 shifted up early and spent
+    2.75-3.45 GPU-hours where 0.9 spent 2.5 (``gears_headroom_0.8.json``)."""
     downshift_ratio: float = _API.downshift_ratio
     """``load-low`` shifts to a gear with fewer GPUs only while the smoothed arrival rate is below this ×
     that gear's capacity (a margin against shifting back up at the next bump)."""

@@ -2,7 +2,7 @@
 
 Pure: no clock (``now`` is passed in, s), no network, no kopf. The handler
 (:mod:`gearshift.handlers.autoscale`) fetches samples, calls :func:`decide_scale` and acts;
-:mod:`gearshift.control.autoscale` maps the GearSet and PDService onto these numbers and the decisions
+:mod:`gearshift.control.autoscale.tick` maps the GearSet and PDService onto these numbers and the decisions
 back onto the GearSet.
 
 Algorithm, per sample of one role (issue 12):

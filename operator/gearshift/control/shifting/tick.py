@@ -4,7 +4,7 @@ GPUs, which request the executor gets (the decision's, or a vacating one for a t
 
 Pure: Kubernetes objects come in as plain dicts (as the API returns them), times as epoch seconds; no I/O,
 no clock. The handler (:mod:`gearshift.handlers.shifting`) reads the objects, calls these, writes and
-records; the status it writes is :mod:`gearshift.control.shift_status`'s.
+records; the status it writes is :mod:`gearshift.control.shifting.shift_status`'s.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from gearshift.api.common import (
 )
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import GearHealth
-from gearshift.control.adapt import shift_request
-from gearshift.control.decide import MANUAL, Decision, DecisionKind, held_triggers
-from gearshift.control.executor import (
+from gearshift.control.autoscale.scaling import NodeRank, NodeView, StageNeed, place_replicas
+from gearshift.control.shifting.adapt import shift_request
+from gearshift.control.shifting.decide import MANUAL, Decision, DecisionKind, held_triggers
+from gearshift.control.shifting.executor import (
     FAIL_P99,
     GearObservation,
     Phase,
@@ -30,7 +31,7 @@ from gearshift.control.executor import (
     ShiftState,
     judged_since,
 )
-from gearshift.control.executor_actions import (
+from gearshift.control.shifting.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
@@ -39,9 +40,8 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.policy import GearTable, ShiftRules
-from gearshift.control.scaling import NodeRank, NodeView, StageNeed, place_replicas
-from gearshift.control.shift_status import gear_fingerprint
+from gearshift.control.shifting.policy import GearTable, ShiftRules
+from gearshift.control.shifting.shift_status import gear_fingerprint
 from gearshift.control.signals import (
     QUANTILE_SERIES,
     Engine,
@@ -183,7 +183,7 @@ def selected_gear(role_service: Mapping[str, Any] | None) -> str | None:
 def serving_since(state: ShiftState, policy: ShiftRules) -> float | None:
     """Since when the selected gear's samples count, s, or ``None`` (Stable, or a gear that served before:
     Warming, Degraded and RollingBack select the old gear): Draining from the switch; Switching from the
-    rollback check's start (:func:`gearshift.control.executor.judged_since`), so the window of
+    rollback check's start (:func:`gearshift.control.shifting.executor.judged_since`), so the window of
     :func:`gearshift.control.signals.sample_window` holds neither the warm-up nor the switch's transient."""
     if state.phase is Phase.DRAINING:
         return state.step_started_at
@@ -243,10 +243,10 @@ def shadow_fits(
     pods per stage. Stages take nodes in order (a named node list, else the nodes matching the stage's
     selector, else any node), at most one pod of a stage per node (the builders' anti-affinity, counted as
     required here even for a selector stage, whose StatefulSet only prefers it), the node with the most
-    free GPUs first. The packing is :func:`gearshift.control.scaling.place_replicas`'s, one stage at a
-    time with the stage's candidates given as named nodes (that is what makes its anti-affinity apply).
-    GPUs are whole devices here, so "memory short for a full shadow" means "not enough free cards" (a
-    greedy fit, not an optimal packing).
+    free GPUs first. The packing is :func:`gearshift.control.autoscale.scaling.place_replicas`'s, one stage at
+    a time with the stage's candidates given as named nodes (that is what makes its anti-affinity apply). GPUs
+    are whole devices here, so "memory short for a full shadow" means "not enough free cards" (a greedy fit,
+    not an optimal packing).
     """
     node_list = list(nodes)
     free = free_gpus(node_list, pods)

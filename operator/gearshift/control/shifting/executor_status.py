@@ -1,5 +1,5 @@
 """The executor's state as ``GearSet.status`` stores it: the one codec, used by the shifting loop and by
-:func:`gearshift.control.executor_sim.simulate_steps` (so restart safety is proven through the codec
+:func:`gearshift.control.shifting.executor_sim.simulate_steps` (so restart safety is proven through the codec
 production uses). Pure.
 
 ``status.activeGear`` holds :attr:`ShiftState.active`; ``status.executor`` (:class:`ExecutorState`) the
@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from gearshift.api.gearset_status import ExecutorState
-from gearshift.control.executor import Phase, ShiftState
+from gearshift.control.shifting.executor import Phase, ShiftState
 from gearshift.facts.rfc3339 import from_time, to_time
 
 

@@ -1,10 +1,10 @@
 """Seed 000's adaptive batch, applied by the operator to the serving (decode) gear. Pure.
 
 The router computes seed 000's rule every 5 s per decode pod
-(:func:`gearshift.control.pd_balance.adapt_batch`: ITL P99 > 1.2 × target → max batch × 0.9; ITL P99
-< 0.8 × target with a queue > 10 → × 1.1) and publishes it at ``GET /debug/decisions``. The operator
-reads every router replica's round, and this module turns the proposals for each of the active gear's
-head pods into one bounded step of that pod's *effective* max batch.
+(:func:`gearshift.control.adaptive_batch.pd_balance.adapt_batch`: ITL P99 > 1.2 × target → max batch × 0.9;
+ITL P99 < 0.8 × target with a queue > 10 → × 1.1) and publishes it at ``GET /debug/decisions``. The operator
+reads every router replica's round, and this module turns the proposals for each of the active gear's head
+pods into one bounded step of that pod's *effective* max batch.
 
 **What "apply" means.** A vLLM engine's batch limit is ``--max-num-seqs``, read once when the engine
 starts (``SchedulerConfig.max_num_seqs``, vllm/config/scheduler.py; the v1 scheduler copies it into
@@ -32,7 +32,8 @@ oscillates with neither pod right (the demo's decode gear, H100/A100/A10 pods: 4
 **The step** (:func:`decide`), per head pod, at most once per ``cooldown_s`` per pod (30 s: six router
 rounds, so the ITL a round measures reflects the cap in force, not the one before it):
 
-- never during a shift (the executor's :class:`~gearshift.control.executor.ShiftState` busy: the serving
+- never during a shift (the executor's :class:`~gearshift.control.shifting.executor.ShiftState` busy: the
+serving
   pods are about to change; a step would be measured on the wrong gear);
 - a new active gear (a shift finished, the gear's ``maxBatch`` edited, first sight) starts every pod at its
   planned max batch, and so does a pod that joins the gear (a scale-up);
@@ -58,7 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from gearshift.api.gearset_status import AdaptiveBatchStatus
-from gearshift.control.pd_balance import GROW_FACTOR, SHRINK_FACTOR
+from gearshift.control.adaptive_batch.pd_balance import GROW_FACTOR, SHRINK_FACTOR
 from gearshift.facts.rfc3339 import from_time, to_time
 
 #: GearSet roles whose engines decode, where seed 000's per-node batch rule applies: decode, and an

@@ -38,10 +38,10 @@ persisting the state and applying its actions, or in the middle of any phase, re
 holds at every step: the role Service is only ever pointed at a gear whose pods are Ready, and the gear it
 selects is never deleted.
 The step never reads the clock (``World.now``) and returns declarative actions
-(:mod:`gearshift.control.executor_actions`) that the handler applies in order; its state goes to and from
-``GearSet.status`` through :mod:`gearshift.control.executor_status`, and
-:func:`gearshift.control.executor_sim.simulate_steps` runs it over a scripted world until it is Stable and
-idle.
+(:mod:`gearshift.control.shifting.executor_actions`) that the handler applies in order; its state goes to and
+from ``GearSet.status`` through :mod:`gearshift.control.shifting.executor_status`, and
+:func:`gearshift.control.shifting.executor_sim.simulate_steps` runs it over a scripted world until it is
+Stable and idle.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from gearshift.control.executor_actions import (
+from gearshift.control.shifting.executor_actions import (
     Action,
     DeleteGear,
     EnsureGear,
@@ -60,9 +60,9 @@ from gearshift.control.executor_actions import (
     RecordShift,
     SelectGear,
 )
-from gearshift.control.policy import ShiftRules
+from gearshift.control.shifting.policy import ShiftRules
+from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.signals import MIN_WINDOW_S
-from gearshift.control.triggers import Trigger
 
 
 class Phase(StrEnum):
@@ -160,7 +160,7 @@ class ShiftRequest:
 @dataclass(frozen=True)
 class ShiftState:
     """The executor's state in ``GearSet.status.executor``; times in s. Plain data: its codec is
-    :mod:`gearshift.control.executor_status`."""
+    :mod:`gearshift.control.shifting.executor_status`."""
 
     active: str
     """The gear that serves (or, mid-shift, the one traffic returns to on a rollback)."""

@@ -5,14 +5,14 @@ and the P99 under the ``p99-high`` alarm (``p99HighRatio`` × target). It is a c
 verdict: a P99 a little over target at a load far below saturation comes from the request mix (long
 prompts), and a gear with more cards need not lower it (on the benchmark's fleet the 4-card gear has a
 *higher* TTFT P99 than the 2-card one until the latter saturates); the ``p99-high`` trigger, not the
-capacity, answers it (:mod:`gearshift.control.decide`).
+capacity, answers it (:mod:`gearshift.control.shifting.decide`).
 
 Before a gear has served, its capacity is predicted as ``capacityHeadroom`` × the planner's predicted
 throughput (``GearView.predicted_throughput_rps``, the rate at which the simulated pipeline is busy all
 the time): queueing delay grows without bound as utilisation nears 1 (M/M/1 waiting time ∝ ρ/(1 − ρ),
 Kleinrock, *Queueing Systems* vol. 1 §3.2), so a latency SLO is met only some way below the busy rate.
 Continuous batching keeps the delay flat until close to that rate, so the default is 0.9 (measured on
-``bench/gears.py``: see :attr:`gearshift.control.policy.ShiftRules.capacity_headroom`). A gear whose
+``bench/gears.py``: see :attr:`gearshift.control.shifting.policy.ShiftRules.capacity_headroom`). A gear whose
 planner-predicted P99 is above the target already at the planner's own load is not predicted to meet it
 at any rate.
 
@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gearshift.control.policy import GearView, ShiftRules
+from gearshift.control.shifting.policy import GearView, ShiftRules
 
 #: How long a higher arrival rate must be served within the SLO before it counts as a lower bound, s: the
 #: 1-minute window of the latency queries (gearshift.control.signals), so the P99 covers that load.

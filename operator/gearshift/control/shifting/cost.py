@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gearshift.control.policy import GearView, ShiftRules
+from gearshift.control.shifting.policy import GearView, ShiftRules
+from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.smoothing import Sample
-from gearshift.control.triggers import Trigger
 from gearshift.facts.model import ModelArch
 
 GB = 1e9
