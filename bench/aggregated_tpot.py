@@ -1,5 +1,5 @@
 """Aggregated (role ``both``) gears: the planner's predictions against the simulated engine, and the planned
-gears against the layouts a peer system deploys, at steady loads (issue 30; virtual time, CPU only).
+gears against the layouts a peer system deploys, at steady loads (virtual time, CPU only).
 
 For each workload shape (the demo's: the Azure conversation trace's mean 1155-token prompt and 211-token
 output; and two the planner was not written against: long prompts 4096/128 and long outputs 256/512) the

@@ -1,4 +1,4 @@
-"""The demo's aggregated Llama-3-70B service on trace windows it was not written against (issue 30's goals,
+"""The demo's aggregated Llama-3-70B service on trace windows it was not written against (the demo's goals,
 in the twin: virtual time, CPU only).
 
 ``make demo`` replays one window of the Azure conversation trace (the whole hour at 7.5x, every 25th

@@ -6,13 +6,13 @@ What is modelled (stated, not measured on GPUs): a decode pipeline replica runs 
 most ``MAX_BATCH`` sequences; one decode step takes ``STEP_BASE_MS + STEP_PER_SEQ_MS × batch`` (weights
 read once per step plus each sequence's KV; the shape of the simulated engine's memory-bound decode) and a
 request holds its KV (prompt + generated tokens × ``KV_BYTES_PER_TOKEN``) in a pool of ``KV_POOL_GB``.
-A request is admitted to the ready replica with the most free KV if its final KV × 1.2 fits (seed 000's
-headroom rule); otherwise it waits, and each sample interval in which some request found no such replica
-counts as router "no decode headroom" rejections (the autoscaler's immediate trigger). A new replica takes
-``WARMUP_S`` to become Ready (weights load); a replica scaled down is drained (no admissions) and goes
-when its last request ends, so no request fails. TTFT = queue wait + ``PREFILL_MS``; a request meets the
-SLO when TTFT ≤ 200 ms and its mean step time ≤ 50 ms (the example PDService's SLOs); goodput = such
-requests per second.
+A request is admitted to the ready replica with the most free KV if its final KV × 1.2 fits (the PD guide's
+(docs/sources.md#decode-headroom) headroom rule); otherwise it waits, and each sample interval in which some
+request found no such replica counts as router "no decode headroom" rejections (the autoscaler's immediate
+trigger). A new replica takes ``WARMUP_S`` to become Ready (weights load); a replica scaled down is drained
+(no admissions) and goes when its last request ends, so no request fails. TTFT = queue wait + ``PREFILL_MS``;
+a request meets the SLO when TTFT ≤ 200 ms and its mean step time ≤ 50 ms (the example PDService's SLOs);
+goodput = such requests per second.
 
 Output: bench/results/autoscale.json — time to scale up (burst start → first decision, → replicas Ready),
 goodput before / during / after the burst, GPU-hours of the autoscaled run vs a fixed ``maxReplicas``
@@ -36,7 +36,7 @@ from gearshift.dev.loadgen import DEFAULT_TRACE as TRACE  # noqa: E402
 from gearshift.dev.loadgen import load_trace  # noqa: E402
 
 DT = 0.1  # s, model step
-SAMPLE_S = 2.0  # s, autoscaler sample interval (seed 002)
+SAMPLE_S = 2.0  # s, autoscaler sample interval (docs/sources.md#shift-signals)
 MAX_BATCH = 64
 STEP_BASE_MS = 18.0
 STEP_PER_SEQ_MS = 0.35

@@ -1,4 +1,4 @@
-"""Pipeline-replica autoscaling (issue 12) on the sandbox twin under the shared trace: a burst past one
+"""Pipeline-replica autoscaling on the sandbox twin under the shared trace: a burst past one
 decode replica's capacity, the scale-up, the recovery of goodput, and the scale-down after it.
 
 Two runs with the same fleet, service and replayed load, on a shared sandbox (``gearshift sandbox up``),

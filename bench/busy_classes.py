@@ -11,7 +11,7 @@ Classes and modules (the rows of ``bench/reliability.py``'s ``ROWS`` they re-pro
 
 - objects near the API's limits (row 4): ``tests/e2e/test_api_limits.py``;
 - bad inputs refused at the API with a message naming the field: ``tests/e2e/test_api.py``;
-- stale and replaced CRDs, status writes pruned (row 5, #31 items 4 and 6): ``tests/e2e/test_stale_crds.py``
+- stale and replaced CRDs, status writes pruned (row 5): ``tests/e2e/test_stale_crds.py``
   (``test_crd_replaced_live.py`` runs busy in ``make test`` already);
 - operator kills at the shift boundaries, deletes while daemons run, recovery rules (rows 2, 3, 6):
   ``tests/e2e/test_shifting_e2e.py``;

@@ -1,4 +1,4 @@
-"""The operator at fleet scale on the sandbox (issue 32, item 3): 1,000+ kwok GPU nodes, 100+ PDServices.
+"""The operator at fleet scale on the sandbox: 1,000+ kwok GPU nodes, 100+ PDServices.
 
 Needs a sandbox of at least ``--min-nodes`` GPU nodes whose pod runner runs in light mode (containers are
 forks of the runner: a simulated probe runs in the fork, engine and router pods sleep and count as Ready;
@@ -263,7 +263,8 @@ def probe_timeline(api: Any, polls: Polls) -> dict[str, Any]:
 
 
 def goals(result: dict[str, Any]) -> dict[str, Any]:
-    """Issue 32's goals for the operator at 1,000 nodes, each with the measured figure and met or not."""
+    """Fleet-scale planning's goals for the operator at 1,000 nodes, each with the measured figure and met or
+    not."""
     ph = result["phases"]
     placed = next((p for p in ph.get("apply", {}).get("progress", []) if "scheduled" in p["what"]), {})
     rss = max((x.get("operator_rss_mb") or 0) for x in ph.values()) if ph else None

@@ -4,7 +4,7 @@ Per scenario (a load: ``x<k>`` time-compressed, ``x<k>-own-pace`` k times as den
 pace, so the load crosses gear capacities on the trace's own timescale), it replays every static gear,
 the shifting loop (``dynamic``) and the per-window **oracle** (:func:`oracle_schedule`), and reports per
 variant goodput, GPU-hours (shadows and draining gears counted), SLO-met per GPU-hour, SLO-met per 60 s
-window, shifts per trace hour and failures, and issue 19's goals.
+window, shifts per trace hour and failures, and the capacity controller's goals.
 
 The replays run in the twin, :mod:`gearshift.dev.twin`: the real planner and control code on simulated
 engines in virtual time. Its docstring says what is real and what is modelled, and how a request fails,
@@ -62,7 +62,8 @@ OUT = ROOT / "bench" / "results" / "gears.json"
 
 
 # --- scenarios and the oracle ------------------------------------------------------------------------
-#: Default replay length of each time-compressed scenario (the runs issue 9 and 19 quote), s.
+#: Default replay length of each time-compressed scenario (the runs the gear-shifting and capacity work
+#: quote), s.
 COMPRESSED_LIMIT_S = {1.0: 1200.0, 4.0: 450.0, 8.0: 300.0}
 #: Seed of the own-pace scenarios' copies (their arrival jitter).
 DENSIFY_SEED = 19
@@ -273,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 19's goals for one scenario (each with its value, the goal and whether it is met)."""
+    """The capacity controller's goals for one scenario (each with its value, the goal and whether it is
+    met)."""
     by = {r["variant"]: r for r in results}
     statics = [r for r in results if r["variant"].startswith("static-")]
     goals: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""#31 item 5: a leader on a starved API server, re-executing in place (this branch) against exiting (main).
+"""A leader on a starved API server, re-executing in place (this branch) against exiting (main).
 
 The busy machine of ``bench/reliability.py`` (its CPU hog takes one core for the whole run) and, on top, the
 sandbox's kube-apiserver starved by SIGSTOP/SIGCONT (``tests/e2e/test_lease_starved.py``'s ``Starver``):
@@ -264,7 +264,7 @@ class Sandbox:
         raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-#: What the busy run must show (#31 item 5): the operator never exits, every shift completes, and no
+#: What the busy run must show: the operator never exits, every shift completes, and no
 #: request fails, however many Leases the outages cost.
 GOAL = {"restarts": 0, "failed_requests": 0, "shifts_completed": "all", "lease_losses": "<= required"}
 

@@ -6,8 +6,9 @@ Run: ``.venv/bin/python bench/planner.py`` (a few minutes); writes ``bench/resul
 - optimality: ≥ 30 random fleets (3-9 nodes, 24-80 layers) whose memory and link limits bind; the exact
   partitioner must match :mod:`planner_bruteforce` (all ordered subsets × all splits) to 1e-6 relative.
   "Binding" is checked, not assumed: the optimum with memory (links) relaxed is reported beside it.
-- gain: seed 002's scenario and Llama-3-70B on the mixed datasheet fleet: the single-pipeline
-  throughput gear vs an even layer split over the same nodes in the same order, and vs the lower bound.
+- gain: FlexPipe's scenario and Llama-3-70B on the mixed datasheet fleet (docs/sources.md#planner): the
+  single-pipeline throughput gear vs an even layer split over the same nodes in the same order, and vs the
+  lower bound.
 - speed: 80 layers × 16 distinct nodes (exact) and × 64 nodes (heuristic); the heuristic's gap to the
   lower bound, and to the exact optimum on 16-node fleets where both can run.
 - fleet scale (``planner_fleet.json``, :func:`bench_fleet`): generated fleets (:func:`fleet_doc`, seeded)

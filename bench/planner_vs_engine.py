@@ -1,4 +1,4 @@
-"""Planner-predicted capacity vs the simulated engines' measured capacity, per planned gear (issue 9).
+"""Planner-predicted capacity vs the simulated engines' measured capacity, per planned gear.
 
 For each gear the planner produces on the mixed fleet (as ``bench/gears.py`` plans them) and for the even
 layer split, this drives every head pod's :class:`gearshift.sim.engine.Engine` in virtual time with a

@@ -1,4 +1,4 @@
-"""A busy machine against a quiet one (#20): the demo's trace window replayed twice, side by side in one run.
+"""A busy machine against a quiet one: the demo's trace window replayed twice, side by side in one run.
 
 - ``quiet``: ``gearshift demo`` as ``make demo`` runs it (same trace, same window, ``--duration``);
 - ``busy``: the same, while a background process keeps one core busy for the whole replay (a Python busy
@@ -12,9 +12,9 @@ requests meeting the PDService SLO per second of replay (the demo's ``goodput_rp
 their simulated GPU-hours of the fleet over the replay (cards × replay time) so the cost of each figure
 is stated.
 
-Also written, per row of #20, the tests that cover it (``ROWS``), and for each run the GearSets' sample ->
-status lag (#31 item 3, goal P99 <= 2 sample intervals): a watch of every GearSet records, for each new
-``status.signals.sampleTime``, the time the watch delivered it minus that sample time (one wall clock: the
+Also written, per row of the robustness work, the tests that cover it (``ROWS``), and for each run the
+GearSets' sample -> status lag (goal P99 <= 2 sample intervals): a watch of every GearSet records, for each
+new ``status.signals.sampleTime``, the time the watch delivered it minus that sample time (one wall clock: the
 operator and this script run on the same machine). It counts the write, the API server and the watch's
 delivery, so it bounds the operator's own figure (``gearshift_operator_sample_to_status_seconds``) from
 above. Ticks without a sample (``skipped``) and the loops' ``missedSamples`` are counted beside it.
@@ -41,7 +41,7 @@ from gearshift.dev.sandbox.harness import burner
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench/results/reliability.json"
 
-#: #20's rows and the tests that fail on the code before the fix and pass after it.
+#: the robustness rows and the tests that fail on the code before the fix and pass after it.
 ROWS: dict[str, dict[str, Any]] = {
     "1 busy machine loses requests": {
         "fix": "router/outlier.py: Envoy's health-check thresholds, consecutive-5xx ejection with a "

@@ -69,7 +69,8 @@ SLO_TTFT_MS = 200.0
 SLO_TPOT_MS = 50.0
 POLICY_RUNS: list[tuple[str, dict[str, Any]]] = [
     ("pd-score", {"policy": "pd-score"}),
-    # pd-score with seed 000's count-based queue term (before correction 8): no prefill time known.
+    # pd-score with the PD guide's count-based queue term (docs/sources.md#prefill-score) (before correction
+    # 8): no prefill time known.
     ("pd-score-seed-queue", {"policy": "pd-score", "seed_queue": True}),
     ("shortest-queue-speed1", {"policy": "shortest-queue", "speed_one": True}),
     ("shortest-queue", {"policy": "shortest-queue"}),

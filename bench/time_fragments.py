@@ -1,4 +1,4 @@
-"""Virtual-time benchmark of time-limited GPU nodes (issue 13): goodput while a windowed node serves an
+"""Virtual-time benchmark of time-limited GPU nodes: goodput while a windowed node serves an
 extra pipeline replica, against a run that ignores the node; the move off it before the deadline.
 
 What is real: the window arithmetic (``gearshift.control.windows.WindowTiming``: leaveBy = deadline −
@@ -6,13 +6,14 @@ windowMarginS − max(dwellS, warmS + drainTimeoutS + rollbackWindowS)) with the
 and the bundled trace (``gearshift.dev.loadgen.DEFAULT_TRACE``, replayed ``SPEED`` x faster so one
 pipeline replica is overloaded and two are not). What is modelled (stated, not measured on GPUs): the
 decode replicas are bench/autoscale.py's fluid model (continuous batching of at most 64 sequences, step
-``18 + 0.35 × batch`` ms, a 20 GB KV pool with seed 000's 1.2× headroom rule; SLO: TTFT ≤ 200 ms and mean
-step ≤ 50 ms); the vacate follows the executor's path with fixed durations: at leaveBy the shadow of the
-window-free gear starts, is Ready after ``WARMUP_S`` and warm after ``warmS``, then traffic switches to it
-and the old gear (both replicas, one on the windowed node) takes no new requests and finishes what it
-runs (drain), and is deleted after the rollback window. The shadow's share of the durable card while it
-warms, and the time-slicing of that card between the draining old replica and the new one after the
-switch, are not modelled (both would lower run B's goodput around the switch a little).
+``18 + 0.35 × batch`` ms, a 20 GB KV pool with the PD guide's 1.2× headroom rule
+(docs/sources.md#decode-headroom); SLO: TTFT ≤ 200 ms and mean step ≤ 50 ms); the vacate follows the
+executor's path with fixed durations: at leaveBy the shadow of the window-free gear starts, is Ready after
+``WARMUP_S`` and warm after ``warmS``, then traffic switches to it and the old gear (both replicas, one on the
+windowed node) takes no new requests and finishes what it runs (drain), and is deleted after the rollback
+window. The shadow's share of the durable card while it warms, and the time-slicing of that card between the
+draining old replica and the new one after the switch, are not modelled (both would lower run B's goodput
+around the switch a little).
 
 Runs: A ignores the windowed node (one durable replica throughout); B uses it from the start (two
 replicas) and vacates it. Output: bench/results/time_fragments.json (goodput per phase, SLO attainment,

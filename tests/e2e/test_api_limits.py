@@ -1,4 +1,4 @@
-"""#20 row 4 on the sandbox: objects near the API's limits do not make the operator loop.
+"""On the sandbox: objects near the API's limits do not make the operator loop.
 
 The operator runs as a process watching this module's namespace (``harness.OperatorProcess``) on two
 private GPU nodes (``harness.GpuNodes``), engine ``sim``.

@@ -1,4 +1,4 @@
-"""Pipeline-replica autoscaling (issue 12) on the sandbox twin: the decode-headroom trigger, scale-down with a
+"""Pipeline-replica autoscaling on the sandbox twin: the decode-headroom trigger, scale-down with a
 drain, and a scale-up blocked by a full fleet that proceeds when a node appears.
 
 The operator runs as a subprocess watching only this module's namespace (the cluster-wide GPUProfile and

@@ -1,4 +1,5 @@
-"""Seed 000's two balance loops closed on the sandbox twin (issue 19 item 4): the router applies its
+"""The PD guide's two balance loops (docs/sources.md#rebalancing, docs/sources.md#adaptive-batch) closed on
+the sandbox twin: the router applies its
 rebalancing by default, and the operator applies the router's adaptive-batch proposals.
 
 The operator runs as a subprocess watching only this module's namespace; the test makes its own GPU

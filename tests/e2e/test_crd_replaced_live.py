@@ -1,4 +1,4 @@
-"""#31 item 4 on the sandbox: a GearSet CRD replaced by an older one under the running operator is seen
+"""On the sandbox: a GearSet CRD replaced by an older one under the running operator is seen
 and said within 30 s, and the operator resumes once the CRD is current again (kopf#574's class).
 
 One aggregated PDService (sim engine, one one-stage gear on a private A10 node, the operator watching only

@@ -1,4 +1,4 @@
-"""#20 row 7 on the sandbox: of two operator replicas started together, one acts; the other waits.
+"""On the sandbox: of two operator replicas started together, one acts; the other waits.
 
 With kopf's peering both replicas handled resources for about 4 s at start-up (each first saw only
 itself in the peering object). Now they campaign for a Lease (``--leader-elect``) and the standby does not

@@ -1,9 +1,9 @@
-"""#31 item 5 on the sandbox: a starved API server costs no crash loop, and a shift in flight completes.
+"""On the sandbox: a starved API server costs no crash loop, and a shift in flight completes.
 
 The machine is the busy one of ``bench/reliability.py``: one core taken by ``harness.machine_load``'s CPU hog
 (one busy-loop process, ended by its pid) for the whole module. The API server is starved on top of that by
 stopping and continuing the sandbox's ``kube-apiserver`` (SIGSTOP/SIGCONT to the pid the sandbox recorded):
-while stopped it answers nothing, as a server starved of CPU at load 30 did (#31: the leader exited with
+while stopped it answers nothing, as a server starved of CPU at load 30 did (the leader exited with
 status 4, "not renewed for 10 s"). One ``gearshift operator --leader-elect`` (lease 6 s, renew deadline 4 s,
 retry 1 s: short but valid, so a loss is quick to provoke), on this module's namespace:
 

@@ -14,12 +14,12 @@ The tests run in order on the same service (GPUs in the shared sandbox are few):
    rolls back, and the role Service stays on a Ready gear;
 3. Prometheus unreachable (the PDService points at a closed loopback port; the sandbox's Prometheus is
    shared and offers no stop) → ``SignalsAvailable=False`` and no shift; restored → the shift runs;
-4. (#20 rows 2, 3) a stub Prometheus on loopback whose latency quantiles are NaN, +Inf, then absent:
+4. a stub Prometheus on loopback whose latency quantiles are NaN, +Inf, then absent:
    the status keeps being written, without a latency, and says ``LatencyUnavailable`` (with
-   ``SignalsAvailable=False`` since #31: missing is never fine);
-5. (#20 row 6) a ``forceGear`` reverted while its target warms cancels the shift;
-6. (#20 row 6) a gear marked unhealthy is held while unchanged and tried again once edited;
-7. (#20 row 6) the GearSet deleted in mid-shift takes its shadows with it.
+   ``SignalsAvailable=False``: missing is never fine);
+5. a ``forceGear`` reverted while its target warms cancels the shift;
+6. a gear marked unhealthy is held while unchanged and tried again once edited;
+7. the GearSet deleted in mid-shift takes its shadows with it.
 """
 
 from __future__ import annotations
@@ -461,9 +461,9 @@ def _latency_cond(sandbox: Any, ns: str) -> dict[str, Any] | None:
 def test_signals_that_are_not_numbers_or_missing_never_freeze_the_status(
     sandbox: Any, env: dict[str, Any]
 ) -> None:
-    """#20 rows 2 and 3: a quantile Prometheus gives as NaN or +Inf is no data and never reaches the status
+    """A quantile Prometheus gives as NaN or +Inf is no data and never reaches the status
     patch (the API server refused the JSON and ``sampleTime`` froze); a latency histogram that is missing
-    while the gear serves is not zero: ``SignalsAvailable=False`` (#31) says ``LatencyUnavailable``, with an
+    while the gear serves is not zero: ``SignalsAvailable=False`` says ``LatencyUnavailable``, with an
     event."""
     ns, op = env["ns"], env["op"]
     _force(sandbox, ns, None)
@@ -522,7 +522,7 @@ def _stable(sandbox: Any, ns: str) -> str:
 
 
 def test_force_reverted_while_warming_cancels_the_shift(sandbox: Any, env: dict[str, Any]) -> None:
-    """#20 row 6: a ``forceGear`` reverted while its target still warms cancels the shift (shadows deleted,
+    """A ``forceGear`` reverted while its target still warms cancels the shift (shadows deleted,
     history ``Aborted``, event ``ShiftCancelled``), instead of completing it and shifting back."""
     ns = env["ns"]
     start = _stable(sandbox, ns)
@@ -559,7 +559,7 @@ def test_force_reverted_while_warming_cancels_the_shift(sandbox: Any, env: dict[
 def test_an_edited_gear_is_tried_again_after_it_was_marked_unhealthy(
     sandbox: Any, env: dict[str, Any]
 ) -> None:
-    """#20 row 6: a gear marked unhealthy (``NotReadyInTime``) stays held while it is unchanged, even when the
+    """A gear marked unhealthy (``NotReadyInTime``) stays held while it is unchanged, even when the
     policy changes, and is tried again once the gear itself is edited (``gearHealth.gearHash``)."""
     ns = env["ns"]
     start = _stable(sandbox, ns)
@@ -594,7 +594,7 @@ def test_an_edited_gear_is_tried_again_after_it_was_marked_unhealthy(
 
 
 def test_deleting_the_gearset_mid_shift_frees_its_shadows(sandbox: Any, env: dict[str, Any]) -> None:
-    """#20 row 6 (last: it deletes the prefill GearSet): deleted in mid-shift, its shadow StatefulSets go
+    """(last: it deletes the prefill GearSet): deleted in mid-shift, its shadow StatefulSets go
     (their GPUs are free again); before, they were left behind."""
     ns = env["ns"]
     start = _stable(sandbox, ns)

@@ -1,4 +1,4 @@
-"""#20 row 5 on the sandbox: an operator started against older CRDs says so and stops; the documented
+"""On the sandbox: an operator started against older CRDs says so and stops; the documented
 upgrade path (server-side apply of the release's ``charts/gearshift/crds/``) lets it start.
 
 What ``helm upgrade`` leaves behind is simulated by applying this release's GearSet CRD without

@@ -1,4 +1,4 @@
-"""Status that tells the truth under change (#31) on the sandbox twin, with the simulated engine.
+"""Status that tells the truth under change on the sandbox twin, with the simulated engine.
 
 One aggregated PDService (sim engine, one one-stage gear on a private A10 node, the operator watching only
 this module's namespace) serves; its Prometheus URL is a loopback proxy of the sandbox's Prometheus
@@ -14,7 +14,7 @@ relabel rule or an engine without that histogram would.
   TTFT histogram's series; the GearSet says ``SignalsAvailable=False`` (``LatencyUnavailable``, naming
   the series) within a few sample intervals, with one Warning event however many samples it lasts, and
   clears by itself once the series is back.
-- Status keeps pace (#31 item 3): while Prometheus does not answer, ``status.signals`` still advances
+- Status keeps pace: while Prometheus does not answer, ``status.signals`` still advances
   every sample interval, each tick saying why it has no sample (``skipped``) with no value of the last
   sample left standing; the next sample clears it.
 
@@ -434,7 +434,7 @@ def test_a_missing_latency_series_while_requests_flow_is_reported_once(
 def test_the_status_advances_every_interval_without_a_sample_and_says_why(
     sandbox: Any, env: dict[str, Any], load: str
 ) -> None:
-    """#31 item 3: Prometheus answers 503 for a while. Every tick still writes ``status.signals``: a new
+    """Prometheus answers 503 for a while. Every tick still writes ``status.signals``: a new
     ``sampleTime`` each sample interval (1 s here), ``skipped`` naming why, no value of the last sample
     left standing; the first sample after it clears ``skipped``. Before, the status kept the last sample's
     values and time until Prometheus came back."""

@@ -1,4 +1,4 @@
-"""Time-limited GPU nodes ("time fragments", issue 13) on the sandbox twin: used while free, vacated
+"""Time-limited GPU nodes ("time fragments") on the sandbox twin: used while free, vacated
 before the deadline through shadow → drain → switch, with zero failed requests.
 
 Real here: the kube-apiserver, scheduler, StatefulSet and garbage controllers of the sandbox, the operator

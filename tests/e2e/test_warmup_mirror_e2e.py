@@ -1,5 +1,5 @@
 """Warm-up traffic on the sandbox twin: a warming shadow gets mirrored live requests within its cap, and
-clients see none of them (issue 19, item 3).
+clients see none of them.
 
 The operator runs as a subprocess watching only this module's namespace, on private GPU nodes
 (``harness.GpuNodes``: two A10s for prefill, 2 time-sliced ``nvidia.com/gpu`` each so the shadow fits

@@ -1,4 +1,5 @@
-"""Seed 000's adaptive batch, applied (issue 19 item 4): the pure step (control/adaptive_batch/tick.py:
+"""The PD guide's adaptive batch (docs/sources.md#adaptive-batch), applied: the pure step
+(control/adaptive_batch/tick.py:
 bounds, cooldown, never during a shift, stale proposals), the handler over an in-memory API (annotation,
 status, condition, events), and the router's side (the annotation read by membership, the per-pod cap that
 holds requests in the router rather than sending them)."""

@@ -16,7 +16,7 @@ from gearshift.api import crdgen
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: Printer columns exactly as issue 3 lists them.
+#: Printer columns exactly as the API design lists them.
 COLUMNS = {
     "GPUProfile": ["NODE", "GPU", "COUNT", "MEM(GiB)", "SCORE", "PHASE", "WINDOW", "AGE"],
     "GearSet": ["SERVICE", "ROLE", "ACTIVE", "TARGET", "PHASE", "REPLICAS", "READY", "P99(ms)", "QPS", "AGE"],

@@ -53,7 +53,8 @@ DELETE = object()
 
 
 class TestDefaults:
-    """Defaults are DESIGN.md's numbers (seed 002 for shifting, seed 000 for the router and SLOs)."""
+    """Defaults are DESIGN.md's numbers (docs/sources.md#flexpipe for shifting, docs/sources.md#pd-scheduling
+    for the router and SLOs)."""
 
     def test_shift_policy_defaults_are_seed_002(self) -> None:
         p = ShiftPolicy()

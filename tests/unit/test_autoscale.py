@@ -181,7 +181,7 @@ class TestTick:
     def test_a_missing_kv_series_holds_the_scale_down_with_one_warning_then_clears(
         self, world: FakeKubeApi
     ) -> None:
-        # #31: KV usage missing while 2 requests run; what is left (waiting 0) reads as no load. Without
+        # KV usage missing while 2 requests run; what is left (waiting 0) reads as no load. Without
         # the hold the tick would drain a replica (as the test below does with kv 0.1).
         world.patch("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME, {"spec": {"replicas": 2}})
         world.put(_sts(2), NS)

@@ -361,8 +361,8 @@ class TestRbac:
         assert verbs(fleet, "", "namespaces") == set()  # kopf lists namespaces only for --namespace
         assert verbs(work, "apps", "statefulsets") == {"list", "watch", "create", "patch", "delete"}
         assert verbs(work, "apps", "deployments") == {"get", "list", "watch", "create", "patch"}
-        # patch: the autoscaler's gearshift.io/draining label on head pods (issue 12); delete: a vLLM
-        # head's restart recreates its replica's headless ranks (handlers/replicas.py, issue 18)
+        # patch: the autoscaler's gearshift.io/draining label on head pods; delete: a vLLM
+        # head's restart recreates its replica's headless ranks (handlers/replicas.py)
         assert verbs(work, "", "pods") == {"get", "list", "watch", "patch", "delete"}
         names = {b["metadata"]["name"]: b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")}
         assert names == {

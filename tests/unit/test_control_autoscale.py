@@ -174,7 +174,7 @@ class TestSample:
         assert s.missing == ()  # nothing runs: unknown, not missing
 
     def test_kv_or_p99_missing_while_requests_run_is_named_not_read_as_no_load(self) -> None:
-        # #31: missing is never fine. KV usage gone (a relabel rule, an engine without the gauge) while
+        # Missing is never fine. KV usage gone (a relabel rule, an engine without the gauge) while
         # 5 requests run; the P99 not a number: both named with their queries.
         q = A.sample_queries(self.SEL, "m")
         results = {q["kv"]: [], q["waiting"]: vector("0"), q["running"]: vector("5"), q["p99"]: vector("NaN")}

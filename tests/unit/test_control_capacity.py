@@ -1,4 +1,4 @@
-"""The capacity controller (issue 19): SLO capacity predicted, corrected online, and the load triggers.
+"""The capacity controller: SLO capacity predicted, corrected online, and the load triggers.
 
 Gears like the benchmark's: ``lat`` the whole model on 2 cards, ``thr`` on 4, ``big`` on 8. Capacities
 are worked out by hand from the rules (headroom 0.8 × predicted throughput, set here; the default is 0.9),
@@ -273,7 +273,8 @@ class TestDecide:
         st, out = run("lat", [smp(62, 30.0)], st)
         assert st.capacity["lat"].measured_low_rps == 26.0
         assert out[0][:2] == (DecisionKind.SHIFT, "thr")
-        # Without an arrival rate (seed 002's triggers alone) nothing changes: no dwell is started.
+        # Without an arrival rate (FlexPipe's triggers alone, docs/sources.md#shift-triggers) nothing changes:
+        # no dwell is started.
         st, _ = run("lat", [smp(2, None)])
         assert st.last_shift_at is None
 
@@ -288,8 +289,9 @@ class TestDecide:
         assert not st.tracks[Trigger.LOAD_HIGH].latched and st.capacity["lat"].measured_low_rps is None
 
     def test_p99_low_is_left_to_load_low(self) -> None:
-        # A P99 far below target at 24 req/s on thr: seed 002 would go to the balanced gear; the capacity
-        # controller stays, as no cheaper gear fits 24 within the margin.
+        # A P99 far below target at 24 req/s on thr: FlexPipe would go to the balanced gear
+        # (docs/sources.md#shift-triggers); the capacity controller stays, as no cheaper gear fits 24 within
+        # the margin.
         _, out = run("thr", [smp(t, 24.0, p99=60.0) for t in range(2, 20, 2)])
         assert {k for k, _, _ in out} == {DecisionKind.HOLD}
 

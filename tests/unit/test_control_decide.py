@@ -1,7 +1,7 @@
 """The pure shift decision: EMA, triggers, hysteresis, dwell with threshold steps, cost–benefit, health.
 
 Sequences are synthetic samples every 2 s; each test asserts the exact decision sequence, written out by
-hand from the rules (seed 002), not produced by the code under test.
+hand from the rules (docs/sources.md#shift-triggers), not produced by the code under test.
 """
 
 from __future__ import annotations
@@ -475,7 +475,7 @@ class TestSaturation:
             ("bal", [OVERLOAD] * 3, {}, "HHS", "thr", "saturation"),
             # on the biggest gear under overload p99-high does not trade capacity for latency: hold
             ("thr", [OVERLOAD] * 4, {}, "HHHH", None, None),
-            # ... while without a queue it is seed 002's p99-high as before
+            # ... while without a queue it is FlexPipe's p99-high (docs/sources.md#shift-triggers) as before
             ("thr", [SLOW] * 3, {}, "HHS", "lat", "p99-high"),
         ],
     )
@@ -561,12 +561,13 @@ class TestSaturationNoPingPong:
         assert all(b[0] - a[0] >= 600.0 for a, b in itertools.pairwise(shifts))
         assert len(shifts) <= 3600 / 600 + 1
         # no shift to the gear with less capacity while a burst is on (p99-high passes over lat); after a
-        # burst the 1-minute P99 lags the emptied queue, so seed 002's p99-high may still pick lat then
+        # burst the 1-minute P99 lags the emptied queue, so FlexPipe's p99-high
+        # (docs/sources.md#shift-triggers) may still pick lat then
         assert all((t % 300) >= 90 for t, target, _ in shifts if target == "lat")
 
 
 class TestHeldTriggers:
-    """#31: a series that should have a value and has none holds the triggers that read it; the moving
+    """A series that should have a value and has none holds the triggers that read it; the moving
     average would otherwise go on from its last value as if it were fresh."""
 
     def test_which_triggers_read_what(self):
@@ -605,7 +606,7 @@ class TestHeldTriggers:
         assert (d.kind, d.trigger, d.target) == (DecisionKind.SHIFT, "p99-high", "lat")
 
     def test_without_the_hold_the_stale_average_would_shift(self):
-        # The same samples, the missing P99 not reported (as before #31): the EMA's last value latches.
+        # The same samples, the missing P99 not reported (as before): the EMA's last value latches.
         policy = ShiftRules(target_p99_ms=TARGET)
         codes, _, _, _ = run([SLOW, SLOW, {"p99": None, "qps": 3.0}], policy=policy)
         assert codes == "HHS"

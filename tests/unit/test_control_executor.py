@@ -274,7 +274,7 @@ class TestSaturationShiftServedRate:
             ("saturation", None, 11.5, 10.0, None, (94, "RollingBack", "bal", FAIL_P99)),
             # no baseline rate at all: the P99 rule alone
             ("saturation", None, None, 40.0, None, (94, "RollingBack", "bal", FAIL_P99)),
-            # load-high is a capacity shift too (issue 19): the same rule
+            # load-high is a capacity shift too: the same rule
             ("load-high", 11.5, None, 40.0, None, (112, "Stable", "thr", None)),
             ("load-high", 11.5, None, 10.0, None, (94, "RollingBack", "bal", FAIL_P99)),
             # other triggers unchanged: 40 req/s does not save a P99 regression

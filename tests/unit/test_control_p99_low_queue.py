@@ -17,7 +17,7 @@ POLICY = ShiftRules(target_p99_ms=200.0, latency_metric=LatencyMetric.TTFT, dwel
 @pytest.mark.parametrize(
     ("p99_ms", "queue", "pipelines", "fires"),
     [
-        (100.0, 0.0, 1, True),  # low P99, nothing waiting: seed 002's rule
+        (100.0, 0.0, 1, True),  # low P99, nothing waiting: FlexPipe's rule (docs/sources.md#shift-triggers)
         (100.0, 0.9, 1, True),  # under one waiting per replica (saturationQueue 1.0)
         (100.0, 1.5, 1, False),  # requests wait: the low P99 is only the admitted requests'
         (100.0, 447.0, 1, False),  # the demo's decode backlog

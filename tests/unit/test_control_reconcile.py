@@ -383,7 +383,7 @@ class TestRoleReadiness:
         )
 
     def test_an_old_revision_pod_that_serves_does_not_count(self) -> None:
-        # #31 (dynamo#3567's class): the StatefulSet has the new updateRevision, and its one pod, still
+        # (dynamo#3567's class): the StatefulSet has the new updateRevision, and its one pod, still
         # Ready, is of the old revision: nothing of the current spec serves.
         sts = _balanced_sts(**{"0": {"updated": 0, "update": "r2", "current": "r1"}})
         assert role_readiness(_active(_explicit()), sts, _pds(), SERVICE, NS, Images()) == Readiness(
@@ -539,7 +539,7 @@ class TestServiceVerdict:
         assert v.phase == "Progressing"
 
     def test_every_pod_ready_but_a_new_revision_rolling_is_not_ready(self) -> None:
-        # #31: the counts are all there (pods of the old revision serve) but decode rolls to a new spec.
+        # The counts are all there (pods of the old revision serve) but decode rolls to a new spec.
         why = "StatefulSet d-s0: 1/1 pods at the new revision r2, 1 Ready"
         v = _verdict(
             readiness={"prefill": Readiness(1, 1, True, 1), "decode": Readiness(1, 1, False, 1, why)}
@@ -667,7 +667,7 @@ class TestGearSetStatusPatch:
         assert gearset_status_patch(rs, NOW) == {}
 
     def test_a_spec_edit_alone_is_observed_at_once(self) -> None:
-        # #31: a gear's microBatch edited changes nothing else this patch writes; the GearSet still says
+        # A gear's microBatch edited changes nothing else this patch writes; the GearSet still says
         # that this generation was read (it lagged 27 s behind the edit under load).
         first = gearset_status_patch(_active(_explicit()), NOW)
         rs = _active(

@@ -154,7 +154,7 @@ SEQUENCES: dict[str, tuple[ScalingPolicy, int, list[Step], list[Want]]] = {
         [(t, {"kv_cache_usage": 0.2, **BUSY}, False) for t in (0, 30, 60)],
         [(H, 3, S.REASON_DOWN_WINDOW), (H, 3, S.REASON_DOWN_WINDOW), (D, 1, S.REASON_LOW_LOAD)],
     ),
-    # #31: KV usage missing while requests run reads as no load (waiting 0): without the hold it would
+    # KV usage missing while requests run reads as no load (waiting 0): without the hold it would
     # drain 3 -> 1 after 60 s. Held while missing (the run restarts), then the window runs from t=90.
     "missing-series-is-not-low-load": (
         P,

@@ -445,7 +445,7 @@ class TestSignalsCondition:
         c = self.cond(r)
         assert (c.status, c.reason, c.warning) == ("True", "StageBalanceUnavailable", False)
         assert "no stage times" in c.message and "engine vllm" in c.message
-        # A series without a value while requests flow comes first (#31: missing is never fine).
+        # A series without a value while requests flow comes first (missing is never fine).
         r = Reading(Sample(at=T0, qps=2.0), UtilizationSource.NONE, note="no stage times")
         assert (self.cond(r).status, self.cond(r).reason) == ("False", "LatencyUnavailable")
 
@@ -570,7 +570,7 @@ class TestStatusPatch:
         )
 
     def test_a_tick_without_a_sample_says_so_instead_of_keeping_old_values(self) -> None:
-        # #31 item 3: status.signals advances every tick; one without a sample records why, with every
+        # status.signals advances every tick; one without a sample records why, with every
         # value null (a merge patch keeps any key it leaves out, so each is sent).
         smoothed = Sample(at=T0, qps=2.0)
         why = "Prometheus at http://127.0.0.1:9 unreachable"

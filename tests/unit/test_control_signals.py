@@ -115,7 +115,7 @@ def test_unreachable_prometheus_raises_signals_unavailable():
 
 
 class TestSeriesHealth:
-    """#31: every optional series of a sample is ok, missing or not a number; while requests flow the
+    """Every optional series of a sample is ok, missing or not a number; while requests flow the
     ones that should have a value and have none are reported."""
 
     def test_classes(self):

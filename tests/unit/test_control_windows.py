@@ -1,4 +1,4 @@
-"""Unit tests of gearshift.control.windows and the reconciler's handling of time-limited nodes (issue 13)."""
+"""Unit tests of gearshift.control.windows and the reconciler's handling of time-limited nodes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""#31 item 4: a CRD replaced under the running operator. The pure parts (gearshift.api.crdcheck's
+"""A CRD replaced under the running operator. The pure parts (gearshift.api.crdcheck's
 sightings, changes and prunable paths), the held status writes (handlers.common.patch_status) and the
 poller's decisions (handlers.crdwatch.poll) on the in-memory API, with values worked out by hand."""
 

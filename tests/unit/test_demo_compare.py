@@ -1,5 +1,5 @@
 """The demo's comparison: peer layouts and the live run's gears in the twin (gearshift.dev.twin.gears,
-gearshift.dev.twin.compare), issue 30's goals (gearshift.dev.demo.goals), the 70B default example and
+gearshift.dev.twin.compare), the demo's goals (gearshift.dev.demo.goals), the 70B default example and
 window, and the flags that choose them. Expected values are worked out by hand in each test."""
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ class TestResourceProfile:
         )
         prof = {n["node_id"]: n for n in datasheet_profile(fleet)["nodes"]}
         assert prof["gpu-h-0"]["compute_score"] == 1.0
-        # Datasheets: A100 312 and H100 989 dense bf16 TFLOPS; seed 000's 0.85 TP efficiency for 2 cards.
+        # Datasheets: A100 312 and H100 989 dense bf16 TFLOPS; the PD guide's 0.85 TP efficiency for 2 cards
+        # (docs/sources.md#gpu-prior).
         assert math.isclose(prof["gpu-a-0"]["compute_score"], 2 * 312 / 989 * 0.85, rel_tol=1e-5)
         assert prof["gpu-a-0"]["memory_gb"] == 80
         assert prof["gpu-a-0"]["generation"] == "ampere"

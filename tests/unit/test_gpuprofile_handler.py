@@ -398,7 +398,7 @@ class OldCrdApi(ProfilingApi):
 def test_a_pruned_profile_status_write_stops_the_step_and_reports_once(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # #31 item 6: GPUProfile status writes go through the pruning check GearSet and PDService writes have.
+    # GPUProfile status writes go through the pruning check GearSet and PDService writes have.
     api = OldCrdApi(probe=SETTINGS)
     api.store = world.api.store
     monkeypatch.setattr(world, "api", api)

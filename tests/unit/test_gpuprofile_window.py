@@ -1,4 +1,4 @@
-"""Unit tests of the GPUProfile's window (issue 13): gearshift.profiling.window.window_step."""
+"""Unit tests of the GPUProfile's window: gearshift.profiling.window.window_step."""
 
 from __future__ import annotations
 

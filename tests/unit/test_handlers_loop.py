@@ -98,7 +98,7 @@ def test_missed_samples_of_a_long_turn():
 
 
 async def test_a_turn_longer_than_the_interval_is_counted_and_logged(caplog):
-    # #31 item 3: the loop never falls behind silently.
+    # The loop never falls behind silently.
     from gearshift.adapters import metrics
 
     stopped = _Stopped()

@@ -628,7 +628,7 @@ def _serve_all(api: FakeKubeApi) -> None:
 
 
 def test_an_edit_of_the_active_gear_says_rolling_out_before_the_statefulsets_change(api: FakeKubeApi) -> None:
-    """#31 item 1: the write that says Progressing comes before the apply that starts the rollout, so no
+    """The write that says Progressing comes before the apply that starts the rollout, so no
     read after the StatefulSets changed finds the service Ready on the old revision."""
     reconcile(api)
     _serve_all(api)

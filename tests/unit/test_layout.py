@@ -17,7 +17,7 @@ def test_test_module_basenames_are_unique():
 
 
 #: The longest a kopf handler module's function may be (nested functions count inside their outer one):
-#: a handler reads, calls pure functions, writes and records (issue 17); decisions live in control/,
+#: a handler reads, calls pure functions, writes and records; decisions live in control/,
 #: profiling/ and planner/, where they are unit-tested without a cluster.
 HANDLER_MAX_LINES = 60
 
@@ -35,7 +35,7 @@ def test_handler_functions_are_thin():
 
 
 def test_the_package_root_holds_only_the_command_line():
-    # Loose modules at the root hid the layers (issue 17): each module lives in the package of its layer.
+    # Loose modules at the root hid the layers: each module lives in the package of its layer.
     root = TESTS.parent / "operator" / "gearshift"
     assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py", "cli.py"]
 
@@ -106,7 +106,7 @@ def test_the_mutable_state_check_finds_what_it_should():
 
 
 def test_handler_modules_keep_no_mutable_state():
-    # Issue 17, one runtime object: what the handlers share between calls lives in the Runtime kopf hands
+    # One runtime object: what the handlers share between calls lives in the Runtime kopf hands
     # them (handlers/runtime.py); module globals could not be forgotten per object, nor faked per test.
     handlers = TESTS.parent / "operator" / "gearshift" / "handlers"
     found = {p.name: module_state(p.read_text()) for p in sorted(handlers.glob("*.py"))}

@@ -2,7 +2,7 @@
 
 The store answers as the API server does (404 with a Status body, 409 on a stale ``resourceVersion`` or
 an existing name). Times are short but valid (lease 4 s, renew deadline 2 s, retry 1 s), so each test takes
-a few seconds. #31 item 5 adds: renewals on a slow API server (one PUT each, paced from its sending), the
+a few seconds. Also tested: renewals on a slow API server (one PUT each, paced from its sending), the
 fence's predicate (:meth:`LeaderElector.may_act`), and what the operator does on a loss (fence, re-exec
 with the identity and the back-off; exit 4 only when the exec fails).
 """
@@ -194,7 +194,7 @@ def test_a_lease_taken_by_another_stops_the_leader_at_once(store: Store, caplog:
     assert msg.endswith("now held by b"), msg
 
 
-# --- #31 item 5: renewals on a starved API server --------------------------------------------------------
+# --- Renewals on a starved API server --------------------------------------------------------------------
 class Slow(Store):
     """Every call of ``slow`` answers after ``delay_s`` (a starved API server that still answers)."""
 
@@ -312,7 +312,7 @@ def test_a_replica_that_kept_its_identity_takes_its_own_lease_back_at_once(store
     assert lease.spec.lease_transitions == 0  # the same holder: no transition
 
 
-# --- #31 item 5: what the operator does on a loss ---------------------------------------------------------
+# --- What the operator does on a loss ---------------------------------------------------------------------
 class Execd(Exception):
     """Raised by the stand-in for os.execve: the image would be replaced here."""
 

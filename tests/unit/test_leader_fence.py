@@ -1,4 +1,4 @@
-"""The write fence (#31 item 5): while this replica may not act, no write of the operator goes out, through
+"""The write fence: while this replica may not act, no write of the operator goes out, through
 its own API client or through kopf's; reads still do."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""#20 row 3: a metric a pod does not export is unknown, not zero.
+"""A metric a pod does not export is unknown, not zero.
 
 - The router's scrape keeps a missing KV-usage series as unknown, and the picker prices such a pod as the
   fullest pod that reports one (it got every decode request when it was scored as empty).
@@ -56,8 +56,9 @@ def _decode_pool() -> Pool:
 
 def test_a_pod_without_kv_usage_is_priced_as_the_fullest() -> None:
     pool = _decode_pool()
-    # 150 tokens × 1e5 B = 15 MB of KV: d-busy's 10 MB free fails seed 000's 1.2× headroom filter, d-idle's
-    # 80 MB passes; d-silent, priced at the fullest reported usage (0.9), fails it too.
+    # 150 tokens × 1e5 B = 15 MB of KV: d-busy's 10 MB free fails the PD guide's 1.2× headroom filter
+    # (docs/sources.md#decode-headroom), d-idle's 80 MB passes; d-silent, priced at the fullest reported usage
+    # (0.9), fails it too.
     req = P.RequestView(prompt_tokens=100, max_tokens=50, kv_bytes_per_token=1e5)
     picks = [pool.pick("decode", req, 0.0).info.name for _ in range(5)]
     assert picks == ["d-idle"] * 5

@@ -1,4 +1,5 @@
-"""Seed 000's rebalancing and adaptive-batch rules, table-driven, with the corrections pinned."""
+"""The PD guide's rebalancing and adaptive-batch rules (docs/sources.md#rebalancing,
+docs/sources.md#adaptive-batch), table-driven, with the corrections pinned."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The PDService handler's window tick (issue 13): one reconcile as soon as ``status.windowLeaveBy`` comes,
+"""The PDService handler's window tick: one reconcile as soon as ``status.windowLeaveBy`` comes,
 instead of up to ``RETRY_S`` later at the retry timer."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def _one_node(memory_gb: float) -> dict:
 
 class TestTokensPerSequence:
     def test_headroom_is_the_routers_seed_000_factor(self) -> None:
-        # One constant (gearshift.facts.model), the seed's 1.2, read by the planner and the router alike.
+        # One constant (gearshift.facts.model), the PD guide's 1.2, read by the planner and the router alike.
         assert KV_HEADROOM == 1.2 and policies.KV_HEADROOM is KV_HEADROOM
 
     @pytest.mark.parametrize(

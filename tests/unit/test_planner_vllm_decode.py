@@ -1,4 +1,4 @@
-"""Issue 18, part 1: under vLLM's NixlConnector the decode role is one pipeline stage.
+"""Under vLLM's NixlConnector the decode role is one pipeline stage.
 
 vLLM 0.32.0 ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py``,
 ``NixlBaseConnectorWorker.__init__``: with ``pipeline_parallel_size > 1`` a ``kv_consumer`` raises

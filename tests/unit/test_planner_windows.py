@@ -1,4 +1,4 @@
-"""Unit tests of time-limited nodes in the planner (issue 13): gearshift.planner.windows and plan(windows=).
+"""Unit tests of time-limited nodes in the planner: gearshift.planner.windows and plan(windows=).
 
 The fleets are chosen so that the expected placement follows from the rules by hand: a one-layer model
 has exactly one stage, so the partitioner's choice is "the fastest allowed node", replicated pipelines

@@ -131,7 +131,8 @@ class TestStatusMapping:
         assert status["computeScore"] == pytest.approx(cpu_doc["summary"]["matmulTflops"] / 989, rel=1e-5)
 
     def test_compute_score_hand_computed(self):
-        # Two cards of 500 TFLOPS, seed 000's 0.85 TP factor, H100 SXM's 989 TFLOPS as 1.0.
+        # Two cards of 500 TFLOPS, the PD guide's 0.85 TP factor (docs/sources.md#gpu-prior), H100 SXM's 989
+        # TFLOPS as 1.0.
         assert compute_score_from_tflops(500, 2) == pytest.approx(2 * 500 * 0.85 / 989)
         assert compute_score_from_tflops(989, 1) == 1.0
         assert compute_score_from_tflops(100, 1, reference_tflops=400) == 0.25

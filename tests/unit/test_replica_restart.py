@@ -1,4 +1,4 @@
-"""Issue 18, part 2: a failed head restarts its whole pipeline replica (LeaderWorkerSet's
+"""A failed head restarts its whole pipeline replica (LeaderWorkerSet's
 RecreateGroupOnPodRestart): the pure decision, and the handler over an in-memory API."""
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ class TestDecodeScore:
         idle = pv("idle", role="decode", kv_capacity_bytes=cap, kv_usage=0.0)
         busy = pv("busy", role="decode", kv_capacity_bytes=cap, kv_usage=0.05)
         assert [s.pod.name for s in P.score_decode([idle, busy], req)] == ["idle"]
-        # below 1/1.2 of the pool the seed's margin holds as it was: 1.2 × kv, not the whole pool
+        # below 1/1.2 of the pool the PD guide's margin holds as it was: 1.2 × kv, not the whole pool
         half = P.RequestView(
             prompt_tokens=0, max_tokens=int(0.5 * cap / KV_PER_TOKEN), kv_bytes_per_token=KV_PER_TOKEN
         )
@@ -341,14 +341,15 @@ class TestQueueAsExpectedFinish:
 
     @staticmethod
     def seed_score(compute: float, util: float, queue: float) -> float:
-        # seed 000 weights; no decode peer → network 0.5; model cached → 1.0; kv_usage 0
+        # the PD guide weights (docs/sources.md#prefill-score); no decode peer → network 0.5; model cached →
+        # 1.0; kv_usage 0
         return 0.30 * compute + 0.25 * (1 - 0.6 * util) + 0.20 * queue + 0.15 * 0.5 + 0.10 * 1.0
 
     def test_term_values(self) -> None:
         assert P.queue_score(self.h100(4), self.req) == pytest.approx(1 - 5 * 30 / 200)  # 0.25
         assert P.queue_score(self.a10(0), self.req) == pytest.approx(1 - 240 / 200)  # −0.2, not clamped
         assert P.queue_score(self.h100(4), self.req, target_ttft_ms=400) == pytest.approx(1 - 150 / 400)
-        # unknown prefill time → the seed's count form 1 − min(depth / 16, 1)
+        # unknown prefill time → the PD guide's count form 1 − min(depth / 16, 1)
         assert P.queue_score(self.h100(4), P.RequestView(prompt_tokens=1000)) == pytest.approx(0.75)
         assert P.queue_score(self.h100(40), None) == 0.0
 
@@ -376,7 +377,7 @@ class TestQueueAsExpectedFinish:
         deeper = P.score_prefill([self.h100(30), self.a10(1)], self.req)
         assert deeper[0].score == pytest.approx(self.seed_score(1.0, 1.0, 1 - 31 * 30 / 200))  # −0.155
         assert P.best(deeper).pod.name == "a10"
-        # The seed's saturating count form keeps the H100 at any depth: 0.575 against 0.5525.
+        # The PD guide's saturating count form keeps the H100 at any depth: 0.575 against 0.5525.
         seed = P.score_prefill([self.h100(30), self.a10(1)], P.RequestView(prompt_tokens=1000))
         assert [s.score for s in seed] == pytest.approx([0.575, 0.5525])
         assert P.best(seed).pod.name == "h100"

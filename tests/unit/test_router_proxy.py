@@ -498,7 +498,8 @@ class SlowHealth(FakeEngine):
 
 
 async def test_a_slow_health_check_does_not_take_the_only_decode_pod_out(make_router: Factory) -> None:
-    """The CI failure of #20 row 1: vLLM's /health took more than the old 1 s on a loaded machine, the one
+    """The CI failure of the robustness work: vLLM's /health took more than the old 1 s on a loaded machine,
+    the one
     decode pod was marked unhealthy and requests got 503 "no decode pod available"."""
     slow = SlowHealth("d0", health_delay_s=0.3)
     client, router, eng = await make_router(
@@ -729,7 +730,7 @@ def test_session_type_is_aiohttp() -> None:
 
 # --- the hold for decode KV headroom ---------------------------------------------------------------------
 #: KV bytes per token of these tests; with a 1000-byte pool a request of p prompt + m output tokens needs
-#: 1.2 x (p + m) bytes free on a decode pod (seed 000's headroom filter).
+#: 1.2 x (p + m) bytes free on a decode pod (the PD guide's headroom filter, docs/sources.md#decode-headroom).
 KV_POOL_BYTES = 1000.0
 
 
@@ -984,7 +985,8 @@ async def _both_router(
 async def test_aggregated_pd_score_sends_whole_requests_to_a_pod_with_kv_headroom(
     make_router: Factory,
 ) -> None:
-    # b-full: 2% of 1000 bytes free = 20 < 1.2 x (10 + 10) = 24, so seed 000's decode filter leaves it out.
+    # b-full: 2% of 1000 bytes free = 20 < 1.2 x (10 + 10) = 24, so the PD guide's decode filter leaves it out
+    # (docs/sources.md#decode-headroom).
     client, _router, eng = await _both_router(make_router, {"b-full": 0.98, "b-ok": 0.5})
     for _ in range(4):
         assert (await client.post("/v1/completions", json=_body(10, 10))).status == 200

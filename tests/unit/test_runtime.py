@@ -1,4 +1,4 @@
-"""The operator's Runtime (issue 17, one runtime object): the API built once or the one given, the probe
+"""The operator's Runtime (one runtime object): the API built once or the one given, the probe
 settings, the keyed locks that keep nothing once released, the caches, the per-object memory that the
 deleting handlers forget, and how kopf's memo carries it from ``gearshift operator`` to every handler."""
 

@@ -399,7 +399,7 @@ class TestTicks:
     def test_every_tick_advances_the_signals_and_records_a_missing_sample_and_missed_instants(
         self, world: FakeKubeApi
     ) -> None:
-        # #31 item 3: status.signals.sampleTime moves every tick; one without a sample says why, with no
+        # status.signals.sampleTime moves every tick; one without a sample says why, with no
         # value of the last sample left standing; instants the loop let pass are shown as they add up.
         sig = FakeSignals()
         run(world, sig, T0)
@@ -448,8 +448,8 @@ class TestTicks:
         assert status(world)["signals"].get("p99Ms") is None
 
     def test_served_requests_without_latency_histograms_warn_once(self, world: FakeKubeApi) -> None:
-        # #20 row 3: the head pods serve (qps > 0) but export no TTFT histogram: the P99 triggers are
-        # blind, which the condition and one Warning event say; #31: missing is never fine, so
+        # The head pods serve (qps > 0) but export no TTFT histogram: the P99 triggers are
+        # blind, which the condition and one Warning event say; truthful status: missing is never fine, so
         # SignalsAvailable is False while it lasts.
         class NoHistograms(FakeSignals):
             def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
@@ -466,7 +466,7 @@ class TestTicks:
         assert _signals_condition(world)["reason"] == "SignalsOk"
 
     def test_each_written_sample_records_its_lag_to_the_status(self, world: FakeKubeApi) -> None:
-        # #31 item 3: the sample → status lag is measured (gearshift_operator_sample_to_status_seconds).
+        # The sample → status lag is measured (gearshift_operator_sample_to_status_seconds).
         from gearshift.adapters import metrics
 
         def count() -> float:
@@ -481,7 +481,7 @@ class TestTicks:
     def test_a_missing_arrival_rate_while_serving_is_reported_once_and_clears(
         self, world: FakeKubeApi
     ) -> None:
-        # #31: missing is never fine. The arrival-rate series is absent while requests complete: False
+        # Missing is never fine. The arrival-rate series is absent while requests complete: False
         # with SeriesMissing naming it, one Warning event over several ticks, and back by itself.
         class NoArrivals(FakeSignals):
             def sample(self, url: str, sel: GearSelector, at: float, **kw: Any) -> Reading:
@@ -678,7 +678,7 @@ class TestTicks:
         assert r.decision is not None and r.decision.reason == "ForceGearUnhealthy"
         assert "change the gear to retry" in r.decision.message
         assert prefill_gears(world) == {"balanced"}
-        # #20 row 6: the user changes the gear, as the hold says: the edited gear is tried again
+        # The user changes the gear, as the hold says: the edited gear is tried again
         latency = next(g for g in world.store[key]["spec"]["gears"] if g["name"] == "latency")
         latency["maxBatch"] = latency["maxBatch"] // 2
         r = run(world, sig, T0 + 42)
@@ -691,7 +691,7 @@ class TestTicks:
     def test_force_reverted_while_warming_cancels_the_shift(
         self, world: FakeKubeApi, revert: str | None
     ) -> None:
-        # #20 row 6: the shadow is still warming when the user reverts spec.forceGear: the shift is
+        # The shadow is still warming when the user reverts spec.forceGear: the shift is
         # cancelled (shadow deleted, history Aborted), not completed and then undone by a second shift.
         key = world.key("GearSet", NS, GS_NAME)
         world.store[key]["spec"]["forceGear"] = "latency"

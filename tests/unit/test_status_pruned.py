@@ -1,4 +1,4 @@
-"""#20 row 5, write-back: a status field the API server dropped (an older CRD) is found and reported."""
+"""Write-back: a status field the API server dropped (an older CRD) is found and reported."""
 
 from __future__ import annotations
 

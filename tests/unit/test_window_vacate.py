@@ -1,4 +1,4 @@
-"""Vacating a time-limited node through the gear executor (issue 13), over the in-memory API.
+"""Vacating a time-limited node through the gear executor, over the in-memory API.
 
 At a node's leaveBy the reconciler publishes the window-free plan with the running gear's replacement
 under a new name and keeps the running gear untouched; the shifting loop shifts to the replacement with

@@ -2,7 +2,7 @@
 
 Why not kopf's peering: a peer resumes as soon as its first view of the peering object shows no one of
 higher priority, and two replicas started together each first see only themselves, so both handled
-resources for about 4 s (#20 row 7; ``kopf/_core/engines/peering.py``, ``process_peering_event``). A Lease
+resources for about 4 s (``kopf/_core/engines/peering.py``, ``process_peering_event``). A Lease
 is taken by an optimistic-concurrency write (``resourceVersion``), so two candidates can never both win
 the same term, and a standby here does not start kopf at all until it holds the Lease.
 
@@ -14,7 +14,7 @@ leader that could not renew for ``renew_deadline_s`` stops leading. The defaults
 (``pkg/leaderelection``: LeaseDuration 15 s, RenewDeadline 10 s, RetryPeriod 2 s).
 
 The loop is this module's own (:class:`LeaderElector`), not the kubernetes client's
-``kubernetes.leaderelection``, because that one lost the Lease on a starved API server (#31 item 5: at
+``kubernetes.leaderelection``, because that one lost the Lease on a starved API server (at
 load 30 the leader exited, "not renewed for 10 s"): each of its renewals is a GET then a PUT, and it
 sleeps a retry period *after* the renewal returned, so with requests taking 3 s a renewal cycle took
 2 × 3 + 2 = 8 s and one slow answer passed the 10 s deadline. Here:

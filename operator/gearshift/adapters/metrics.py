@@ -1,7 +1,7 @@
 """The operator's own Prometheus metrics (served by ``gearshift operator --metrics-port``).
 
 Names follow the Prometheus naming guide (``_total`` counters, ``_seconds`` histograms, base units).
-The shift counters and the decision-latency histogram are filled by the gear-shifting loop (issue 9).
+The shift counters and the decision-latency histogram are filled by the gear-shifting loop.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ DECISION_SECONDS = Histogram(
     "Time of one gear-shift decision (signals to decision), s.",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
 )
-#: Per sampling loop (``shifting tick``, ``autoscale tick``, ``adaptive batch tick``): #31 item 3, the
+#: Per sampling loop (``shifting tick``, ``autoscale tick``, ``adaptive batch tick``): the
 #: loop never falls behind silently.
 SAMPLES_MISSED = Counter(
     "gearshift_operator_samples_missed_total",
@@ -65,7 +65,7 @@ LEADER = Gauge(
     "gearshift_operator_leader",
     "1 while this replica holds the leader Lease and handles resources, 0 while it waits as a standby.",
 )
-#: #31 item 5. Carried across the operator's re-exec (``gearshift.handlers.main``), so it counts the losses
+#: Carried across the operator's re-exec (``gearshift.handlers.main``), so it counts the losses
 #: of the container's life, not of one process image; it starts at 0 when the container (re)starts.
 LEADER_LOSSES = Counter(
     "gearshift_operator_leader_losses",

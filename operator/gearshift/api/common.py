@@ -78,7 +78,7 @@ def _bounded_input(value: Any) -> Any:
 
 
 #: A status message the operator writes: cut to :data:`MAX_MESSAGE` on the way in (never a validation
-#: error: #20 row 4), and ``maxLength`` in the CRD.
+#: error), and ``maxLength`` in the CRD.
 Message = Annotated[str, BeforeValidator(_bounded_input), Field(max_length=MAX_MESSAGE)]
 
 
@@ -150,7 +150,7 @@ COND_SIGNALS_AVAILABLE = "SignalsAvailable"
 COND_PROBED = "Probed"
 #: The node is gone or its GPUs changed since the last probe (GPUProfile).
 COND_STALE = "Stale"
-#: The node has a known reclaim time (a "time fragment", issue 13) (GPUProfile).
+#: The node has a known reclaim time (a "time fragment") (GPUProfile).
 COND_WINDOWED = "Windowed"
 #: The autoscaler could act within its limits (PDService).
 COND_SCALING_ACTIVE = "ScalingActive"

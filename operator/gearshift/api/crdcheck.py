@@ -1,4 +1,4 @@
-"""Whether the CRDs installed in a cluster hold every field this operator writes (#20 row 5). Pure.
+"""Whether the CRDs installed in a cluster hold every field this operator writes. Pure.
 
 Helm installs ``charts/gearshift/crds/`` once and never upgrades them (Helm's documented rule for the
 ``crds/`` folder), so after ``helm upgrade`` a new operator can run against an older CRD. The API server

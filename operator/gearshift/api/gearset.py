@@ -2,8 +2,8 @@
 
 A *gear* is one complete pipeline configuration: contiguous stages of layers ``[start, end)`` with
 unequal layer counts but equal expected time, per-stage replicas, micro-batch and max batch, and the QPS
-range and target latency it suits (seed 002). ``mode: explicit`` lists gears by hand; ``mode: auto``
-lets the planner generate them from the GPUProfiles into ``status.plannedGears``.
+range and target latency it suits (docs/sources.md#gears). ``mode: explicit`` lists gears by hand; ``mode:
+auto`` lets the planner generate them from the GPUProfiles into ``status.plannedGears``.
 
 The rest of the kind lives beside this module: the shifting policy ``spec.policy`` in
 :mod:`gearshift.api.shift_policy`, the planner's constraints and workload in
@@ -182,7 +182,8 @@ class Stage(SpecModel):
         default=1,
         ge=1,
         le=1024,
-        description="Pods of this stage per pipeline replica; more than 1 replicates a hot stage (seed 002).",
+        description="Pods of this stage per pipeline replica; more than 1 replicates a hot stage "
+        "(docs/sources.md#gears).",
     )
     gpus: int = Field(
         default=1, ge=1, le=16, description="GPUs per pod (tensor parallelism inside the stage)."
@@ -242,7 +243,8 @@ class Stage(SpecModel):
 
 
 class GearPrediction(SpecModel):
-    """What the planner's simulator expects of a gear; online measurements correct it (seed 002)."""
+    """What the planner's simulator expects of a gear; online measurements correct it
+    (docs/sources.md#planner)."""
 
     bottleneck_ms: float | None = Field(
         default=None, ge=0, le=1e7, description="Slowest stage's time per micro-batch, ms."
@@ -268,7 +270,7 @@ class GearPrediction(SpecModel):
 
 
 class Gear(SpecModel):
-    """One complete pipeline configuration (seed 002's 'gear')."""
+    """One complete pipeline configuration (FlexPipe's 'gear', docs/sources.md#gears)."""
 
     model_config = ConfigDict(json_schema_extra=_cel("Gear"))
 
@@ -279,7 +281,7 @@ class Gear(SpecModel):
     intent: GearIntent = Field(
         default="balanced",
         description="What the gear is for: latency (2-4 stages, micro-batch 1-4), balanced (4-8, 4-8) or "
-        "throughput (8-12, 8-16) (seed 002); triggers pick gears by intent.",
+        "throughput (8-12, 8-16) (docs/sources.md#gears); triggers pick gears by intent.",
     )
     stages: list[Stage] = Field(
         min_length=1,
@@ -522,9 +524,10 @@ class GearSetStatus(StatusModel):
     )
     executor: ExecutorState | None = Field(default=None, description="Persisted executor state.")
     control: ControlState | None = Field(default=None, description="Persisted decision-loop state.")
-    scaling: ScalingStatus | None = Field(default=None, description="Pipeline-replica autoscaler (issue 12).")
+    scaling: ScalingStatus | None = Field(default=None, description="Pipeline-replica autoscaler.")
     adaptive_batch: AdaptiveBatchStatus | None = Field(
-        default=None, description="Adaptive max batch of the active gear (seed 000; decode role)."
+        default=None,
+        description="Adaptive max batch of the active gear (docs/sources.md#adaptive-batch; decode role).",
     )
     autoscaled: bool | None = Field(
         default=None,
@@ -534,7 +537,7 @@ class GearSetStatus(StatusModel):
     windowed_nodes: list[WindowedNode] = Field(
         default_factory=list,
         max_length=1024,
-        description="Time-limited nodes this role may plan on (issue 13): deadline, stages, leave-by time.",
+        description="Time-limited nodes this role may plan on: deadline, stages, leave-by time.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,

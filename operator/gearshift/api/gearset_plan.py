@@ -60,7 +60,7 @@ class PlanConstraints(SpecModel):
         gt=0,
         le=1,
         description="Traffic between adjacent stages must stay below this share of the link's bandwidth "
-        "(seed 002: 70%).",
+        "(docs/sources.md#link-cap: 70%).",
     )
     memory_utilization: float = Field(
         default=VLLM_GPU_MEMORY_UTILIZATION,

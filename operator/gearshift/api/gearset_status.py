@@ -13,7 +13,8 @@ from pydantic import AwareDatetime, Field
 
 from gearshift.api.common import MAX_GEARS, MAX_STAGES, Message, StatusModel
 
-#: ``Pending``: no gear serves yet. The six others are seed 002's executor states.
+#: ``Pending``: no gear serves yet. The six others are FlexPipe's executor states
+#: (docs/sources.md#shift-executor).
 GearPhase = Literal["Pending", "Stable", "Warming", "Draining", "Switching", "RollingBack", "Degraded"]
 ShiftTrigger = Literal[
     "imbalance",
@@ -83,7 +84,7 @@ class GearSignals(StatusModel):
         description="Why this tick has no sample (Prometheus unreachable, a series the controller reads "
         "is missing): sampleTime is the tick's and every value is null, as the SignalsAvailable "
         "condition also says; null when the sample was taken. The status advances every sample "
-        "interval either way (#31).",
+        "interval either way.",
     )
     missed_samples: int | None = Field(
         default=None,
@@ -95,7 +96,8 @@ class GearSignals(StatusModel):
 
 
 class GearHealth(StatusModel):
-    """Whether a gear may be shifted to; unhealthy until the model or the profiles change (seed 002)."""
+    """Whether a gear may be shifted to; unhealthy until the model or the profiles change
+    (docs/sources.md#gear-health)."""
 
     gear: str = Field(max_length=63, description="Gear name.")
     healthy: bool = Field(description="False after OOM, crash loops or severe timeouts.")
@@ -174,7 +176,7 @@ class ExecutorState(StatusModel):
 
 
 class GearCapacity(StatusModel):
-    """One gear's SLO capacity (issue 19): what the planner predicted and what the gear measured while it
+    """One gear's SLO capacity: what the planner predicted and what the gear measured while it
     served (gearshift.control.shifting.capacity)."""
 
     gear: str = Field(max_length=63, description="Gear name.")
@@ -257,7 +259,7 @@ class ControlState(StatusModel):
 
 
 class ScalingStatus(StatusModel):
-    """The pipeline-replica autoscaler's report and memory (issue 12; ``PDService.spec.<role>.scaling``)."""
+    """The pipeline-replica autoscaler's report and memory (``PDService.spec.<role>.scaling``)."""
 
     desired_replicas: int | None = Field(default=None, ge=0, description="Pipeline replicas asked for.")
     ready_replicas: int | None = Field(default=None, ge=0, description="Pipeline replicas Ready.")
@@ -299,7 +301,8 @@ class MaxBatchChange(StatusModel):
 
 
 class PodMaxBatch(StatusModel):
-    """One head pod's adaptive max batch (its own ITL and backlog step it: seed 000's per-node rule)."""
+    """One head pod's adaptive max batch (its own ITL and backlog step it: the PD guide's per-node rule
+    (docs/sources.md#adaptive-batch))."""
 
     pod: str = Field(max_length=253, description="Head pod name.")
     effective: int = Field(ge=1, description="Max batch in force on this pod.")
@@ -310,7 +313,8 @@ class PodMaxBatch(StatusModel):
 
 
 class AdaptiveBatchStatus(StatusModel):
-    """Seed 000's adaptive batch on the active gear (decode role; gearshift.control.adaptive_batch.tick): the
+    """The PD guide's adaptive batch on the active gear (docs/sources.md#adaptive-batch) (decode role;
+    gearshift.control.adaptive_batch.tick): the
     router caps each head pod's concurrent requests at that pod's own effective value (``pods``; annotation
     ``gearshift.io/max-batch``, divided among router replicas); the engines keep their ``--max-num-seqs``
     (``planned``), so no pod restarts and no request is dropped."""
@@ -347,7 +351,7 @@ class AdaptiveBatchStatus(StatusModel):
 
 
 class WindowedNode(StatusModel):
-    """A time-limited node of this role (issue 13): its deadline, what runs on it, when work leaves it."""
+    """A time-limited node of this role: its deadline, what runs on it, when work leaves it."""
 
     node: str = Field(max_length=253, description="Node name.")
     available_until: AwareDatetime = Field(description="When the node is reclaimed (its GPUProfile).")

@@ -1,8 +1,8 @@
 """The GPUProfile kind: the measured capability of one GPU node (cluster-scoped, named after the node).
 
-The probe (issue 6) writes ``status`` in seed 002's resource-profile terms (generation, memory,
-compute score, max micro-batch, interconnect bandwidth and latency per peer), measured by running
-representative operators rather than read from the datasheet. ``spec.override`` lets an admin pin
+The probe writes ``status`` in FlexPipe's resource-profile terms (docs/sources.md#resource-profile)
+(generation, memory, compute score, max micro-batch, interconnect bandwidth and latency per peer), measured by
+running representative operators rather than read from the datasheet. ``spec.override`` lets an admin pin
 values: every field set there wins over the measurement (:meth:`GPUProfile.effective`).
 """
 
@@ -56,7 +56,8 @@ def _cel(name: str) -> dict[str, Any]:
 
 
 class InterconnectLink(StatusModel):
-    """Measured link from this node to one peer node (seed 002's ``interconnect`` entry)."""
+    """Measured link from this node to one peer node (FlexPipe's ``interconnect`` entry,
+    docs/sources.md#resource-profile)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -169,7 +170,7 @@ class ProbeInfo(StatusModel):
 
 
 class GPUProfileStatus(StatusModel):
-    """Measured capability of the node (seed 002's resource profile)."""
+    """Measured capability of the node (FlexPipe's resource profile, docs/sources.md#resource-profile)."""
 
     observed_generation: int | None = Field(
         default=None, description="metadata.generation this status was computed from."

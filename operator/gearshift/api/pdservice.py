@@ -1,6 +1,7 @@
 """The PDService kind: a served model split into prefill and decode roles, each backed by a GearSet,
-plus the router in front of them (seed 000's PD disaggregation) -- or, aggregated, one ``serving``
-GearSet of role ``both`` whose pipelines run each request's prefill and decode (seed 002's FlexPipe).
+plus the router in front of them (PD disaggregation, docs/sources.md#pd-scheduling) -- or, aggregated, one
+``serving`` GearSet of role ``both`` whose pipelines run each request's prefill and decode (FlexPipe,
+docs/sources.md#flexpipe).
 
 The two shapes, checked at ``kubectl apply`` (CEL) and by :class:`PDServiceSpec` (pydantic):
 
@@ -14,8 +15,9 @@ The two shapes, checked at ``kubectl apply`` (CEL) and by :class:`PDServiceSpec`
 
 The model is given either by its architecture numbers or by an inline Hugging Face ``config.json``
 (``hfConfig``); :meth:`ModelSpec.to_model_arch` turns both into :class:`gearshift.facts.model.ModelArch`.
-Router weights default to seed 000's: prefill score = 0.30 compute + 0.25 load + 0.20 queue + 0.15
-network + 0.10 cache; decode score = 0.35 ITL + 0.25 memory + 0.20 batch + 0.15 bandwidth + 0.05 network.
+Router weights default to the PD guide's (docs/sources.md#prefill-score): prefill score = 0.30 compute + 0.25
+load + 0.20 queue + 0.15 network + 0.10 cache; decode score = 0.35 ITL + 0.25 memory + 0.20 batch + 0.15
+bandwidth + 0.05 network.
 """
 
 from __future__ import annotations
@@ -115,10 +117,16 @@ class SLOSpec(SpecModel):
     """Service-level objectives; goodput counts requests that meet both."""
 
     ttft_ms: float = Field(
-        default=200.0, gt=0, le=1e6, description="Time-to-first-token target, ms (seed 000)."
+        default=200.0,
+        gt=0,
+        le=1e6,
+        description="Time-to-first-token target, ms (docs/sources.md#slo-targets).",
     )
     itl_ms: float = Field(
-        default=50.0, gt=0, le=1e6, description="Inter-token latency target, ms (seed 000)."
+        default=50.0,
+        gt=0,
+        le=1e6,
+        description="Inter-token latency target, ms (docs/sources.md#slo-targets).",
     )
 
 
@@ -267,7 +275,7 @@ class PDServiceStatus(StatusModel):
     message: Message | None = Field(default=None, description="Last error or note.")
     window_leave_by: AwareDatetime | None = Field(
         default=None,
-        description="Earliest leaveBy of a time-limited node in use (issue 13; GearSet status.windowedNodes "
+        description="Earliest leaveBy of a time-limited node in use (GearSet status.windowedNodes "
         "lists them); the operator re-plans without the node then.",
     )
     conditions: list[Condition] = Field(

@@ -212,7 +212,7 @@ def compute_score_from_tflops(
     :data:`MEASURED_MATMUL_EFFICIENCY`: a probed H200 then scores 0.99 beside the datasheet prior of 1.0
     (``gearshift.facts.gpus.compute_score``). Compared with the bare datasheet figure it scored 0.74, so a
     fleet mixing probed and datasheet nodes planned an H200 stage 1.34 × slower than an H100's. The 0.85
-    tensor-parallel factor is seed 000's, as in ``gearshift.facts.fleet``.
+    tensor-parallel factor is the PD guide's (docs/sources.md#gpu-prior), as in ``gearshift.facts.fleet``.
     """
     ref = reference_tflops if reference_tflops is not None else GPU_SPECS[REFERENCE_MODEL].bf16_tflops
     if measured:

@@ -35,7 +35,7 @@ class GearSetRef(SpecModel):
 
 
 class ScalingTargets(SpecModel):
-    """What the autoscaler keeps each pipeline replica at (issue 12)."""
+    """What the autoscaler keeps each pipeline replica at."""
 
     kv_cache_usage: float = Field(
         default=0.8,
@@ -58,7 +58,7 @@ class ScalingTargets(SpecModel):
         ge=1,
         le=100,
         description="A decode node needs free memory >= this x a request's KV cache, else scale up "
-        "(seed 000: 1.2).",
+        "(docs/sources.md#decode-headroom: 1.2).",
     )
 
 
@@ -75,7 +75,7 @@ class ScalingWindows(SpecModel):
 
 
 class ScalingSpec(SpecModel):
-    """Pipeline-replica autoscaling of one role (issue 12); absent: replicas stay as the GearSet says."""
+    """Pipeline-replica autoscaling of one role; absent: replicas stay as the GearSet says."""
 
     model_config = ConfigDict(json_schema_extra=_cel("ScalingSpec"))
 

@@ -52,11 +52,13 @@ def _cel(name: str) -> dict[str, Any]:
 
 
 def _weight(default: float, what: str) -> Any:
-    return Field(default=default, ge=0, le=1, description=f"{what} (seed 000 default {default}).")
+    return Field(
+        default=default, ge=0, le=1, description=f"{what} (default {default}, docs/sources.md#pd-scheduling)."
+    )
 
 
 class PrefillWeights(SpecModel):
-    """Weights of seed 000's prefill node score; they sum to 1."""
+    """Weights of the PD guide's prefill node score (docs/sources.md#prefill-score); they sum to 1."""
 
     model_config = ConfigDict(json_schema_extra=_cel("PrefillWeights"))
 
@@ -78,7 +80,7 @@ class PrefillWeights(SpecModel):
 
 
 class DecodeWeights(SpecModel):
-    """Weights of seed 000's decode node score; they sum to 1."""
+    """Weights of the PD guide's decode node score (docs/sources.md#prefill-score); they sum to 1."""
 
     model_config = ConfigDict(json_schema_extra=_cel("DecodeWeights"))
 
@@ -111,7 +113,8 @@ class RouterSpec(SpecModel):
 
     policy: RouterPolicy = Field(
         default="pd-score",
-        description="pd-score (seed 000), shortest-queue (FastChat's default, seed 003), lottery (seed 003), "
+        description="pd-score (docs/sources.md#prefill-score), shortest-queue (FastChat's default, "
+        "docs/sources.md#lottery), lottery (docs/sources.md#lottery), "
         "round-robin, power-of-two, least-request.",
     )
     weights: RouterWeights = Field(default_factory=RouterWeights, description="pd-score weights.")

@@ -41,51 +41,68 @@ def _cel(name: str) -> dict[str, Any]:
 
 
 class ShiftPolicy(SpecModel):
-    """When to shift gears and how to execute a shift. Defaults are seed 002's numbers unless noted."""
+    """When to shift gears and how to execute a shift. Defaults are FlexPipe's numbers unless noted
+    (docs/sources.md#flexpipe)."""
 
     model_config = ConfigDict(json_schema_extra=_cel("ShiftPolicy"))
 
     sample_interval_s: float = Field(
-        default=2.0, gt=0, le=3600, description="Seconds between signal samples (seed 002: 2 s)."
+        default=2.0,
+        gt=0,
+        le=3600,
+        description="Seconds between signal samples (docs/sources.md#shift-signals: 2 s).",
     )
     ema_alpha: float = Field(
-        default=0.3, gt=0, le=1, description="Weight of the newest sample in the EMA (seed 002: 0.3)."
+        default=0.3,
+        gt=0,
+        le=1,
+        description="Weight of the newest sample in the EMA (docs/sources.md#shift-signals: 0.3).",
     )
     enter_samples: int = Field(
-        default=3, ge=1, le=1000, description="Consecutive samples a trigger must hold to fire (seed 002: 3)."
+        default=3,
+        ge=1,
+        le=1000,
+        description="Consecutive samples a trigger must hold to fire (docs/sources.md#shift-signals: 3).",
     )
     exit_samples: int = Field(
         default=3,
         ge=1,
         le=1000,
-        description="Consecutive samples another trigger must hold to leave the new gear (seed 002: 3).",
+        description="Consecutive samples another trigger must hold to leave the new gear "
+        "(docs/sources.md#shift-signals: 3).",
     )
     dwell_s: float = Field(
-        default=600.0, ge=0, le=86400, description="Minimum seconds a gear stays active (seed 002: 10 min)."
+        default=600.0,
+        ge=0,
+        le=86400,
+        description="Minimum seconds a gear stays active (docs/sources.md#shift-dwell: 10 min).",
     )
     imbalance_high_utilization: float = Field(
         default=0.9,
         gt=0,
         le=1,
-        description="Imbalance trigger: some stage's utilisation above this ... (seed 002: 0.9).",
+        description="Imbalance trigger: some stage's utilisation above this ... "
+        "(docs/sources.md#shift-triggers: 0.9).",
     )
     imbalance_low_utilization: float = Field(
         default=0.6,
         ge=0,
         lt=1,
-        description="... while every other stage is below this -> throughput gear (seed 002: 0.6).",
+        description="... while every other stage is below this -> throughput gear "
+        "(docs/sources.md#shift-triggers: 0.6).",
     )
     p99_high_ratio: float = Field(
         default=1.2,
         gt=1,
         le=100,
-        description="P99 above this x target -> latency gear (seed 002: 1.2); above 1.",
+        description="P99 above this x target -> latency gear (docs/sources.md#shift-triggers: 1.2); above 1.",
     )
     p99_low_ratio: float = Field(
         default=0.7,
         gt=0,
         lt=1,
-        description="P99 below this x target -> balanced gear (seed 002: 0.7); below 1.",
+        description="P99 below this x target -> balanced gear (docs/sources.md#shift-triggers: 0.7); below "
+        "1.",
     )
     saturation_queue: float = Field(
         default=1.0,
@@ -107,20 +124,21 @@ class ShiftPolicy(SpecModel):
         ge=0,
         le=10,
         description="A trigger firing again inside the dwell moves its threshold this much away from "
-        "firing (seed 002 says 'one step'; the size is gearshift's choice).",
+        "firing (FlexPipe says 'one step', docs/sources.md#shift-signals; the size is gearshift's choice).",
     )
     min_benefit_cost_ratio: float = Field(
         default=1.0,
         ge=0,
         le=1e6,
         description="Veto a shift unless its predicted gain over one dwell is at least this x its cost "
-        "(weights and KV moved, seed 002); 0 disables the check.",
+        "(weights and KV moved, docs/sources.md#shift-cost); 0 disables the check.",
     )
     warmup_share: float = Field(
         default=0.2,
         gt=0,
         le=1,
-        description="Share of live requests' load a warming shadow gets (seed 002: 20%): the router mirrors "
+        description="Share of live requests' load a warming shadow gets (docs/sources.md#shift-executor: "
+        "20%): the router mirrors "
         "requests to its head pods at up to warmupShare x the gear's predicted throughput (answers dropped; "
         "clients never see them) while it is Ready for warmS. The card-time share is not enforced on the "
         "GPU (the benchmark models it).",
@@ -166,7 +184,8 @@ class ShiftPolicy(SpecModel):
         default=60.0,
         ge=0,
         le=86400,
-        description="How long the old gear is kept after the switch to roll back to, s (seed 002 keeps a "
+        description="How long the old gear is kept after the switch to roll back to, s (FlexPipe "
+        "(docs/sources.md#shift-executor) keeps a "
         "few hundred ms inside one engine; across pods gearshift needs enough samples to judge P99).",
     )
     rollback_p99_ratio: float = Field(
@@ -208,7 +227,8 @@ class ShiftPolicy(SpecModel):
     allow_degraded: bool = Field(
         default=True,
         description="When memory is short for full shadows, load weights first and grow the KV pool after "
-        "the switch (seed 002's degraded mode) instead of refusing the shift.",
+        "the switch (FlexPipe's degraded mode, docs/sources.md#shift-executor) instead of refusing the "
+        "shift.",
     )
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ Per-stage utilisation has two sources, chosen by the PDService's ``spec.engine``
 Prometheus spells "no value" as ``NaN`` (``histogram_quantile`` over buckets that did not move) and a
 division by zero as ``±Inf``; every non-finite value is *no data* here and never reaches a Sample.
 
-Missing is never fine (#31): every optional series of a sample (each latency quantile, the arrival rate)
+Missing is never fine: every optional series of a sample (each latency quantile, the arrival rate)
 is classified per sample as ok, missing (no series: not exported, not scraped, dropped
 by a relabel rule) or not a number (:class:`SeriesHealth`, :attr:`Reading.health`), and
 :func:`unavailable_series` says which of them should have had a value because requests flow; the

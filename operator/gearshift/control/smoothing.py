@@ -1,4 +1,5 @@
-"""One sample of a GearSet's signals and its exponential moving average (seed 002: alpha 0.3)."""
+"""One sample of a GearSet's signals and its exponential moving average (docs/sources.md#shift-signals: alpha
+0.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""When work must leave a time-limited node, and what to report about it (issue 13).
+"""When work must leave a time-limited node, and what to report about it.
 
 A node whose GPUProfile carries ``status.availableUntil`` (its deadline) is planned on only while a gear
 placed now can stay its expected time and still leave with a margin:
@@ -6,9 +6,9 @@ placed now can stay its expected time and still leave with a margin:
     leaveBy = availableUntil − windowMarginS − lead,
     lead = max(dwellS, warmS + drainTimeoutS + rollbackWindowS)
 
-``dwellS`` is how long a gear stays once shifted to (seed 002's minimum dwell); ``warmS + drainTimeoutS +
-rollbackWindowS`` bounds one shadow → drain → switch (the old gear's pods stay for the rollback window
-after the switch). Before ``leaveBy`` the planner may use the node for cheap-to-drop
+``dwellS`` is how long a gear stays once shifted to (FlexPipe's minimum dwell, docs/sources.md#shift-dwell);
+``warmS + drainTimeoutS + rollbackWindowS`` bounds one shadow → drain → switch (the old gear's pods stay for
+the rollback window after the switch). Before ``leaveBy`` the planner may use the node for cheap-to-drop
 replicas (:mod:`gearshift.planner.windows`); from ``leaveBy`` on it leaves the node out, so the plan's
 fingerprint changes and the reconciler re-plans without it -- with the margin still ahead for the move.
 The planner's own test (``seconds left ≥ dwell + margin`` with dwell := ``lead``) is the same inequality,

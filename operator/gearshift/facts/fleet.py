@@ -13,8 +13,8 @@ A pool may state ``pricePerGpuHour`` (a number > 0, any currency per card-hour);
 
 From it this module derives, without any I/O beyond reading the file:
   - the fake nodes of the sandbox (names ``gpu-<pool>-<i>``, datasheet figures, a loopback podCIDR);
-  - the planner's *resource profile* in seed 002's format, from datasheet figures, for planning before
-    any probe has run.
+  - the planner's *resource profile* in FlexPipe's format (docs/sources.md#resource-profile), from datasheet
+    figures, for planning before any probe has run.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import yaml
 
 from gearshift.facts.gpus import GPUSpec, compute_score, gpu_spec
 
-#: Tensor-parallel efficiency when one stage spans several cards of a node (seed 000: ×0.85 for TP>1).
+#: Tensor-parallel efficiency when one stage spans several cards of a node (docs/sources.md#gpu-prior: ×0.85
+#: for TP>1).
 TP_EFFICIENCY = 0.85
 
 
@@ -194,7 +195,8 @@ def max_micro_batch(memory_gib: float) -> int:
 
 
 def datasheet_profile(fleet: Fleet) -> dict[str, Any]:
-    """The fleet as the planner's resource profile (seed 002's format), from datasheet figures.
+    """The fleet as the planner's resource profile (FlexPipe's format, docs/sources.md#resource-profile), from
+    datasheet figures.
 
     Returns ``{"nodes": [{node_id, generation, memory_gb, compute_score, max_batch_microbatch,
     interconnect: {peer_id: {bandwidth_gbps, latency_us}}}]}``; ``memory_gb`` is the node's GPU memory

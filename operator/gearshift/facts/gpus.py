@@ -21,8 +21,8 @@ Sources (dense, no sparsity; bf16 unless noted):
     ``check_if_supports_dtype``), so T4 and V100 run float16.
   - Intra-node links: NVLink 4 900 GB/s (H100/H200), NVLink 3 600 GB/s (A100), PCIe Gen4 x16
     32 GB/s per direction, PCIe Gen3 x16 16 GB/s per direction.
-The PD router's GPU prior (seed 000): H100 1.0, H800 0.95, A100-80GB 0.75, A100-40GB 0.65, A10 0.30,
-anything else 0.5.
+The PD router's GPU prior (docs/sources.md#gpu-prior): H100 1.0, H800 0.95, A100-80GB 0.75, A100-40GB 0.65,
+A10 0.30, anything else 0.5.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ GPU_SPECS: dict[str, GPUSpec] = {
     )
 }
 
-#: Seed 000's GPU prior for PD node selection; models not listed score 0.5.
+#: The PD guide's GPU prior for PD node selection (docs/sources.md#gpu-prior); models not listed score 0.5.
 PD_GPU_PRIOR: dict[str, float] = {
     "H100-80GB": 1.0,
     "H100-PCIE-80GB": 1.0,
@@ -119,5 +119,6 @@ def compute_score(model: str) -> float:
 
 
 def pd_gpu_prior(model: str) -> float:
-    """Seed 000's per-model GPU score used by the PD router's compute term (0.5 when unlisted)."""
+    """The PD guide's per-model GPU score used by the PD router's compute term (docs/sources.md#gpu-prior)
+    (0.5 when unlisted)."""
     return PD_GPU_PRIOR.get(model, PD_GPU_PRIOR_DEFAULT)

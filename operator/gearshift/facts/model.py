@@ -39,9 +39,9 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.9
 #: expired") and the decode waited for its 480 s watchdog. 120 s covers a slow handshake; what it costs is
 #: blocks held that long for a request whose decode leg never comes.
 KV_LEASE_S = 120
-#: Seed 000: a decode pod needs free KV memory ≥ 1.2 × a request's KV cache (the PD router's decode filter);
-#: the planner sizes a stage's KV reservation with the same factor, so that filter has room at the planned
-#: batch.
+#: The PD guide (docs/sources.md#decode-headroom): a decode pod needs free KV memory ≥ 1.2 × a request's KV
+#: cache (the PD router's decode filter); the planner sizes a stage's KV reservation with the same factor, so
+#: that filter has room at the planned batch.
 KV_HEADROOM = 1.2
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "fp8": 1, "int8": 1}

@@ -1,4 +1,5 @@
-"""Seed 000's adaptive batch, applied: per decode GearSet, every 5 s (the router's balance round), the
+"""The PD guide's adaptive batch (docs/sources.md#adaptive-batch), applied: per decode GearSet, every 5 s (the
+router's balance round), the
 routers' proposals → :func:`gearshift.control.adaptive_batch.tick.decide` → the active gear's head pods.
 
 One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeApi`):
@@ -105,7 +106,10 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
         return BatchTick(skipped=loaded)
     gs_body, gs, pds = loaded
     if gs.spec.role not in rules.ROLES:
-        return BatchTick(skipped="adaptive batch is a rule of the roles that decode (seed 000)", idle=True)
+        return BatchTick(
+            skipped="adaptive batch is a rule of the roles that decode (docs/sources.md#adaptive-batch)",
+            idle=True,
+        )
     gear = {g.name: g for g in gs.gears()}.get(gs.status.active_gear or "")
     if gear is None:
         return BatchTick(skipped="no active gear yet")
@@ -185,7 +189,8 @@ def run_tick(rt: Runtime, namespace: str, name: str) -> BatchTick:
 
 
 def _decode(body: kopf.Body, **_: Any) -> bool:
-    """Only GearSets whose engines decode run the loop (seed 000's batch rule is a decode-node rule)."""
+    """Only GearSets whose engines decode run the loop (the PD guide's batch rule is a decode-node rule,
+    docs/sources.md#adaptive-batch)."""
     return (body.get("spec") or {}).get("role") in rules.ROLES
 
 

@@ -128,12 +128,12 @@ CONDITION_CRD_CURRENT = "CRDCurrent"
 
 
 class StatusPruned(RuntimeError):
-    """A status write lost fields: the installed CRD is older than this operator (#20 row 5)."""
+    """A status write lost fields: the installed CRD is older than this operator."""
 
 
 class StatusHeld(StatusPruned):
     """A status write was not sent: the installed CRD, replaced under the running operator, would prune
-    part of it (#31). Holding the whole write keeps the object's status from being half-written (a phase
+    part of it. Holding the whole write keeps the object's status from being half-written (a phase
     without the executor state it goes with); the write is made again once the CRD is current."""
 
 

@@ -1,4 +1,4 @@
-"""Start-up check that the installed CRDs hold every field the operator writes (#20 row 5).
+"""Start-up check that the installed CRDs hold every field the operator writes.
 
 Thin: reads the three CRDs, asks :func:`gearshift.api.crdcheck.stale_crds`, and stops the operator with a
 message that names the missing fields and the fix. Running on would let the API server prune the

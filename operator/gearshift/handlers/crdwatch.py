@@ -1,4 +1,4 @@
-"""Notice a CRD replaced under the running operator, and say so on every object it concerns (#31 item 4).
+"""Notice a CRD replaced under the running operator, and say so on every object it concerns.
 
 The start-up check (:mod:`gearshift.handlers.crds`) catches CRDs older than the operator before kopf runs.
 A CRD applied *while* it runs (``kubectl apply`` of an older chart's ``crds/``, a Helm CRD upgrade job)

@@ -53,7 +53,7 @@ PLURAL = nodes.PLURAL
 TICK_S = 2.0
 #: Seconds between two steps of a Ready profile. Its steps then only notice slow changes (a node gone or
 #: its GPU changed, a declared window, a re-probe due, the fleet's classes), and an idle fleet of many
-#: nodes would otherwise keep the operator busy with do-nothing ticks (issue 6: no hot loop when idle).
+#: nodes would otherwise keep the operator busy with do-nothing ticks (no hot loop when idle).
 READY_TICK_S = 10.0
 #: Seconds before a step whose status write was pruned (an older CRD) is tried again: nothing changes
 #: until the CRD is upgraded, and each try may start work (a probe Job) whose record would be dropped.

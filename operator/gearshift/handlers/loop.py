@@ -34,11 +34,12 @@ from gearshift.handlers.runtime import Runtime, runtime_of
 log = logging.getLogger("gearshift.loop")
 
 
-#: The sample interval when the GearSet's is missing or unreadable, s (the API's default, seed 002).
+#: The sample interval when the GearSet's is missing or unreadable, s (the API's default,
+#: docs/sources.md#shift-signals).
 DEFAULT_INTERVAL_S = 2.0
 #: Seconds between two turns while a tick reports ``idle`` (nothing configured for it to do: one gear,
 #: no scaling section, scaled to zero). Each turn reads the API several times, and a namespace of idle
-#: services would otherwise keep the operator busy (issue 6: no hot loop when idle); enabling the
+#: services would otherwise keep the operator busy (no hot loop when idle); enabling the
 #: feature takes effect within this time.
 IDLE_INTERVAL_S = 30.0
 
@@ -82,7 +83,7 @@ async def every_sample_interval(
     event and error line were already recorded), is one warning line; anything else is logged with its
     traceback; the loop goes on either way until kopf stops the daemon.
     The interval is re-read from ``body`` (kopf keeps it current) every round. A turn longer than the
-    interval never goes by silently (#31): the sample instants it missed (:func:`missed_samples`) are
+    interval never goes by silently: the sample instants it missed (:func:`missed_samples`) are
     counted (``gearshift_operator_samples_missed_total``), logged as a warning and handed to
     ``on_missed`` (the shifting loop's next status shows the count: ``status.signals.missedSamples``).
     """

@@ -9,7 +9,7 @@ runs; the chart uses it for liveness and readiness). Metrics: the operator's own
 replicas campaign for a Lease (:mod:`gearshift.adapters.leader`); a standby answers ``/healthz`` itself and
 starts kopf only once it leads. Without the flag the operator runs alone.
 
-Losing the Lease (#31 item 5): the write fence (:mod:`gearshift.adapters.kube`) refuses every write from
+Losing the Lease: the write fence (:mod:`gearshift.adapters.kube`) refuses every write from
 that moment, then the process re-executes itself in place (``os.execve`` of its own interpreter and
 command line): same PID, same container, a fresh kopf with no state, a standby again. It campaigns anew
 after :class:`~gearshift.adapters.leader.Backoff` (4 s doubling to 60 s over a run of short terms), keeping
@@ -342,7 +342,7 @@ def _register_startup(workers: int) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
         # The diff base is the spec only: kopf's default essence also copies metadata.annotations, so a
         # user annotation of 150 KiB made the last-handled annotation pass the API's 256 KiB limit for
-        # all annotations and every patch failed "Too long" (#20 row 4). No handler reacts to annotations.
+        # all annotations and every patch failed "Too long". No handler reacts to annotations.
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=DOMAIN, key="last-handled-configuration", ignored_fields=DIFFBASE_IGNORED
         )

@@ -7,7 +7,7 @@ Thin: every handler ends in :func:`gearshift.handlers.reconcile.reconcile_servic
   and update causes);
 - a timer every :data:`RETRY_S` while the PDService's status lags its generation or its phase is Pending
   or Degraded (placement failed, a profile missing, a node lost);
-- a time-limited node's ``leaveBy`` (``status.windowLeaveBy``, issue 13), within :data:`WINDOW_TICK_S`;
+- a time-limited node's ``leaveBy`` (``status.windowLeaveBy``), within :data:`WINDOW_TICK_S`;
 - an owned StatefulSet or router Deployment changes (status refresh, debounced);
 - a GearSet's spec changes (:mod:`gearshift.handlers.gearset`);
 - the fleet changes: a Node's readiness, schedulability, GPU count or labels, or a GPUProfile's numbers
@@ -110,7 +110,7 @@ def _kopf_errors(rt: Runtime, namespace: str, name: str, body: Mapping[str, Any]
     except KubeApiError as exc:
         raise kopf.TemporaryError(str(exc), delay=API_ERROR_DELAY_S) from None
     except StatusPruned as exc:
-        # An older CRD (#20 row 5, #31): the event and CRDCurrent=False are recorded; try again soon, so
+        # An older CRD: the event and CRDCurrent=False are recorded; try again soon, so
         # the reconcile resumes within this delay of the CRD being current again.
         raise kopf.TemporaryError(str(exc), delay=STATUS_HELD_DELAY_S) from None
 
@@ -136,7 +136,7 @@ def _needs_attention(body: kopf.Body, **_: Any) -> bool:
     # still pending, a degraded service. Ready and Progressing services cost nothing while idle.
     status = body.get("status") or {}
     lagging = status.get("observedGeneration") != body.get("metadata", {}).get("generation")
-    # A time-limited node in use (issue 13): look again every RETRY_S (the status follows the vacate);
+    # A time-limited node in use: look again every RETRY_S (the status follows the vacate);
     # the re-plan at leaveBy itself comes from the shorter window timer (window_tick).
     windowed = status.get("windowLeaveBy") is not None
     return lagging or windowed or status.get("phase") in ("Pending", "Degraded")
@@ -177,7 +177,7 @@ def _window_in_use(body: kopf.Body, **_: Any) -> bool:
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=WINDOW_TICK_S, when=_window_in_use)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def pdservice_window(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Re-plan as soon as a time-limited node's leaveBy comes (issue 13); see :func:`window_tick`."""
+    """Re-plan as soon as a time-limited node's leaveBy comes; see :func:`window_tick`."""
     leave_by = (body.get("status") or {}).get("windowLeaveBy")
     window_tick(runtime_of(memo), namespace, name, leave_by, datetime.now(UTC))
 

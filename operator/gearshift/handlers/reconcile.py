@@ -28,7 +28,7 @@ Exceptions (the kopf handlers turn them into kopf errors)::
                                                          after ``delay`` s)
 
 A shift in flight (GearSet ``status.executor.step`` in Warming/Draining/Switching/RollingBack/Degraded)
-belongs to the gear executor (issue 9): the reconciler then keeps both gears' pods, leaves the role
+belongs to the gear executor: the reconciler then keeps both gears' pods, leaves the role
 Service's selector alone and deletes no gear; the executor drives the objects through
 :func:`ensure_gear_sync`, :func:`select_gear_sync` and :func:`delete_gear_sync`.
 """
@@ -385,7 +385,7 @@ def _write_readiness(
     return out
 
 
-# --- the gear executor's operations (issue 9 calls these) ------------------------------------------
+# --- the gear executor's operations (the gear executor calls these) --------------------------------
 def _context(
     api: KubeApi, namespace: str, service: str, role: str
 ) -> tuple[dict[str, Any], PDService, GearSet]:

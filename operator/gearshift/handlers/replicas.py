@@ -1,4 +1,4 @@
-"""A failed head restarts its whole pipeline replica (vLLM multi-node pipeline parallelism, issue 18).
+"""A failed head restarts its whole pipeline replica (vLLM multi-node pipeline parallelism).
 
 In vLLM's multi-node pipeline parallelism without Ray (``--nnodes/--node-rank/--master-addr``, ranks > 0
 ``--headless``: ``vllm/entrypoints/cli/serve.py`` ``run_headless``), the ranks of one pipeline rendezvous

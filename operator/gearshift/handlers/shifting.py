@@ -18,12 +18,12 @@ One tick (:func:`tick`, synchronous, over :class:`~gearshift.adapters.kube.KubeA
    ``SignalsAvailable=True`` with reason ``StageBalanceUnavailable`` and the imbalance trigger off. A
    sample whose latency quantiles or arrival rate have no value while requests flow is one too, but
    ``SignalsAvailable=False`` (``LatencyUnavailable`` / ``SeriesMissing``, naming each series, one
-   Warning event) and the triggers that read them hold (#31: missing is never fine);
+   Warning event) and the triggers that read them hold (missing is never fine);
 4. :func:`gearshift.control.shifting.decide.decide` → :func:`gearshift.control.shifting.adapt.shift_request` →
    :func:`gearshift.control.shifting.executor.step`; when the active gear holds stages on a time-limited node
    the reconciler reports past its leaveBy (``status.windowedNodes`` ``Leaving``),
    :func:`gearshift.control.shifting.tick.window_request` replaces the decision's request with a shift
-   (trigger ``window``) to the reconciler's window-free replacement, signals or not (issue 13);
+   (trigger ``window``) to the reconciler's window-free replacement, signals or not;
 5. persist the new executor and decision state, smoothed signals, history, gear health and the
    condition in ``GearSet.status`` (under the reconciler's per-service lock, so a concurrent reconcile
    sees either the old or the new executor step, never a half), *then* apply the actions through the
@@ -465,7 +465,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: SignalS
     seen = _observe(api, t, rt.settings, signals, now)
     done = _step(api, t, seen, now)
     book = _write_status(rt, t, seen, done, now)
-    # Sample → status lag (#31 item 3): ``now`` is when the sample was taken, on the same wall clock.
+    # Sample → status lag: ``now`` is when the sample was taken, on the same wall clock.
     metrics.SAMPLE_TO_STATUS_SECONDS.observe(max(0.0, time.time() - now))
     _act(rt, t, done.operations)
     _mark_warming(api, t, seen.pods, done.state)
@@ -544,7 +544,7 @@ def _settled(body: Mapping[str, Any]) -> bool:
 
 def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:
     """kopf runs the daemon only for GearSets with replicas to sample or a shift to finish: a namespace of
-    services scaled to zero costs no sampling (issue 6: no hot loop when idle)."""
+    services scaled to zero costs no sampling (no hot loop when idle)."""
     return (body.get("spec") or {}).get("replicas", 1) != 0 or not _settled(body)
 
 
@@ -582,7 +582,7 @@ def free_gears_of_deleted_gearset(rt: Runtime, namespace: str, body: Mapping[str
 # A failed deletion handler retries soon: the shadows it frees hold GPUs meanwhile.
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, backoff=DELETE_RETRY_S)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
 def gearset_deleted(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """#20 row 6: a GearSet deleted mid-shift left its shadow StatefulSets (and their GPUs) behind. Its
+    """A GearSet deleted mid-shift left its shadow StatefulSets (and their GPUs) behind. Its
     daemon has stopped: the loop's memory of it goes too."""
     rt = runtime_of(memo)
     free_gears_of_deleted_gearset(rt, namespace, body)

@@ -1,6 +1,6 @@
 """Split GPU nodes between the prefill and decode roles so that the two never plan on the same cards.
 
-Rule (the team's design decision for issue 7): nodes only one role may use stay with it; nodes both may
+Rule (the team's design decision for PD placement): nodes only one role may use stay with it; nodes both may
 use are split per GPU model, by sorted node name, prefill taking ``ceil(n / 2)`` of each model and decode
 the rest. Deterministic (the same input gives the same split on every reconcile and every replica of the
 operator), and each role keeps a share of every card type both wanted. Pure.

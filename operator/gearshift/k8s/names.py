@@ -38,7 +38,8 @@ NODE_PROFILED = f"{DOMAIN}/profiled"
 # --- annotations ----------------------------------------------------------------------------------
 #: On a node: ask for a new probe now (any value).
 ANNOTATION_REPROBE = f"{DOMAIN}/reprobe"
-#: On a node: RFC 3339 time after which the node is reclaimed (a "time fragment", seed 002).
+#: On a node: RFC 3339 time after which the node is reclaimed (a "time fragment",
+#: docs/sources.md#fragmentation).
 ANNOTATION_AVAILABLE_UNTIL = f"{DOMAIN}/available-until"
 
 #: On a head pod: the autoscaler is draining it before a scale-down; the router stops picking it (``"true"``).

@@ -1,4 +1,4 @@
-"""Pure builder of the probe Job that measures one GPU node (issue 6); returns a plain dict manifest.
+"""Pure builder of the probe Job that measures one GPU node; returns a plain dict manifest.
 
 The Job runs ``gearshift-probe device`` once on the node:
   - pinned to the node by node affinity on ``metadata.name`` (as the DaemonSet controller pins its pods),

@@ -1,4 +1,5 @@
-"""Warm-up traffic marks on a warming shadow's head pods (seed 002: a shadow warms on mirrored traffic). Pure.
+"""Warm-up traffic marks on a warming shadow's head pods (docs/sources.md#shift-executor: a shadow warms on
+mirrored traffic). Pure.
 
 While a shift is ``Warming`` the target gear's StatefulSets run beside the serving gear, outside the role
 Service. The shifting loop marks their head pods (stage 0: the pods that serve HTTP) with the label

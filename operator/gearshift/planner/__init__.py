@@ -1,8 +1,9 @@
 """gearshift.planner: cost model, minimum-bottleneck partitioner, gear generation, pipeline simulator.
 
 Pure code: no network, no kopf, no clock. The operator calls :func:`plan` with a :class:`Profile`
-(built from GPUProfiles in seed 002's format, or read by :func:`load_cluster`) and a cost model
-(:func:`load_model`, :class:`RooflineCostModel` from a :class:`gearshift.facts.model.ModelArch`).
+(built from GPUProfiles in FlexPipe's format (docs/sources.md#resource-profile), or read by
+:func:`load_cluster`) and a cost model (:func:`load_model`, :class:`RooflineCostModel` from a
+:class:`gearshift.facts.model.ModelArch`).
 """
 
 from gearshift.planner.costs import (

@@ -21,7 +21,7 @@ Capacity is ``micro_batch × 1000 / effective bottleneck``, where a stage served
 ``cap / R`` ms. A gear suits QPS up to 80% of its capacity (queues stay short below that utilisation);
 sorted by capacity, each gear's range starts where the previous one's ends.
 
-Time-limited nodes (:class:`~gearshift.planner.windows.Windows`, issue 13): a windowed node whose window
+Time-limited nodes (:class:`~gearshift.planner.windows.Windows`): a windowed node whose window
 closes before the dwell and margin end is left out; the others are *cheap-only*. Single pipelines are
 planned on durable nodes alone, a replicated pipeline keeps at least one durable node per stage (durable
 nodes first, so pipeline replica 0 is wholly durable; a stage that came out all windowed swaps in a spare
@@ -29,7 +29,7 @@ durable node at least as fast and as large, or the candidate is dropped), and ho
 cheap-only nodes. So a windowed node never holds the only copy of a stage, and dropping it costs
 capacity only.
 
-Stage limit (``max_stages``, issue 18): a caller whose engine cannot run deeper pipelines caps every
+Stage limit (``max_stages``): a caller whose engine cannot run deeper pipelines caps every
 candidate's stage count (each intent's cap above is clamped to it). With ``max_stages=1`` every gear is
 whole-model pipelines of one stage each -- a node's cards run tensor parallel inside the stage (the
 profile's ``memory_gb`` of a node is all its cards) -- and capacity comes from more pipeline replicas and

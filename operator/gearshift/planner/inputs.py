@@ -2,8 +2,9 @@
 
 - :func:`role_candidates`: the GPU nodes one role may plan on (GearSet ``spec.plan.constraints``: node
   selector, GPU models, excluded nodes), and what is missing (nodes without a usable profile).
-- :func:`resource_profile`: those nodes' effective GPUProfiles (override over measurement) as seed 002's
-  resource profile, the document :func:`gearshift.planner.parse_profile` reads.
+- :func:`resource_profile`: those nodes' effective GPUProfiles (override over measurement) as FlexPipe's
+  (docs/sources.md#resource-profile) resource profile, the document :func:`gearshift.planner.parse_profile`
+  reads.
 - :func:`inputs_hash`: fingerprint of everything a plan depends on (``status.profilesHash``); a different
   hash means re-plan.
 - :func:`api_gear`: a planner :class:`gearshift.planner.Gear` as an API
@@ -157,7 +158,8 @@ def resource_profile(
     nodes: Mapping[str, Mapping[str, Any]] | None = None,
     memory_utilization: float = 0.9,
 ) -> dict[str, Any]:
-    """Seed 002's resource profile of ``node_names`` from their effective GPUProfiles.
+    """FlexPipe's resource profile of ``node_names`` from their effective GPUProfiles
+    (docs/sources.md#resource-profile).
 
     Per node: ``memory_gb`` = memory per GPU (GiB) × GPU count × ``memory_utilization`` (the share vLLM
     may use, ``--gpu-memory-utilization``); ``compute_score`` = the profile's (node vs one H100 SXM), else

@@ -1,6 +1,6 @@
 """The minimum-bottleneck pipeline partitioner: which nodes, in which order, hold which layers.
 
-Problem (the cost model of issue 4): choose an ordered sequence of distinct nodes and cut the layers
+Problem (the planner's cost model): choose an ordered sequence of distinct nodes and cut the layers
 ``[0, L)`` into one non-empty contiguous stage per node so that every stage fits its node's memory,
 adjacent nodes are linked, and the **bottleneck** -- the largest of the stage times
 ``sum(compute_ms[a:b]) / compute_score`` and the link bounds ``activation_mb·8/Gbps/0.7`` -- is least.
@@ -105,7 +105,7 @@ class Pipeline:
 
 
 def lower_bound_ms(costs: LayerCosts, nodes: Sequence[Node], replicas: int = 1) -> float:
-    """Issue 4's lower bound on the bottleneck: ``max(total·R / Σ scores, max_layer / max_score)``, ms.
+    """The planner's lower bound on the bottleneck: ``max(total·R / Σ scores, max_layer / max_score)``, ms.
 
     Raises:
         EmptyFleetError: no nodes.
@@ -119,7 +119,7 @@ def lower_bound_ms(costs: LayerCosts, nodes: Sequence[Node], replicas: int = 1) 
 def evaluate(
     profile: Profile, costs: LayerCosts, cuts: Sequence[tuple[int, int, Sequence[str]]]
 ) -> tuple[float, list[float], list[float]]:
-    """Bottleneck of a given partition ``[(start, end, node_ids)]`` under issue 4's cost model.
+    """Bottleneck of a given partition ``[(start, end, node_ids)]`` under the planner's cost model.
 
     Returns ``(bottleneck_ms, stage_time_ms per stage, link transfer_ms per boundary)`` where stage times
     and transfers are the worst over replicas (``node_ids[r]`` forms replica r).

@@ -1,11 +1,12 @@
-"""The resource profile the planner plans on: GPU nodes and the links between them (seed 002's format).
+"""The resource profile the planner plans on: GPU nodes and the links between them (FlexPipe's format,
+docs/sources.md#link-cap).
 
 A profile document is ``{"nodes": [{node_id, generation, memory_gb, compute_score,
 max_batch_microbatch, interconnect: {peer_id: {bandwidth_gbps, latency_us}}}]}`` -- what the probe
 measures and what :func:`gearshift.facts.fleet.datasheet_profile` derives from datasheets. ``memory_gb`` is
 the node's GPU memory in GiB, ``compute_score`` its speed relative to an H100 SXM card (1.0), bandwidth in
-Gb/s, latency in µs. Seed 002 writes peer keys as ``to_gpu_002`` for node ``gpu-002``; both spellings
-are accepted.
+Gb/s, latency in µs. FlexPipe writes peer keys as ``to_gpu_002`` for node ``gpu-002``
+(docs/sources.md#resource-profile); both spellings are accepted.
 
 Links are symmetric: a link listed by either end serves both directions; when both ends list it, the
 lower bandwidth and the higher latency count (the slower direction bounds a pipeline).
@@ -24,7 +25,8 @@ import yaml
 
 from gearshift.planner.errors import EmptyFleetError, PlanInputError
 
-#: Adjacent stages may use at most this share of their link (seed 002: "不能超过互连带宽的70%").
+#: Adjacent stages may use at most this share of their link (docs/sources.md#link-cap: "at most 70% of the
+#: link bandwidth").
 LINK_CAP = 0.7
 
 
@@ -45,7 +47,8 @@ class Link:
         """Least bottleneck (ms) at which ``activation_mb`` per micro-batch stays under the 70% cap.
 
         One micro-batch crosses the link per bottleneck period, so its traffic share is
-        ``(mb·8/Gbps) / bottleneck``; requiring it ≤ :data:`LINK_CAP` gives ``mb·8/Gbps/0.7`` (seed 002).
+        ``(mb·8/Gbps) / bottleneck``; requiring it ≤ :data:`LINK_CAP` gives ``mb·8/Gbps/0.7``
+        (docs/sources.md#link-cap).
         """
         return activation_mb * 8.0 / self.bandwidth_gbps / LINK_CAP
 
@@ -116,7 +119,8 @@ def _resolve_peer(key: str, ids: set[str]) -> str | None:
 
 
 def parse_profile(doc: Any) -> Profile:
-    """Parse a resource-profile mapping (seed 002's format, see the module docstring).
+    """Parse a resource-profile mapping (FlexPipe's format, docs/sources.md#resource-profile, see the module
+    docstring).
 
     Raises:
         EmptyFleetError: ``nodes`` is empty.

@@ -1,12 +1,13 @@
-"""Time-limited nodes ("time fragments", issue 13) as the planner sees them.
+"""Time-limited nodes ("time fragments") as the planner sees them.
 
 A node whose GPUs are free only until a known instant (node annotation ``gearshift.io/available-until``)
 may serve a gear only while that gear is expected to stay: the gear's **dwell** (``policy.dwellS``: a gear
 stays at least that long once shifted to) plus a safety **margin** (``plan.constraints.windowMarginS``)
 must end before the window closes. Even then the node holds only work that is cheap to drop -- a
 replicated pipeline's extra replica (r ≥ 1) or a hot stage's extra replica -- never the only copy of a
-stage, so that losing it early costs capacity, not the service (seed 002 names such cards a *time
-fragment*; static schedulers avoid them because losing a stage mid-pipeline breaks the pipeline).
+stage, so that losing it early costs capacity, not the service (FlexPipe (docs/sources.md#fragmentation) names
+such cards a *time fragment*; static schedulers avoid them because losing a stage mid-pipeline breaks the
+pipeline).
 
 Pure: the caller passes the seconds left per node (``deadline − now``); no clock is read here.
 """
@@ -25,7 +26,7 @@ class Windows:
     """``{node: seconds until its window closes}``, counted from the planning instant; other nodes are
     durable (no window)."""
     dwell_s: float = 600.0
-    """Expected stay of a planned gear, s (``policy.dwellS``; seed 002: 10 minutes)."""
+    """Expected stay of a planned gear, s (``policy.dwellS``; docs/sources.md#shift-dwell: 10 minutes)."""
     margin_s: float = 300.0
     """Slack between the end of the dwell and the window's close, s (``windowMarginS``)."""
 

@@ -4,11 +4,11 @@ fleet's scores, node labels from a profile, spec overrides, and datasheet interc
 No I/O and no clock: the kopf handlers (:mod:`gearshift.handlers.gpuprofile`) pass everything in.
 
 Compute classes (``high``/``mid``/``low``): the fleet's *per-card* compute scores (the node score divided
-by its cards and seed 000's tensor-parallel factor, so eight T4s are still a ``low`` card while the
-node's own ``computeScore`` keeps their sum) are clustered in log space — ratios, not differences, make
-cards alike — by exact 1-D k-means with k = min(3, distinct scores) (dynamic programming, Wang & Song,
-"Ckmeans.1d.dp", The R Journal 3(2), 2011). Adjacent clusters whose geometric means differ by less
-than :data:`MIN_CLASS_RATIO` (1.5×) are then merged, so measurement noise or near-equal cards (H100 SXM
+by its cards and the PD guide's tensor-parallel factor (docs/sources.md#gpu-prior), so eight T4s are still a
+``low`` card while the node's own ``computeScore`` keeps their sum) are clustered in log space — ratios, not
+differences, make cards alike — by exact 1-D k-means with k = min(3, distinct scores) (dynamic programming,
+Wang & Song, "Ckmeans.1d.dp", The R Journal 3(2), 2011). Adjacent clusters whose geometric means differ by
+less than :data:`MIN_CLASS_RATIO` (1.5×) are then merged, so measurement noise or near-equal cards (H100 SXM
 vs PCIe, 1.31×; A100 vs L40S, 1.16×) never split into two classes. The top cluster is ``high``, the
 bottom ``low`` (when there are two or more) and a middle one ``mid``. On the datasheets of
 ``examples/fleets/mixed.yaml`` (H100 1.0, A100 0.315, A10 0.126, T4 0.066) this gives H100 high, A100 mid,
@@ -169,7 +169,7 @@ def node_view(body: Mapping[str, Any], selector: Iterable[Requirement] = ()) -> 
 def card_score(status: GPUProfileStatus) -> float | None:
     """Per-card compute score: ``computeScore / (gpuCount × 0.85 if gpuCount > 1)``, None when unknown.
 
-    The 0.85 is seed 000's tensor-parallel factor, which
+    The 0.85 is the PD guide's tensor-parallel factor (docs/sources.md#gpu-prior), which
     :func:`gearshift.api.probedoc.compute_score_from_tflops` applied to multi-card nodes.
     """
     if status.compute_score is None or not status.compute_score > 0:

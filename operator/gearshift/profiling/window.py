@@ -14,7 +14,7 @@ from gearshift.k8s.names import ANNOTATION_AVAILABLE_UNTIL
 from gearshift.profiling.profiles import GpuNodeView
 from gearshift.profiling.steps import Step, record_condition
 
-#: Condition reasons of ``Windowed`` (issue 13).
+#: Condition reasons of ``Windowed``.
 REASON_WINDOW_DECLARED = "AvailableUntil"
 REASON_WINDOW_INVALID = "InvalidAvailableUntil"
 #: The declared window has passed: the node is reclaimed, the planner leaves it out.
@@ -73,7 +73,7 @@ def window_step(
     now: datetime,
     generation: int | None,
 ) -> Step | None:
-    """``status.availableUntil`` and the ``Windowed`` condition from the node's window (issue 13).
+    """``status.availableUntil`` and the ``Windowed`` condition from the node's window.
 
     The node annotation ``gearshift.io/available-until`` (RFC 3339) declares when the node is reclaimed;
     ``spec.override.availableUntil`` pins it instead. A value that is not RFC 3339 is ignored (no

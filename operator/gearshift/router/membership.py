@@ -13,7 +13,7 @@ controller would have written (:func:`slices_from_pods`). In a real cluster that
 the slices lack: a role without endpoints has no Ready pod either.
 
 Pods labelled ``gearshift.io/draining: "true"`` (the autoscaler drains a pipeline replica before a
-scale-down, issue 12) are left out of the pod set whatever the slices say, so no new request goes to them
+scale-down) are left out of the pod set whatever the slices say, so no new request goes to them
 while their in-flight requests finish; the same poll that feeds the fallback finds them.
 
 The same poll finds the pods of a warming shadow gear (labelled ``gearshift.io/warming: "true"`` by the

@@ -243,9 +243,10 @@ def make_metrics() -> RouterMetrics:
         ),
         no_decode_headroom=Counter(
             "gearshift_router_no_decode_headroom",
-            "Requests no decode pod had free KV memory >= 1.2 x their KV cache for (seed 000: scale up), "
+            "Requests no decode pod had free KV memory >= 1.2 x their KV cache for "
+            "(docs/sources.md#decode-headroom: scale up), "
             "counted once per request at its first miss; the operator's autoscaler reads it as an immediate "
-            "scale-up signal (issue 12).",
+            "scale-up signal.",
             registry=reg,
         ),
         headroom_held=Gauge(

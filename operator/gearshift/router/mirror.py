@@ -1,6 +1,7 @@
 """Mirrored warm-up traffic: copies of live requests to a warming shadow's head pods, answers dropped.
 
-Seed 002's executor warms a shadow gear on a share of live traffic before it serves.
+FlexPipe's executor warms a shadow gear on a share of live traffic before it serves
+(docs/sources.md#shift-executor).
 
 While a gear shift is ``Warming`` the operator labels the target gear's head pods
 ``gearshift.io/warming: "true"`` with the annotation ``gearshift.io/mirror-rps`` (its ``mirror_rps``:

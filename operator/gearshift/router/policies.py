@@ -1,29 +1,30 @@
 """Pure scoring and choice functions of the PD router's policies: the prefill and decode pod of a request.
 
 Policies (``POLICIES``):
-  - ``pd-score`` (default): seed 000's weighted node scores (prefill: compute 0.30, load 0.25, queue 0.20,
-    network 0.15, model cache 0.10; decode: ITL 0.35, memory 0.25, batch 0.20, bandwidth 0.15, network
-    0.05) with the 1.2× KV-memory headroom filter on decode pods. Corrections to the seed, each because
-    the seed's formula breaks the meaning of its own weights:
+  - ``pd-score`` (default): the PD guide's weighted node scores (docs/sources.md#prefill-score) (prefill:
+    compute 0.30, load 0.25, queue 0.20, network 0.15, model cache 0.10; decode: ITL 0.35, memory 0.25, batch
+    0.20, bandwidth 0.15, network 0.05) with the 1.2× KV-memory headroom filter on decode pods. Corrections to
+    the PD guide, each because the PD guide's formula breaks the meaning of its own weights:
 
-      1. *ITL score* — the seed returns ``1 + 0.2·(target − itl)/target`` below target, up to 1.2 for an idle
-         pod, so the 0.35 weight silently became 0.42. We divide the seed's value by 1.2: same order, same
-         continuity at the target, range [0, 1].
-      2. *compute score* — the seed's ``prior × 0.85^(tp>1) × sqrt(gpus)`` is unbounded (2.83 on 8 cards), so
-         on multi-card nodes the 0.30 weight outweighed all other terms together. We divide it by the
+      1. *ITL score* — the PD guide returns ``1 + 0.2·(target − itl)/target`` below target, up to 1.2 for an
+         idle pod, so the 0.35 weight silently became 0.42. We divide the PD guide's value by 1.2: same order,
+         same continuity at the target, range [0, 1].
+      2. *compute score* — the PD guide's ``prior × 0.85^(tp>1) × sqrt(gpus)`` is unbounded (2.83 on 8 cards),
+         so on multi-card nodes the 0.30 weight outweighed all other terms together. We divide it by the
          largest value among the candidates (range (0, 1], the strongest candidate scores 1).
       3. *queue depth* — scraped engine counters are up to one scrape interval old, so a burst would all go
          to the pod that looked emptiest. Depth is ``max(running + waiting, router's in-flight to the pod)``.
-      4. *bandwidth score* — the seed names the factor (HBM bandwidth and its use) but gives no formula. We
-         use the HBM bandwidth each running sequence would share, ``hbm / (running + 1)``, divided by the
+      4. *bandwidth score* — the PD guide names the factor (HBM bandwidth and its use) but gives no formula.
+         We use the HBM bandwidth each running sequence would share, ``hbm / (running + 1)``, divided by the
          best candidate's: decode is memory-bound (each step streams the weights and the KV cache once).
-      5. *network score with no peer yet* — the decode pod is chosen first (the seed's prefill network
-         term needs ``request.preferred_decode_node``), so decode's own network term is the seed's
+      5. *network score with no peer yet* — the decode pod is chosen first (the PD guide's prefill network
+         term needs ``request.preferred_decode_node``), so decode's own network term is the PD guide's
          default 0.5 and prefill's uses the chosen decode pod.
-      6. *request KV size* — the seed leaves it open; we use ``(prompt + max_tokens) × kv_bytes_per_token``:
-         the cache the request will hold at its end, which is what the headroom filter protects.
+      6. *request KV size* — the PD guide leaves it open; we use ``(prompt + max_tokens) ×
+         kv_bytes_per_token``: the cache the request will hold at its end, which is what the headroom filter
+         protects.
       7. *batch score* with ``max_batch`` 0 — guarded (score 0) rather than a division by zero.
-      8. *queue term as expected prefill finish* — the seed's ``1 − min(depth / max_queue, 1)`` counts
+      8. *queue term as expected prefill finish* — the PD guide's ``1 − min(depth / max_queue, 1)`` counts
          requests, not time, and saturates: 4 requests queued on an H100 wait ~130 ms while 4 on an A10
          wait ~1 s, yet both score the same; past ``max_queue`` (16) every deeper queue scores 0, so the
          compute term's fixed preference for the fast card (0.30 × (1 − 0.30) = 0.21 between an H100 and
@@ -31,18 +32,18 @@ Policies (``POLICIES``):
          without bound under load. We score the time until this request's prefill would finish:
          ``1 − (depth + 1) × service_ms / target_ttft_ms``, with ``service_ms`` this request's prefill
          time on the pod (``RequestView.prefill_ms_ref`` on the reference card ÷ the pod's prefill speed;
-         each queued request is priced as this one) and the seed's target TTFT (200 ms); not clamped
+         each queued request is priced as this one) and the PD guide's target TTFT (200 ms); not clamped
          below 0, so a finish ``k`` × the target away costs ``k`` × the weight. The ``+ 1`` (the request's
          own prefill) matters: without it an idle slow pod scores a full 1.0 however long the prompt,
          and long prompts — the TTFT tail — went to the A10s (P99 TTFT 1.04 s against 0.55 s with the
-         seed's form in bench/router_des.py at 50 % load). With the seed's weights a busy H100 keeps a
+         PD guide's form in bench/router_des.py at 50 % load). With the PD guide's weights a busy H100 keeps a
          request while its expected finish is less than ~210 ms (0.21 / 0.20 × 200 ms) later than a busy
          A10's: close to join-the-shortest-expected-finish. With no prefill time (no model description)
-         the seed's count form is kept.
-  - ``shortest-queue``: FastChat's default (seed 003): ``argmin(queue_length / speed)``, first minimum wins,
-    and the pick is counted at once (the caller adds 1 to the pod's queue length until the next scrape
-    overwrites it). Speed is the pod's GPU-profile speed instead of FastChat's fixed 1 (``speed_one=True``
-    restores FastChat's behaviour: it is the benchmark baseline).
+         the PD guide's count form is kept.
+  - ``shortest-queue``: FastChat's default (docs/sources.md#shortest-queue): ``argmin(queue_length / speed)``,
+    first minimum wins, and the pick is counted at once (the caller adds 1 to the pod's queue length until the
+    next scrape overwrites it). Speed is the pod's GPU-profile speed instead of FastChat's fixed 1
+    (``speed_one=True`` restores FastChat's behaviour: it is the benchmark baseline).
   - ``lottery``: FastChat's weighted random choice, probability ``speed / Σ speed``; refuses when
     ``Σ speed < 1e-4`` as FastChat does.
   - ``round-robin``, ``power-of-two`` (two distinct random pods, the one with fewer router in-flight
@@ -75,7 +76,7 @@ POLICIES: tuple[str, ...] = (
 )
 DEFAULT_POLICY = "pd-score"
 
-#: Seed 000: prefill weights.
+#: The PD guide (docs/sources.md#prefill-score): prefill weights.
 PREFILL_WEIGHTS: dict[str, float] = {
     "compute": 0.30,
     "load": 0.25,
@@ -83,7 +84,7 @@ PREFILL_WEIGHTS: dict[str, float] = {
     "network": 0.15,
     "cache": 0.10,
 }
-#: Seed 000: decode weights.
+#: The PD guide (docs/sources.md#decode-score): decode weights.
 DECODE_WEIGHTS: dict[str, float] = {
     "itl": 0.35,
     "memory": 0.25,
@@ -91,15 +92,17 @@ DECODE_WEIGHTS: dict[str, float] = {
     "bandwidth": 0.15,
     "network": 0.05,
 }
-#: Seed 000: target ITL, ms.
+#: The PD guide (docs/sources.md#slo-targets): target ITL, ms.
 TARGET_ITL_MS = 50.0
-#: Seed 000: KV transfer times at or above this score 0 on the network term, ms.
+#: The PD guide (docs/sources.md#prefill-score): KV transfer times at or above this score 0 on the network
+#: term, ms.
 MAX_TRANSFER_MS = 100.0
-#: Seed 000: the ideal decode batch is 70% of the maximum.
+#: The PD guide (docs/sources.md#decode-score): the ideal decode batch is 70% of the maximum.
 IDEAL_BATCH_FRACTION = 0.7
-#: Seed 000: score of the network term when the peer pod is not known yet.
+#: The PD guide (docs/sources.md#prefill-score): score of the network term when the peer pod is not known yet.
 UNKNOWN_PEER_NETWORK_SCORE = 0.5
-#: Seed 000: target TTFT, ms (the scale of the prefill queue term, correction 8).
+#: The PD guide (docs/sources.md#slo-targets): target TTFT, ms (the scale of the prefill queue term,
+#: correction 8).
 TARGET_TTFT_MS = 200.0
 
 
@@ -123,7 +126,8 @@ class BatchFullError(NoPodError):
 
 
 class NoDecodeCapacityError(NoPodError):
-    """Every healthy decode pod lacks 1.2 × the request's KV cache in free memory (seed 000: scale up)."""
+    """Every healthy decode pod lacks 1.2 × the request's KV cache in free memory
+    (docs/sources.md#decode-headroom: scale up)."""
 
     def __init__(self, kv_bytes: float) -> None:
         super().__init__(
@@ -146,7 +150,8 @@ class PodView:
     gpu_count: int = 1
     tp_size: int = 1
     compute_score: float | None = None
-    """Measured per-card compute score (GPUProfile, H100 SXM = 1.0); None → seed 000's prior table."""
+    """Measured per-card compute score (GPUProfile, H100 SXM = 1.0); None → the PD guide's prior table
+    (docs/sources.md#gpu-prior)."""
     hbm_gbps: float | None = None
     """Per-card HBM bandwidth, GB/s (GPUProfile or datasheet); None → datasheet of ``gpu_model``."""
     speed: float | None = None
@@ -175,7 +180,7 @@ class PodView:
     """Expected ITL of an idle pod (perf model), used when ``itl_ms`` is None; None → 0 (best)."""
     max_batch: int = 256
     max_queue: int = 16
-    """Queue depth at which the queue score reaches 0 (the seed's ``max_queue_depth``)."""
+    """Queue depth at which the queue score reaches 0 (the PD guide's ``max_queue_depth``)."""
 
     @property
     def free_kv_bytes(self) -> float | None:
@@ -258,7 +263,8 @@ def check_policy(name: str) -> str:
 
 
 def transfer_ms(kv_bytes: float, a: PodView, b: PodView) -> float:
-    """Seed 000's KV transfer time between two pods, ms: ``bytes / bandwidth + latency``.
+    """The PD guide's KV transfer time between two pods (docs/sources.md#prefill-score), ms: ``bytes /
+    bandwidth + latency``.
 
     The link is bounded by the slower NIC and the larger latency (as ``gearshift.facts.fleet.Fleet.link``);
     on the same node it is free of the network (0 ms).
@@ -271,21 +277,24 @@ def transfer_ms(kv_bytes: float, a: PodView, b: PodView) -> float:
 
 
 def network_score(kv_bytes: float, pod: PodView, peer: PodView | None) -> float:
-    """Seed 000: ``max(0, 1 − transfer_ms / 100)``; 0.5 when the peer is not known yet."""
+    """The PD guide (docs/sources.md#prefill-score): ``max(0, 1 − transfer_ms / 100)``; 0.5 when the peer is
+    not known yet."""
     if peer is None:
         return UNKNOWN_PEER_NETWORK_SCORE
     return max(0.0, 1.0 - transfer_ms(kv_bytes, pod, peer) / MAX_TRANSFER_MS)
 
 
 def card_compute(pod: PodView) -> float:
-    """Per-card compute: measured GPUProfile score, else seed 000's prior table (H100 1.0 … unlisted 0.5)."""
+    """Per-card compute: measured GPUProfile score, else the PD guide's prior table
+    (docs/sources.md#gpu-prior) (H100 1.0 … unlisted 0.5)."""
     if pod.compute_score is not None:
         return pod.compute_score
     return pd_gpu_prior(pod.gpu_model or "")
 
 
 def raw_compute(pod: PodView) -> float:
-    """Seed 000's prefill compute term before normalisation: ``card × (0.85 if tp > 1) × sqrt(gpus)``."""
+    """The PD guide's prefill compute term before normalisation (docs/sources.md#gpu-prior): ``card × (0.85 if
+    tp > 1) × sqrt(gpus)``."""
     return card_compute(pod) * tp_efficiency(pod.tp_size) * math.sqrt(max(1, pod.gpu_count))
 
 
@@ -326,7 +335,8 @@ def pod_speed(pod: PodView, role: Role, speed_one: bool = False) -> float:
 
 
 def prefill_load_score(pod: PodView) -> float:
-    """Seed 000: ``1 − (0.6 · gpu_util + 0.4 · memory_util)``, clamped to [0, 1]."""
+    """The PD guide (docs/sources.md#prefill-score): ``1 − (0.6 · gpu_util + 0.4 · memory_util)``, clamped to
+    [0, 1]."""
     return min(1.0, max(0.0, 1.0 - (0.6 * pod.gpu_util + 0.4 * pod.kv_usage)))
 
 
@@ -347,7 +357,7 @@ def queue_score(
 
     ``depth`` from correction 3, ``service_ms`` from :func:`prefill_service_ms` (each queued request is
     priced as this one; ``+ 1`` is this request's own prefill). Without a service time (no request, or no
-    model description): seed 000's ``1 − min(depth / max_queue, 1)``.
+    model description): the PD guide's ``1 − min(depth / max_queue, 1)`` (docs/sources.md#prefill-score).
     """
     service = prefill_service_ms(pod, request) if request is not None else None
     if service is not None and target_ttft_ms > 0:
@@ -364,7 +374,8 @@ def score_prefill(
     weights: Mapping[str, float] = PREFILL_WEIGHTS,
     target_ttft_ms: float = TARGET_TTFT_MS,
 ) -> list[Scored]:
-    """Seed 000's prefill score of every pod (higher is better), in input order.
+    """The PD guide's prefill score of every pod (docs/sources.md#prefill-score) (higher is better), in input
+    order.
 
     Terms: compute (correction 2: divided by the candidates' largest), load, queue (correction 8: expected
     prefill finish against ``target_ttft_ms``, ms), network (KV transfer of the prompt to ``decode_pod``),
@@ -390,7 +401,8 @@ def score_prefill(
 
 
 def itl_score(itl_ms: float, target_ms: float = TARGET_ITL_MS) -> float:
-    """Seed 000's ITL score divided by 1.2 (correction 1), range [0, 1]; ``itl_ms`` in ms."""
+    """The PD guide's ITL score divided by 1.2 (docs/sources.md#decode-score) (correction 1), range [0, 1];
+    ``itl_ms`` in ms."""
     if itl_ms > target_ms:
         seed = max(0.0, 1.0 - (itl_ms - target_ms) / target_ms)
     else:
@@ -399,7 +411,8 @@ def itl_score(itl_ms: float, target_ms: float = TARGET_ITL_MS) -> float:
 
 
 def memory_score(free_bytes: float | None, kv_bytes: float) -> float:
-    """Seed 000: piecewise in ``ratio = free / kv``: <1.2 → 0; <2 → 0..0.5; else 0.5..1 (full at 6).
+    """The PD guide (docs/sources.md#decode-score): piecewise in ``ratio = free / kv``: <1.2 → 0; <2 → 0..0.5;
+    else 0.5..1 (full at 6).
 
     Unknown capacity or an unknown request size (0 bytes) counts as plenty (1.0).
     """
@@ -414,7 +427,8 @@ def memory_score(free_bytes: float | None, kv_bytes: float) -> float:
 
 
 def batch_score(current: float, max_batch: int) -> float:
-    """Seed 000: ``max(0, 1 − |current − 0.7·max| / (0.7·max))``; 0 when ``max_batch`` ≤ 0 (correction 7)."""
+    """The PD guide (docs/sources.md#decode-score): ``max(0, 1 − |current − 0.7·max| / (0.7·max))``; 0 when
+    ``max_batch`` ≤ 0 (correction 7)."""
     ideal = max_batch * IDEAL_BATCH_FRACTION
     if ideal <= 0:
         return 0.0
@@ -422,7 +436,8 @@ def batch_score(current: float, max_batch: int) -> float:
 
 
 def has_headroom(pod: PodView, kv_bytes: float) -> bool:
-    """Seed 000's filter: free KV memory ≥ 1.2 × the request's KV cache (unknown capacity passes), the
+    """The PD guide's filter (docs/sources.md#decode-headroom): free KV memory ≥ 1.2 × the request's KV cache
+    (unknown capacity passes), the
     margin capped at the pod's whole pool: a request of more than 1/1.2 of the pool (which the engine
     serves) takes an idle pod instead of never passing (held, then refused with 503, while its scale-up
     request could not help)."""
@@ -442,7 +457,8 @@ def score_decode(
     weights: Mapping[str, float] = DECODE_WEIGHTS,
     target_itl_ms: float = TARGET_ITL_MS,
 ) -> list[Scored]:
-    """Seed 000's decode score of every pod passing the headroom filter (higher is better), in input order.
+    """The PD guide's decode score of every pod passing the headroom filter (docs/sources.md#decode-score)
+    (higher is better), in input order.
 
     Terms: itl (correction 1; ``itl_ms``, else ``itl_prior_ms``, else 0), memory, batch (current = the
     larger of scraped running and router in-flight), bandwidth (correction 4), network (correction 5).
@@ -485,7 +501,8 @@ def best(scored: Sequence[Scored]) -> Scored:
 
 
 def shortest_queue(pods: Sequence[PodView], role: Role, speed_one: bool = False) -> int:
-    """Seed 003 (FastChat SHORTEST_QUEUE): index of ``argmin(queue_length / speed)``, first minimum.
+    """FastChat's SHORTEST_QUEUE (docs/sources.md#shortest-queue): index of ``argmin(queue_length / speed)``,
+    first minimum.
 
     The caller counts the pick (queue_length += 1) as FastChat does.
 
@@ -499,7 +516,7 @@ def shortest_queue(pods: Sequence[PodView], role: Role, speed_one: bool = False)
 
 
 def lottery(pods: Sequence[PodView], role: Role, rng: random.Random, speed_one: bool = False) -> int:
-    """Seed 003 (FastChat LOTTERY): index drawn with probability ``speed / Σ speed``.
+    """FastChat's LOTTERY (docs/sources.md#lottery): index drawn with probability ``speed / Σ speed``.
 
     Raises:
         NoPodError: no pods, or ``Σ speed < 1e-4`` (FastChat returns no worker then).

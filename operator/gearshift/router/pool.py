@@ -227,7 +227,7 @@ class Pool:
                 role, "no pod in the set" if not self.members(role) else "every pod was tried already"
             )
         # A pod that exports no KV usage is priced as the fullest pod that does: scoring it as empty sent it
-        # every decode request (#20 row 3). Among pods that all hide it the value is moot (all equal).
+        # every decode request. Among pods that all hide it the value is moot (all equal).
         known = [b.kv_usage for b in cands if b.kv_usage is not None]
         views = [b.view(max(known, default=0.0)) for b in cands]
         cfg = self.config

@@ -81,7 +81,8 @@ class RouterSettings:
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     balance_interval_s: float = pd_balance.INTERVAL_S
     apply_rebalance: bool = True
-    """Seed 000's rebalancing applied: new requests spare the pods a round names (``--no-apply-rebalance``
+    """The PD guide's rebalancing applied (docs/sources.md#rebalancing): new requests spare the pods a round
+    names (``--no-apply-rebalance``
     turns it off)."""
     seed: int | None = None
 
@@ -105,7 +106,7 @@ def balance_round(
     hard max the engine's own (``GEARSHIFT_PIPELINE`` ``maxBatch``): a router-side cap cannot exceed what
     the engine was started with. ``waiting``: requests the router holds per role for batch room, shared
     equally among the role's pods in their queue depth (with a cap, the backlog waits here, not in the
-    engine, and the seed's grow rule reads a queue).
+    engine, and the PD guide's grow rule reads a queue).
     """
     loads = []
     waiting = waiting or {}
@@ -471,7 +472,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--apply-rebalance",
         action=argparse.BooleanOptionalAction,
         default=env("GEARSHIFT_APPLY_REBALANCE", "true").lower() not in ("0", "false", "no", "off"),
-        help="new requests spare the pods seed 000's rebalancer names, every --balance-interval (default on; "
+        help="new requests spare the pods the PD guide's rebalancer names (docs/sources.md#rebalancing), "
+        "every --balance-interval (default on; "
         "--no-apply-rebalance only reports them at /debug/decisions) [GEARSHIFT_APPLY_REBALANCE]",
     )
     p.add_argument("--max-inflight", type=int, default=512, help="requests forwarded at once (>= 1)")

@@ -238,8 +238,9 @@ class PrometheusSource:
         "itl_s": 'sum by (pod) (rate(vllm:inter_token_latency_seconds_sum{pod=~"%s"}[30s])) / '
         'sum by (pod) (rate(vllm:inter_token_latency_seconds_count{pod=~"%s"}[30s]))',
         "util": 'max by (pod) (gearshift:stage_utilization{pod=~"%s"})',
-        # The balance round's ITL P99 per pod (seed 000's adaptive batch rule), over the last 30 s: the
-        # scraper's histogram deltas have no Prometheus counterpart finer than a rate window.
+        # The balance round's ITL P99 per pod (the PD guide's adaptive batch rule,
+        # docs/sources.md#adaptive-batch), over the last 30 s: the scraper's histogram deltas have no
+        # Prometheus counterpart finer than a rate window.
         "itl_p99_s": "histogram_quantile(0.99, sum by (pod, le) "
         '(rate(vllm:inter_token_latency_seconds_bucket{pod=~"%s"}[30s])))',
     }
@@ -296,7 +297,7 @@ class PrometheusSource:
                     setattr(b, key, value)
         if cache is not None:
             # Without the pool size the decode headroom filter passes every pod and the router never asks
-            # for a scale-up (issue 12's immediate signal).
+            # for a scale-up (the autoscaler's immediate signal).
             for row in results.get(cache, []):
                 b = self.pool.backends.get(row["metric"].get("pod", ""))
                 with contextlib.suppress(KeyError, ValueError):

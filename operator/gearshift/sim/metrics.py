@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-#: Window of the stage-utilisation gauge, s (seed 002 samples every 2 s; 10 s smooths over bursts).
+#: Window of the stage-utilisation gauge, s (FlexPipe samples every 2 s, docs/sources.md#shift-signals; 10 s
+#: smooths over bursts).
 UTILIZATION_WINDOW_S = 10.0
 
 # Bucket bounds follow vLLM's (v0.8 loggers.py), with finer low buckets for ITL since simulated H100

@@ -39,7 +39,7 @@ Efficiency constants (configurable in :class:`PerfParams`):
     bench/results/sim.json checks it against published vLLM TTFTs and reports the gap.
   - ``gpu_memory_utilization = 0.9`` and ``block_size = 16``: vLLM's defaults (``--gpu-memory-utilization``,
     ``--block-size``); the KV pool is what is left of 90 % of the cards after the stage's weights.
-  - ``tp_efficiency``: seed 000's ×0.85 when a stage spans several cards
+  - ``tp_efficiency``: the PD guide's ×0.85 when a stage spans several cards (docs/sources.md#gpu-prior)
     (:data:`gearshift.facts.fleet.TP_EFFICIENCY`).
 
 Units: seconds, bytes, GB/s (1e9 B/s), TFLOPS (1e12 FLOP/s), link bandwidth in Gb/s (1e9 bit/s).

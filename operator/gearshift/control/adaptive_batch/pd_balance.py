@@ -1,17 +1,19 @@
-"""PD load balancing decisions (seed 000 §4.8.3): dynamic rebalancing and adaptive batch sizing. Pure.
+"""PD load balancing decisions (docs/sources.md#rebalancing, docs/sources.md#adaptive-batch): dynamic
+rebalancing and adaptive batch sizing. Pure.
 
 Every ``INTERVAL_S`` (5 s) the caller (the router's control loop, later the operator) hands in one
 :class:`PodLoad` per pod and gets a :class:`Decisions` back; nothing here applies anything.
 
-Rebalancing (seed 000): per role, load = ``0.6 · gpu_util + 0.4 · memory_util``; the role is imbalanced when
-``max − min > 0.3`` or some pod is above 0.9. The seed then migrates up to 5 requests from the busiest to
-the idlest pod. vLLM cannot move a running request between engines, so the decision instead names the
-pods new requests should spare (``avoid``: the busiest, and every pod above 0.9, while a pod under 0.9
-exists) and the migration the seed would have made (``migrate``) for the record.
+Rebalancing (docs/sources.md#rebalancing): per role, load = ``0.6 · gpu_util + 0.4 · memory_util``; the role
+is imbalanced when ``max − min > 0.3`` or some pod is above 0.9. The PD guide then migrates up to 5 requests
+from the busiest to the idlest pod. vLLM cannot move a running request between engines, so the decision
+instead names the pods new requests should spare (``avoid``: the busiest, and every pod above 0.9, while a pod
+under 0.9 exists) and the migration the PD guide would have made (``migrate``) for the record.
 
-Adaptive batch (seed 000): ITL P99 > 1.2 × target → max batch × 0.9; ITL P99 < 0.8 × target and queue
-> 10 → × 1.1, capped at the hard max. Corrections: the seed's ``int(max × 1.1)`` never grows a max batch
-below 10 (int(9 × 1.1) = 9), so growth is at least +1; shrinking is at least −1 and never below 1.
+Adaptive batch (docs/sources.md#adaptive-batch): ITL P99 > 1.2 × target → max batch × 0.9; ITL P99 < 0.8 ×
+target and queue > 10 → × 1.1, capped at the hard max. Corrections: the PD guide's ``int(max × 1.1)`` never
+grows a max batch below 10 (int(9 × 1.1) = 9), so growth is at least +1; shrinking is at least −1 and never
+below 1.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-#: Seed 000: seconds between balance checks.
+#: The PD guide (docs/sources.md#rebalancing): seconds between balance checks.
 INTERVAL_S = 5.0
-#: Seed 000: load spread (max − min) above which a role is imbalanced.
+#: The PD guide (docs/sources.md#rebalancing): load spread (max − min) above which a role is imbalanced.
 SPREAD_THRESHOLD = 0.3
-#: Seed 000: a pod above this load is overloaded.
+#: The PD guide (docs/sources.md#rebalancing): a pod above this load is overloaded.
 OVERLOAD_THRESHOLD = 0.9
-#: Seed 000: requests moved per rebalance.
+#: The PD guide (docs/sources.md#rebalancing): requests moved per rebalance.
 MIGRATE_COUNT = 5
-#: Seed 000: adaptive batch factors and thresholds.
+#: The PD guide (docs/sources.md#adaptive-batch): adaptive batch factors and thresholds.
 SHRINK_FACTOR, GROW_FACTOR = 0.9, 1.1
 HIGH_ITL, LOW_ITL = 1.2, 0.8
 QUEUE_BACKLOG = 10
@@ -53,7 +55,7 @@ class PodLoad:
 
     @property
     def load(self) -> float:
-        """Seed 000: ``0.6 · gpu_util + 0.4 · memory_util``."""
+        """The PD guide (docs/sources.md#rebalancing): ``0.6 · gpu_util + 0.4 · memory_util``."""
         return 0.6 * self.gpu_util + 0.4 * self.memory_util
 
 
@@ -74,7 +76,7 @@ class RebalanceDecision:
 
 @dataclass(frozen=True)
 class BatchDecision:
-    """A pod's max batch size now and what the seed's rule would set."""
+    """A pod's max batch size now and what the PD guide's rule would set."""
 
     pod: str
     current: int
@@ -109,9 +111,9 @@ class Decisions:
 
 
 def detect_imbalance(loads: Sequence[float]) -> tuple[bool, str]:
-    """Seed 000's test: (imbalanced?, reason); loads 0..1.
+    """The PD guide's test (docs/sources.md#rebalancing): (imbalanced?, reason); loads 0..1.
 
-    Fewer than two pods are never imbalanced, as in the seed (one pod has nowhere to shed load to).
+    Fewer than two pods are never imbalanced, as in the PD guide (one pod has nowhere to shed load to).
     """
     if len(loads) < 2:
         return False, "fewer than two pods"
@@ -124,7 +126,7 @@ def detect_imbalance(loads: Sequence[float]) -> tuple[bool, str]:
 
 
 def rebalance(role: str, pods: Sequence[PodLoad]) -> RebalanceDecision:
-    """Seed 000's rebalancing decision for the pods of one role."""
+    """The PD guide's rebalancing decision for the pods of one role (docs/sources.md#rebalancing)."""
     mine = [p for p in pods if p.role == role]
     loads = [p.load for p in mine]
     if not mine:
@@ -154,7 +156,8 @@ def rebalance(role: str, pods: Sequence[PodLoad]) -> RebalanceDecision:
 
 
 def adapt_batch(pod: PodLoad, target_itl_ms: float) -> BatchDecision:
-    """Seed 000's adaptive batch rule for one pod (corrections in the module docstring)."""
+    """The PD guide's adaptive batch rule for one pod (docs/sources.md#adaptive-batch) (corrections in the
+    module docstring)."""
     cur = pod.max_batch
     itl = pod.itl_p99_ms
     if itl is None or not math.isfinite(itl):

@@ -1,6 +1,7 @@
-"""Seed 000's adaptive batch, applied by the operator to the serving (decode) gear. Pure.
+"""The PD guide's adaptive batch (docs/sources.md#adaptive-batch), applied by the operator to the serving
+(decode) gear. Pure.
 
-The router computes seed 000's rule every 5 s per decode pod
+The router computes the PD guide's rule (docs/sources.md#adaptive-batch) every 5 s per decode pod
 (:func:`gearshift.control.adaptive_batch.pd_balance.adapt_batch`: ITL P99 > 1.2 × target → max batch × 0.9;
 ITL P99 < 0.8 × target with a queue > 10 → × 1.1) and publishes it at ``GET /debug/decisions``. The operator
 reads every router replica's round, and this module turns the proposals for each of the active gear's head
@@ -22,12 +23,12 @@ running batch, and with it its per-token time. The engine's own ``--max-num-seqs
 ``maxBatch``, ``planned`` here) is the ceiling: a cap above it would change nothing. Growing beyond it
 needs a new engine, i.e. a shift to a gear with a larger ``maxBatch``: out of this loop's reach.
 
-**Per head pod.** Seed 000's rule is a decode-node rule: each pod's ITL and backlog move that pod's own
-cap. One cap shared by a gear whose replicas run on different cards (an H100 pod beside an A10 pod) cannot
-serve both: the slow pod's ITL over target lowers it while the fast pod's backlog raises it, and the cap
-oscillates with neither pod right (the demo's decode gear, H100/A100/A10 pods: 40 ↔ 58, 96% busy, SLO met
-78% → 47%). So every head pod keeps its own effective max batch, stepped from that pod's own proposals;
-``status.adaptiveBatch.effective`` is the lowest of them and ``pods`` lists each.
+**Per head pod.** The PD guide's rule is a decode-node rule (docs/sources.md#adaptive-batch): each pod's ITL
+and backlog move that pod's own cap. One cap shared by a gear whose replicas run on different cards (an H100
+pod beside an A10 pod) cannot serve both: the slow pod's ITL over target lowers it while the fast pod's
+backlog raises it, and the cap oscillates with neither pod right (the demo's decode gear, H100/A100/A10 pods:
+40 ↔ 58, 96% busy, SLO met 78% → 47%). So every head pod keeps its own effective max batch, stepped from that
+pod's own proposals; ``status.adaptiveBatch.effective`` is the lowest of them and ``pods`` lists each.
 
 **The step** (:func:`decide`), per head pod, at most once per ``cooldown_s`` per pod (30 s: six router
 rounds, so the ITL a round measures reflects the cap in force, not the one before it):
@@ -62,8 +63,9 @@ from gearshift.api.gearset_status import AdaptiveBatchStatus
 from gearshift.control.adaptive_batch.pd_balance import GROW_FACTOR, SHRINK_FACTOR
 from gearshift.facts.rfc3339 import from_time, to_time
 
-#: GearSet roles whose engines decode, where seed 000's per-node batch rule applies: decode, and an
-#: aggregated pipeline (both), whose head pods run every request's decode steps.
+#: GearSet roles whose engines decode, where the PD guide's per-node batch rule applies
+#: (docs/sources.md#adaptive-batch): decode, and an aggregated pipeline (both), whose head pods run every
+#: request's decode steps.
 ROLES = ("decode", "both")
 #: Least seconds between two changes of one pod's effective max batch.
 COOLDOWN_S = 30.0
@@ -231,12 +233,12 @@ def floor_of(planned: int, micro_batch: int = 1) -> int:
 
 
 def lowered(effective: int, floor: int) -> int:
-    """Seed 000's × 0.9, at least one lower, not below ``floor``."""
+    """The PD guide's × 0.9 (docs/sources.md#adaptive-batch), at least one lower, not below ``floor``."""
     return max(floor, min(effective - 1, int(effective * SHRINK_FACTOR)))
 
 
 def raised(effective: int, planned: int) -> int:
-    """Seed 000's × 1.1, at least one higher, not above ``planned``."""
+    """The PD guide's × 1.1 (docs/sources.md#adaptive-batch), at least one higher, not above ``planned``."""
     return min(planned, max(effective + 1, int(effective * GROW_FACTOR)))
 
 

@@ -5,7 +5,7 @@ Pure: no clock (``now`` is passed in, s), no network, no kopf. The handler
 :mod:`gearshift.control.autoscale.tick` maps the GearSet and PDService onto these numbers and the decisions
 back onto the GearSet.
 
-Algorithm, per sample of one role (issue 12):
+Algorithm, per sample of one role:
 
 1. **Recommendation** (:func:`recommend`), the Kubernetes HPA rule ``desired = ceil(current × ratio)``
    (kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale, "Algorithm details") over the
@@ -16,10 +16,10 @@ Algorithm, per sample of one role (issue 12):
    fewer requests per replica, and as a proportional measure it would hold replicas up at any load. It
    acts one-sidedly instead: above the band it asks ``ceil(current × ratio)`` (an SLO miss is a scale-up
    signal), and within or above the band it vetoes a scale-down (fewer replicas would breach the SLO).
-2. **Immediate scale-up** on the router's "no decode headroom" rejections (seed 000: a decode node needs
-   free memory ≥ 1.2 × the request's KV cache, *else scale-up is requested*): one more replica than now
-   (or the recommendation if higher), without waiting for the up window. Also immediate: activation
-   from 0 replicas when requests wait, and raising to ``minReplicas``.
+2. **Immediate scale-up** on the router's "no decode headroom" rejections (docs/sources.md#decode-headroom: a
+   decode node needs free memory ≥ 1.2 × the request's KV cache, *else scale-up is requested*): one more
+   replica than now (or the recommendation if higher), without waiting for the up window. Also immediate:
+   activation from 0 replicas when requests wait, and raising to ``minReplicas``.
 3. **Stabilisation windows**: a recommendation above the current count must hold for ``scaleUpS``
    (the target is the *lowest* recommendation seen in that run, as the HPA's scale-up stabilisation);
    below it for ``scaleDownS`` (the target is the *highest* in the run). A run restarts when the
@@ -31,7 +31,7 @@ Algorithm, per sample of one role (issue 12):
    with the current replica count (the executor reads ``GearSet.spec.replicas``). While a previous
    scale-up has replicas not Ready yet, further scale-ups wait (new replicas take minutes to load
    weights; counting their absence again would overshoot).
-6. **Missing is never low load** (#31): a sample whose KV usage or P99 is missing or not a number while
+6. **Missing is never low load**: a sample whose KV usage or P99 is missing or not a number while
    requests run names it (``ScaleSample.missing``). Read as absent it would leave only the waiting
    ratio, i.e. no load, and drain replicas of a full role; so a scale-down holds (``SeriesMissing``,
    ``ScalingActive=False`` with one Warning event per episode), while a scale-up on what is known
@@ -76,7 +76,7 @@ REASON_SHIFT = "ShiftInProgress"
 REASON_PENDING = "ReplicasStarting"
 REASON_NO_SIGNALS = "SignalsMissing"
 REASON_AT_MAX = "AtMaxReplicas"
-#: A series the load is judged by is missing (or not a number) while requests run: no scale-down (#31).
+#: A series the load is judged by is missing (or not a number) while requests run: no scale-down.
 REASON_SERIES_MISSING = "SeriesMissing"
 
 
@@ -142,7 +142,7 @@ class ScaleSample:
     """Router rejections for lack of decode KV headroom since the previous sample (decode role)."""
     missing: tuple[str, ...] = ()
     """Series this sample lacks (no series, or not a number) while requests run or wait, each named with
-    its query: missing is never low load (#31), so a scale-down waits for them; a scale-up on what is
+    its query: missing is never low load, so a scale-down waits for them; a scale-up on what is
     known still goes ahead."""
 
     @property

@@ -177,7 +177,7 @@ def sample_from(
     """The sample of :func:`sample_queries`' ``queries`` from their instant-vector ``results`` (by query).
 
     KV usage and P99 may be missing (None); while requests run or wait, each that is missing or not a
-    number is named in ``missing`` (#31: missing is never fine; the P99 also when no request finished in
+    number is named in ``missing`` (missing is never fine; the P99 also when no request finished in
     its window, which holds only a scale-down). ``p99_ratio`` = P99 (ms) / ``slo_ms``.
 
     Raises:
@@ -454,7 +454,7 @@ def act_on(
         replicas, label, events, drain = _scale_down(decision, heads, pods_per_replica, current, now)
         st.update(drain)
     elif decision.reason == sc.REASON_SERIES_MISSING:
-        # #31: a missing series is said (ScalingActive=False, one Warning event per episode), not read as
+        # A missing series is said (ScalingActive=False, one Warning event per episode), not read as
         # low load; the next sample with every series clears it.
         cond = ("False", sc.REASON_SERIES_MISSING, decision.message[:MESSAGE_CHARS])
     active: ScalingCondition = (

@@ -163,7 +163,7 @@ def gearset_status_patch(rs: RoleState, now: datetime) -> dict[str, Any]:
     if patch or st.observed_generation != generation:
         # Written as soon as this reconcile has read (and goes on to apply) the GearSet's spec, not only
         # with other news: a spec edit that changes nothing else here (a gear's microBatch) would
-        # otherwise leave it behind until the shifting loop's next write (#31: 27 s under load).
+        # otherwise leave it behind until the shifting loop's next write (27 s under load).
         patch["observedGeneration"] = generation
     return patch
 

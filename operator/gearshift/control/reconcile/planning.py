@@ -86,7 +86,7 @@ def plan_gears(
     profile = planner.parse_profile(doc)
     cost = planner.RooflineCostModel(pds.spec.model.to_model_arch(), plan_assumptions(gs))
     intents = list(gs.spec.plan.intents) if gs.spec.plan else list(planner.INTENTS)
-    limit = engine_stage_limit(pds.spec.engine, gs.spec.role)  # vLLM decode: one stage (issue 18)
+    limit = engine_stage_limit(pds.spec.engine, gs.spec.role)  # vLLM decode: one stage
     result = planner.plan(
         profile,
         cost,
@@ -332,7 +332,7 @@ def plan_auto_role(
         )
         return []
     doc = resource_profile(pool, profiles, nodes, memory_utilization(rs.gs))
-    # Time-limited nodes (issue 13): the fingerprint moves only when one crosses its leaveBy.
+    # Time-limited nodes: the fingerprint moves only when one crosses its leaveBy.
     limits = deadlines(pool, profiles)
     timing = window_timing(rs.gs)
     windows, states = planner_windows(limits, now, timing) if limits else (None, {})

@@ -154,7 +154,7 @@ def service_verdict(
     roles_st = {role: role_status(rs, readiness[role]) for role, rs in roles.items()}
     # Scaled to zero (GearSet replicas 0) is a served state too: every wanted pipeline is there.
     all_ready = all(r.ready >= r.desired for r in readiness.values())
-    # Ready means served by the current spec (#31): a role whose StatefulSets still roll to a new
+    # Ready means served by the current spec: a role whose StatefulSets still roll to a new
     # revision is served, if at all, by pods of the old one, so it is not Ready however many pods are.
     rolling = [
         f"{role} gear {roles[role].active or '-'}: {r.waiting or 'rolling out'}"

@@ -1,4 +1,4 @@
-"""Which gear the load needs: each gear's SLO capacity, predicted and then corrected online (issue 19).
+"""Which gear the load needs: each gear's SLO capacity, predicted and then corrected online.
 
 A gear's **SLO capacity** is the highest arrival rate (requests/s) it keeps up with: no backlog building
 and the P99 under the ``p99-high`` alarm (``p99HighRatio`` × target). It is a capacity, not a latency
@@ -16,8 +16,9 @@ Continuous batching keeps the delay flat until close to that rate, so the defaul
 planner-predicted P99 is above the target already at the planner's own load is not predicted to meet it
 at any rate.
 
-While a gear serves, what it measures corrects the prediction (seed 002: the simulator's times are only a
-start; online measurements correct them). Each sample of the active gear, after its shift has settled,
+While a gear serves, what it measures corrects the prediction (docs/sources.md#planner: the simulator's times
+are only a start; online measurements correct them). Each sample of the active gear, after its shift has
+settled,
 gives a bound:
 
   - the smoothed P99 under the alarm and no backlog (``saturationQueue`` per replica) at a smoothed

@@ -1,4 +1,5 @@
-"""The cost–benefit check of a shift (seed 002 §4.4: a shift moves tens of GB; it must pay for itself).
+"""The cost–benefit check of a shift (docs/sources.md#shift-cost: a shift moves tens of GB; it must pay for
+itself).
 
 Both sides are in *seconds of full service*:
 
@@ -7,7 +8,7 @@ Both sides are in *seconds of full service*:
     largest stage's weights (``ModelArch.stage_weight_bytes``) set it, plus the KV cache of the requests
     running now (``running × avgContextTokens × kv_bytes_per_token``), which the new gear must rebuild
     (counted whole, as if one pod rebuilt it all). During that time the shadow competes with the serving
-    gear (seed 002 §4.1), so we charge it whole. The twin times a shadow's load the same way
+    gear (docs/sources.md#shift-executor), so we charge it whole. The twin times a shadow's load the same way
     (:mod:`gearshift.dev.twin.gears`: the largest stage over ``transferGbps``); charging every pod's bytes
     in series instead vetoed Llama-3-70B's escape from a saturated two-H100 gear to a three-card one (146 GB,
     73 s, against a 72 s gain) while the twin loaded that gear in 29 s: in the twin's replay of the demo's
@@ -17,7 +18,7 @@ Both sides are in *seconds of full service*:
     throughput gears (``imbalance``, ``saturation``, ``p99-low``): ``(thr_new − thr_old) / thr_old``
     from the gears' predicted throughput; the latency gear (``p99-high``): ``(p99_now − p99_new) /
     p99_now`` with the measured (smoothed) P99 and the new gear's predicted P99; ``load-low`` (a gear
-    with fewer GPUs, issue 19): ``(gpus_old − gpus_new) / gpus_old``, the share of the cards it frees;
+    with fewer GPUs): ``(gpus_old − gpus_new) / gpus_old``, the share of the cards it frees;
     ``load-high`` as the throughput gears.
 The shift is vetoed when ``gain < minBenefitCostRatio × cost``.
 """

@@ -1,6 +1,6 @@
 """The gear-shift decision: a pure function of the persisted decision state and one new sample.
 
-Per sample (every ``sampleIntervalSeconds``, seed 002):
+Per sample (every ``sampleIntervalSeconds``, docs/sources.md#shift-signals):
 
 1. no sample (Prometheus down, series missing) → ``NoSignals``; the consecutive counts restart, so a
    shift needs ``enterSamples`` fresh samples after the signals return. A sample some of whose series
@@ -487,14 +487,14 @@ def _capacity_target(
     load: float,
     policy: ShiftRules,
 ) -> tuple[GearView | None, list[str]]:
-    """The gear a latched trigger asks for when capacities are known (issue 19): every trigger that says
+    """The gear a latched trigger asks for when capacities are known: every trigger that says
     the active gear cannot keep up (``load-high``, ``saturation``, ``imbalance``) wants the gear with the
     fewest GPUs among those with more capacity than the active one that fit ``load`` (requests/s), else
-    the one with the most capacity; ``p99-high`` (seed 002: the latency gear) the gear with the lowest
-    predicted P99, below the active gear's, among those that fit ``load`` (:func:`_p99_high_ratio`: a
-    move down onto a measured saturation bound keeps load-low's margin); ``load-low`` the gear with the
-    fewest GPUs that fits ``load`` within ``downshiftRatio``; ``p99-low`` nothing (``load-low`` decides
-    the way down)."""
+    the one with the most capacity; ``p99-high`` (docs/sources.md#shift-triggers: the latency gear) the gear
+    with the lowest predicted P99, below the active gear's, among those that fit ``load``
+    (:func:`_p99_high_ratio`: a move down onto a measured saturation bound keeps load-low's margin);
+    ``load-low`` the gear with the fewest GPUs that fits ``load`` within ``downshiftRatio``; ``p99-low``
+    nothing (``load-low`` decides the way down)."""
     if trigger is Trigger.LATENCY_LOW:
         return None, []
     others = [g for g in table.gears if g.name != active.name]

@@ -1,4 +1,5 @@
-"""The shift executor: a pure next-step function over a persisted state (seed 002's "Executor").
+"""The shift executor: a pure next-step function over a persisted state (FlexPipe's "Executor",
+docs/sources.md#shift-executor).
 
 Phases (``GearSet.status.phase``)::
 
@@ -9,10 +10,10 @@ Phases (``GearSet.status.phase``)::
       └── RollingBack ◀── new gear failed: OOM/crash loop, not Ready and warm in time, P99 regression
 
 - ``Warming``: the target gear's StatefulSets run as *shadows*; the role Service still selects the old
-  gear, so no client request reaches them. They warm on mirrored traffic (seed 002): while the phase is
-  ``Warming`` the shifting loop marks their head pods (:mod:`gearshift.k8s.warming`) and the router
-  sends them copies of live requests, answers dropped, at most ``warmupShare`` of the gear's predicted
-  throughput (:mod:`gearshift.router.mirror`). It moves on once every target pod has been Ready
+  gear, so no client request reaches them. They warm on mirrored traffic (docs/sources.md#shift-executor):
+  while the phase is ``Warming`` the shifting loop marks their head pods (:mod:`gearshift.k8s.warming`) and
+  the router sends them copies of live requests, answers dropped, at most ``warmupShare`` of the gear's
+  predicted throughput (:mod:`gearshift.router.mirror`). It moves on once every target pod has been Ready
   for ``warmSeconds``; after ``warmupTimeoutSeconds`` it rolls back.
 - ``Draining``: the role Service selects the new gear, the old gear takes no new requests; wait for its
   in-flight requests to reach 0 (or ``drainTimeoutSeconds``).

@@ -1,9 +1,9 @@
 """The numbers of the gear-shifting policy and the view of a gear that the decision and the executor use.
 
-Every default is the API's (:class:`gearshift.api.shift_policy.ShiftPolicy`: seed 002's, "Gear
-shifting" and "Executor" in DESIGN.md, unless its comment says otherwise); the GearSet's ``spec.policy``
-overrides each one (:func:`gearshift.control.shifting.adapt.policy_from_api` builds a :class:`ShiftRules` from
-the API model, naming every field once).
+Every default is the API's (:class:`gearshift.api.shift_policy.ShiftPolicy`: FlexPipe's
+(docs/sources.md#flexpipe), "Gear shifting" and "Executor" in DESIGN.md, unless its comment says otherwise);
+the GearSet's ``spec.policy`` overrides each one (:func:`gearshift.control.shifting.adapt.policy_from_api`
+builds a :class:`ShiftRules` from the API model, naming every field once).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class ShiftRules:
     default: one request waiting per replica on average over several samples (an engine that keeps up
     admits arrivals at its next step, so its waiting queue averages well below one)."""
     retrigger_step: float = _API.retrigger_step
-    """One threshold level: moves the high thresholds up and the low ones down by this much (seed 002
+    """One threshold level: moves the high thresholds up and the low ones down by this much (FlexPipe
+    (docs/sources.md#shift-dwell)
     says "one step"; the size is gearshift's choice, the API's default)."""
     max_retrigger_steps: int = _API.max_retrigger_steps
     """Most levels a threshold can be raised (our choice; keeps ``p99LowRatio`` above 0)."""
@@ -80,7 +81,8 @@ class ShiftRules:
     avg_context_tokens: int = _API.avg_context_tokens
     """Tokens of KV cache a running request holds on average (our default); prices the KV a shift moves."""
     warmup_share: float = _API.warmup_share
-    """Largest share of traffic (and of a card's compute) a shadow gear gets while warming (seed 002)."""
+    """Largest share of traffic (and of a card's compute) a shadow gear gets while warming
+    (docs/sources.md#shift-executor)."""
     warm_s: float = _API.warm_s
     """How long a shadow gear must have been Ready, taking its warm-up share, before traffic moves (our
     choice: a few hundred warm-up requests at typical rates)."""
@@ -89,7 +91,8 @@ class ShiftRules:
     drain_timeout_s: float = _API.drain_timeout_s
     """Longest wait for the old gear's in-flight requests to finish."""
     rollback_window_s: float = _API.rollback_window_s
-    """How long the old gear is kept after the switch so traffic can return to it. Seed 002 keeps it
+    """How long the old gear is kept after the switch so traffic can return to it. FlexPipe
+    (docs/sources.md#shift-executor) keeps it
     "a few hundred ms" inside one engine; a pod-level switch needs tens of samples to judge P99."""
     rollback_p99_ratio: float = _API.rollback_p99_ratio
     """The new gear is rolled back when its measured P99 in the rollback window exceeds this × the larger
@@ -114,7 +117,8 @@ class ShiftRules:
     stabilization window (``behavior.scaleDown.stabilizationWindowSeconds``, 300 s): too little capacity
     loses requests now, too much only costs GPU time."""
     allow_degraded: bool = _API.allow_degraded
-    """Memory short for full shadows: load weights first, grow the KV pool after the switch (seed 002)."""
+    """Memory short for full shadows: load weights first, grow the KV pool after the switch
+    (docs/sources.md#shift-executor)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, attr: str, rule: str) -> None:

@@ -384,7 +384,7 @@ def status_patch(
 
 
 def skipped_signals(at: float, why: str | None, missed_samples: int) -> dict[str, Any]:
-    """``status.signals`` of a tick without a sample (#31: the status advances every sample interval and
+    """``status.signals`` of a tick without a sample (the status advances every sample interval and
     says so, rather than keeping the last sample's values as if current): ``sampleTime`` ``at`` (Unix s),
     ``skipped`` ``why`` (cut to ``SKIPPED_MAX_CHARS``), every value ``null`` (``stageUtilization``
     empty): a JSON merge patch keeps keys it leaves out, so each is sent."""

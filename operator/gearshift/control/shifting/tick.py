@@ -58,7 +58,8 @@ from gearshift.k8s import names
 from gearshift.k8s.placement import pod_gpus
 from gearshift.planner.inputs import node_gpus
 
-#: Container waiting/terminated reasons that mark a gear as failed (seed 002: OOM, crash loops).
+#: Container waiting/terminated reasons that mark a gear as failed (docs/sources.md#gear-health: OOM, crash
+#: loops).
 FAILURE_REASONS = ("OOMKilled", "CrashLoopBackOff")
 #: Condition reason when signals are there.
 REASON_SIGNALS_OK = "SignalsOk"
@@ -67,10 +68,10 @@ REASON_SIGNALS_OK = "SignalsOk"
 #: imbalance trigger is off, the others run.
 REASON_STAGE_BALANCE_UNAVAILABLE = "StageBalanceUnavailable"
 #: Condition reason (SignalsAvailable=False, a Warning event) when requests are served but latency
-#: quantiles have no data: their histogram is not exported, not scraped or dropped (#20 row 3, #31).
+#: quantiles have no data: their histogram is not exported, not scraped or dropped.
 REASON_LATENCY_UNAVAILABLE = "LatencyUnavailable"
 #: Condition reason (SignalsAvailable=False, a Warning event) when requests are served but series other
-#: than latency quantiles (the arrival rate) have no data (#31).
+#: than latency quantiles (the arrival rate) have no data.
 REASON_SERIES_MISSING = "SeriesMissing"
 #: Condition reason when neither the PDService nor the operator names a Prometheus.
 REASON_NO_PROMETHEUS = "NoPrometheus"
@@ -281,7 +282,7 @@ def shadow_to_check(
 # --- requests, holds, windows --------------------------------------------------------------------------
 def forced_shift_reverted(gs: GearSet, state: ShiftState) -> str | None:
     """Why a shift ``spec.forceGear`` started is no longer wanted, or None: the field now names another
-    gear or none (#20 row 6). The executor cancels it only before the switch."""
+    gear or none. The executor cancels it only before the switch."""
     if not state.busy or state.trigger != MANUAL or gs.spec.force_gear == state.to_gear:
         return None
     now_forced = f"names {gs.spec.force_gear!r}" if gs.spec.force_gear else "was cleared"
@@ -289,7 +290,8 @@ def forced_shift_reverted(gs: GearSet, state: ShiftState) -> str | None:
 
 
 def current_marks(gs: GearSet) -> list[GearHealth]:
-    """The health marks that still hold (seed 002: a gear is unhealthy until the model or the profiles
+    """The health marks that still hold (docs/sources.md#gear-health: a gear is unhealthy until the model or
+    the profiles
     change): marked under the current GPUProfiles, and on the gear as it is now — an edited gear is a new
     gear and is tried again, as the ``ForceGearUnhealthy`` hold tells users."""
     st = gs.status
@@ -302,11 +304,11 @@ def current_marks(gs: GearSet) -> list[GearHealth]:
 
 
 def lasting_marks(marks: Iterable[GearHealth], now: float, policy: ShiftRules) -> list[GearHealth]:
-    """The marks that bar a gear now: a ``P99Regression`` mark lasts one ``dwellS`` (issue 19), every other
+    """The marks that bar a gear now: a ``P99Regression`` mark lasts one ``dwellS``, every other
     one until the model or the profiles change (:func:`current_marks`). A P99 regression is a judgement
     under one load and one transition (the drain shares the cards): a gear that regressed at one peak may
-    be the one the next peak needs, whereas OOM, crash loops and timeouts (seed 002's list) say the gear
-    cannot run here at all."""
+    be the one the next peak needs, whereas OOM, crash loops and timeouts (FlexPipe's list,
+    docs/sources.md#gear-health) say the gear cannot run here at all."""
     out = []
     for h in marks:
         since = from_time(h.since)
@@ -318,7 +320,7 @@ def lasting_marks(marks: Iterable[GearHealth], now: float, policy: ShiftRules) -
 
 def window_request(gs: GearSet, table: GearTable, state: ShiftState) -> ShiftRequest | str | None:
     """The shift that vacates time-limited nodes, when the active gear holds stages on one the reconciler
-    reports past its leaveBy (``status.windowedNodes`` state ``Leaving``); issue 13.
+    reports past its leaveBy (``status.windowedNodes`` state ``Leaving``).
 
     Returns a :class:`ShiftRequest` with trigger ``window`` to the reconciler's window-free replacement
     (:func:`gearshift.control.windows.vacate_target`), a message when no healthy gear is off those nodes,
@@ -384,7 +386,7 @@ def signals_condition(
     """``SignalsAvailable`` after this tick's sample (``reading``, ``None`` when there was none: ``why``
     says what failed; ``url`` is the Prometheus asked, ``None``/empty when none is configured).
 
-    Missing is never fine (#31): False (a warning) with ``LatencyUnavailable`` (only latency quantiles)
+    Missing is never fine: False (a warning) with ``LatencyUnavailable`` (only latency quantiles)
     or ``SeriesMissing`` when requests were served but series that should have a value have none
     (:func:`~gearshift.control.signals.unavailable_series`; the message names each series, its health
     and the triggers that hold, and stays the same while they do, so the event comes once); True with

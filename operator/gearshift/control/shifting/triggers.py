@@ -1,32 +1,33 @@
-"""The shift triggers (seed 002's three and one gearshift extension) and their thresholds, raised one
+"""The shift triggers (FlexPipe's three and one gearshift extension, docs/sources.md#shift-triggers) and their
+thresholds, raised one
 step per re-trigger in a dwell.
 
   - ``imbalance``: some stage's utilisation > ``imbalanceHighUtilization`` (0.9) while every other stage's is
-    < ``imbalanceLowUtilization`` (0.6) → the throughput gear (seed 002). Utilisation is the engine's own
-    per stage (the sim) or, for vLLM, derived from the head's seat occupancy and the planner's stage times
-    (:mod:`gearshift.control.signals`); without either the trigger cannot fire;
+    < ``imbalanceLowUtilization`` (0.6) → the throughput gear (docs/sources.md#shift-triggers). Utilisation is
+    the engine's own per stage (the sim) or, for vLLM, derived from the head's seat occupancy and the
+    planner's stage times (:mod:`gearshift.control.signals`); without either the trigger cannot fire;
   - ``saturation`` (gearshift extension): P99 > ``p99HighRatio`` × target *and* more than
     ``saturationQueue`` requests waiting per pipeline replica (smoothed) → the healthy gear with the
-    highest predicted throughput, if it is higher than the active gear's. Seed 002's triggers cannot
-    leave an overloaded gear that has one stage (imbalance needs two) and is the latency gear (p99-high
-    points at it): a queue that keeps growing is not a latency problem that a lower-latency gear fixes;
-    it needs capacity;
-  - ``p99-high``: P99 > ``p99HighRatio`` (1.2) × target → the latency gear (seed 002). While the
-    saturation condition holds it passes over latency gears with less predicted throughput than the
+    highest predicted throughput, if it is higher than the active gear's. FlexPipe's triggers
+    (docs/sources.md#shift-triggers) cannot leave an overloaded gear that has one stage (imbalance needs two)
+    and is the latency gear (p99-high points at it): a queue that keeps growing is not a latency problem that
+    a lower-latency gear fixes; it needs capacity;
+  - ``p99-high``: P99 > ``p99HighRatio`` (1.2) × target → the latency gear (docs/sources.md#shift-triggers).
+    While the saturation condition holds it passes over latency gears with less predicted throughput than the
     active gear (trading capacity for latency under overload would deepen the queue and ping-pong);
-  - ``p99-low``: P99 < ``p99LowRatio`` (0.7) × target → the balanced gear (seed 002), but not while more
-    than ``saturationQueue`` requests wait per pipeline replica (gearshift: a low P99 of the requests
-    the engines admitted says nothing about those still queued).
-  - ``load-high`` (issue 19, with the arrival rate known): the smoothed arrival rate is above the active
+  - ``p99-low``: P99 < ``p99LowRatio`` (0.7) × target → the balanced gear (docs/sources.md#shift-triggers),
+    but not while more than ``saturationQueue`` requests wait per pipeline replica (gearshift: a low P99 of
+    the requests the engines admitted says nothing about those still queued).
+  - ``load-high`` (with the arrival rate known): the smoothed arrival rate is above the active
     gear's SLO capacity (:mod:`gearshift.control.shifting.capacity`) → the gear with the fewest GPUs that fits
     it;
-  - ``load-low`` (issue 19): a gear with fewer GPUs fits the smoothed arrival rate within
+  - ``load-low``: a gear with fewer GPUs fits the smoothed arrival rate within
     ``downshiftRatio`` of its capacity, and the P99 is within target with no backlog → that gear.
 Priority when several hold at once (:data:`TRIGGERS`): ``load-high`` first (the arrival rate leads every
-latency signal: it asks for capacity before the queue grows), then seed 002's three in its order with
-saturation before p99-high (both hold under overload and only the capacity move helps), ``load-low``
-last (saving GPUs waits for everything else). A threshold *level* n makes a trigger harder to meet: the
-high thresholds move up and the low ones down by n steps.
+latency signal: it asks for capacity before the queue grows), then FlexPipe's three
+(docs/sources.md#shift-triggers) in its order with saturation before p99-high (both hold under overload and
+only the capacity move helps), ``load-low`` last (saving GPUs waits for everything else). A threshold *level*
+n makes a trigger harder to meet: the high thresholds move up and the low ones down by n steps.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class Trigger(StrEnum):
     LOAD_LOW = "load-low"
 
 
-#: Priority order (seed 002's three in its order; the capacity triggers around them: more capacity
-#: first, fewer GPUs last).
+#: Priority order (FlexPipe's three in its order, docs/sources.md#shift-triggers; the capacity triggers around
+#: them: more capacity first, fewer GPUs last).
 TRIGGERS: tuple[Trigger, ...] = (
     Trigger.LOAD_HIGH,
     Trigger.IMBALANCE,

@@ -1,4 +1,4 @@
-"""Issue 30's goals for one demo run, each with its value, the goal, whether it is met and why (pure).
+"""The demo's goals for one demo run, each with its value, the goal, whether it is met and why (pure).
 
 Inputs are what the run measured (the load generator's SLO-met and failed counts, the shifts from the
 GearSets' history, the command's wall time) and the twin's rows of the same window

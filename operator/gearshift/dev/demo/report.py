@@ -152,7 +152,7 @@ def cost_section(cost: Mapping[str, Any], time_scale: float, requests: int) -> l
 
 
 def goal_lines(goals: Mapping[str, Mapping[str, Any]]) -> str:
-    """The report's "Goals" section (issue 30's goals as :func:`gearshift.dev.demo.goals.evaluate` judged
+    """The report's "Goals" section (the demo's goals as :func:`gearshift.dev.demo.goals.evaluate` judged
     them), or "" without goals."""
     if not goals:
         return ""

@@ -34,7 +34,8 @@ def policy_notes(gearsets: Mapping[str, Mapping[str, Any]], time_scale: float) -
             )
             notes.append(
                 f"{role} shifting policy in run seconds (trace seconds at {time_scale:g}×): {parts}. "
-                "The demo's example scales seed 002's 10-minute dwell down to fit a replay of minutes."
+                "The demo's example scales FlexPipe's 10-minute dwell down to fit a replay of minutes "
+                "(docs/sources.md#shift-dwell)."
             )
     return notes
 

@@ -3,7 +3,7 @@
 The e2e tests and the sandbox benchmarks (``bench/*_sandbox.py``) share one sandbox with other users, so
 each run makes its own GPU nodes in node pools of its own (a random tag in the pool name), gives every
 node a datasheet GPUProfile (Ready at once, no probe pod), optionally declares a time window on it
-(``gearshift.io/available-until``, issue 13), and runs ``gearshift operator`` on its own namespace only,
+(``gearshift.io/available-until``), and runs ``gearshift operator`` on its own namespace only,
 with the cluster-scoped GPUProfile and Node handlers off (the test writes the profiles itself, and an
 operator serving them cluster-wide would race with other users' operators).
 
@@ -41,7 +41,7 @@ from gearshift.profiling.window import window_step
 
 T = TypeVar("T")
 
-#: The annotation that declares a node's time window (issue 13), RFC 3339.
+#: The annotation that declares a node's time window, RFC 3339.
 AVAILABLE_UNTIL = "gearshift.io/available-until"
 
 
@@ -388,7 +388,7 @@ def serving_router_url(
 
 def burner(seconds: float) -> subprocess.Popen[bytes]:
     """One process that keeps one core busy for ``seconds`` s: a Python busy loop in its own session, to be
-    ended by its process id (the busy machine of ``bench/reliability.py`` and #31's e2e tests)."""
+    ended by its process id (the busy machine of ``bench/reliability.py`` and the status-truth e2e tests)."""
     code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 

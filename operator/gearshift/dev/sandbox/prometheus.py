@@ -16,7 +16,7 @@ A second job, ``gearshift-local``, scrapes processes that run on this machine ou
 demo's local ``gearshift operator``): each writes a ``file_sd`` file of its own into the local targets
 directory (``local_target``) and removes it when it stops.
 
-The scrape interval is 2 s: the gear controller samples its signals every 2 s (seed 002).
+The scrape interval is 2 s: the gear controller samples its signals every 2 s (docs/sources.md#shift-signals).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-#: Scrape and evaluation interval, s (seed 002: the gear loop samples every 2 s).
+#: Scrape and evaluation interval, s (docs/sources.md#shift-signals: the gear loop samples every 2 s).
 SCRAPE_INTERVAL_S = 2
 #: How long the sandbox keeps samples; a sandbox is for tests and demos.
 RETENTION = "1d"

@@ -27,10 +27,10 @@ What is real and what is modelled:
   engines, Ready after its weights load at the policy's ``transferGbps``; ``SelectGear`` moves new requests;
   the old gear keeps and finishes its in-flight requests; ``DeleteGear`` removes it, failing whatever it
   still holds).
-- **Modelled since issue 19** (see :class:`~gearshift.dev.twin.engines.Sim`): engines sharing a card split
-  its time (a warming shadow gets at most ``warmupShare``), warm-up traffic mirrored to a Ready shadow as
-  the router does, the cards every live gear holds over time, and the signal window the operator uses
-  after a switch (:func:`gearshift.control.signals.sample_window_s`).
+- **Modelled since shifting had to pay for itself** (see :class:`~gearshift.dev.twin.engines.Sim`): engines
+  sharing a card split its time (a warming shadow gets at most ``warmupShare``), warm-up traffic mirrored to a
+  Ready shadow as the router does, the cards every live gear holds over time, and the signal window the
+  operator uses after a switch (:func:`gearshift.control.signals.sample_window_s`).
 - **Not modelled**: prefill/decode disaggregation (the engines run the combined ``both`` role on the
   whole fleet), weight loading contending with serving, network between client and router.
 

@@ -22,7 +22,7 @@ RETRY_S = 0.005
 TAIL_S = 300.0
 #: Failure reason of a request the engine refuses at admission (longer than its KV pool can ever hold).
 REJECTED = "rejected by the engine"
-#: Goodput windows (issue 19: "goodput per 60 s window"), s.
+#: Goodput windows ("goodput per 60 s window"), s.
 WINDOW_S = 60.0
 
 

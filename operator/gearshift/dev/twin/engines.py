@@ -141,7 +141,7 @@ class Sim:
     of its most contended card, taken when the step starts. Loading weights is not charged (a disk or
     network read, not the card's compute).
 
-    **Warm-up mirroring** (issue 19 item 3, as the router does it): while a shadow is Ready and not
+    **Warm-up mirroring** (as the router does it): while a shadow is Ready and not
     selected, arrivals are copied to it through a token bucket at ``warmupShare`` × its predicted
     throughput (burst of one second's worth); copies are not counted as requests, their answers dropped.
 
