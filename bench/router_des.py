@@ -11,7 +11,8 @@ What is real code: :class:`gearshift.router.pool.Pool` (``pick``: every policy i
 :mod:`gearshift.router.policies`, the pick counting FastChat does, the router's in-flight counters) and
 :func:`gearshift.router.signals.apply_sample` (how a scrape lands in the pool); the simulated engine
 (:class:`gearshift.sim.engine.Engine`, its scheduler, paged KV pool and roofline timing through
-``begin_step``/``end_step``); :func:`gearshift.router.server.prefill_ms_per_token` and ``kv_bytes_per_token``.
+``begin_step``/``end_step``); :func:`gearshift.router.settings.prefill_ms_per_token` and
+``kv_bytes_per_token``.
 
 What is modelled here, as in :mod:`gearshift.router.proxy`: the decode pod is picked first, then the
 prefill pod (with the decode pod as its network peer); the prefill request (1 token) runs, its pod's
@@ -54,7 +55,7 @@ from gearshift.dev.loadgen import load_trace  # noqa: E402
 from gearshift.facts.model import load_hf_config  # noqa: E402
 from gearshift.router import policies as P  # noqa: E402
 from gearshift.router.pool import BackendInfo, PolicyConfig, Pool  # noqa: E402
-from gearshift.router.server import kv_bytes_per_token, prefill_ms_per_token  # noqa: E402
+from gearshift.router.settings import kv_bytes_per_token, prefill_ms_per_token  # noqa: E402
 from gearshift.router.signals import Histogram, PodSample, apply_sample  # noqa: E402
 from gearshift.sim.engine import Engine, PlannedStep, SimRequest  # noqa: E402
 from gearshift.sim.perfmodel import Link, PerfModel, single_stage_pipeline  # noqa: E402

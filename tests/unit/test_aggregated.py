@@ -10,6 +10,7 @@ ceil(1.2 x 1025) = 1230).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
 from datetime import UTC, datetime, timedelta
@@ -38,7 +39,7 @@ from gearshift.k8s.router import router_args
 from gearshift.planner import load_cluster
 from gearshift.planner.costs import RooflineAssumptions, RooflineCostModel
 from gearshift.planner.inputs import engine_stage_limit
-from gearshift.router import server as router_server
+from gearshift.router import settings as router_settings
 from gearshift.router.membership import EndpointSliceMembership
 from gearshift.testing.kube import FakeKubeApi
 
@@ -270,12 +271,12 @@ class TestRouterAggregated:
         assert "--roles" not in router_args("llama3-8b", NS, pd.spec)
 
     def test_roles_flag_reaches_the_membership(self) -> None:
-        p = router_server.argparse.ArgumentParser()
-        router_server.add_arguments(p)
+        p = argparse.ArgumentParser()
+        router_settings.add_arguments(p)
         a = p.parse_args(["--service", "tiny-llama-agg", "--roles", "both"])
-        settings = router_server.settings_from_args(a)
+        settings = router_settings.settings_from_args(a)
         assert settings.roles == ("both",)
-        assert router_server.settings_from_args(p.parse_args(["--service", "s"])).roles == (
+        assert router_settings.settings_from_args(p.parse_args(["--service", "s"])).roles == (
             "prefill",
             "decode",
         )

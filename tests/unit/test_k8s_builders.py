@@ -543,7 +543,7 @@ class TestServicesAndRouter:
         }
 
     def test_router_args_parse_with_the_router(self, pds: PDService) -> None:
-        from gearshift.router.server import add_arguments
+        from gearshift.router.settings import add_arguments
 
         dep = build_router_deployment("llama3-8b", "ns1", pds.spec)
         c = dep["spec"]["template"]["spec"]["containers"][0]

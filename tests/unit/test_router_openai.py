@@ -305,7 +305,7 @@ def test_router_flags_that_would_break_every_request_are_refused(flags: list[str
     import argparse
 
     from gearshift.facts.errors import SettingsError
-    from gearshift.router.server import add_arguments, settings_from_args
+    from gearshift.router.settings import add_arguments, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

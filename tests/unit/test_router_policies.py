@@ -384,7 +384,7 @@ class TestQueueAsExpectedFinish:
 
 
 def test_prefill_ms_per_token_is_the_roofline() -> None:
-    from gearshift.router.server import prefill_ms_per_token
+    from gearshift.router.settings import prefill_ms_per_token
 
     # Llama-3-8B per layer: attention 2·4096² + 2·4096·1024, MLP 3·4096·14336; 2 FLOPs per weight;
     # 32 layers; H100 SXM 989 TFLOPS bf16 at MFU 0.5.

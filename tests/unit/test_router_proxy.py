@@ -24,7 +24,8 @@ from vllm_ref import vllm_protocol
 from gearshift.router.config import ProxyConfig
 from gearshift.router.outlier import OutlierConfig
 from gearshift.router.pool import BackendInfo, PolicyConfig
-from gearshift.router.server import Router, RouterSettings
+from gearshift.router.server import Router
+from gearshift.router.settings import RouterSettings
 
 #: The prefill leg's kv_transfer_params, as vLLM's toy proxy writes them (send_request_to_service).
 TOY_PROXY_PREFILL_KTP = {

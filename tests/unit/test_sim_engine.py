@@ -499,7 +499,8 @@ async def test_router_and_sim_speak_one_protocol(client_for: Any) -> None:
     """The router in front of a simulated prefill and decode pod: the decode pod pulls the KV of the
     prompt (no prefill of its own) under the client's request id."""
     from gearshift.router.pool import BackendInfo, PolicyConfig
-    from gearshift.router.server import Router, RouterSettings
+    from gearshift.router.server import Router
+    from gearshift.router.settings import RouterSettings
 
     prefill = await client_for(a10_env(GEARSHIFT_ROLE="prefill"))
     decode = await client_for(a10_env(GEARSHIFT_ROLE="decode"))

@@ -33,7 +33,7 @@ def _meta(service: str, namespace: str, owner: dict[str, Any] | None) -> dict[st
 
 
 def router_args(service: str, namespace: str, spec: PDServiceSpec) -> list[str]:
-    """``gearshift-router`` flags (router/server.py ``add_arguments``) for a PDService: an aggregated one's
+    """``gearshift-router`` flags (router/settings.py ``add_arguments``) for a PDService: an aggregated one's
     router watches its one role Service (``--roles both``) and sends whole requests to its head pods."""
     weights = spec.router.weights.to_json()
     roles = ["--roles", "both"] if spec.aggregated else []

@@ -1,5 +1,8 @@
 """The minimum-bottleneck pipeline partitioner: which nodes, in which order, hold which layers.
 
+One module of 600-odd lines on purpose: the exact DP, its class-count states, the heuristic that coarsens
+onto it and the replicated variant share one state layout and one reach function, and read best together.
+
 Problem (the planner's cost model): choose an ordered sequence of distinct nodes and cut the layers
 ``[0, L)`` into one non-empty contiguous stage per node so that every stage fits its node's memory,
 adjacent nodes are linked, and the **bottleneck** -- the largest of the stage times

@@ -8,7 +8,8 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     """Add the ``router`` sub-command."""
-    from gearshift.router.server import add_arguments, run
+    from gearshift.router.server import run
+    from gearshift.router.settings import add_arguments
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "router", help="run the PD router: OpenAI API proxy choosing a prefill and a decode pod per request"

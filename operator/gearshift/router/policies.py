@@ -208,7 +208,7 @@ class RequestView:
     """Prefill time of this prompt on the reference card (speed 1, H100 SXM), ms; None → unknown.
 
     The router prices it from the model description: ``prompt × FLOPs per token / (989 TFLOPS × 0.5 MFU)``
-    (:func:`gearshift.router.server.prefill_ms_per_token`, the planner's roofline assumptions)."""
+    (:func:`gearshift.router.settings.prefill_ms_per_token`, the planner's roofline assumptions)."""
 
     @property
     def kv_bytes(self) -> float:
