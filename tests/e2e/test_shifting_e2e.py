@@ -19,7 +19,8 @@ The tests run in order on the same service (GPUs in the shared sandbox are few):
    ``SignalsAvailable=False``: missing is never fine);
 5. a ``forceGear`` reverted while its target warms cancels the shift;
 6. a gear marked unhealthy is held while unchanged and tried again once edited;
-7. the GearSet deleted in mid-shift takes its shadows with it.
+7. a shadow the scheduler cannot place rolls the shift back, with the scheduler's message;
+8. the GearSet deleted in mid-shift takes its shadows with it.
 """
 
 from __future__ import annotations
@@ -591,6 +592,59 @@ def test_an_edited_gear_is_tried_again_after_it_was_marked_unhealthy(
         _force(sandbox, ns, None)
         sandbox.kubectl("patch", "gearset", PREFILL_GS, "-n", ns, "--type=merge", "-p",
                         json.dumps({"spec": {"gears": original}}))  # fmt: skip
+
+
+def test_a_shadow_the_scheduler_cannot_place_rolls_back_and_says_why(
+    sandbox: Any, env: dict[str, Any]
+) -> None:
+    """A forced gear of four stages on the two A10 nodes (two GPU slots each, one or two already serving)
+    cannot be placed whole: a shadow pod stays ``Unschedulable``. The shift rolls back once that has lasted
+    ``UNSCHEDULABLE_GRACE_S``, well before ``warmupTimeoutS``, and its history entry and gear-health mark
+    carry the scheduler's own message; the serving gear is never left. Before, the shift sat in
+    ``Degraded`` with an empty failure message until the warm-up timeout."""
+    from gearshift.control.shifting.tick import UNSCHEDULABLE_GRACE_S
+
+    ns = env["ns"]
+    start = _stable(sandbox, ns)
+    original = _gs(sandbox, ns)["spec"]["gears"]
+    a10 = original[0]["stages"][0]["nodeSelector"]
+    wide = {"name": "wide", "intent": "throughput", "microBatch": 4, "maxBatch": 64,
+            "stages": [{"layers": [4 * i, 4 * i + 4], "nodeSelector": a10, "gpuModel": "A10-24GB"}
+                       for i in range(4)]}  # fmt: skip
+    n_history = len(_status(sandbox, ns).get("history") or [])
+    # A warm-up timeout far past the grace: a rollback before it can only be the scheduler's verdict.
+    _policy(sandbox, ns, warmupTimeoutS=600)
+    poll = Poller(sandbox, ns)
+    try:
+        sandbox.kubectl("patch", "gearset", PREFILL_GS, "-n", ns, "--type=merge", "-p",
+                        json.dumps({"spec": {"gears": [*original, wide]}}))  # fmt: skip
+        started = time.monotonic()
+        _force(sandbox, ns, "wide")
+
+        def ended() -> dict[str, Any] | None:
+            hist = _status(sandbox, ns).get("history") or []
+            done = len(hist) > n_history and hist[-1]["to"] == "wide" and hist[-1]["outcome"] != "InProgress"
+            return hist[-1] if done else None
+
+        entry = sandbox.wait_for(ended, UNSCHEDULABLE_GRACE_S + 90, "the shift to wide ended")
+        took = time.monotonic() - started
+        assert entry["outcome"] == "RolledBack", entry
+        assert "Unschedulable" in entry["message"] and "Insufficient nvidia.com/gpu" in entry["message"], (
+            entry
+        )
+        assert UNSCHEDULABLE_GRACE_S <= took < 600, took
+        mark = next(h for h in _status(sandbox, ns).get("gearHealth") or [] if h["gear"] == "wide")
+        assert not mark["healthy"] and mark["reason"] == "Unschedulable", mark
+        sandbox.wait_for(lambda: _stable_on(sandbox, ns, start), 120, f"back on {start}")
+        sandbox.wait_for(lambda: not _gear_sts(sandbox, ns, "wide"), 60, "wide's shadows deleted")
+    finally:
+        poll.stop()
+        _policy(sandbox, ns, warmupTimeoutS=POLICY["warmupTimeoutS"])
+        _force(sandbox, ns, None)
+        sandbox.kubectl("patch", "gearset", PREFILL_GS, "-n", ns, "--type=merge", "-p",
+                        json.dumps({"spec": {"gears": original}}))  # fmt: skip
+    assert poll.polls > 5 and poll.bad == [], (poll.bad, poll.seen)
+    assert set(poll.seen) == {start}, poll.seen
 
 
 def test_deleting_the_gearset_mid_shift_frees_its_shadows(sandbox: Any, env: dict[str, Any]) -> None:

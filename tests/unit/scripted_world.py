@@ -28,6 +28,7 @@ class GearScript:
     ready_after_s: float = 20.0
     fail_after_s: float | None = None
     failure: str = "CrashLoopBackOff"
+    failure_message: str = ""
     p99_ms: float | None = None
     p99_ms_per_s: float = 0.0
     """The P99 grows this much per second of age (a queue that keeps growing under overload), ms/s."""
@@ -75,6 +76,7 @@ class ScriptedWorld:
             ready_since=born + script.ready_after_s if ready else None,
             in_flight=in_flight,
             failure=script.failure if failed else None,
+            failure_message=script.failure_message if failed else "",
             p99_ms=None if script.p99_ms is None else script.p99_ms + script.p99_ms_per_s * age,
             qps=script.qps,
             kv_pool=self.kv_pool.get(name, True),

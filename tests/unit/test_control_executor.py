@@ -135,6 +135,20 @@ class TestRollback:
         assert transitions(records) == [(0, "Warming"), (10, "RollingBack"), (12, "Stable")]
         assert w.unhealthy == {"thr": "OOMKilled"}
 
+    def test_an_unschedulable_shadow_rolls_back_with_the_schedulers_message(self):
+        why = "pod svc-prefill-thr-s0-0: 0/12 nodes are available: 1 Insufficient nvidia.com/gpu."
+        w = world(
+            new=GearScript(
+                ready_after_s=10_000, fail_after_s=60, failure="Unschedulable", failure_message=why
+            )
+        )
+        records = run(w)
+        assert transitions(records) == [(0, "Warming"), (60, "RollingBack"), (62, "Stable")]
+        assert w.unhealthy == {"thr": "Unschedulable"}
+        last = of(records, RecordShift)[-1][1]
+        assert last.outcome is Outcome.ROLLED_BACK
+        assert last.message == f"back on 'bal': gear 'thr' failed while warming: Unschedulable ({why})"
+
     def test_p99_regression_in_the_window(self):
         # No baseline (the request has none, bal reports no P99): limit 2 × target 200 = 400 ms. P99 500 ms
         # is judged from halfway through the rollback window (52 + 30 = 82, the check's initial delay) once

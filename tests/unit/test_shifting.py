@@ -303,6 +303,33 @@ class TestObserveGear:
         )
         assert o.failure == "CrashLoopBackOff"
 
+    @staticmethod
+    def _unplaced(since: float) -> dict[str, Any]:
+        pod = _pod(False, since)
+        pod["metadata"]["name"] = "svc-prefill-throughput-s0-0"
+        pod["status"]["conditions"].append(
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/12 nodes are available: 1 Insufficient nvidia.com/gpu.",
+                "lastTransitionTime": to_time(since),
+            }
+        )
+        return pod
+
+    def test_a_pod_unschedulable_past_the_grace_fails_its_gear_with_the_schedulers_message(self) -> None:
+        sts = [_sts(0, 1, 0), _sts(1, 1, 1)]
+        pods = [self._unplaced(T0), _pod(True, T0)]
+        grace = cs.UNSCHEDULABLE_GRACE_S
+        assert cs.observe_gear(self.gear, sts, pods, now=T0 + grace - 1).failure is None
+        assert cs.observe_gear(self.gear, sts, pods).failure is None  # no clock: no judgement of time
+        o = cs.observe_gear(self.gear, sts, pods, now=T0 + grace)
+        assert o.failure == "Unschedulable" and not o.ready
+        assert o.failure_message == (
+            "pod svc-prefill-throughput-s0-0: 0/12 nodes are available: 1 Insufficient nvidia.com/gpu."
+        )
+
     def test_selected_gear(self) -> None:
         assert cs.selected_gear(None) is None
         assert cs.selected_gear({"spec": {"selector": {names.LABEL_GEAR: "x"}}}) == "x"

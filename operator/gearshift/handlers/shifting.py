@@ -286,6 +286,7 @@ def _observe(api: KubeApi, t: _Inputs, settings: Settings, signals: SignalSource
         sample=None if reading is None else reading.sample,
         sample_gear=sample_gear,
         metric=t.policy.latency_metric,
+        now=now,
     )
     return _Seen(
         by_gear,

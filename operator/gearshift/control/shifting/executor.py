@@ -110,6 +110,8 @@ class GearObservation:
     """Requests running or waiting on its head pods."""
     failure: str | None = None
     """A failure seen on its pods: ``OOMKilled``, ``CrashLoopBackOff``, ``Unschedulable``."""
+    failure_message: str = ""
+    """What more is known of ``failure`` (the scheduler's message for ``Unschedulable``), or ``""``."""
     p99_ms: float | None = None
     """Its measured P99 (the policy's latency metric), ms."""
     qps: float | None = None
@@ -366,8 +368,9 @@ def _warming(state: ShiftState, world: World, policy: ShiftRules) -> tuple[Shift
     assert target is not None and state.from_gear is not None
     obs = world.gear(target)
     if obs.failure:
+        detail = f" ({obs.failure_message})" if obs.failure_message else ""
         return _begin_rollback(
-            state, world, policy, obs.failure, f"gear {target!r} failed while warming: {obs.failure}"
+            state, world, policy, obs.failure, f"gear {target!r} failed while warming: {obs.failure}{detail}"
         )
     warm = world.ready(target) and obs.ready_since is not None and now - obs.ready_since >= policy.warm_s
     if warm:

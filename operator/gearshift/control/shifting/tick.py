@@ -61,6 +61,11 @@ from gearshift.planner.inputs import node_gpus
 #: Container waiting/terminated reasons that mark a gear as failed (docs/sources.md#gear-health: OOM, crash
 #: loops).
 FAILURE_REASONS = ("OOMKilled", "CrashLoopBackOff")
+#: Seconds a pod may stay unschedulable (``PodScheduled=False``, reason ``Unschedulable``) before its gear
+#: counts as failed. While a shift warms, nothing it does frees GPUs (the old gear serves until the shadow
+#: is Ready), so a shadow the scheduler cannot place would otherwise hold the shift for the whole
+#: ``warmupTimeoutS``; the grace lets the scheduler see GPUs a deleted pod has just given back.
+UNSCHEDULABLE_GRACE_S = 60.0
 #: Condition reason when signals are there.
 REASON_SIGNALS_OK = "SignalsOk"
 #: Condition reason (SignalsAvailable=True) when a sample has no per-stage utilisation: vLLM exports none
@@ -100,18 +105,44 @@ def _pod_failure(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _pod_unschedulable(pod: Mapping[str, Any], now: float) -> str | None:
+    """The scheduler's message when ``pod`` has been unschedulable for :data:`UNSCHEDULABLE_GRACE_S` at
+    ``now`` (epoch s), else ``None``."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if (
+            c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ):
+            since = from_time(c.get("lastTransitionTime"))
+            if since is not None and now - since >= UNSCHEDULABLE_GRACE_S:
+                name = (pod.get("metadata") or {}).get("name", "")
+                return f"pod {name}: {c.get('message') or 'no node fits it'}"
+    return None
+
+
 def observe_gear(
-    gear: Gear | None, statefulsets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
+    gear: Gear | None,
+    statefulsets: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    now: float | None = None,
 ) -> GearObservation:
     """One gear's :class:`GearObservation` from its StatefulSets and pods (all stages).
 
     Ready: a StatefulSet for every stage of ``gear`` (when known), each with all its replicas Ready, and
     every pod Ready; ``ready_since`` is the latest pod Ready transition (s). A pod whose container is
-    OOM-killed or in a crash loop sets ``failure``.
+    OOM-killed or in a crash loop sets ``failure``; so does, given ``now`` (epoch s), a pod the scheduler
+    could not place for :data:`UNSCHEDULABLE_GRACE_S` (``Unschedulable``, with the scheduler's message in
+    ``failure_message``).
     """
     if not statefulsets:
         return GearObservation(exists=False)
     failure = next((f for p in pods if (f := _pod_failure(p))), None)
+    failure_message = ""
+    if failure is None and now is not None:
+        unplaced = next((m for p in pods if (m := _pod_unschedulable(p, now))), None)
+        if unplaced is not None:
+            failure, failure_message = "Unschedulable", unplaced
     stages = {int((s["metadata"].get("labels") or {}).get(names.LABEL_STAGE, "0")) for s in statefulsets}
     complete = gear is None or stages >= set(range(len(gear.stages)))
     want = 0
@@ -129,6 +160,7 @@ def observe_gear(
         ready=ready,
         ready_since=max((t for t in since if t is not None), default=None) if ready else None,
         failure=failure,
+        failure_message=failure_message,
     )
 
 
@@ -154,6 +186,7 @@ def observe_gears(
     sample: Sample | None,
     sample_gear: str | None,
     metric: LatencyMetric,
+    now: float | None = None,
 ) -> dict[str, GearObservation]:
     """The executor's view of every gear with StatefulSets (``by_gear``, from :func:`statefulsets_by_gear`).
 
@@ -162,10 +195,11 @@ def observe_gears(
     failed one while RollingBack) gets ``drained_in_flight`` requests, 1 when unknown (``None``): an
     unknown count holds the drain until its timeout rather than cut requests off. The ``sample_gear``
     (the one sampled) gets the sample's P99 (``metric``, ms) and served rate (completed requests/s).
+    ``now`` (epoch s) lets a long-unschedulable pod fail its gear (:func:`observe_gear`).
     """
     out: dict[str, GearObservation] = {}
     for gname, objs in by_gear.items():
-        obs = observe_gear(gears.get(gname), objs, [p for p in pods if _gear_label(p) == gname])
+        obs = observe_gear(gears.get(gname), objs, [p for p in pods if _gear_label(p) == gname], now)
         if gname == drained:
             obs = replace(obs, in_flight=1 if drained_in_flight is None else drained_in_flight)
         if sample is not None and gname == sample_gear:
