@@ -269,3 +269,19 @@ def test_controllers_run_without_leader_election() -> None:
     for name in ("kube-controller-manager", "kube-scheduler"):
         (patch,) = [p for p in cfg["componentsPatches"] if p["name"] == name]
         assert {"key": "leader-elect", "value": "false"} in patch["extraArgs"]
+
+
+class TestInvokedAs:
+    """The commands `sandbox up` suggests run as the user ran gearshift: a venv's command by its path."""
+
+    def test_a_path_is_kept_and_a_bare_name_stays_bare(self, monkeypatch):
+        from gearshift.dev.sandbox.cli import invoked_as
+
+        monkeypatch.setattr("sys.argv", [".venv/bin/gearshift", "sandbox", "up"])
+        assert invoked_as() == ".venv/bin/gearshift"
+        monkeypatch.setattr("sys.argv", ["/opt/my tools/gearshift"])
+        assert invoked_as() == "'/opt/my tools/gearshift'"
+        monkeypatch.setattr("sys.argv", ["gearshift", "sandbox", "up"])
+        assert invoked_as() == "gearshift"
+        monkeypatch.setattr("sys.argv", ["/usr/lib/python3/site-packages/pytest/__main__.py"])
+        assert invoked_as() == "gearshift"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,14 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
+def invoked_as() -> str:
+    """How to run this ``gearshift`` again from the same directory: the path it was started by when that
+    was a path (``.venv/bin/gearshift``: a venv's command is on no PATH until activated), else
+    ``gearshift``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return shlex.quote(argv0) if "/" in argv0 and Path(argv0).name == "gearshift" else "gearshift"
+
+
 def _layout() -> Any:
     from gearshift.dev.sandbox.layout import Layout
 
@@ -99,9 +108,9 @@ def _up(args: argparse.Namespace) -> int:
     print(f"  prometheus:  {state.get('prometheus_url') or '(not running)'}")
     from gearshift.dev.sandbox.layout import env_prefix
 
-    pre = env_prefix()
-    print(f'  shell:       eval "$({pre}gearshift sandbox env)"')
-    print(f"  tear down:   {pre}gearshift sandbox down")
+    pre, prog = env_prefix(), invoked_as()
+    print(f'  shell:       eval "$({pre}{prog} sandbox env)"')
+    print(f"  tear down:   {pre}{prog} sandbox down")
     return 0
 
 
