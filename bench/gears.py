@@ -363,10 +363,10 @@ def _report(
                 "planner.inputs.api_gear / gear_links, k8s.engine.sim_pipeline (heads' GEARSHIFT_PIPELINE)",
                 "gearshift.sim.engine.Engine (scheduler, paged KV, preemption) timed by sim.perfmodel, "
                 "driven through Engine.begin_step/end_step",
-                "control.decide.decide (with the capacity controller, control.capacity), "
-                "control.executor.step, "
-                "control.adapt (policy_from_api with the GearSet API's default ShiftPolicy, gear_views, "
-                "shift_request); the initial gear from control.capacity.initial_gear",
+                "control.shifting.decide.decide (with the capacity controller, control.shifting.capacity), "
+                "control.shifting.executor.step, "
+                "control.shifting.adapt (policy_from_api with the GearSet API's default ShiftPolicy, "
+                "gear_views, shift_request); the initial gear from control.shifting.capacity.initial_gear",
             ],
             "simulated": [
                 "router: shortest queue ((running + waiting + 1) / the head's GPU prior) over the selected "
@@ -434,8 +434,8 @@ def _report(
             "policy": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(policy).items()},
             "client_timeout_s": CLIENT_TIMEOUT_S,
             "tail_s": TAIL_S,
-            "initial_gear": "per scenario: control.capacity.initial_gear at the scenario's first minute's "
-            "arrival rate (policy.expectedArrivalRps, unless --policy sets it)",
+            "initial_gear": "per scenario: control.shifting.capacity.initial_gear at the scenario's first "
+            "minute's arrival rate (policy.expectedArrivalRps, unless --policy sets it)",
             "planning_s": round(plan_s, 2),
         },
         "gears": {
