@@ -141,13 +141,16 @@ def test_one_of_two_replicas_acts_and_the_other_takes_over(world: World) -> None
     assert health == {"leader": False, "lease": f"{world.ns}/{LEASE}", "holder": leader.identity()}
 
     # A clean shutdown releases the Lease: the standby leads after a retry or two, not a lease duration.
+    # The leader's own log line is the evidence of the release; the time bound allows for a loaded machine's
+    # slow shutdown before it (3.2 s idle; 7.2 s once in CI at load ~10, with the release logged).
     t0 = time.monotonic()
     leader.op.stop()
     wait_until(standby.identity, 30, "the standby leads")
     took = time.monotonic() - t0
     print(f"clean hand-over {took:.1f} s")
-    assert took < LEASE_S, f"took {took:.1f} s: the Lease was waited out, not released"
     assert leader.op.proc is not None and leader.op.proc.returncode == 0, leader.log()[-3000:]
+    assert f"released Lease {world.ns}/{LEASE}" in leader.log(), leader.log()[-3000:]
+    assert took < LEASE_S + 2 * RENEW_S, f"took {took:.1f} s"
     wait_until(lambda: world.holder() == standby.identity() or None, 30, "the Lease names the new leader")
     world.apply_service("second")
     wait_until(lambda: world.handled("second"), 120, "the new leader handles new work")
