@@ -6,6 +6,7 @@ The probe documents are the real simulated probe's; statuses are checked against
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ import kopf
 import pytest
 
 from gearshift.adapters.kube import KubeApiError
+from gearshift.adapters.memory import FLEET_CLASSES_TTL_S, Recent
 from gearshift.api.common import API_VERSION
 from gearshift.api.gpuprofile import GPUProfileStatus
 from gearshift.api.probedoc import compact
@@ -109,6 +111,8 @@ class World:
         self.view = view
         self.gpu_nodes: dict[str, list[GpuNodeView]] = {NODE: [view]}
         self.scores: dict[str, list[float]] = {}
+        # The fleet's classes are read at most every FLEET_CLASSES_TTL_S s of this world's clock.
+        self.rt.profiles.classes = Recent(FLEET_CLASSES_TTL_S, clock=lambda: self.now.timestamp())
 
     def step(self) -> None:
         body = self.api.profile()
@@ -210,8 +214,12 @@ def test_a_finished_probe_makes_the_profile_ready_and_labels_the_node(world: Wor
     assert "computeClass" not in st  # the fleet index does not hold it yet: no class, no labels
     assert not any(k in world.node_labels() for k in LABELS)
     assert [r for _, r, _ in world.events] == ["ProbeSucceeded"]
-    # With its score in the fleet index the profile is the fleet's one class, high; then labelled.
+    # With its score in the fleet index the profile is the fleet's one class, high; then labelled, once
+    # the fleet's classes are read again (at most FLEET_CLASSES_TTL_S s after the last reading).
     world.scores = {NODE: [1.0]}
+    world.step()
+    assert world.api.verbs() == []
+    world.now += timedelta(seconds=FLEET_CLASSES_TTL_S)
     world.step()
     assert world.api.verbs() == [("patch_status", "GPUProfile"), ("patch", "Node")]
     assert world.api.profile()["status"]["computeClass"] == "high"
@@ -338,9 +346,11 @@ def test_deleting_a_profile_removes_its_labels(world: World) -> None:
 
 class TestNodeEvent:
     def event(self, world: World, body: dict[str, Any], type_: str | None = "ADDED") -> None:
-        nodes.node_event(
-            type=type_, name=body["metadata"]["name"], body=body, logger=_Logger(), memo=world.memo
-        )  # type: ignore[arg-type]
+        asyncio.run(
+            nodes.node_event(
+                type=type_, name=body["metadata"]["name"], body=body, logger=_Logger(), memo=world.memo
+            )  # type: ignore[arg-type]
+        )
 
     def test_creates_the_profile_once(self, world: World) -> None:
         body = fleet_node("gpu-a10-0")
@@ -368,7 +378,7 @@ class TestNodeEvent:
         self.event(world, body)
         world.rt.profiles.wrote("gpu-a10-0", 5, {"phase": "Ready"})
         world.api.store.pop(("GPUProfile", None, "gpu-a10-0"))
-        nodes.gpuprofile_event_forget(type="DELETED", name="gpu-a10-0", memo=world.memo)  # type: ignore[arg-type]
+        asyncio.run(nodes.gpuprofile_event_forget(type="DELETED", name="gpu-a10-0", memo=world.memo))  # type: ignore[arg-type]
         assert not world.rt.profiles.known("gpu-a10-0")
         world.api.calls.clear()
         self.event(world, body)  # the node's next heartbeat
@@ -420,7 +430,7 @@ def test_a_pruned_profile_status_write_stops_the_step_and_reports_once(
     assert len(api.events) == 1
     uid = api.profile()["metadata"]["uid"]
     assert world.rt.pruned.known(uid)
-    nodes.gpuprofile_event_forget(type="DELETED", name=NODE, memo=world.memo, body=api.profile())  # type: ignore[arg-type]
+    asyncio.run(nodes.gpuprofile_event_forget(type="DELETED", name=NODE, memo=world.memo, body=api.profile()))  # type: ignore[arg-type]
     assert not world.rt.pruned.known(uid)
 
 

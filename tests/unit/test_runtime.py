@@ -5,6 +5,7 @@ deleting handlers forget, and how kopf's memo carries it from ``gearshift operat
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import json
 import subprocess
@@ -21,7 +22,7 @@ from test_handlers_reconcile import NS, PLANS, SETTINGS, new_api, service_api, s
 
 from gearshift.adapters.caches import FleetCache, PlanCache
 from gearshift.adapters.kube import RestKubeApi
-from gearshift.adapters.memory import GearSetMemory, KeyedLocks, ServiceMemory
+from gearshift.adapters.memory import GearSetMemory, KeyedLocks, Recent, ServiceMemory
 from gearshift.api.gearset import Gear
 from gearshift.control.reconcile.settings import Settings
 from gearshift.facts.errors import SettingsError
@@ -344,6 +345,34 @@ class TestPlanCache:
 
 
 # --- per-object memory and its forgetting ----------------------------------------------------------------
+class TestRecent:
+    def test_computes_once_per_ttl_and_again_after(self) -> None:
+        clock = [100.0]
+        calls: list[float] = []
+        recent: Recent[int] = Recent(2.0, clock=lambda: clock[0])
+
+        def compute() -> int:
+            calls.append(clock[0])
+            return len(calls)
+
+        assert recent.get(compute) == 1
+        clock[0] = 101.9
+        assert recent.get(compute) == 1  # within 2 s: the value kept
+        clock[0] = 102.0
+        assert recent.get(compute) == 2  # 2 s after the first computation: computed again
+        assert calls == [100.0, 102.0]
+
+    def test_a_failed_computation_keeps_nothing(self) -> None:
+        recent: Recent[int] = Recent(60.0)
+
+        def fails() -> int:
+            raise RuntimeError("index changed")
+
+        with pytest.raises(RuntimeError):
+            recent.get(fails)
+        assert recent.get(lambda: 7) == 7
+
+
 class TestServiceMemory:
     def test_record_counts_phases_and_none_forgets(self) -> None:
         mem = ServiceMemory()
@@ -450,9 +479,9 @@ def test_a_deleted_gpuprofile_is_forgotten_by_its_event() -> None:
     mem.wrote("gpu-0", 7, {"phase": "Ready"})
     mem.ensure("gpu-0")
     mem.ensure("gpu-1")
-    nodes.gpuprofile_event_forget(type="MODIFIED", name="gpu-0", memo=kopf.Memo(runtime=rt))  # type: ignore[arg-type]
+    asyncio.run(nodes.gpuprofile_event_forget(type="MODIFIED", name="gpu-0", memo=kopf.Memo(runtime=rt)))  # type: ignore[arg-type]
     assert mem.known("gpu-0")
-    nodes.gpuprofile_event_forget(type="DELETED", name="gpu-0", memo=kopf.Memo(runtime=rt))  # type: ignore[arg-type]
+    asyncio.run(nodes.gpuprofile_event_forget(type="DELETED", name="gpu-0", memo=kopf.Memo(runtime=rt)))  # type: ignore[arg-type]
     assert not mem.known("gpu-0") and mem.written("gpu-0") is None and mem.ensured("gpu-1")
 
 

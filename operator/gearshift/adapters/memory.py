@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from gearshift.k8s.applied import Applied, ObjectRef
+
 #: A namespaced object: ``(namespace, name)``.
 ObjectKey = tuple[str, str]
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
 @dataclass
@@ -206,15 +210,84 @@ class GearSetMemory:
             return any(key in d for d in (self._generations, self._holds, self._windows, self._missed))
 
 
+class Recent(Generic[T]):
+    """One value of the whole fleet that many handler calls read, computed at most once per ``ttl_s`` s
+    (monotonic ``clock``): a reader within ``ttl_s`` of the last computation gets its value, the first
+    reader after that computes it again. Thread-safe; two readers may compute at once (both results are
+    right), the later one is kept."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._value: tuple[float, T] | None = None
+
+    def get(self, compute: Callable[[], T]) -> T:
+        """The value computed within the last ``ttl_s`` s, else ``compute()`` (then kept)."""
+        now = self._clock()
+        with self._lock:
+            held = self._value
+        if held is not None and now - held[0] < self.ttl_s:
+            return held[1]
+        value = compute()
+        with self._lock:
+            self._value = (now, value)
+        return value
+
+
+class AppliedMemory:
+    """Per PDService (``(namespace, name)``): what the operator's last server-side apply of each owned
+    object left (:class:`~gearshift.k8s.applied.Applied`: the manifest's digest and the object's
+    version), so a reconcile applies only what changed (:func:`~gearshift.k8s.applied.needs_apply`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_service: dict[ObjectKey, dict[ObjectRef, Applied]] = {}
+
+    def last(self, service: ObjectKey, obj: ObjectRef) -> Applied | None:
+        """What the last apply of ``obj`` of ``service`` left, if remembered."""
+        with self._lock:
+            return self._by_service.get(service, {}).get(obj)
+
+    def record(self, service: ObjectKey, obj: ObjectRef, applied: Applied) -> None:
+        """Remember what an apply of ``obj`` of ``service`` left."""
+        with self._lock:
+            self._by_service.setdefault(service, {})[obj] = applied
+
+    def drop(self, service: ObjectKey, obj: ObjectRef) -> None:
+        """Forget ``obj`` (deleted, or its apply failed: the next reconcile applies it)."""
+        with self._lock:
+            self._by_service.get(service, {}).pop(obj, None)
+
+    def forget(self, service: ObjectKey) -> None:
+        """Drop everything of a deleted PDService."""
+        with self._lock:
+            self._by_service.pop(service, None)
+
+    def known(self, service: ObjectKey) -> int:
+        """How many objects of ``service`` are remembered (tests)."""
+        with self._lock:
+            return len(self._by_service.get(service, {}))
+
+
+#: Seconds one reading of the fleet's compute classes serves every GPUProfile's step. A class depends on
+#: every node's score (a 1-D k-means over the fleet), so reading the index in each step made one step O(N)
+#: and the fleet's steps O(N²): 26% of the operator's CPU while 1,008 nodes were probed
+#: (py-spy over bench/fleet_operator.py). A new score reaches the classes within this time.
+FLEET_CLASSES_TTL_S = 2.0
+
+
 class ProfileMemory:
     """Per GPUProfile (cluster-scoped, by name): the last status this process wrote, with its
     resourceVersion (a timer step before the watch delivers it uses it), and whether the profile is known
-    to exist (saves a create call on every node heartbeat)."""
+    to exist (saves a create call on every node heartbeat). For the whole fleet: its compute classes,
+    read at most every :data:`FLEET_CLASSES_TTL_S` s (``classes``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._written: dict[str, tuple[int, dict[str, Any]]] = {}
         self._ensured: set[str] = set()
+        self.classes: Recent[dict[str, str]] = Recent(FLEET_CLASSES_TTL_S)
 
     def wrote(self, name: str, resource_version: int, status: Mapping[str, Any]) -> None:
         """Remember the status written to ``name`` and the resourceVersion it got."""

@@ -68,7 +68,7 @@ def _rv(body: kopf.Body | dict[str, Any]) -> int:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def profile_scores(name: str, status: kopf.Status, **_: Any) -> dict[str, float] | None:
+async def profile_scores(name: str, status: kopf.Status, **_: Any) -> dict[str, float] | None:
     """Index ``profile name → per-card compute score`` of profiles whose numbers are usable."""
     try:
         st = GPUProfileStatus.model_validate(dict(status))
@@ -261,7 +261,7 @@ def _step(
         step = _probe_outcome(rt, s, status, job, node, pspec.override, peers, now, generation)
     else:
         step = _start_if_due(api, s, body, status, node, pspec.override, now, generation)
-    fleet_class = fleet_classes(profile_scores).get(name)
+    fleet_class = rt.profiles.classes.get(lambda: fleet_classes(profile_scores)).get(name)
     step = complete_step(step, status, node, pspec.override, fleet_class, now=now, generation=generation)
     current = status
     if step is not None:
