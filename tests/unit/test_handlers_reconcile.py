@@ -226,6 +226,50 @@ class TestReconcile:
         )
         assert len(api.events) == n_events
 
+    def test_a_second_reconcile_sends_no_apply_and_an_edit_sends_only_the_changed_objects(
+        self, api: FakeKubeApi
+    ) -> None:
+        first = reconcile(api)
+        owned = len(api.applied)
+        assert first.applied == owned > 0
+        assert reconcile(api).applied == 0 and len(api.applied) == owned  # nothing sent: nothing changed
+        gs = api.get("gearshift.io/v1alpha1", "GearSet", NS, "llama3-8b-prefill")
+        gs["spec"]["gears"][1]["stages"][3]["nodes"] = ["gpu-a10-0"]  # balanced, stage 3 moves
+        gs["spec"]["gears"][1]["stages"][3]["gpuModel"] = "A10-24GB"
+        api.put(gs, NS)
+        assert reconcile(api).applied == 4  # the gear's four StatefulSets (their pipeline env), no more
+        assert {o["metadata"]["name"] for o in api.applied[owned:]} == {
+            f"llama3-8b-prefill-balanced-s{k}" for k in range(4)
+        }
+
+    def test_what_someone_else_changed_or_deleted_is_applied_again(self, api: FakeKubeApi) -> None:
+        reconcile(api)
+        sts = stateful_sets(api)["llama3-8b-prefill-balanced-s0"]
+        want_image = sts["spec"]["template"]["spec"]["containers"][0]["image"]
+        sts["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:1"
+        api.apply(sts)  # a spec edit by hand: the generation moves
+        api.delete("v1", "Service", NS, "llama3-8b-decode")  # the role Service deleted by hand
+        role = api.get("rbac.authorization.k8s.io/v1", "Role", NS, names.router_name("llama3-8b"))
+        role["rules"] = []
+        api.apply(role)  # the router's Role emptied: its resourceVersion moves
+        n = len(api.applied)
+        assert reconcile(api).applied == 3
+        assert {(o["kind"], o["metadata"]["name"]) for o in api.applied[n:]} == {
+            ("StatefulSet", "llama3-8b-prefill-balanced-s0"),
+            ("Service", "llama3-8b-decode"),
+            ("Role", names.router_name("llama3-8b")),
+        }
+        restored = stateful_sets(api)["llama3-8b-prefill-balanced-s0"]
+        assert restored["spec"]["template"]["spec"]["containers"][0]["image"] == want_image
+        assert api.get("v1", "Service", NS, "llama3-8b-decode") is not None
+        assert api.get("rbac.authorization.k8s.io/v1", "Role", NS, names.router_name("llama3-8b"))["rules"]
+
+    def test_a_restarted_operator_applies_everything_once(self, api: FakeKubeApi) -> None:
+        owned = reconcile(api).applied
+        api.runtime.applied.forget((NS, "llama3-8b"))  # a new process remembers nothing
+        assert reconcile(api).applied == owned
+        assert reconcile(api).applied == 0
+
     def test_spec_edit_patches_only_what_changed(self, api: FakeKubeApi) -> None:
         reconcile(api)
         before = resource_versions(api)

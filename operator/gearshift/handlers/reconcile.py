@@ -45,7 +45,7 @@ from pydantic import ValidationError
 
 from gearshift import planner
 from gearshift.adapters.kube import DEPLOY, GS, PDS, POD, STS, SVC, KubeApi
-from gearshift.adapters.memory import PrunedReports
+from gearshift.adapters.memory import ObjectKey, PrunedReports
 from gearshift.api.common import REASON_INVALID_SPEC, Condition, ConditionUpdate, format_validation_error
 from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.pdservice import ROLE_SECTIONS, PDService
@@ -84,6 +84,7 @@ from gearshift.handlers.common import (
     patch_status,
 )
 from gearshift.handlers.runtime import ReconcileOutcome, Runtime
+from gearshift.k8s import applied as applied_objects
 from gearshift.k8s import names
 from gearshift.k8s.desired import RoleDesire, desired_objects, gear_objects, owner_reference
 from gearshift.k8s.engine import EngineSpecError
@@ -219,10 +220,11 @@ def _reconcile(rt: Runtime, ns: str, name: str, body: Mapping[str, Any] | None) 
     )
     written: dict[str, dict[str, Any]] = {}
     out.planned = _write_plans(rt, fresh, ns, roles, want, now, written)
-    out.applied = _apply(api, status, pds, want, settings, roles, live, written)
-    out.deleted = _collect_garbage(api, ns, name, want, roles)
-    readiness = _write_readiness(rt, ns, name, pds, roles, now, written)
-    router = router_ready(api.get(*DEPLOY, ns, names.router_name(name)))
+    owned = _owned_now(api, ns, name, live)
+    out.applied = _apply(rt, status, pds, want, settings, roles, owned, written)
+    out.deleted = _collect_garbage(rt, ns, name, want, roles, owned)
+    readiness = _write_readiness(rt, ns, name, pds, roles, now, written, owned)
+    router = router_ready(owned.get(_ref(DEPLOY, names.router_name(name))))
     verdict = service_verdict(
         name, ns, want, roles, readiness, unschedulable(service_pods), router, status.old_status
     )
@@ -293,25 +295,77 @@ def _write_plans(
     return planned
 
 
+#: The router's RBAC kinds (:func:`gearshift.k8s.router.build_router_rbac`), each named ``<pds>-router``.
+ROUTER_RBAC = (
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+)
+
+
+def _ref(kind: tuple[str, str], name: str) -> applied_objects.ObjectRef:
+    return (kind[0], kind[1], name)
+
+
+def _owned_now(
+    api: KubeApi, ns: str, name: str, statefulsets: Mapping[str, Mapping[str, Any]]
+) -> dict[applied_objects.ObjectRef, Mapping[str, Any]]:
+    """Every object the PDService ``ns/name`` owns, as the cluster holds it now, by
+    ``(apiVersion, kind, name)``: its StatefulSets (``statefulsets``, read already), Services, the router's
+    Deployment and RBAC. (A LIST's items carry no apiVersion and kind: the reference is made here.)"""
+    owned: dict[applied_objects.ObjectRef, Mapping[str, Any]] = {
+        _ref(STS, n): obj for n, obj in statefulsets.items()
+    }
+    for svc in api.list(*SVC, ns, {names.LABEL_SERVICE: name}):
+        owned[_ref(SVC, svc["metadata"]["name"])] = svc
+    router = names.router_name(name)
+    for kind in (DEPLOY, *ROUTER_RBAC):
+        obj = api.get(*kind, ns, router)
+        if obj is not None:
+            owned[_ref(kind, router)] = obj
+    return owned
+
+
+def apply_owned(rt: Runtime, service: ObjectKey, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Server-side apply one owned object of ``service`` and remember what the apply left
+    (:class:`~gearshift.adapters.memory.AppliedMemory`); returns the object as stored.
+
+    Raises:
+        KubeApiError: the API server refused it (nothing is remembered of it: the next reconcile applies it).
+    """
+    ref = applied_objects.ref(manifest)
+    try:
+        result = rt.api.apply(manifest)
+    except Exception:
+        rt.applied.drop(service, ref)
+        raise
+    rt.applied.record(service, ref, applied_objects.applied(manifest, result))
+    return result
+
+
 def _apply(
-    api: KubeApi,
+    rt: Runtime,
     status: _ServiceStatus,
     pds: PDService,
     want: DesiredState,
     settings: Settings,
     roles: Mapping[str, RoleState],
-    live: Mapping[str, Mapping[str, Any]],
+    owned: dict[applied_objects.ObjectRef, Mapping[str, Any]],
     written: dict[str, dict[str, Any]],
 ) -> int:
-    """Apply the owned objects of ``want``; returns how many. When that starts a rollout of a serving
-    gear (:func:`~gearshift.control.reconcile.rollout.rollouts_starting` against ``live``, the StatefulSets by
-    name), the PDService says ``Progressing``/not ``Ready`` first, and so does the ``Ready`` condition of
-    each GearSet whose gear rolls (set into the conditions this reconcile wrote, ``written``, which
-    keeps the new list).
+    """Apply the owned objects of ``want`` that differ from what the cluster holds
+    (:func:`~gearshift.k8s.applied.needs_apply` against ``owned``, the objects as read this reconcile,
+    which then holds what each apply returned); returns how many were applied. When that starts a
+    rollout of a serving gear (:func:`~gearshift.control.reconcile.rollout.rollouts_starting` against the
+    StatefulSets as read), the PDService says ``Progressing``/not ``Ready`` first, and so does the
+    ``Ready`` condition of each GearSet whose gear rolls (set into the conditions this reconcile wrote,
+    ``written``, which keeps the new list).
 
     Raises:
         SpecInvalid: the engine cannot run a gear, after writing the refusal.
     """
+    api = rt.api
+    live = {r[2]: obj for r, obj in owned.items() if r[:2] == STS}
     owner = owner_reference(status.body)
     try:
         objs = desired_objects(
@@ -334,9 +388,13 @@ def _apply(
             if patch:
                 patch_status(api, *GS, status.namespace, rs.gs.metadata["name"], patch, status.reported)
                 written[role] = {**(written.get(role) or {}), **patch}
+    service, applies = (status.namespace, status.name), 0
     for obj in objs:
-        api.apply(obj)
-    return len(objs)
+        ref = applied_objects.ref(obj)
+        if applied_objects.needs_apply(obj, owned.get(ref), rt.applied.last(service, ref)):
+            owned[ref] = apply_owned(rt, service, obj)
+            applies += 1
+    return applies
 
 
 def _written_conditions(written: Mapping[str, Mapping[str, Any]], role: str) -> list[Condition] | None:
@@ -347,19 +405,37 @@ def _written_conditions(written: Mapping[str, Mapping[str, Any]], role: str) -> 
 
 
 def _collect_garbage(
-    api: KubeApi, ns: str, name: str, want: DesiredState, roles: Mapping[str, RoleState]
+    rt: Runtime,
+    ns: str,
+    name: str,
+    want: DesiredState,
+    roles: Mapping[str, RoleState],
+    owned: dict[applied_objects.ObjectRef, Mapping[str, Any]],
 ) -> int:
     """Delete the engine StatefulSets and gear Services no wanted gear has, except of roles with a shift in
-    flight (the executor's); returns how many went."""
+    flight (the executor's), from ``owned`` (the objects as read and applied this reconcile; what goes is
+    taken out of it); returns how many went."""
     flight = {r for r, rs in roles.items() if rs.in_flight}
-    engine = {names.LABEL_SERVICE: name, names.LABEL_COMPONENT: names.COMPONENT_ENGINE}
+
+    def engine(kind: tuple[str, str]) -> list[Mapping[str, Any]]:
+        return [
+            obj
+            for r, obj in owned.items()
+            if r[:2] == kind
+            and ((obj.get("metadata") or {}).get("labels") or {}).get(names.LABEL_COMPONENT)
+            == names.COMPONENT_ENGINE
+        ]
+
     deleted = 0
-    for sts_name in stale_statefulsets(api.list(*STS, ns, engine), want, flight):
-        api.delete(*STS, ns, sts_name)
-        deleted += 1
-    for svc_name in stale_gear_services(api.list(*SVC, ns, engine), want, flight):
-        api.delete(*SVC, ns, svc_name)
-        deleted += 1
+    for kind, stale in (
+        (STS, stale_statefulsets(engine(STS), want, flight)),
+        (SVC, stale_gear_services(engine(SVC), want, flight)),
+    ):
+        for obj_name in stale:
+            rt.api.delete(*kind, ns, obj_name)
+            owned.pop(_ref(kind, obj_name), None)
+            rt.applied.drop((ns, name), _ref(kind, obj_name))
+            deleted += 1
     return deleted
 
 
@@ -371,11 +447,13 @@ def _write_readiness(
     roles: Mapping[str, RoleState],
     now: datetime,
     written: Mapping[str, Mapping[str, Any]],
+    owned: Mapping[applied_objects.ObjectRef, Mapping[str, Any]],
 ) -> dict[str, Readiness]:
     """Each role's :class:`~gearshift.control.reconcile.readiness.Readiness` from the service's
-    StatefulSets, written to its GearSet's status where it differs, with its ``Ready`` condition (set
-    into the conditions this reconcile already wrote, ``written``, else the GearSet's as read)."""
-    sts = {s["metadata"]["name"]: s for s in rt.api.list(*STS, ns, {names.LABEL_SERVICE: name})}
+    StatefulSets (in ``owned``: as read, applied and collected this reconcile), written to its GearSet's
+    status where it differs, with its ``Ready`` condition (set into the conditions this reconcile already
+    wrote, ``written``, else the GearSet's as read)."""
+    sts = {r[2]: obj for r, obj in owned.items() if r[:2] == STS}
     out = {}
     for role, rs in roles.items():
         out[role] = role_readiness(rs, sts, pds, name, ns, rt.settings.images)
@@ -437,7 +515,7 @@ def ensure_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear:
         )
         objs = gear_objects(service, namespace, pds.spec, desire, g, settings.images, owner_reference(body))
         for obj in objs:
-            api.apply(obj)
+            apply_owned(rt, (namespace, service), obj)
         emit(
             api,
             body,
@@ -468,7 +546,11 @@ def select_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear:
     api = rt.api
     with rt.service_locks.hold((namespace, service)):
         body, _pds, _gs = _context(api, namespace, service, role)
-        api.apply(build_role_service(service, namespace, role, gear, owner_reference(body)))
+        apply_owned(
+            rt,
+            (namespace, service),
+            build_role_service(service, namespace, role, gear, owner_reference(body)),
+        )
         emit(api, body, common.REASON_GEAR_SELECTED, f"{role} Service now selects gear {gear}")
 
 
@@ -480,7 +562,10 @@ def delete_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear:
         n = 0
         for obj in api.list(*STS, namespace, labels):
             n += bool(api.delete(*STS, namespace, obj["metadata"]["name"]))
-        n += bool(api.delete(*SVC, namespace, names.gear_headless_service_name(service, role, gear)))
+            rt.applied.drop((namespace, service), _ref(STS, obj["metadata"]["name"]))
+        headless = names.gear_headless_service_name(service, role, gear)
+        n += bool(api.delete(*SVC, namespace, headless))
+        rt.applied.drop((namespace, service), _ref(SVC, headless))
         body = api.get(*PDS, namespace, service)
         if body is not None:
             emit(api, body, common.REASON_GEAR_DELETED, f"{role} gear {gear}: {n} object(s) deleted")

@@ -24,12 +24,14 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.adapters.caches import FleetCache, PlanCache, ProbeJobs
 from gearshift.adapters.kube import KubeApi, rest_api_from_config
 from gearshift.adapters.memory import (
+    AppliedMemory,
     FleetPrints,
     GearSetMemory,
     KeyedLocks,
@@ -44,6 +46,11 @@ from gearshift.profiling.settings import ProbeSettings
 
 #: The key of the :class:`Runtime` in kopf's memo.
 MEMO_KEY = "runtime"
+
+
+#: Threads of the GearSet sampling loops (shifting, autoscale, adaptive batch): a tick mostly waits on the
+#: API server and Prometheus; a turn that waits for a thread counts its missed samples.
+LOOP_WORKERS = 8
 
 
 @dataclass
@@ -93,7 +100,12 @@ class Runtime:
         self.fleet = FleetCache()
         self.service_locks: KeyedLocks[ObjectKey] = KeyedLocks()
         """Serialise the work on one PDService: kopf's threads, fleet triggers, the gear executor."""
+        # The GearSet sampling loops' ticks get threads of their own: in asyncio's default pool they
+        # queued 440 ticks deep in front of the event-driven reconciles (a shifting tick waited 360 s for a
+        # thread with 110 services, bench/fleet_operator.py), and a user's edit waited behind them.
+        self.loop_pool = ThreadPoolExecutor(max_workers=LOOP_WORKERS, thread_name_prefix="gearshift-loop")
         self.services: ServiceMemory[ReconcileOutcome] = ServiceMemory()
+        self.applied = AppliedMemory()
         self.gearsets = GearSetMemory()
         self.profiles = ProfileMemory()
         self.probe_jobs = ProbeJobs()
@@ -128,8 +140,10 @@ class Runtime:
             return self._probe
 
     def forget_service(self, namespace: str, name: str, uid: str | None = None) -> None:
-        """A PDService was deleted: drop its outcome, window and pruned-write reports."""
+        """A PDService was deleted: drop its outcome, window, what its objects' applies left and its
+        pruned-write reports."""
         self.services.forget((namespace, name))
+        self.applied.forget((namespace, name))
         if uid:
             self.pruned.forget(uid)
 
