@@ -81,6 +81,35 @@ async def test_an_idle_tick_waits_the_idle_interval(monkeypatch):
     assert times[2] - times[1] < 1.0
 
 
+async def test_a_spec_edit_ends_an_idle_wait(monkeypatch):
+    import gearshift.handlers.loop as loop
+
+    monkeypatch.setattr(loop, "IDLE_INTERVAL_S", 30.0)
+    monkeypatch.setattr(loop, "WAKE_POLL_S", 0.05)
+    stopped = _Stopped()
+    times: list[float] = []
+    body = {"metadata": {"generation": 1}, "spec": {"policy": {"sampleIntervalS": 0.01}}}
+
+    def tick(ns: str, name: str) -> object:
+        times.append(time.monotonic())
+        if len(times) == 2:
+            stopped.flag.set()
+        return SimpleNamespace(skipped="", idle=True)
+
+    async def edit() -> None:
+        await asyncio.sleep(0.3)
+        body["metadata"]["generation"] = 2  # kopf's live body follows the watch
+
+    editing = asyncio.create_task(edit())
+    await asyncio.wait_for(
+        every_sample_interval("ns", "gs", body, stopped, tick, what="t", floor_s=0.01, expected=()),
+        timeout=10,
+    )
+    await editing
+    # The second turn came with the edit, not 30 s after the idle first one.
+    assert 0.25 <= times[1] - times[0] < 5.0
+
+
 def test_missed_samples_of_a_long_turn():
     from gearshift.handlers.loop import missed_samples
 

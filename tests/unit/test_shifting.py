@@ -651,22 +651,25 @@ class TestTicks:
         assert status(world)["phase"] == "Stable" and selected(world) == "latency"
         assert prefill_gears(world) == {"latency"}
 
-    def test_no_signals_no_shift_then_resume(self, world: FakeKubeApi) -> None:
+    def test_without_signals_only_a_forced_gear_shifts(self, world: FakeKubeApi) -> None:
         key = world.key("GearSet", NS, GS_NAME)
-        world.store[key]["spec"]["forceGear"] = "latency"
         sig = FakeSignals()
         sig.up = False
         for i in range(5):
             r = run(world, sig, T0 + 2 * i)
-            assert r.phase is Phase.STABLE and not r.signals_ok
+            assert r.phase is Phase.STABLE and not r.signals_ok and r.decision is not None
+            assert r.decision.reason == "SignalsMissing"
         st = status(world)
         cond = next(c for c in st["conditions"] if c["type"] == "SignalsAvailable")
         assert (cond["status"], cond["reason"]) == ("False", "SignalsMissing")
         assert "connection refused" in cond["message"] and prefill_gears(world) == {"balanced"}
         assert [e["reason"] for e in world.events].count("SignalsMissing") == 1  # once, on the change
+        # spec.forceGear shifts "whatever the signals say" (its API description): it needs none.
+        world.store[key]["spec"]["forceGear"] = "latency"
+        r = run(world, sig, T0 + 10)
+        assert r.phase is Phase.WARMING and "latency" in prefill_gears(world) and not r.signals_ok
         sig.up = True
-        r = run(world, sig, T0 + 20)
-        assert r.phase is Phase.WARMING and "latency" in prefill_gears(world)
+        run(world, sig, T0 + 12)
         cond = next(c for c in status(world)["conditions"] if c["type"] == "SignalsAvailable")
         assert cond["status"] == "True"
 
@@ -677,6 +680,24 @@ class TestTicks:
         assert not r.signals_ok and "prometheusUrl" in r.message
         cond = next(c for c in status(world)["conditions"] if c["type"] == "SignalsAvailable")
         assert cond["reason"] == "NoPrometheus"
+
+    def test_without_prometheus_the_loop_idles_until_a_shift_is_asked_for(self, world: FakeKubeApi) -> None:
+        key = world.key("PDService", NS, "llama3-8b")
+        del world.store[key]["spec"]["prometheusUrl"]
+        gs_key = world.key("GearSet", NS, GS_NAME)
+        assert run(world, FakeSignals(), T0).idle  # no sample can move the decision: wait longer
+        settled = sh.wake_key(world.store[gs_key])
+        world.store[gs_key]["spec"]["forceGear"] = "latency"
+        world.store[gs_key]["metadata"]["generation"] += 1
+        assert sh.wake_key(world.store[gs_key]) != settled  # the idle wait ends
+        r = run(world, FakeSignals(), T0 + 2)
+        assert not r.idle and r.phase is Phase.WARMING and "latency" in prefill_gears(world)
+
+    def test_a_window_to_vacate_wakes_the_loop(self, world: FakeKubeApi) -> None:
+        gs_key = world.key("GearSet", NS, GS_NAME)
+        before = sh.wake_key(world.store[gs_key])
+        world.store[gs_key].setdefault("status", {})["windowedNodes"] = ["gpu-a10-0"]
+        assert sh.wake_key(world.store[gs_key]) != before
 
     def test_paused_holds(self, world: FakeKubeApi) -> None:
         key = world.key("GearSet", NS, GS_NAME)

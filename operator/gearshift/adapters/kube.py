@@ -55,6 +55,9 @@ CRD = ("apiextensions.k8s.io/v1", "CustomResourceDefinition")
 
 #: Field manager of every server-side apply by the operator.
 FIELD_MANAGER = "gearshift"
+#: Kept HTTPS connections to the API server: kopf's handler threads, the reconcile and loop pools, and
+#: room for the threads asyncio lends (gearshift.handlers.main's --workers is 8 by default).
+CONNECTION_POOL_SIZE = 32
 
 #: (apiVersion, kind) -> (plural, namespaced); read-only.
 RESOURCES: Mapping[tuple[str, str], tuple[str, bool]] = MappingProxyType(
@@ -379,4 +382,9 @@ def rest_api_from_config() -> RestKubeApi:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return RestKubeApi(client.ApiClient())
+    cfg = client.Configuration.get_default_copy()
+    # One kept connection per thread that may call at once: with the client's default (5 per CPU: 10 on
+    # 2 cores) the operator's handler and loop threads discarded connections and made new ones, a TLS
+    # handshake each ("Connection pool is full", bench/fleet_operator.py).
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, CONNECTION_POOL_SIZE)
+    return RestKubeApi(client.ApiClient(cfg))

@@ -16,7 +16,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from concurrent.futures import Executor
 from typing import Any
 
 import kopf
@@ -42,6 +43,32 @@ DEFAULT_INTERVAL_S = 2.0
 #: services would otherwise keep the operator busy (no hot loop when idle); enabling the
 #: feature takes effect within this time.
 IDLE_INTERVAL_S = 30.0
+#: Seconds between two looks at the GearSet (kopf's live body, no API call) while a turn waits: a wait
+#: ends early when the GearSet's wake key moves (:func:`spec_generation` by default), so a spec edit
+#: during a long wait (an idle one above all) is acted on within this time.
+WAKE_POLL_S = 1.0
+
+
+def spec_generation(body: Mapping[str, Any]) -> Hashable:
+    """The default wake key: ``metadata.generation``, which moves with every spec edit."""
+    return (body.get("metadata") or {}).get("generation")
+
+
+async def wait_or_wake(
+    stopped: kopf.DaemonStopped,
+    seconds: float,
+    body: Mapping[str, Any],
+    wake_on: Callable[[Mapping[str, Any]], Hashable],
+    key: Hashable,
+) -> None:
+    """Wait ``seconds``, less when the daemon is stopped or ``wake_on(body)`` stops being ``key``
+    (looked at every :data:`WAKE_POLL_S` s)."""
+    deadline = time.monotonic() + seconds
+    while not stopped and wake_on(body) == key:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        await stopped.wait(min(left, WAKE_POLL_S))
 
 
 def missed_samples(elapsed_s: float, interval_s: float) -> int:
@@ -74,8 +101,11 @@ async def every_sample_interval(
     floor_s: float,
     expected: tuple[type[BaseException], ...],
     on_missed: Callable[[int], object] | None = None,
+    wake_on: Callable[[Mapping[str, Any]], Hashable] = spec_generation,
+    executor: Executor | None = None,
 ) -> None:
-    """Run ``tick(namespace, name)`` in a thread (the API client is synchronous) once per sample interval.
+    """Run ``tick(namespace, name)`` in a thread of ``executor`` (None: asyncio's default; the API client
+    is synchronous) once per sample interval.
 
     A tick that returns an object with a truthy ``skipped`` logs it at debug level; one with a truthy
     ``idle`` waits :data:`IDLE_INTERVAL_S` before the next turn; an ``expected`` error, and a status write
@@ -86,13 +116,16 @@ async def every_sample_interval(
     interval never goes by silently: the sample instants it missed (:func:`missed_samples`) are
     counted (``gearshift_operator_samples_missed_total``), logged as a warning and handed to
     ``on_missed`` (the shifting loop's next status shows the count: ``status.signals.missedSamples``).
+    The wait before the next turn ends early when ``wake_on(body)`` moves from what it was when the turn
+    began (:func:`wait_or_wake`: a spec edit by default).
     """
     expected = (*expected, StatusPruned)
     while not stopped:
         start = time.monotonic()
+        key = wake_on(body)
         idle = False
         try:
-            res = await asyncio.to_thread(tick, namespace, name)
+            res = await asyncio.get_running_loop().run_in_executor(executor, tick, namespace, name)
             idle = bool(getattr(res, "idle", False))
             if getattr(res, "skipped", None):
                 log.debug("GearSet %s/%s %s: %s", namespace, name, what, res.skipped)
@@ -111,7 +144,7 @@ async def every_sample_interval(
                 "GearSet %s/%s: %s took %.1f s at a %.1f s interval: %d sample(s) missed",
                 namespace, name, what, elapsed, interval, missed,
             )  # fmt: skip
-        await stopped.wait(max(0.0, interval - elapsed))
+        await wait_or_wake(stopped, max(0.0, interval - elapsed), body, wake_on, key)
 
 
 def load_gearset_and_service(
@@ -164,14 +197,17 @@ def sampling_daemon(
     floor_s: float,
     when: Callable[..., bool],
     count_missed: bool = False,
+    wake_on: Callable[[Mapping[str, Any]], Hashable] = spec_generation,
 ) -> Callable[..., Awaitable[None]]:
     """Register with kopf, and return, the daemon ``handler_id`` of every GearSet ``when`` accepts: every
     sample interval (``spec.policy.sampleIntervalS``, at least ``floor_s`` s), ``run_tick(rt, namespace,
-    name)`` in a thread with the :class:`~gearshift.handlers.runtime.Runtime` of kopf's ``memo``
+    name)`` in a thread of the runtime's ``loop_pool`` with the :class:`~gearshift.handlers.runtime.Runtime`
+    of kopf's ``memo``
     (:func:`every_sample_interval`; ``what`` names the tick in logs and in
     ``gearshift_operator_samples_missed_total``; :data:`TICK_ERRORS` are one warning line each).
     ``count_missed``: the sample instants a turn let pass also go to ``rt.gearsets`` (the shifting loop's
-    ``status.signals.missedSamples``). kopf stops the daemon when ``when`` stops accepting the GearSet, and
+    ``status.signals.missedSamples``). A wait ends early when ``wake_on`` of the GearSet moves
+    (:func:`wait_or_wake`). kopf stops the daemon when ``when`` stops accepting the GearSet, and
     cancels it :data:`CANCELLATION_TIMEOUT_S` s after.
     """
 
@@ -189,6 +225,8 @@ def sampling_daemon(
             floor_s=floor_s,
             expected=TICK_ERRORS,
             on_missed=functools.partial(rt.gearsets.add_missed, (namespace, name)) if count_missed else None,
+            wake_on=wake_on,
+            executor=rt.loop_pool,
         )
 
     daemon.__name__ = daemon.__qualname__ = handler_id

@@ -292,6 +292,10 @@ def decide(
     active = table.active_gear
     if sample is None:
         tracks = {t: _unlatched(tr) for t, tr in state.tracks.items()}
+        if overrides.force_gear and not overrides.paused and not busy:
+            # spec.forceGear is the user's own instruction: it needs no signal (a cluster without
+            # Prometheus shifts by hand), as kubectl scale needs no metrics where an HPA does.
+            return _forced(replace(state, tracks=tracks), table, overrides.force_gear, now, policy)
         return replace(state, tracks=tracks), Decision(
             DecisionKind.NO_SIGNALS, DecisionKind.NO_SIGNALS.value, "no signals from Prometheus; holding"
         )
