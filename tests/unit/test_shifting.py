@@ -692,6 +692,10 @@ class TestTicks:
         assert sh.wake_key(world.store[gs_key]) != settled  # the idle wait ends
         r = run(world, FakeSignals(), T0 + 2)
         assert not r.idle and r.phase is Phase.WARMING and "latency" in prefill_gears(world)
+        # Held on the forced gear once the shift is done: at rest again.
+        held = copy.deepcopy(world.store[gs_key])
+        held["status"] = {"activeGear": "latency", "executor": {"step": "Stable"}}
+        assert sh.wake_key(held) == (held["metadata"]["generation"], True)
 
     def test_a_window_to_vacate_wakes_the_loop(self, world: FakeKubeApi) -> None:
         gs_key = world.key("GearSet", NS, GS_NAME)

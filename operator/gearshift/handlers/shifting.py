@@ -486,7 +486,7 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, signals: SignalS
         # Without a Prometheus URL no sample can move the decision: only a spec edit or a shift to make can
         # (the daemon is woken by both, wake_key). 220 GearSets sampling nothing every 2 s starved every
         # forced shift on the 1,008-node fleet (bench/fleet_operator.py).
-        idle=seen.url is None and not done.actions and _settled(t.body),
+        idle=seen.url is None and not done.actions and _at_rest(t.body),
     )
 
 
@@ -548,10 +548,20 @@ def _settled(body: Mapping[str, Any]) -> bool:
     )
 
 
+def _at_rest(body: Mapping[str, Any]) -> bool:
+    """:func:`_settled`, or held on a forced gear that is already the active one: no shift to make."""
+    spec, st = body.get("spec") or {}, body.get("status") or {}
+    forced = spec.get("forceGear")
+    in_flight = (st.get("executor") or {}).get("step") in SHIFT_STEPS
+    return _settled(body) or (
+        bool(forced) and forced == st.get("activeGear") and not in_flight and not st.get("windowedNodes")
+    )
+
+
 def wake_key(body: Mapping[str, Any]) -> Hashable:
     """What ends a shifting daemon's wait early when it moves: the spec (its generation) and whether a
-    shift is asked for or in flight (:func:`_settled`: a window the reconciler writes, a forced gear)."""
-    return ((body.get("metadata") or {}).get("generation"), _settled(body))
+    shift is asked for or in flight (:func:`_at_rest`: a window the reconciler writes, a forced gear)."""
+    return ((body.get("metadata") or {}).get("generation"), _at_rest(body))
 
 
 def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:

@@ -53,18 +53,23 @@ def digest(manifest: Mapping[str, Any]) -> str:
     return inputs_hash(manifest)
 
 
-def version(obj: Mapping[str, Any]) -> str:
-    """The version of an API object that moves when anyone changes what the operator applies: its
-    generation for :data:`GENERATION_KINDS`, else its resourceVersion ("" when it has none)."""
+def version(kind: tuple[str, str], obj: Mapping[str, Any]) -> str:
+    """The version of an API object of ``kind`` (``(apiVersion, kind)``: a LIST's items carry neither)
+    that moves when anyone changes what the operator applies: its generation for
+    :data:`GENERATION_KINDS`, else its resourceVersion ("" when it has none)."""
     meta = obj.get("metadata") or {}
-    if (obj.get("apiVersion"), obj.get("kind")) in GENERATION_KINDS and meta.get("generation") is not None:
+    if kind in GENERATION_KINDS and meta.get("generation") is not None:
         return f"g{meta['generation']}"
     return f"rv{meta.get('resourceVersion', '')}"
 
 
+def _kind(manifest: Mapping[str, Any]) -> tuple[str, str]:
+    return (str(manifest["apiVersion"]), str(manifest["kind"]))
+
+
 def applied(manifest: Mapping[str, Any], result: Mapping[str, Any]) -> Applied:
     """What applying ``manifest`` left, from the object the API server returned (``result``)."""
-    return Applied(digest(manifest), version(result))
+    return Applied(digest(manifest), version(_kind(manifest), result))
 
 
 def needs_apply(manifest: Mapping[str, Any], live: Mapping[str, Any] | None, last: Applied | None) -> bool:
@@ -74,4 +79,4 @@ def needs_apply(manifest: Mapping[str, Any], live: Mapping[str, Any] | None, las
         return True
     if (live.get("metadata") or {}).get("deletionTimestamp"):
         return True
-    return last.digest != digest(manifest) or last.version != version(live)
+    return last.digest != digest(manifest) or last.version != version(_kind(manifest), live)
