@@ -418,15 +418,21 @@ class TestHealthAndOverrides:
         codes, decisions, _, _ = run([CALM], overrides=Overrides(force), **health)
         assert codes == "H" and decisions[0].reason == reason
 
-    def test_force_gear_needs_no_sample_but_paused_or_busy_still_hold(self):
-        _s, d = decide(DecisionState(), None, ShiftRules(), table(), 0, overrides=Overrides("thr"))
+    def test_without_a_signal_source_a_forced_gear_shifts_unsampled(self):
+        def unsampled(overrides: Overrides, busy: bool = False, configured: bool = False) -> Decision:
+            return decide(
+                DecisionState(), None, ShiftRules(), table(), 0,
+                overrides=overrides, busy=busy, signals_configured=configured,
+            )[1]  # fmt: skip
+
+        d = unsampled(Overrides("thr"))
         assert d.kind is DecisionKind.SHIFT and d.target == "thr" and d.trigger == "forced"
         assert d.p99_ms is None and d.qps is None  # nothing measured
-        for overrides, busy in ((Overrides("thr", paused=True), False), (Overrides("thr"), True)):
-            _s, d = decide(DecisionState(), None, ShiftRules(), table(), 0, overrides=overrides, busy=busy)
-            assert d.kind is DecisionKind.NO_SIGNALS
-        _s, d = decide(DecisionState(), None, ShiftRules(), table(), 0)
-        assert d.kind is DecisionKind.NO_SIGNALS  # no instruction, no sample: hold
+        assert unsampled(Overrides("thr", paused=True)).kind is DecisionKind.NO_SIGNALS
+        assert unsampled(Overrides("thr"), busy=True).kind is DecisionKind.NO_SIGNALS
+        assert unsampled(Overrides()).kind is DecisionKind.NO_SIGNALS  # no instruction: hold
+        # A configured source that gave no sample is a fault: the forced shift waits for it.
+        assert unsampled(Overrides("thr"), configured=True).kind is DecisionKind.NO_SIGNALS
 
     def test_paused_and_busy_hold(self):
         codes, decisions, _state, _ = run([SLOW] * 5, overrides=Overrides(paused=True))

@@ -416,7 +416,10 @@ class GearSetSpec(SpecModel):
     )
     force_gear: GearName | None = Field(
         default=None,
-        description="Manual override: shift to this gear and stay there, whatever the signals say.",
+        description=(
+            "Manual override: shift to this gear and stay there, whatever the signals say. Without a "
+            "Prometheus URL it shifts with no signal; while a configured Prometheus gives no sample it waits."
+        ),
     )
     paused: bool = Field(default=False, description="Stop gear shifting (signals are still sampled).")
     replicas: int = Field(

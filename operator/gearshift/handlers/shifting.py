@@ -323,6 +323,7 @@ def _step(api: KubeApi, t: _Inputs, seen: _Seen, now: float) -> _Stepped:
         overrides=overrides,
         busy=state.busy,
         unavailable=tuple(unavailable),
+        signals_configured=seen.url is not None,
     )
     metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
     request, window_warning = executor_request(decision, table, gs, state)

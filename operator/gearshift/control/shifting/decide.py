@@ -267,6 +267,7 @@ def decide(
     overrides: Overrides = Overrides(),
     busy: bool = False,
     unavailable: Collection[str] = (),
+    signals_configured: bool = True,
 ) -> tuple[DecisionState, Decision]:
     """Fold one sample into the decision state and say whether to shift, and where.
 
@@ -282,6 +283,10 @@ def decide(
         unavailable: :class:`Sample` fields of ``sample`` that should have had a value and have none
             (:func:`gearshift.control.signals.unavailable_series`); the triggers that read them hold
             (:func:`held_triggers`).
+        signals_configured: a signal source is configured (a Prometheus URL). Without one, a forced gear
+            shifts with no sample (the user runs without signals; ``forceGear`` is their one way to
+            shift); with one that gave no sample (a fault), every shift holds, forced ones too: the
+            rollback window could not see a regression.
 
     Returns:
         ``(new_state, decision)``. On ``SHIFT`` the new state starts the dwell at ``now``.
@@ -292,9 +297,9 @@ def decide(
     active = table.active_gear
     if sample is None:
         tracks = {t: _unlatched(tr) for t, tr in state.tracks.items()}
-        if overrides.force_gear and not overrides.paused and not busy:
-            # spec.forceGear is the user's own instruction: it needs no signal (a cluster without
-            # Prometheus shifts by hand), as kubectl scale needs no metrics where an HPA does.
+        if overrides.force_gear and not signals_configured and not overrides.paused and not busy:
+            # No Prometheus at all: spec.forceGear, the user's own instruction, is how this cluster shifts
+            # (as kubectl scale needs no metrics where an HPA does).
             return _forced(replace(state, tracks=tracks), table, overrides.force_gear, now, policy)
         return replace(state, tracks=tracks), Decision(
             DecisionKind.NO_SIGNALS, DecisionKind.NO_SIGNALS.value, "no signals from Prometheus; holding"
