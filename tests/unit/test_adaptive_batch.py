@@ -308,6 +308,15 @@ class TestHandler:
         res = h.tick(world.runtime, NS, GS_NAME, now=T0 + 2 * ab.COOLDOWN_S, source=routers)
         assert res.step is not None and res.step.reason == ab.REASON_STALE
 
+    def test_with_no_router_answering_and_nothing_to_change_the_loop_idles(self, world: FakeKubeApi) -> None:
+        silent = FakeRouters({})
+        first = h.tick(world.runtime, NS, GS_NAME, now=T0, source=silent)
+        assert not first.idle and cap(world) == "64"  # the new gear's caps are written first
+        h.tick(world.runtime, NS, GS_NAME, now=T0 + 5, source=silent)  # says NoRouterDecisions once
+        assert h.tick(world.runtime, NS, GS_NAME, now=T0 + 10, source=silent).idle
+        answering = FakeRouters({"r0": {"batch": []}})  # a router that answers, proposing nothing
+        assert not h.tick(world.runtime, NS, GS_NAME, now=T0 + 15, source=answering).idle
+
     def test_each_head_pod_gets_its_own_cap(self, world: FakeKubeApi) -> None:
         other = "llama3-8b-decode-g-s0-1"
         labels = names.engine_labels(SVC, "decode", "g", 0)
