@@ -51,6 +51,8 @@ MEMO_KEY = "runtime"
 #: Threads of the GearSet sampling loops (shifting, autoscale, adaptive batch): a tick mostly waits on the
 #: API server and Prometheus; a turn that waits for a thread counts its missed samples.
 LOOP_WORKERS = 8
+#: Threads that carry a reconcile's independent server-side applies at once (shared by all reconciles).
+APPLY_WORKERS = 6
 
 
 @dataclass
@@ -104,6 +106,8 @@ class Runtime:
         # queued 440 ticks deep in front of the event-driven reconciles (a shifting tick waited 360 s for a
         # thread with 110 services, bench/fleet_operator.py), and a user's edit waited behind them.
         self.loop_pool = ThreadPoolExecutor(max_workers=LOOP_WORKERS, thread_name_prefix="gearshift-loop")
+        # A reconcile's server-side applies that do not depend on one another go out together.
+        self.apply_pool = ThreadPoolExecutor(max_workers=APPLY_WORKERS, thread_name_prefix="gearshift-apply")
         self.services: ServiceMemory[ReconcileOutcome] = ServiceMemory()
         self.applied = AppliedMemory()
         self.gearsets = GearSetMemory()
