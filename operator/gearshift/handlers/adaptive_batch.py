@@ -30,6 +30,7 @@ import kopf
 from gearshift.adapters.kube import GS, POD, KubeApi, KubeApiError
 from gearshift.adapters.signals import HttpRouterDecisions, RouterDecisionSource
 from gearshift.api.common import COND_BATCH_ADAPTED
+from gearshift.api.gearset import GearSet
 from gearshift.control.adaptive_batch import tick as rules
 from gearshift.control.adaptive_batch.pd_balance import INTERVAL_S
 from gearshift.control.autoscale.tick import head_pods
@@ -143,6 +144,30 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
     if not shift:
         caps = rules.pod_annotations(step, head_names, routers, enabled)
         annotated = _annotate(api, namespace, heads, caps)
+    wrote = _record(rt, (namespace, name), gs_body, gs, gear.name, step, (old, new), routers, bad_switch, now)
+    # No router replica answered (none running yet, none reachable) and nothing changed: the next round
+    # would read the same nothing, so the loop waits longer (110 decode GearSets at 5 s were 90 API reads/s
+    # on the 1,008-node fleet, bench/fleet_operator.py). A spec edit still wakes it.
+    idle = answered == 0 and not annotated and not wrote and new == old
+    return BatchTick(step=step, annotated=annotated, idle=idle)
+
+
+def _record(
+    rt: Runtime,
+    key: tuple[str, str],
+    gs_body: Mapping[str, Any],
+    gs: GearSet,
+    gear: str,
+    step: rules.BatchStep,
+    states: tuple[rules.BatchState, rules.BatchState],
+    routers: int,
+    bad_switch: str | None,
+    now: float,
+) -> bool:
+    """Write ``status.adaptiveBatch`` and the BatchAdapted condition of the GearSet ``key`` where they
+    changed, and the events of the step on ``gear`` from ``states`` (old, new); returns whether the status
+    was written."""
+    (namespace, name), (old, new) = key, states
     doc = rules.status_json(new, step, routers, now)
     cond = rules.condition(step, new, bad_switch)
     old_cond = next((c for c in gs.status.conditions if c.type == COND_BATCH_ADAPTED), None)
@@ -150,17 +175,13 @@ def tick(rt: Runtime, namespace: str, name: str, *, now: float, source: RouterDe
         rules.status_changed(gs.status.adaptive_batch, doc) or old_cond is None or old_cond.reason != cond[1]
     )
     if wrote:
-        _write_status(rt, namespace, name, service, doc, cond, now)
+        _write_status(rt, namespace, name, gs.spec.service_name, doc, cond, now)
         if bad_switch is not None:
-            emit(api, gs_body, rules.REASON_BAD_SWITCH, bad_switch, True)
+            emit(rt.api, gs_body, rules.REASON_BAD_SWITCH, bad_switch, True)
     if new != old:
-        for ev in rules.events(step, old, gear.name):
-            emit(api, gs_body, *ev)
-    # No router replica answered (none running yet, none reachable) and nothing changed: the next round
-    # would read the same nothing, so the loop waits longer (110 decode GearSets at 5 s were 90 API reads/s
-    # on the 1,008-node fleet, bench/fleet_operator.py). A spec edit still wakes it.
-    idle = answered == 0 and not annotated and not wrote and new == old
-    return BatchTick(step=step, annotated=annotated, idle=idle)
+        for ev in rules.events(step, old, gear):
+            emit(rt.api, gs_body, *ev)
+    return wrote
 
 
 def _write_status(

@@ -36,7 +36,7 @@ Service's selector alone and deletes no gear; the executor drives the objects th
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -388,7 +388,19 @@ def _apply(
             if patch:
                 patch_status(api, *GS, status.namespace, rs.gs.metadata["name"], patch, status.reported)
                 written[role] = {**(written.get(role) or {}), **patch}
-    service = (status.namespace, status.name)
+    return _apply_changed(rt, (status.namespace, status.name), objs, owned)
+
+
+def _apply_changed(
+    rt: Runtime,
+    service: ObjectKey,
+    objs: Sequence[Mapping[str, Any]],
+    owned: dict[applied_objects.ObjectRef, Mapping[str, Any]],
+) -> int:
+    """Apply those of ``objs`` that :func:`~gearshift.k8s.applied.needs_apply` against ``owned`` (then
+    holding what each apply returned); returns how many. The router's Deployment goes last (its pods need
+    the ServiceAccount), the rest at once, a few at a time: a new service's 14 applies one after another
+    were most of its reconcile on a busy API server."""
     due = [
         obj
         for obj in objs
@@ -396,8 +408,6 @@ def _apply(
             obj, owned.get(applied_objects.ref(obj)), rt.applied.last(service, applied_objects.ref(obj))
         )
     ]
-    # The router's Deployment last (its pods need the ServiceAccount); the rest at once, a few at a time:
-    # a new service's 14 applies one after another were most of its reconcile on a busy API server.
     first = [o for o in due if (o["apiVersion"], o["kind"]) != DEPLOY]
     last = [o for o in due if (o["apiVersion"], o["kind"]) == DEPLOY]
     for batch in (first, last):
