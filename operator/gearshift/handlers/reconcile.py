@@ -307,6 +307,21 @@ def _ref(kind: tuple[str, str], name: str) -> applied_objects.ObjectRef:
     return (kind[0], kind[1], name)
 
 
+def _named(
+    owned: Mapping[applied_objects.ObjectRef, Mapping[str, Any]], kind: tuple[str, str]
+) -> dict[str, Mapping[str, Any]]:
+    """The objects of ``kind`` in ``owned``, by name."""
+    return {r[2]: obj for r, obj in owned.items() if r[:2] == kind}
+
+
+def _delete_owned(rt: Runtime, service: ObjectKey, kind: tuple[str, str], name: str) -> bool:
+    """Delete the owned object ``name`` of ``kind`` of ``service`` and forget what its apply left; returns
+    whether it was there."""
+    gone = rt.api.delete(*kind, service[0], name)
+    rt.applied.drop(service, _ref(kind, name))
+    return gone
+
+
 def _owned_now(
     api: KubeApi, ns: str, name: str, statefulsets: Mapping[str, Mapping[str, Any]]
 ) -> dict[applied_objects.ObjectRef, Mapping[str, Any]]:
@@ -365,7 +380,7 @@ def _apply(
         SpecInvalid: the engine cannot run a gear, after writing the refusal.
     """
     api = rt.api
-    live = {r[2]: obj for r, obj in owned.items() if r[:2] == STS}
+    live = _named(owned, STS)
     owner = owner_reference(status.body)
     try:
         objs = desired_objects(
@@ -401,12 +416,11 @@ def _apply_changed(
     holding what each apply returned); returns how many. The router's Deployment goes last (its pods need
     the ServiceAccount), the rest at once, a few at a time: a new service's 14 applies one after another
     were most of its reconcile on a busy API server."""
+    refs = [applied_objects.ref(obj) for obj in objs]
     due = [
         obj
-        for obj in objs
-        if applied_objects.needs_apply(
-            obj, owned.get(applied_objects.ref(obj)), rt.applied.last(service, applied_objects.ref(obj))
-        )
+        for obj, ref in zip(objs, refs, strict=True)
+        if applied_objects.needs_apply(obj, owned.get(ref), rt.applied.last(service, ref))
     ]
     first = [o for o in due if (o["apiVersion"], o["kind"]) != DEPLOY]
     last = [o for o in due if (o["apiVersion"], o["kind"]) == DEPLOY]
@@ -440,9 +454,8 @@ def _collect_garbage(
     def engine(kind: tuple[str, str]) -> list[Mapping[str, Any]]:
         return [
             obj
-            for r, obj in owned.items()
-            if r[:2] == kind
-            and ((obj.get("metadata") or {}).get("labels") or {}).get(names.LABEL_COMPONENT)
+            for obj in _named(owned, kind).values()
+            if ((obj.get("metadata") or {}).get("labels") or {}).get(names.LABEL_COMPONENT)
             == names.COMPONENT_ENGINE
         ]
 
@@ -452,9 +465,8 @@ def _collect_garbage(
         (SVC, stale_gear_services(engine(SVC), want, flight)),
     ):
         for obj_name in stale:
-            rt.api.delete(*kind, ns, obj_name)
+            _delete_owned(rt, (ns, name), kind, obj_name)
             owned.pop(_ref(kind, obj_name), None)
-            rt.applied.drop((ns, name), _ref(kind, obj_name))
             deleted += 1
     return deleted
 
@@ -473,7 +485,7 @@ def _write_readiness(
     StatefulSets (in ``owned``: as read, applied and collected this reconcile), written to its GearSet's
     status where it differs, with its ``Ready`` condition (set into the conditions this reconcile already
     wrote, ``written``, else the GearSet's as read)."""
-    sts = {r[2]: obj for r, obj in owned.items() if r[:2] == STS}
+    sts = _named(owned, STS)
     out = {}
     for role, rs in roles.items():
         out[role] = role_readiness(rs, sts, pds, name, ns, rt.settings.images)
@@ -581,11 +593,10 @@ def delete_gear_sync(rt: Runtime, namespace: str, service: str, role: str, gear:
         labels = {names.LABEL_SERVICE: service, names.LABEL_ROLE: role, names.LABEL_GEAR: gear}
         n = 0
         for obj in api.list(*STS, namespace, labels):
-            n += bool(api.delete(*STS, namespace, obj["metadata"]["name"]))
-            rt.applied.drop((namespace, service), _ref(STS, obj["metadata"]["name"]))
-        headless = names.gear_headless_service_name(service, role, gear)
-        n += bool(api.delete(*SVC, namespace, headless))
-        rt.applied.drop((namespace, service), _ref(SVC, headless))
+            n += _delete_owned(rt, (namespace, service), STS, obj["metadata"]["name"])
+        n += _delete_owned(
+            rt, (namespace, service), SVC, names.gear_headless_service_name(service, role, gear)
+        )
         body = api.get(*PDS, namespace, service)
         if body is not None:
             emit(api, body, common.REASON_GEAR_DELETED, f"{role} gear {gear}: {n} object(s) deleted")

@@ -130,7 +130,7 @@ from gearshift.handlers.common import (
     emit,
     patch_status,
 )
-from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon
+from gearshift.handlers.loop import load_gearset_and_service, sampling_daemon, spec_generation
 from gearshift.handlers.reconcile import delete_gear_sync, ensure_gear_sync, select_gear_sync
 from gearshift.handlers.runtime import Runtime, runtime_of
 from gearshift.k8s import names, warming
@@ -550,19 +550,21 @@ def _settled(body: Mapping[str, Any]) -> bool:
 
 
 def _at_rest(body: Mapping[str, Any]) -> bool:
-    """:func:`_settled`, or held on a forced gear that is already the active one: no shift to make."""
+    """As :func:`_settled`, except that a forced gear that is already the active one asks for nothing: no
+    shift to make."""
     spec, st = body.get("spec") or {}, body.get("status") or {}
     forced = spec.get("forceGear")
-    in_flight = (st.get("executor") or {}).get("step") in SHIFT_STEPS
-    return _settled(body) or (
-        bool(forced) and forced == st.get("activeGear") and not in_flight and not st.get("windowedNodes")
+    return (
+        (st.get("executor") or {}).get("step") not in SHIFT_STEPS
+        and (not forced or forced == st.get("activeGear"))
+        and not st.get("windowedNodes")
     )
 
 
 def wake_key(body: Mapping[str, Any]) -> Hashable:
     """What ends a shifting daemon's wait early when it moves: the spec (its generation) and whether a
     shift is asked for or in flight (:func:`_at_rest`: a window the reconciler writes, a forced gear)."""
-    return ((body.get("metadata") or {}).get("generation"), _at_rest(body))
+    return (spec_generation(body), _at_rest(body))
 
 
 def _serving_or_busy(body: kopf.Body, **_: Any) -> bool:
