@@ -55,6 +55,7 @@ from typing import Any
 
 import pytest
 
+from gearshift.api import crdgen
 from gearshift.api.common import API_VERSION
 from gearshift.k8s import names
 from gearshift.k8s.apply_text import apply_text
@@ -275,11 +276,31 @@ def wait_for_fixture() -> Callable[..., Any]:
     return wait_for
 
 
+#: The repository the tests run from (its generated CRDs).
+REPO = Path(__file__).resolve().parents[2]
+
+
+def establish_crds(cluster: Cluster) -> None:
+    """The generated CRDs applied (``kubectl apply -f crds/``) and established. A custom resource sent
+    before its CRD is established is refused NotFound: on a fresh sandbox, test_reconcile's first
+    GPUProfile raced the CRDs its operator was installing."""
+    cluster.kubectl("apply", "-f", str(REPO / "crds"))
+    for kind in crdgen.KINDS:
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{kind.name}", "--timeout=60s")
+
+
+@pytest.fixture(scope="session", name="establish_crds")
+def establish_crds_fixture() -> Callable[[Cluster], None]:
+    """:func:`establish_crds` as a fixture."""
+    return establish_crds
+
+
 @pytest.fixture
 def fleet_profiles(sandbox: Cluster) -> Callable[[Any], None]:
     """``ensure(api)``: datasheet GPUProfiles and gpu-model labels for the GPU nodes that have none yet
     (profiling is off, or the probe operator has not written them); ``api`` is a ``RestKubeApi`` on the
-    cluster under test."""
+    cluster under test. The CRDs are established first."""
+    establish_crds(sandbox)
 
     def ensure(api: Any) -> None:
         for node in api.list("v1", "Node"):

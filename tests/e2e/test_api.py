@@ -45,11 +45,9 @@ CASES = _unit_cases()
 
 
 @pytest.fixture(scope="module")
-def crds(sandbox: Any) -> Any:
+def crds(sandbox: Any, establish_crds: Any) -> Any:
     """The generated CRDs applied (``kubectl apply -f crds/``) and established."""
-    sandbox.kubectl("apply", "-f", str(REPO / "crds"))
-    for kind in crdgen.KINDS:
-        sandbox.kubectl("wait", "--for=condition=Established", f"crd/{kind.name}", "--timeout=60s")
+    establish_crds(sandbox)
     return sandbox
 
 
