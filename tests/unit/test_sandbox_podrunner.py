@@ -334,3 +334,29 @@ def test_a_start_that_the_api_refuses_is_retried_not_fatal(tmp_path):
     assert runner.runs["uid-eng"].containers[0].env["MODEL"] == "tiny"
     assert api.patches[-1]["phase"] == "Running" and "uid-eng" not in runner.waiting
     runner._shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_container_s_processes_end_with_its_main_process(tmp_path):
+    """A child the container's main process leaves behind is killed when that process exits, as the kernel
+    ends a PID namespace's processes with its init: an orphaned vLLM EngineCore would hold cores and ports."""
+    runner, api = make_runner(tmp_path)
+    p = pod("leaver", ["gearshift", "sandbox", "exit-with", "--code", "1", "--leave-child", "120"])
+    api.pods[("ns", "leaver")] = p
+    runner._handle("ADDED", p)
+    drive(runner, lambda: api.patches and api.patches[-1]["phase"] == "Failed")
+    logs = list((tmp_path / "pods").glob("*/c.log"))
+    (child,) = [
+        int(line.split()[1]) for line in logs[0].read_text().splitlines() if line.startswith("child ")
+    ]
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), f"pid {child} outlived its container"

@@ -214,3 +214,30 @@ except Seen as seen:
     def test_container_pythonpath_is_kept_after_the_sandbox_folder(self) -> None:
         env = vllm_cpu_env(0, "/opt/app")
         assert env["PYTHONPATH"].split(os.pathsep) == [str(VLLM_SITE_DIR), "/opt/app"]
+
+
+def test_ended_engine_errors_shows_why_a_gone_pod_ended(tmp_path, monkeypatch):
+    from gearshift.dev.sandbox.vllm_service import ended_engine_errors
+
+    monkeypatch.setenv("GEARSHIFT_SANDBOX_DIR", str(tmp_path))
+    pods_dir = Layout.from_env().pods_dir
+    gone, live = pods_dir / "ns_h-s0-0_aaaa1111", pods_dir / "ns_h-s0-0_bbbb2222"
+    for d in (gone, live, pods_dir / "other_x-0_cccc3333"):
+        d.mkdir(parents=True)
+    gone.joinpath("engine.log").write_text(
+        "(APIServer pid=1) WARNING 12-07 02:30:20 [system_utils.py:255] failed to increase ulimit\n"
+        "(Worker pid=2) ERROR 12-07 02:32:35 [base_worker.py:1318] NIXL transfer failure: handshake\n"
+        "(Worker pid=2) ERROR 12-07 02:32:35 [base_worker.py:1318] Traceback (most recent call last):\n"
+        '(Worker pid=2) ERROR 12-07 02:32:35 [base_worker.py:1318]   File "x.py", line 3, in f\n'
+        "(Worker pid=2) ERROR 12-07 02:32:35 [base_worker.py:1318] zmq.error.Again: Resource unavailable\n"
+        "RuntimeError: The server socket has failed to listen on any local network address\n"
+    )
+    live.joinpath("engine.log").write_text("(Worker pid=3) ERROR 12-07 02:40:00 [x.py:1] live pod's error\n")
+    text = ended_engine_errors("ns", {live.name})
+    assert "other_x" not in text and "live pod's error" not in text
+    shown = [ln.strip() for ln in text.splitlines()[2:]]
+    assert [ln.rsplit("] ", 1)[-1] if "] " in ln else ln for ln in shown] == [
+        "NIXL transfer failure: handshake",
+        "zmq.error.Again: Resource unavailable",
+        "RuntimeError: The server socket has failed to listen on any local network address",
+    ]

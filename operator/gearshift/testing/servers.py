@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -72,9 +73,14 @@ def run_echo_server(host: str | None, port: int | None, ready_after_s: float = 0
     return 0
 
 
-def exit_with(code: int, message: str, sleep_s: float = 0.0) -> int:
+def exit_with(code: int, message: str, sleep_s: float = 0.0, leave_child_s: float = 0.0) -> int:
     """Run ``sleep_s`` seconds, write ``message`` to ``$GEARSHIFT_TERMINATION_LOG`` (when set), and return
-    ``code`` as the exit status; prints the message to stdout too (for FallbackToLogsOnError)."""
+    ``code`` as the exit status; prints the message to stdout too (for FallbackToLogsOnError).
+    ``leave_child_s`` > 0: first start a child process that sleeps that long and is not waited for (as a
+    vLLM API server leaves its EngineCore), and print ``child <pid>``."""
+    if leave_child_s > 0:
+        child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({leave_child_s!r})"])
+        print(f"child {child.pid}", flush=True)
     time.sleep(max(0.0, sleep_s))
     print(message, flush=True)
     path = os.environ.get("GEARSHIFT_TERMINATION_LOG")

@@ -61,6 +61,9 @@ def register(subparsers: Any) -> None:
     ex.add_argument("--code", type=int, default=0, help="exit code")
     ex.add_argument("--message", default="", help="termination message")
     ex.add_argument("--sleep", type=float, default=0.0, help="seconds to run before exiting")
+    ex.add_argument(
+        "--leave-child", type=float, default=0.0, help="start a child that sleeps this long, s, and leave it"
+    )
     ex.set_defaults(func=_exit_with)
     # argparse lists a sub-parser even with help=SUPPRESS (as "==SUPPRESS=="); the two test entry points
     # stay callable but out of --help.
@@ -156,4 +159,4 @@ def _echo(args: argparse.Namespace) -> int:
 def _exit_with(args: argparse.Namespace) -> int:
     from gearshift.testing.servers import exit_with
 
-    return exit_with(args.code, args.message, args.sleep)
+    return exit_with(args.code, args.message, args.sleep, args.leave_child)

