@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,54 @@ class TestReconcile:
         assert {o["metadata"]["name"] for o in api.applied[owned:]} == {
             f"llama3-8b-prefill-balanced-s{k}" for k in range(4)
         }
+
+    def test_the_reads_of_what_a_service_owns_go_out_together(self, api: FakeKubeApi) -> None:
+        """Its pods, StatefulSets, Services, router Deployment and the router's three RBAC objects: seven
+        reads that do not depend on one another. Each waits (at most 5 s) until all seven are in flight, so
+        reads made one after another break the barrier and the reconcile fails."""
+        owned_kinds = {"Pod", "StatefulSet", "Service", "Deployment", "ServiceAccount", "Role", "RoleBinding"}
+        barrier = threading.Barrier(len(owned_kinds), timeout=5)
+        waited: list[str] = []
+        lock = threading.Lock()
+
+        def gated(read: Any) -> Any:
+            def call(api_version: str, kind: str, *args: Any, **kwargs: Any) -> Any:
+                with lock:
+                    wait = kind in owned_kinds and len(waited) < len(owned_kinds)
+                    if wait:
+                        waited.append(kind)
+                if wait:
+                    barrier.wait()
+                return read(api_version, kind, *args, **kwargs)
+
+            return call
+
+        api.get, api.list = gated(api.get), gated(api.list)  # type: ignore[method-assign]
+        assert reconcile(api).applied > 0
+        assert sorted(waited) == sorted(owned_kinds) and not barrier.broken
+
+    def test_the_gearset_plans_are_written_together_before_any_apply(self, api: FakeKubeApi) -> None:
+        """The two GearSets' status writes wait (at most 5 s) for each other: written one after the other,
+        they break the barrier. Both are stored before the first server-side apply."""
+        barrier = threading.Barrier(2, timeout=5)
+        write = api.patch_status
+
+        def gated(api_version: str, kind: str, *args: Any, **kwargs: Any) -> Any:
+            with lock:
+                wait = kind == "GearSet" and len(seen) < 2
+                if wait:
+                    seen.append(args)
+            if wait:
+                barrier.wait()
+            return write(api_version, kind, *args, **kwargs)
+
+        seen: list[Any] = []
+        lock = threading.Lock()
+        api.patch_status = gated  # type: ignore[method-assign]
+        assert reconcile(api).applied > 0 and len(seen) == 2 and not barrier.broken
+        verbs = api.verbs()
+        first_apply = verbs.index(("apply", "StatefulSet"))
+        assert verbs[:first_apply].count(("patch_status", "GearSet")) >= 2
 
     def test_what_someone_else_changed_or_deleted_is_applied_again(self, api: FakeKubeApi) -> None:
         reconcile(api)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -106,14 +107,21 @@ class NotYet(ReconcileError):
         self.delay = delay
 
 
-def _read_gearsets(api: KubeApi, body: Mapping[str, Any], pds: PDService) -> dict[str, RoleState]:
+def _read_gearsets(
+    api: KubeApi, pool: Executor, body: Mapping[str, Any], pds: PDService
+) -> dict[str, RoleState]:
+    """Each role's GearSet, read at once (``pool``).
+
+    Raises:
+        NotYet: a GearSet is missing.
+    """
     ns = body["metadata"]["namespace"]
     name = body["metadata"]["name"]
     out: dict[str, RoleState] = {}
     missing = []
-    for role in pds.spec.roles:
-        ref = pds.spec.role_spec(role).gear_set_ref.name
-        gs_body = api.get(*GS, ns, ref)
+    refs = [pds.spec.role_spec(role).gear_set_ref.name for role in pds.spec.roles]
+    bodies = pool.map(lambda ref: api.get(*GS, ns, ref), refs)
+    for role, ref, gs_body in zip(pds.spec.roles, refs, bodies, strict=True):
         if gs_body is None:
             missing.append(f"{ROLE_SECTIONS[role]}.gearSetRef {ref!r}")
             continue
@@ -208,10 +216,13 @@ def _reconcile(rt: Runtime, ns: str, name: str, body: Mapping[str, Any] | None) 
     if fresh["metadata"].get("deletionTimestamp"):
         return ReconcileOutcome(phase="Deleting")
     now = now_utc()
+    # The pods and owned objects are read while the spec and GearSets are: a round trip each, one after
+    # another, were most of a new service's reconcile on a busy API server.
+    reads = _OwnedReads.start(rt, ns, name)
     status = _ServiceStatus.read(rt, fresh, ns, name, now)
     pds, roles, nodes, profiles = _read_spec(rt, status)
-    service_pods = api.list(*POD, ns, {names.LABEL_SERVICE: name})
-    live = {s["metadata"]["name"]: s for s in api.list(*STS, ns, {names.LABEL_SERVICE: name})}
+    service_pods, owned = reads.result()
+    live = _named(owned, STS)
     bound = bound_nodes(service_pods, list(live.values()))
     want = desired_state(pds, roles, nodes, profiles, settings, now, bound, memo=rt.plans)
     out = ReconcileOutcome(
@@ -220,7 +231,6 @@ def _reconcile(rt: Runtime, ns: str, name: str, body: Mapping[str, Any] | None) 
     )
     written: dict[str, dict[str, Any]] = {}
     out.planned = _write_plans(rt, fresh, ns, roles, want, now, written)
-    owned = _owned_now(api, ns, name, live)
     out.applied = _apply(rt, status, pds, want, settings, roles, owned, written)
     out.deleted = _collect_garbage(rt, ns, name, want, roles, owned)
     readiness = _write_readiness(rt, ns, name, pds, roles, now, written, owned)
@@ -250,7 +260,7 @@ def _read_spec(
         status.refuse(REASON_INVALID_SPEC, msg)
         raise SpecInvalid(msg) from None
     try:
-        roles = _read_gearsets(rt.api, status.body, pds)
+        roles = _read_gearsets(rt.api, rt.apply_pool, status.body, pds)
         explicit_layer_problems(pds, roles)
     except SpecInvalid as exc:
         status.refuse(REASON_GEARSET_MISMATCH, str(exc))
@@ -278,21 +288,31 @@ def _write_plans(
     now: datetime,
     written: dict[str, dict[str, Any]],
 ) -> list[str]:
-    """Write each GearSet's status (each role's patch kept in ``written``), then record planning's events
-    on the GearSet and the PDService; returns the roles whose plan was written."""
-    api, planned = rt.api, []
-    # GearSet status first: the executor and `kubectl get gs` see the plan and the active gear.
-    for role, rs in roles.items():
-        patch = gearset_status_patch(rs, now)
-        if patch:
-            patch_status(api, *GS, ns, rs.gs.metadata["name"], patch, rt.pruned)
-            written[role] = patch
-            planned += [role] if "plannedGears" in patch else []
+    """Write each GearSet's status (each role's patch kept in ``written``) and record planning's events on
+    the GearSet and the PDService, all at once (``rt.apply_pool``: none depends on another); returns the
+    roles whose plan was written.
+
+    Raises:
+        KubeApiError, StatusPruned, StatusHeld: a GearSet status write was refused (the events still go).
+    """
+    api, pool = rt.api, rt.apply_pool
+    patches = {role: patch for role, rs in roles.items() if (patch := gearset_status_patch(rs, now))}
+    writes = {
+        role: pool.submit(patch_status, api, *GS, ns, roles[role].gs.metadata["name"], patch, rt.pruned)
+        for role, patch in patches.items()
+    }
+    events = []
     for role, reason, message, warning in want.plan_events:
-        emit(api, roles[role].gs_body, reason, message, warning)
         gs_name = str(roles[role].gs.metadata["name"])
-        emit(api, body, reason, service_event_message(role, gs_name, message), warning)
-    return planned
+        events.append(pool.submit(emit, api, roles[role].gs_body, reason, message, warning))
+        message = service_event_message(role, gs_name, message)
+        events.append(pool.submit(emit, api, body, reason, message, warning))
+    for done in events:
+        done.result()
+    for role, write in writes.items():
+        write.result()
+        written[role] = patches[role]
+    return [role for role in writes if "plannedGears" in patches[role]]
 
 
 #: The router's RBAC kinds (:func:`gearshift.k8s.router.build_router_rbac`), each named ``<pds>-router``.
@@ -322,23 +342,43 @@ def _delete_owned(rt: Runtime, service: ObjectKey, kind: tuple[str, str], name: 
     return gone
 
 
-def _owned_now(
-    api: KubeApi, ns: str, name: str, statefulsets: Mapping[str, Mapping[str, Any]]
-) -> dict[applied_objects.ObjectRef, Mapping[str, Any]]:
-    """Every object the PDService ``ns/name`` owns, as the cluster holds it now, by
-    ``(apiVersion, kind, name)``: its StatefulSets (``statefulsets``, read already), Services, the router's
-    Deployment and RBAC. (A LIST's items carry no apiVersion and kind: the reference is made here.)"""
-    owned: dict[applied_objects.ObjectRef, Mapping[str, Any]] = {
-        _ref(STS, n): obj for n, obj in statefulsets.items()
-    }
-    for svc in api.list(*SVC, ns, {names.LABEL_SERVICE: name}):
-        owned[_ref(SVC, svc["metadata"]["name"])] = svc
-    router = names.router_name(name)
-    for kind in (DEPLOY, *ROUTER_RBAC):
-        obj = api.get(*kind, ns, router)
-        if obj is not None:
-            owned[_ref(kind, router)] = obj
-    return owned
+@dataclass(frozen=True)
+class _OwnedReads:
+    """The reads of what a PDService owns, in flight on the runtime's ``apply_pool``: its pods, and every
+    object it owns as the cluster holds it now (StatefulSets, Services, the router's Deployment and RBAC)."""
+
+    pods: Future[list[dict[str, Any]]]
+    lists: tuple[tuple[tuple[str, str], Future[list[dict[str, Any]]]], ...]
+    router: tuple[tuple[tuple[str, str], Future[dict[str, Any] | None]], ...]
+    router_name: str
+
+    @classmethod
+    def start(cls, rt: Runtime, ns: str, name: str) -> _OwnedReads:
+        api, pool, labels = rt.api, rt.apply_pool, {names.LABEL_SERVICE: name}
+        router = names.router_name(name)
+        return cls(
+            pool.submit(api.list, *POD, ns, labels),
+            tuple((kind, pool.submit(api.list, *kind, ns, labels)) for kind in (STS, SVC)),
+            tuple((kind, pool.submit(api.get, *kind, ns, router)) for kind in (DEPLOY, *ROUTER_RBAC)),
+            router,
+        )
+
+    def result(self) -> tuple[list[dict[str, Any]], dict[applied_objects.ObjectRef, Mapping[str, Any]]]:
+        """``(pods, owned)``, ``owned`` by ``(apiVersion, kind, name)`` (a LIST's items carry no apiVersion
+        and kind: the reference is made here).
+
+        Raises:
+            KubeApiError: the API server refused a read.
+        """
+        owned: dict[applied_objects.ObjectRef, Mapping[str, Any]] = {}
+        for kind, listed in self.lists:
+            for obj in listed.result():
+                owned[_ref(kind, obj["metadata"]["name"])] = obj
+        for kind, got in self.router:
+            found = got.result()
+            if found is not None:
+                owned[_ref(kind, self.router_name)] = found
+        return self.pods.result(), owned
 
 
 def apply_owned(rt: Runtime, service: ObjectKey, manifest: Mapping[str, Any]) -> dict[str, Any]:

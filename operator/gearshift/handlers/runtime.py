@@ -51,8 +51,10 @@ MEMO_KEY = "runtime"
 #: Threads of the GearSet sampling loops (shifting, autoscale, adaptive batch): a tick mostly waits on the
 #: API server and Prometheus; a turn that waits for a thread counts its missed samples.
 LOOP_WORKERS = 8
-#: Threads that carry a reconcile's independent server-side applies at once (shared by all reconciles).
-APPLY_WORKERS = 6
+#: Threads that carry a reconcile's independent API calls at once, its reads of what it owns and its
+#: server-side applies (shared by all reconciles): as many as kopf's workers keep busy with a read each
+#: and an apply in flight, and half the API client's connections (``adapters.kube.CONNECTION_POOL_SIZE``).
+APPLY_WORKERS = 16
 
 
 @dataclass
@@ -106,7 +108,7 @@ class Runtime:
         # queued 440 ticks deep in front of the event-driven reconciles (a shifting tick waited 360 s for a
         # thread with 110 services, bench/fleet_operator.py), and a user's edit waited behind them.
         self.loop_pool = ThreadPoolExecutor(max_workers=LOOP_WORKERS, thread_name_prefix="gearshift-loop")
-        # A reconcile's server-side applies that do not depend on one another go out together.
+        # A reconcile's reads, and its server-side applies that do not depend on one another, go out together.
         self.apply_pool = ThreadPoolExecutor(max_workers=APPLY_WORKERS, thread_name_prefix="gearshift-apply")
         self.services: ServiceMemory[ReconcileOutcome] = ServiceMemory()
         self.applied = AppliedMemory()
