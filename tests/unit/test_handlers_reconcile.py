@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,29 @@ def reconcile(api: FakeKubeApi) -> rec.ReconcileOutcome:
     # The operator drops its fleet cache on every Node/GPUProfile event; tests change nodes directly.
     api.runtime.fleet.forget()
     return rec.reconcile_service(api.runtime, NS, "llama3-8b")
+
+
+class _Gate:
+    """Holds the first ``n`` API calls whose kind ``holds`` until all ``n`` are in flight (a barrier, 5 s at
+    most): calls made one after another break it, and the call that waits raises BrokenBarrierError."""
+
+    def __init__(self, n: int, holds: Callable[[str], bool]) -> None:
+        self.n, self.holds = n, holds
+        self.barrier = threading.Barrier(n, timeout=5)
+        self.seen: list[str] = []
+        self._lock = threading.Lock()
+
+    def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def gated(api_version: str, kind: str, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                wait = self.holds(kind) and len(self.seen) < self.n
+                if wait:
+                    self.seen.append(kind)
+            if wait:
+                self.barrier.wait()
+            return call(api_version, kind, *args, **kwargs)
+
+        return gated
 
 
 class TestAdapter:
@@ -248,45 +272,17 @@ class TestReconcile:
         reads that do not depend on one another. Each waits (at most 5 s) until all seven are in flight, so
         reads made one after another break the barrier and the reconcile fails."""
         owned_kinds = {"Pod", "StatefulSet", "Service", "Deployment", "ServiceAccount", "Role", "RoleBinding"}
-        barrier = threading.Barrier(len(owned_kinds), timeout=5)
-        waited: list[str] = []
-        lock = threading.Lock()
-
-        def gated(read: Any) -> Any:
-            def call(api_version: str, kind: str, *args: Any, **kwargs: Any) -> Any:
-                with lock:
-                    wait = kind in owned_kinds and len(waited) < len(owned_kinds)
-                    if wait:
-                        waited.append(kind)
-                if wait:
-                    barrier.wait()
-                return read(api_version, kind, *args, **kwargs)
-
-            return call
-
-        api.get, api.list = gated(api.get), gated(api.list)  # type: ignore[method-assign]
+        gate = _Gate(len(owned_kinds), lambda kind: kind in owned_kinds)
+        api.get, api.list = gate.wrap(api.get), gate.wrap(api.list)  # type: ignore[method-assign]
         assert reconcile(api).applied > 0
-        assert sorted(waited) == sorted(owned_kinds) and not barrier.broken
+        assert sorted(gate.seen) == sorted(owned_kinds) and not gate.barrier.broken
 
     def test_the_gearset_plans_are_written_together_before_any_apply(self, api: FakeKubeApi) -> None:
         """The two GearSets' status writes wait (at most 5 s) for each other: written one after the other,
         they break the barrier. Both are stored before the first server-side apply."""
-        barrier = threading.Barrier(2, timeout=5)
-        write = api.patch_status
-
-        def gated(api_version: str, kind: str, *args: Any, **kwargs: Any) -> Any:
-            with lock:
-                wait = kind == "GearSet" and len(seen) < 2
-                if wait:
-                    seen.append(args)
-            if wait:
-                barrier.wait()
-            return write(api_version, kind, *args, **kwargs)
-
-        seen: list[Any] = []
-        lock = threading.Lock()
-        api.patch_status = gated  # type: ignore[method-assign]
-        assert reconcile(api).applied > 0 and len(seen) == 2 and not barrier.broken
+        gate = _Gate(2, lambda kind: kind == "GearSet")
+        api.patch_status = gate.wrap(api.patch_status)  # type: ignore[method-assign]
+        assert reconcile(api).applied > 0 and len(gate.seen) == 2 and not gate.barrier.broken
         verbs = api.verbs()
         first_apply = verbs.index(("apply", "StatefulSet"))
         assert verbs[:first_apply].count(("patch_status", "GearSet")) >= 2

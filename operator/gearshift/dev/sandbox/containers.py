@@ -315,8 +315,7 @@ def kill(c: ContainerRun, grace_s: float, dying: list[Any]) -> None:
         proc.wait(timeout=grace_s)
         end_group(proc.pid)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc.pid)
         try:
             proc.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
