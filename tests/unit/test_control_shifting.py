@@ -33,8 +33,10 @@ from gearshift.control.shifting.executor_actions import (
 from gearshift.control.shifting.policy import GearTable, ShiftRules
 from gearshift.control.shifting.shift_status import (
     MESSAGE_LIMIT,
+    STATUS_HEARTBEAT_S,
     Signals,
     gear_fingerprint,
+    heartbeat_only,
     history_with,
     records_to_status,
     status_patch,
@@ -46,6 +48,7 @@ from gearshift.facts.model import load_hf_config
 from gearshift.facts.rfc3339 import to_time
 from gearshift.k8s import names
 from gearshift.k8s.placement import pod_gpus
+from gearshift.testing.kube import merge_patch
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")
 T0 = 1_800_000_000.0
@@ -600,3 +603,51 @@ class TestStatusPatch:
         sig = patch["signals"]
         assert sig["skipped"] is None and sig["missedSamples"] == 4 and sig["sampleTime"] == to_time(T0)
         assert sig["qps"] == 2.0
+
+
+_JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from(["a", "b"]))
+_JSON = st.recursive(
+    _JSON_LEAF,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=2),
+        st.dictionaries(st.sampled_from(["x", "y", "sampleTime"]), inner, max_size=3),
+    ),
+    max_leaves=8,
+)
+_STATUS = st.dictionaries(st.sampled_from(["phase", "signals", "conditions"]), _JSON, max_size=3)
+
+
+class TestHeartbeatOnly:
+    """``heartbeat_only`` against the fake API server's RFC 7386 merge (an independent implementation)."""
+
+    @settings(max_examples=300, deadline=None)
+    @given(current=_STATUS, patch=_STATUS)
+    def test_it_holds_exactly_when_the_merge_moves_nothing_but_sample_time(
+        self, current: dict[str, Any], patch: dict[str, Any]
+    ) -> None:
+        fresh = to_time(T0)
+        signals = current.get("signals")
+        current = current | {
+            "signals": (signals if isinstance(signals, dict) else {}) | {"sampleTime": fresh}
+        }
+
+        def without_time(s: Any) -> Any:
+            sig = s.get("signals") if isinstance(s, dict) else None
+            return (
+                s
+                if not isinstance(sig, dict)
+                else s | {"signals": {k: v for k, v in sig.items() if k != "sampleTime"}}
+            )
+
+        merged = merge_patch(current, patch)
+        unchanged = without_time(merged) == without_time(current) and isinstance(merged.get("signals"), dict)
+        assert heartbeat_only(current, patch, T0 + 1) == unchanged
+
+    def test_an_old_or_unreadable_sample_time_is_written(self) -> None:
+        current = {"phase": "Stable", "signals": {"sampleTime": to_time(T0)}}  # as stored: no nulls
+        patch = {"phase": "Stable", "signals": {"sampleTime": to_time(T0 + 30), "qps": None}}
+        assert heartbeat_only(current, patch, T0 + 30)
+        assert not heartbeat_only(current, patch, T0 + STATUS_HEARTBEAT_S)
+        assert not heartbeat_only({**current, "signals": {"sampleTime": "soon"}}, patch, T0 + 30)
+        assert not heartbeat_only(current, {**patch, "phase": "Warming"}, T0 + 30)
+        assert not heartbeat_only(current, {**patch, "signals": {"qps": 1.0}}, T0 + 30)

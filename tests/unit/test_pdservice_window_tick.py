@@ -3,6 +3,7 @@ instead of up to ``RETRY_S`` later at the retry timer."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,6 +11,7 @@ import kopf
 import pytest
 
 from gearshift.adapters.kube import KubeApiError
+from gearshift.api.common import GROUP, VERSION
 from gearshift.handlers import pdservice
 from gearshift.handlers.runtime import Runtime
 
@@ -76,14 +78,97 @@ def test_a_failed_reconcile_is_tried_again_at_the_next_tick() -> None:
     assert api.reads == [("ns", "svc"), ("ns", "svc")]
 
 
-def test_a_deleted_pdservice_forgets_its_window(rt: Runtime, api: ReadsApi) -> None:
+async def test_a_deleted_pdservice_forgets_its_window(rt: Runtime, api: ReadsApi) -> None:
     assert pdservice.window_tick(rt, "ns", "svc", BY, AT + timedelta(seconds=1))
     assert rt.services.window_handled(("ns", "svc")) == BY
     body = {"metadata": {"name": "svc", "namespace": "ns", "uid": "u-svc"}}
-    pdservice.pdservice_forget(
+    await pdservice.pdservice_seen(
         namespace="ns", name="svc", type="DELETED", body=body, memo=kopf.Memo(runtime=rt)
     )  # type: ignore[arg-type]
     assert not rt.services.known(("ns", "svc"))
     # A PDService made again under the name reconciles at its own leaveBy, even the same one.
     assert pdservice.window_tick(rt, "ns", "svc", BY, AT + timedelta(seconds=3))
     assert len(api.reads) == 2
+
+
+def _body(status: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "svc", "namespace": "ns", "uid": "u-svc", "generation": generation},
+        "status": status,
+    }
+
+
+async def _until(done: Any) -> None:
+    """Poll ``done`` (the tasks under test signal nothing) for at most 5 s."""
+    deadline = asyncio.get_running_loop().time() + 5
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _seen(rt: Runtime, body: dict[str, Any], type: str | None = "MODIFIED") -> None:
+    await pdservice.pdservice_seen(
+        namespace="ns", name="svc", type=type, body=body, memo=kopf.Memo(runtime=rt)
+    )  # type: ignore[arg-type]
+
+
+async def test_a_service_that_needs_attention_is_retried_until_it_does_not(
+    rt: Runtime, api: ReadsApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry watch reconciles every RETRY_S while the last body lags, is Pending or Degraded, and
+    ends by itself once the body is Ready and current; events while it runs start no second one."""
+    fast = {"retry": (0.01, pdservice.needs_retry, pdservice._retry), "window": pdservice._TENDERS["window"]}
+    monkeypatch.setattr(pdservice, "_TENDERS", fast)
+    await _seen(rt, _body({}))  # new: no status, so behind its generation
+    await _seen(rt, _body({"phase": "Pending", "observedGeneration": 1}))
+    (task,) = rt.services.tending.values()
+    await _until(lambda: len(api.reads) >= 3)
+    await _seen(rt, _body({"phase": "Ready", "observedGeneration": 1}))
+    await asyncio.wait_for(task, 1)
+    assert rt.services.tending == {}
+    reads = len(api.reads)
+    await asyncio.sleep(0.05)
+    assert len(api.reads) == reads  # no reconcile once it is over
+    await _seen(rt, _body({"phase": "Ready", "observedGeneration": 1}, generation=2))  # edited: again
+    assert list(rt.services.tending) == [("retry", ("ns", "svc"))]
+    await _seen(rt, _body({}), type="DELETED")
+    assert rt.services.tending == {} and rt.services.latest == {}
+    await asyncio.sleep(0.05)
+    assert task.done()
+
+
+async def test_a_windowed_service_reconciles_at_its_leave_by(
+    rt: Runtime, api: ReadsApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window watch reads leaveBy from the last body and reconciles once when it has come."""
+    tenders = {
+        "retry": (3600.0, pdservice.needs_retry, pdservice._retry),
+        "window": (0.01, pdservice.windowed, pdservice._window),
+    }
+    monkeypatch.setattr(pdservice, "_TENDERS", tenders)
+    past = "2025-01-31T12:00:00+00:00"
+    await _seen(rt, _body({"phase": "Ready", "observedGeneration": 1, "windowLeaveBy": past}))
+    assert sorted(k for k, _ in rt.services.tending) == ["retry", "window"]  # the vacate is followed too
+    await _until(lambda: rt.services.window_handled(("ns", "svc")) == past)
+    await asyncio.sleep(0.05)
+    assert len(api.reads) == 1  # once per leaveBy
+    await _seen(rt, _body({"phase": "Ready", "observedGeneration": 1}))
+    await _until(lambda: ("window", ("ns", "svc")) not in rt.services.tending)
+    await _seen(rt, _body({}), type="DELETED")
+
+
+def test_no_pdservice_handler_makes_kopf_add_a_finalizer() -> None:
+    """kopf adds its finalizer to an object that a timer, a daemon or a mandatory delete handler serves,
+    one PATCH and one watch event before the create handler of a new PDService runs."""
+    registry = kopf.get_default_registry()
+    resource = kopf.Resource(
+        GROUP, VERSION, pdservice.PLURAL, kind="PDService", namespaced=True, preferred=True
+    )
+    handlers = [
+        h
+        for reg in (registry._spawning, registry._changing)
+        for h in reg.get_all_handlers()
+        if h.selector is not None and h.selector.check(resource)
+    ]
+    assert {h.id for h in handlers} >= {"pdservice_reconcile"}
+    assert [h.id for h in handlers if h.requires_finalizer] == []

@@ -390,7 +390,7 @@ class TestServiceMemory:
         assert not mem.known(("ns", "a")) and mem.window_handled(("ns", "b")) is not None
 
 
-def test_a_deleted_pdservice_is_forgotten_by_its_delete_event() -> None:
+async def test_a_deleted_pdservice_is_forgotten_by_its_delete_event() -> None:
     api = service_api()
     rt = api.runtime
     out = pdservice.run_reconcile(rt, NS, "llama3-8b")
@@ -399,7 +399,7 @@ def test_a_deleted_pdservice_is_forgotten_by_its_delete_event() -> None:
     rt.services.handle_window(key, "2025-01-31T12:00:00+00:00")
     rt.pruned.first("uid-llama3-8b", ("status.x",))
     body = api.get("gearshift.io/v1alpha1", "PDService", NS, "llama3-8b")
-    pdservice.pdservice_forget(
+    await pdservice.pdservice_seen(
         namespace=NS, name="llama3-8b", type="DELETED", body=body, memo=kopf.Memo(runtime=rt)
     )  # type: ignore[arg-type]
     assert not rt.services.known(key) and pdservice.known_services(rt) == {}
@@ -426,10 +426,11 @@ async def test_an_owned_objects_change_reconciles_later_through_the_runtime() ->
     assert rt.services.pending == {} and list(pdservice.known_services(rt)) == [(NS, "llama3-8b")]
 
 
-def test_other_events_of_a_pdservice_forget_nothing() -> None:
+async def test_other_events_of_a_pdservice_forget_nothing() -> None:
     rt = Runtime()
     rt.services.record(("ns", "a"), ReconcileOutcome(phase="Ready"))
-    pdservice.pdservice_forget(namespace="ns", name="a", type="MODIFIED", body={}, memo=kopf.Memo(runtime=rt))  # type: ignore[arg-type]
+    memo = kopf.Memo(runtime=rt)
+    await pdservice.pdservice_seen(namespace="ns", name="a", type="MODIFIED", body={}, memo=memo)  # type: ignore[arg-type]
     assert rt.services.known(("ns", "a"))
 
 

@@ -25,7 +25,7 @@ from gearshift.control.shifting.decide import DecisionState, TriggerTrack
 from gearshift.control.shifting.executor import Phase, ShiftState
 from gearshift.control.shifting.executor_actions import SelectGear
 from gearshift.control.shifting.policy import ShiftRules
-from gearshift.control.shifting.shift_status import ORPHAN_MESSAGE
+from gearshift.control.shifting.shift_status import ORPHAN_MESSAGE, STATUS_HEARTBEAT_S
 from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.signals import (
     SERIES_NAMES,
@@ -677,6 +677,40 @@ class TestTicks:
         assert not r.signals_ok and "prometheusUrl" in r.message
         cond = next(c for c in status(world)["conditions"] if c["type"] == "SignalsAvailable")
         assert cond["reason"] == "NoPrometheus"
+
+    def test_without_prometheus_an_unchanged_status_is_written_only_at_the_heartbeat(
+        self, world: FakeKubeApi
+    ) -> None:
+        """Writes follow changes: with nothing to sample, a tick that would only move sampleTime writes
+        nothing (nor reads the GearSet again) until STATUS_HEARTBEAT_S has passed; a change writes."""
+        key = world.key("PDService", NS, "llama3-8b")
+        del world.store[key]["spec"]["prometheusUrl"]
+
+        def gearset_calls() -> list[str]:
+            return [verb for verb, kind, _, name in world.calls if kind == "GearSet" and name == GS_NAME]
+
+        run(world, FakeSignals(), T0)
+        first = status(world)["signals"]["sampleTime"]
+        assert first == to_time(T0)
+        world.calls.clear()
+        run(world, FakeSignals(), T0 + 30)
+        run(world, FakeSignals(), T0 + 60)
+        assert "patch_status" not in gearset_calls() and gearset_calls().count("get") == 2  # one per tick
+        assert status(world)["signals"]["sampleTime"] == first
+        world.runtime.gearsets.add_missed((NS, GS_NAME), 1)  # a change: written at once
+        run(world, FakeSignals(), T0 + 90)
+        assert "patch_status" in gearset_calls() and status(world)["signals"]["missedSamples"] == 1
+        world.calls.clear()
+        run(world, FakeSignals(), T0 + 90 + STATUS_HEARTBEAT_S)
+        assert gearset_calls().count("patch_status") == 1
+        assert status(world)["signals"]["sampleTime"] == to_time(T0 + 90 + STATUS_HEARTBEAT_S)
+
+    def test_a_failing_prometheus_is_written_every_tick(self, world: FakeKubeApi) -> None:
+        sig = FakeSignals()
+        sig.up = False
+        run(world, sig, T0)
+        run(world, sig, T0 + 2)
+        assert status(world)["signals"]["sampleTime"] == to_time(T0 + 2)  # each attempt shown
 
     def test_without_prometheus_the_loop_idles_until_a_shift_is_asked_for(self, world: FakeKubeApi) -> None:
         key = world.key("PDService", NS, "llama3-8b")

@@ -88,6 +88,12 @@ class ServiceMemory(Generic[OutcomeT]):
         self._windows: dict[ObjectKey, str] = {}
         self.pending: dict[ObjectKey, asyncio.Task[None]] = {}
         """The scheduled reconcile per service; the task removes itself when its delay ends."""
+        self.tending: dict[tuple[str, ObjectKey], asyncio.Task[None]] = {}
+        """The periodic watch per (kind, service), ``retry`` or ``window``; a task removes itself when
+        what it watches for is over (event loop only)."""
+        self.latest: dict[ObjectKey, Mapping[str, Any]] = {}
+        """The PDService's last body the watch delivered (event loop only): what a periodic watch
+        decides from, as a kopf timer's ``when`` would."""
 
     def record(self, key: ObjectKey, outcome: OutcomeT | None) -> dict[str, int]:
         """Remember ``outcome`` (None: forget the service's); returns services per phase, counted under
@@ -118,10 +124,14 @@ class ServiceMemory(Generic[OutcomeT]):
             self._windows[key] = leave_by
 
     def forget(self, key: ObjectKey) -> None:
-        """Drop the service's outcome and window; a pending reconcile still runs (it finds it gone)."""
+        """Drop the service's outcome and window and stop its periodic watches; a pending reconcile
+        still runs (it finds it gone)."""
         with self._lock:
             self._outcomes.pop(key, None)
             self._windows.pop(key, None)
+        self.latest.pop(key, None)
+        for kind_key in [k for k in self.tending if k[1] == key]:
+            self.tending.pop(kind_key).cancel()
 
     def known(self, key: ObjectKey) -> bool:
         """Whether anything of ``key`` is remembered (tests)."""

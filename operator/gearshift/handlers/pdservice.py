@@ -5,8 +5,9 @@ Thin: every handler ends in :func:`gearshift.handlers.reconcile.reconcile_servic
 
 - the PDService is created, resumed (operator start) or its spec/metadata changes (kopf's create, resume
   and update causes);
-- a timer every :data:`RETRY_S` while the PDService's status lags its generation or its phase is Pending
-  or Degraded (placement failed, a profile missing, a node lost);
+- every :data:`RETRY_S` while the PDService's status lags its generation or its phase is Pending or
+  Degraded (placement failed, a profile missing, a node lost): :func:`tend`, not a kopf timer, so a
+  PDService carries no finalizer;
 - a time-limited node's ``leaveBy`` (``status.windowLeaveBy``), within :data:`WINDOW_TICK_S`;
 - an owned StatefulSet or router Deployment changes (status refresh, debounced);
 - a GearSet's spec changes (:mod:`gearshift.handlers.gearset`);
@@ -27,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 import kopf
@@ -130,25 +132,19 @@ def pdservice_reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.M
     )
 
 
-def _needs_attention(body: kopf.Body, **_: Any) -> bool:
-    # Rollouts are followed through owned-object events and fleet changes through node/profile events; the
-    # timer is the safety net for what no event announces: a status behind its generation, a placement
-    # still pending, a degraded service. Ready and Progressing services cost nothing while idle.
+def needs_retry(body: Mapping[str, Any]) -> bool:
+    """Whether a PDService is retried every :data:`RETRY_S`: the safety net for what no event announces
+    (a status behind its generation, a placement still pending, a degraded service, a time-limited node
+    in use whose vacate the status follows). Ready and Progressing services cost nothing while idle."""
     status = body.get("status") or {}
-    lagging = status.get("observedGeneration") != body.get("metadata", {}).get("generation")
-    # A time-limited node in use: look again every RETRY_S (the status follows the vacate);
-    # the re-plan at leaveBy itself comes from the shorter window timer (window_tick).
-    windowed = status.get("windowLeaveBy") is not None
-    return lagging or windowed or status.get("phase") in ("Pending", "Degraded")
+    lagging = status.get("observedGeneration") != (body.get("metadata") or {}).get("generation")
+    return lagging or windowed(body) or status.get("phase") in ("Pending", "Degraded")
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RETRY_S, initial_delay=RETRY_S, when=_needs_attention)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def pdservice_retry(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """Retry a PDService that is not Ready yet (placement pending, pods rolling out, profiles missing)."""
-    try:
-        run_reconcile(runtime_of(memo), namespace, name)
-    except (SpecInvalid, NotYet, KubeApiError, StatusPruned) as exc:
-        log.info("PDService %s/%s: %s", namespace, name, exc)
+def windowed(body: Mapping[str, Any]) -> bool:
+    """Whether a PDService uses a time-limited node (``status.windowLeaveBy``): checked every
+    :data:`WINDOW_TICK_S` (:func:`window_tick`)."""
+    return (body.get("status") or {}).get("windowLeaveBy") is not None
 
 
 def window_tick(rt: Runtime, namespace: str, name: str, leave_by: str | None, now: datetime) -> bool:
@@ -171,27 +167,89 @@ def window_tick(rt: Runtime, namespace: str, name: str, leave_by: str | None, no
     return True
 
 
-def _window_in_use(body: kopf.Body, **_: Any) -> bool:
-    return (body.get("status") or {}).get("windowLeaveBy") is not None
+def _retry(rt: Runtime, namespace: str, name: str) -> None:
+    """Reconcile a PDService that still needs attention (:func:`needs_retry`)."""
+    try:
+        run_reconcile(rt, namespace, name)
+    except (SpecInvalid, NotYet, KubeApiError, StatusPruned) as exc:
+        log.info("PDService %s/%s: %s", namespace, name, exc)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=WINDOW_TICK_S, when=_window_in_use)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def pdservice_window(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Re-plan as soon as a time-limited node's leaveBy comes; see :func:`window_tick`."""
-    leave_by = (body.get("status") or {}).get("windowLeaveBy")
-    window_tick(runtime_of(memo), namespace, name, leave_by, datetime.now(UTC))
+def _window(rt: Runtime, namespace: str, name: str) -> None:
+    leave_by = ((rt.services.latest.get((namespace, name)) or {}).get("status") or {}).get("windowLeaveBy")
+    window_tick(rt, namespace, name, leave_by, datetime.now(UTC))
+
+
+#: The periodic watches of a PDService: kind → (interval s, whether its last body calls for it, the work).
+_Tender = tuple[float, Callable[[Mapping[str, Any]], bool], Callable[[Runtime, str, str], None]]
+_TENDERS: Mapping[str, _Tender] = MappingProxyType(
+    {
+        "retry": (RETRY_S, needs_retry, _retry),
+        "window": (WINDOW_TICK_S, windowed, _window),
+    }
+)
+
+
+async def _tend(rt: Runtime, kind: str, namespace: str, name: str) -> None:
+    interval, wanted, work = _TENDERS[kind]
+    key = (namespace, name)
+    try:
+        while True:
+            await asyncio.sleep(interval)
+            body = rt.services.latest.get(key)
+            if body is None or not wanted(body):
+                return
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, work, rt, namespace, name)
+            except Exception:
+                log.exception("%s of PDService %s/%s failed", kind, namespace, name)
+    finally:
+        if rt.services.tending.get((kind, key)) is asyncio.current_task():
+            rt.services.tending.pop((kind, key), None)
+
+
+def tend(rt: Runtime, namespace: str, name: str, body: Mapping[str, Any]) -> list[str]:
+    """Start the periodic watches a PDService's body calls for (:data:`_TENDERS`) that are not running.
+
+    These are this module's own tasks rather than ``kopf.timer``s: kopf puts its finalizer on every object
+    a timer may serve, and adding it costs a new PDService a PATCH and a watch round trip before its
+    create handler runs (``kopf/_core/reactor/processing.py``, "Adding the finalizer"), on the path to its
+    StatefulSets; owner references already delete what a PDService owns. A watch ends by itself once the
+    service's last body no longer calls for it, and with the service. Event loop only.
+    Returns the kinds started.
+    """
+    key = (namespace, name)
+    rt.services.latest[key] = body
+    started = []
+    for kind, (_, wanted, _) in _TENDERS.items():
+        task = rt.services.tending.get((kind, key))
+        if wanted(body) and (task is None or task.done()):
+            rt.services.tending[(kind, key)] = asyncio.get_running_loop().create_task(
+                _tend(rt, kind, namespace, name)
+            )
+            started.append(kind)
+    return started
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
-def pdservice_forget(
+async def pdservice_seen(
     namespace: str, name: str, type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> None:
-    """Forget a deleted PDService (its objects go with it through owner references): its outcome (and so
-    the phase metrics), its window, its pruned-write reports. Its lock went when its last holder left."""
+    """Every PDService event: start the retry and window watches its status calls for (:func:`tend`);
+    forget a deleted PDService (its objects go with it through owner references): its outcome (and so
+    the phase metrics), its window, its watches, its pruned-write reports. Its lock went when its last
+    holder left."""
+    rt = runtime_of(memo)
     if type == "DELETED":
-        rt = runtime_of(memo)
         _record(rt, namespace, name, None)
         rt.forget_service(namespace, name, (body.get("metadata") or {}).get("uid"))
+        return
+    tend(
+        rt,
+        namespace,
+        name,
+        {"metadata": dict(body.get("metadata") or {}), "status": dict(body.get("status") or {})},
+    )
 
 
 # --- debounced triggers ------------------------------------------------------------------------------

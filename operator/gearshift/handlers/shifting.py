@@ -90,6 +90,7 @@ from gearshift.control.shifting.shift_status import (
     Signals,
     close_orphans,
     control_from_status,
+    heartbeat_only,
     json_safe,
     records_to_status,
     status_patch,
@@ -365,9 +366,7 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
         profiles_hash=st.profiles_hash,
     )
     history, orphans = close_orphans(history, done.state, now)
-    for a in done.actions:
-        if isinstance(a, RecordShift) and a.outcome is not Outcome.IN_PROGRESS:
-            metrics.SHIFTS.labels(t.namespace, t.gs.spec.service_name, t.gs.spec.role, a.outcome.value).inc()
+    _count_shifts(t, done.actions)
     signals = Signals(
         done.control.smoothed,
         seen.sample,
@@ -388,6 +387,10 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
         generation=gen,
         signals=signals,
     )
+    if not seen.url and heartbeat_only(raw, json_safe(patch), now):
+        # No Prometheus to sample: the tick only confirms what the status says (KEP-589's rule).
+        # A configured source keeps a write every tick, each sample or failed attempt shown.
+        return book
     with rt.service_locks.hold((t.namespace, t.gs.spec.service_name)):
         patch["conditions"] = _keep_other_conditions(rt.api, t.namespace, t.name, patch["conditions"])
         try:
@@ -399,6 +402,12 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
             raise
     _say_abandoned(rt, t, orphans)
     return book
+
+
+def _count_shifts(t: _Inputs, actions: Sequence[Action]) -> None:
+    for a in actions:
+        if isinstance(a, RecordShift) and a.outcome is not Outcome.IN_PROGRESS:
+            metrics.SHIFTS.labels(t.namespace, t.gs.spec.service_name, t.gs.spec.role, a.outcome.value).inc()
 
 
 def _say_abandoned(rt: Runtime, t: _Inputs, closed: Sequence[Mapping[str, Any]]) -> None:

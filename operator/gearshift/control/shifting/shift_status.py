@@ -395,3 +395,46 @@ def skipped_signals(at: float, why: str | None, missed_samples: int) -> dict[str
         "skipped": (why or "no sample this tick")[:SKIPPED_MAX_CHARS],
         "missedSamples": missed_samples,
     }
+
+
+#: How long a tick that would change nothing but ``status.signals.sampleTime`` may leave the status
+#: unwritten, s: the kubelet's ``nodeStatusReportFrequency`` default (5 min), the period after which a
+#: node with nothing to report writes its status anyway (KEP-589 "Efficient Node Heartbeats").
+STATUS_HEARTBEAT_S = 300.0
+
+
+def _merge_changes(
+    current: Any, patch: Any, ignore: frozenset[tuple[str, ...]], path: tuple[str, ...]
+) -> bool:
+    if path in ignore:
+        return False
+    if isinstance(patch, Mapping):
+        if not isinstance(current, Mapping):
+            return True  # the merge makes an object here
+        return any(
+            (
+                k in current and (*path, k) not in ignore
+            )  # a JSON merge patch's null removes the key (RFC 7386)
+            if v is None
+            else _merge_changes(current.get(k), v, ignore, (*path, k))
+            for k, v in patch.items()
+        )
+    return bool(current != patch)
+
+
+def heartbeat_only(current: Mapping[str, Any], patch: Mapping[str, Any], now: float) -> bool:
+    """Whether a tick's status merge patch can be left unwritten: applied to ``current`` (``GearSet.status``
+    as read, JSON) it would change nothing but ``signals.sampleTime``, and the stored ``sampleTime`` is
+    younger than :data:`STATUS_HEARTBEAT_S` (``now``: Unix s). ``patch`` is :func:`json_safe`'d JSON.
+
+    So an idle GearSet writes when something changes, and at least every 5 minutes, not every tick: writes
+    follow changes, as Kubernetes made node status (KEP-589). A stored ``sampleTime`` that does not parse
+    counts as old.
+    """
+    if _merge_changes(current, patch, frozenset({("signals", "sampleTime")}), ()):
+        return False
+    try:
+        stored = from_time((current.get("signals") or {}).get("sampleTime"))
+    except (TypeError, ValueError):
+        return False
+    return stored is not None and 0 <= now - stored < STATUS_HEARTBEAT_S
