@@ -165,3 +165,77 @@ async def test_a_turn_longer_than_the_interval_is_counted_and_logged(caplog):
     assert sum(handed) == missed
     assert any("slow tick took" in r.getMessage() and "missed" in r.getMessage() for r in caplog.records)
     assert len(calls) == 2
+
+
+async def test_a_change_of_the_service_ends_an_idle_wait_and_only_an_idle_one(monkeypatch):
+    """After an idle turn the loop sleeps IDLE_INTERVAL_S unless ``idle_wake_on`` moves (the watches saw
+    the service change); after a sampling turn that key is not looked at."""
+    import gearshift.handlers.loop as loop
+
+    monkeypatch.setattr(loop, "IDLE_INTERVAL_S", 30.0)
+    monkeypatch.setattr(loop, "WAKE_POLL_S", 0.05)
+    stopped = _Stopped()
+    times: list[float] = []
+    changes = [0]
+    idle = [True, False, False]
+
+    def tick(ns: str, name: str) -> object:
+        times.append(time.monotonic())
+        if len(times) == 3:
+            stopped.flag.set()
+        return SimpleNamespace(skipped="", idle=idle[len(times) - 1])
+
+    async def change() -> None:
+        await asyncio.sleep(0.3)
+        changes[0] += 1  # a pod of the service changed (Runtime.changes)
+        await asyncio.sleep(0.3)
+        changes[0] += 1  # during the sampling wait: not a wake-up
+
+    body = {"metadata": {"generation": 1}, "spec": {"policy": {"sampleIntervalS": 1.0}}}
+    changing = asyncio.create_task(change())
+    await asyncio.wait_for(
+        every_sample_interval(
+            "ns",
+            "gs",
+            body,
+            stopped,
+            tick,
+            what="t",
+            floor_s=0.01,
+            expected=(),
+            idle_wake_on=lambda b: changes[0],
+        ),
+        timeout=10,
+    )
+    await changing
+    assert 0.25 <= times[1] - times[0] < 5.0  # woken by the change, not 30 s later
+    assert times[2] - times[1] >= 1.0 - 0.1  # the sampling interval, whatever the count did
+
+
+def test_the_idle_wake_key_follows_the_reconciler_and_the_service_not_the_loops_own_writes():
+    from gearshift.handlers.loop import idle_wake_key, spec_generation
+
+    body = {
+        "metadata": {"generation": 3},
+        "status": {"profilesHash": "a", "plannedGears": [{}, {}], "selector": "s", "autoscaled": False},
+    }
+    key = idle_wake_key(body, spec_generation, 7)
+    loops_own = {
+        "signals": {"sampleTime": "t"},
+        "executor": {"step": "Stable"},
+        "history": [{}],
+        "phase": "x",
+    }
+    assert idle_wake_key({**body, "status": {**body["status"], **loops_own}}, spec_generation, 7) == key
+    for moved in (
+        {"profilesHash": "b"},
+        {"plannedGears": [{}]},
+        {"selector": "t"},
+        {"autoscaled": True},
+        {"windowedNodes": ["n1"]},
+    ):
+        assert idle_wake_key({**body, "status": {**body["status"], **moved}}, spec_generation, 7) != key, (
+            moved
+        )
+    assert idle_wake_key({**body, "metadata": {"generation": 4}}, spec_generation, 7) != key
+    assert idle_wake_key(body, spec_generation, 8) != key

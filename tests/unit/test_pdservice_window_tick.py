@@ -14,6 +14,7 @@ from gearshift.adapters.kube import KubeApiError
 from gearshift.api.common import GROUP, VERSION
 from gearshift.handlers import pdservice
 from gearshift.handlers.runtime import Runtime
+from gearshift.k8s import names
 
 BY = "2025-01-31T12:01:50+00:00"
 AT = datetime(2025, 1, 31, 12, 1, 50, tzinfo=UTC)
@@ -172,3 +173,16 @@ def test_no_pdservice_handler_makes_kopf_add_a_finalizer() -> None:
     ]
     assert {h.id for h in handlers} >= {"pdservice_reconcile"}
     assert [h.id for h in handlers if h.requires_finalizer] == []
+
+
+async def test_the_service_s_events_are_counted_for_the_idle_loops(rt: Runtime) -> None:
+    memo = kopf.Memo(runtime=rt)
+    key = ("ns", "svc")
+    labels = {names.LABEL_SERVICE: "svc"}
+    await pdservice.owned_pod_changed(namespace="ns", labels=labels, memo=memo)  # type: ignore[arg-type]
+    await pdservice.owned_pod_changed(namespace="ns", labels={}, memo=memo)  # type: ignore[arg-type]  # a probe pod
+    assert rt.changes.count(key) == 1
+    await _seen(rt, _body({"phase": "Ready", "observedGeneration": 1}))
+    assert rt.changes.count(key) == 2
+    await _seen(rt, _body({}), type="DELETED")
+    assert rt.changes.count(key) == 0

@@ -160,6 +160,30 @@ class FleetPrints:
         return self.profiles.pop(name, None)
 
 
+class ServiceChanges:
+    """How many times anything of each PDService ``(namespace, name)`` changed, as the watches delivered it:
+    the PDService, its StatefulSets, Deployments and pods. An idle sampling loop sleeps until this count
+    moves (or a long heartbeat passes) instead of polling the API on a clock.
+
+    Event loop only (the handlers that count are async).
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[ObjectKey, int] = {}
+
+    def bump(self, key: ObjectKey) -> None:
+        """Count one change of the service ``key``."""
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def count(self, key: ObjectKey) -> int:
+        """Changes of ``key`` counted so far (0 for one never seen)."""
+        return self._counts.get(key, 0)
+
+    def forget(self, key: ObjectKey) -> None:
+        """Drop a deleted service's count."""
+        self._counts.pop(key, None)
+
+
 class GearSetMemory:
     """Per GearSet ``(namespace, name)``: the generation last handled (spec changes reconcile the
     PDService), the shifting loop's last hold reason and window warning (events come once, not per

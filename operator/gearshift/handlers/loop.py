@@ -39,10 +39,12 @@ log = logging.getLogger("gearshift.loop")
 #: docs/sources.md#shift-signals).
 DEFAULT_INTERVAL_S = 2.0
 #: Seconds between two turns while a tick reports ``idle`` (nothing configured for it to do: one gear,
-#: no scaling section, scaled to zero). Each turn reads the API several times, and a namespace of idle
-#: services would otherwise keep the operator busy (no hot loop when idle); enabling the
-#: feature takes effect within this time.
-IDLE_INTERVAL_S = 30.0
+#: no scaling section, scaled to zero, no Prometheus) and nothing of its service changed. Each turn reads
+#: the API several times, so an idle loop sleeps until something it reads changes (:func:`idle_wake_key`:
+#: a spec edit, the reconciler's plan, the PDService, its StatefulSets, Deployments or pods, as the
+#: watches deliver them) and at least every 5 minutes, the status report period of an unchanged node
+#: (KEP-589 "Efficient Node Heartbeats"; ``control.shifting.shift_status.STATUS_HEARTBEAT_S``).
+IDLE_INTERVAL_S = 300.0
 #: Seconds between two looks at the GearSet (kopf's live body, no API call) while a turn waits: a wait
 #: ends early when the GearSet's wake key moves (:func:`spec_generation` by default), so a spec edit
 #: during a long wait (an idle one above all) is acted on within this time.
@@ -102,6 +104,7 @@ async def every_sample_interval(
     expected: tuple[type[BaseException], ...],
     on_missed: Callable[[int], object] | None = None,
     wake_on: Callable[[Mapping[str, Any]], Hashable] = spec_generation,
+    idle_wake_on: Callable[[Mapping[str, Any]], Hashable] | None = None,
     executor: Executor | None = None,
 ) -> None:
     """Run ``tick(namespace, name)`` in a thread of ``executor`` (None: asyncio's default; the API client
@@ -117,12 +120,14 @@ async def every_sample_interval(
     counted (``gearshift_operator_samples_missed_total``), logged as a warning and handed to
     ``on_missed`` (the shifting loop's next status shows the count: ``status.signals.missedSamples``).
     The wait before the next turn ends early when ``wake_on(body)`` moves from what it was when the turn
-    began (:func:`wait_or_wake`: a spec edit by default).
+    began (:func:`wait_or_wake`: a spec edit by default); after an idle turn, when ``idle_wake_on(body)``
+    does (``wake_on`` when None).
     """
     expected = (*expected, StatusPruned)
     while not stopped:
         start = time.monotonic()
-        key = wake_on(body)
+        idle_wake = idle_wake_on or wake_on
+        key, idle_key = wake_on(body), idle_wake(body)  # before the reads: a change during them wakes
         idle = False
         try:
             res = await asyncio.get_running_loop().run_in_executor(executor, tick, namespace, name)
@@ -144,7 +149,27 @@ async def every_sample_interval(
                 "GearSet %s/%s: %s took %.1f s at a %.1f s interval: %d sample(s) missed",
                 namespace, name, what, elapsed, interval, missed,
             )  # fmt: skip
-        await wait_or_wake(stopped, max(0.0, interval - elapsed), body, wake_on, key)
+        wake, until = (idle_wake, idle_key) if idle else (wake_on, key)
+        await wait_or_wake(stopped, max(0.0, interval - elapsed), body, wake, until)
+
+
+def idle_wake_key(
+    body: Mapping[str, Any], wake_on: Callable[[Mapping[str, Any]], Hashable], service_changes: int
+) -> Hashable:
+    """What ends an idle loop's wait when it moves: ``wake_on(body)``, what the reconciler writes in the
+    GearSet's status (its plan's ``profilesHash`` and gear count, ``autoscaled``, ``selector``,
+    ``windowedNodes``) and ``service_changes`` (``Runtime.changes``: the PDService and what it owns).
+    The loops' own status fields are left out: an idle turn that wrote them would wake itself."""
+    st = body.get("status") or {}
+    planned = st.get("plannedGears")
+    reconciled = (
+        st.get("profilesHash"),
+        len(planned) if isinstance(planned, list) else None,
+        st.get("autoscaled"),
+        st.get("selector"),
+        str(st.get("windowedNodes")),
+    )
+    return (wake_on(body), reconciled, service_changes)
 
 
 def load_gearset_and_service(
@@ -215,6 +240,11 @@ def sampling_daemon(
         namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
     ) -> None:
         rt = runtime_of(memo)
+
+        def idle_wake(b: Mapping[str, Any]) -> Hashable:
+            service = str((b.get("spec") or {}).get("serviceName") or "")
+            return idle_wake_key(b, wake_on, rt.changes.count((namespace, service)))
+
         await every_sample_interval(
             namespace,
             name,
@@ -226,6 +256,7 @@ def sampling_daemon(
             expected=TICK_ERRORS,
             on_missed=functools.partial(rt.gearsets.add_missed, (namespace, name)) if count_missed else None,
             wake_on=wake_on,
+            idle_wake_on=idle_wake,
             executor=rt.loop_pool,
         )
 

@@ -244,6 +244,7 @@ async def pdservice_seen(
         _record(rt, namespace, name, None)
         rt.forget_service(namespace, name, (body.get("metadata") or {}).get("uid"))
         return
+    rt.changes.bump((namespace, name))
     tend(
         rt,
         namespace,
@@ -285,7 +286,19 @@ async def owned_changed(namespace: str, labels: Mapping[str, str], memo: kopf.Me
     """An owned StatefulSet or Deployment changed (pods became ready, a rollout moved): refresh status."""
     service = labels.get(names.LABEL_SERVICE)
     if service and namespace:
-        poke(runtime_of(memo), namespace, service)
+        rt = runtime_of(memo)
+        rt.changes.bump((namespace, service))
+        poke(rt, namespace, service)
+
+
+@kopf.on.event("", "v1", "pods", labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})  # type: ignore[arg-type]  # namespaced kind: kopf's namespace (str | None) is a str
+async def owned_pod_changed(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+    """A pod of a service changed (started, Ready, restarted, OOM-killed): count it, which ends the wait of
+    the service's idle sampling loops (:mod:`gearshift.handlers.loop`). No reconcile: the StatefulSet's
+    and the Deployment's own events bring those."""
+    service = labels.get(names.LABEL_SERVICE)
+    if service and namespace:
+        runtime_of(memo).changes.bump((namespace, service))
 
 
 def node_fingerprint(node: Mapping[str, Any]) -> tuple[Any, ...]:

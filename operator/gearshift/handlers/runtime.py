@@ -38,6 +38,7 @@ from gearshift.adapters.memory import (
     ObjectKey,
     ProfileMemory,
     PrunedReports,
+    ServiceChanges,
     ServiceMemory,
 )
 from gearshift.adapters.signals import LiveSignals, PrometheusSignals, ScaleSignalSource, SignalSource
@@ -111,6 +112,7 @@ class Runtime:
         # A reconcile's reads, and its server-side applies that do not depend on one another, go out together.
         self.apply_pool = ThreadPoolExecutor(max_workers=APPLY_WORKERS, thread_name_prefix="gearshift-apply")
         self.services: ServiceMemory[ReconcileOutcome] = ServiceMemory()
+        self.changes = ServiceChanges()
         self.applied = AppliedMemory()
         self.gearsets = GearSetMemory()
         self.profiles = ProfileMemory()
@@ -149,6 +151,7 @@ class Runtime:
         """A PDService was deleted: drop its outcome, window, what its objects' applies left and its
         pruned-write reports."""
         self.services.forget((namespace, name))
+        self.changes.forget((namespace, name))
         self.applied.forget((namespace, name))
         if uid:
             self.pruned.forget(uid)
