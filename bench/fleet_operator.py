@@ -304,7 +304,7 @@ def wait_until(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--services", type=int, default=100)
-    ap.add_argument("--latency-n", type=int, default=10)
+    ap.add_argument("--latency-n", type=int, default=20)
     ap.add_argument("--shift-n", type=int, default=10)
     ap.add_argument("--idle-s", type=float, default=60.0)
     ap.add_argument("--min-nodes", type=int, default=1000)
