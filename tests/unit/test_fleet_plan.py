@@ -234,6 +234,36 @@ class TestBoundHoldsTheOptimum:
         assert ans.ratio == pytest.approx(ans.cost / bound)
 
 
+class TestTheCostBoundCountsWholePipelines:
+    """Each (micro-batch, TP) group of a plan holds whole pipelines, each with a copy of the model: without
+    that the cost bound let a fraction of one H200 (141 GB, the 70B model at TTFT 1,500 ms needs ~146 GB)
+    serve the last req/s beside two 4-GPU units, a bound of 9 GPUs (bench/results/planner_fleet.json,
+    gen-64-4c-70s-6402); the least any plan pays is 10."""
+
+    def test_the_bound_meets_the_plan_where_one_card_cannot_hold_the_model(self):
+        from gearshift.planner import load_model
+
+        fleet = {
+            "name": "gen-64-4c-70s-6402",
+            "nodePools": [
+                {"name": "p0-v100", "gpu": "V100-32GB", "nodes": 5, "gpusPerNode": 4, "nicGbps": 25},
+                {"name": "p1-l4", "gpu": "L4-24GB", "nodes": 2, "gpusPerNode": 4, "nicGbps": 25},
+                {"name": "p2-t4", "gpu": "T4-16GB", "nodes": 17, "gpusPerNode": 1, "nicGbps": 10},
+                {"name": "p3-h200", "gpu": "H200-141GB", "nodes": 2, "gpusPerNode": 8, "nicGbps": 100},
+            ],
+        }
+        fc = fleet_classes(parse_fleet(fleet))
+        wl = Workload(load_model(REPO / "examples" / "models" / "llama-3-70b.json"), 1500.0)
+        h200 = fc.by_name("p3-h200")
+        assert h200.memory_gb < sum(wl.model.at(1).memory_gb(i) for i in range(wl.model.at(1).num_layers))
+        target = max_load(fc, wl).throughput_rps / 2
+        cheap = cheapest(fc, wl, target)
+        _check_feasible(fc, wl, cheap)
+        assert cheap.throughput_rps >= target
+        # The bound meets the plan, so the plan is optimal.
+        assert cheap.bound == pytest.approx(10.0) and cheap.cost == pytest.approx(10.0)
+
+
 class TestPlanOnLargerFleets:
     def test_feasible_and_under_the_bound_on_a_random_fleet(self):
         rng = random.Random(5)

@@ -21,10 +21,15 @@ Every plan maps to a feasible point of equal value (by the steps above), so the 
 load from above. It drops integrality (whole units and layers), memory and links, so it is a relaxation as
 in Helix (Mei et al., ASPLOS 2025: a max-flow over the cluster graph bounds the throughput of any layer
 placement) and Mélange (Griggs et al. 2024: an LP/ILP over GPU types and counts). For the cost the same
-constraints with ``Σ load ≥ target`` and ``min Σ price_j used_j`` bound the cost from below, with
-``used_j ≥ Σ_m x_{j,m}`` integral (a plan pays whole units, of which only the busy share is counted) and
-``Σ_j used_j · memory_j ≥`` the model's memory (a plan holds at least one copy). HiGHS solves both,
-through :func:`scipy.optimize.linprog` and (the integral ``used``) :func:`scipy.optimize.milp`.
+constraints with ``Σ load ≥ target`` and ``min Σ price_j used_j`` bound the cost from below, with the units
+in use ``u_{j,m} ≥ x_{j,m}``, ``used_j ≥ Σ_m u_{j,m}`` integral (a plan pays whole units, of which only the
+busy share is counted) and, per (``m``, ``t``) group, a whole number of pipelines ``P_{m,t}`` each holding a
+copy of the model: ``Σ_j memory_j · u_{j,m} ≥ need_m · P_{m,t}`` and ``Σ_j u_{j,m} ≤ layers · P_{m,t}`` (a
+group with units has a pipeline; a pipeline has at most one unit per layer). Every plan meets these (its
+stages fit their units' memory), so the bound stays one; without them a fraction of a unit too small to
+hold the model alone could serve the last req/s (measured: bounds of 9 and 13 GPUs where 10 and 14 are
+the least any plan can pay, ``bench/results/planner_fleet.json``). HiGHS solves both, through
+:func:`scipy.optimize.linprog` and (the integral ``P`` and ``used``) :func:`scipy.optimize.milp`.
 """
 
 from __future__ import annotations
@@ -143,36 +148,53 @@ def bound_max_load(fc: FleetClasses, wl: Workload) -> float:
 def solve_cheapest(
     fc: FleetClasses, batches: list[BatchFigures], wl: Workload, target: float
 ) -> tuple[float, dict[tuple[int, int], float]] | None:
+    """The cost lower bound (module docstring) and its busy units per (class, batch); None: infeasible."""
     lp = _lp(fc, batches, wl, fc.cards)
     if not lp.keys:
         return None
     n, k = len(lp.keys), len(fc.classes)
-    # Variables: x (busy units per class and batch), then used_j (units per class).
-    cost = np.concatenate([np.zeros(n), [c.price for c in fc.classes]])
-    rows = [np.concatenate([r, np.zeros(k)]) for r in lp.a_ub]
+    groups = sorted({(b, fc.classes[j].tp) for j, b in lp.keys})
+    g = len(groups)
+    # Variables: x (busy units per class and batch), u (units in use per class and batch), P (pipelines
+    # per (batch, TP) group), used (units per class).
+    width = 2 * n + g + k
+    cost = np.concatenate([np.zeros(2 * n + g), [c.price for c in fc.classes]])
+    rows = [np.concatenate([r, np.zeros(width - n)]) for r in lp.a_ub]
     rhs = list(lp.b_ub)
-    rows.append(np.concatenate([-lp.value, np.zeros(k)]))  # load ≥ target
-    rhs.append(-target)
-    for j in range(k):  # busy ≤ used
-        row = np.zeros(n + k)
-        for i, (jj, _) in enumerate(lp.keys):
-            if jj == j:
-                row[i] = 1.0
-        row[n + j] = -1.0
-        rows.append(row)
-        rhs.append(0.0)
-    need = min(bt.need_gb for bt in batches)
-    rows.append(np.concatenate([np.zeros(n), [-c.memory_gb for c in fc.classes]]))  # one copy of the model
-    rhs.append(-need)
+
+    def row(entries: Mapping[int, float], bound: float) -> None:
+        r = np.zeros(width)
+        for i, v in entries.items():
+            r[i] += v
+        rows.append(r)
+        rhs.append(bound)
+
+    row({i: -v for i, v in enumerate(lp.value)}, -target)  # load ≥ target
+    for i in range(n):  # busy ≤ in use
+        row({i: 1.0, n + i: -1.0}, 0.0)
+    layers = batches[0].costs.num_layers
+    for gi, (b, t) in enumerate(groups):
+        members = [i for i, (j, bb) in enumerate(lp.keys) if bb == b and fc.classes[j].tp == t]
+        # Each pipeline holds a whole copy of the model at its micro-batch, in whole pipelines per group,
+        # and has at most one unit per layer.
+        row(
+            {
+                **{n + i: -fc.classes[lp.keys[i][0]].memory_gb for i in members},
+                2 * n + gi: batches[b].need_gb,
+            },
+            0.0,
+        )
+        row({**{n + i: 1.0 for i in members}, 2 * n + gi: -float(layers)}, 0.0)
+    for j in range(k):  # in use ≤ used
+        row({**{n + i: 1.0 for i, (jj, _) in enumerate(lp.keys) if jj == j}, 2 * n + g + j: -1.0}, 0.0)
     for q in sorted(fc.cards):  # used units within the pool's cards
-        rows.append(np.concatenate([np.zeros(n), [c.tp if c.pool == q else 0.0 for c in fc.classes]]))
-        rhs.append(float(fc.cards[q]))
-    # Units used are whole in any plan, so ``used`` is integral (HiGHS' branch and bound, a few classes);
-    # the busy units stay continuous.
+        row({2 * n + g + j: float(c.tp) for j, c in enumerate(fc.classes) if c.pool == q}, float(fc.cards[q]))
+    # Pipelines and units used are whole in any plan (HiGHS' branch and bound over a few dozen integers);
+    # busy units and units per batch stay continuous.
     res = milp(
         cost,
         constraints=LinearConstraint(np.array(rows), -np.inf, np.array(rhs)),
-        integrality=np.concatenate([np.zeros(n), np.ones(k)]),
+        integrality=np.concatenate([np.zeros(2 * n), np.ones(g + k)]),
         bounds=Bounds(0, np.inf),
     )
     if res.status == 2:
