@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from types import SimpleNamespace
+from typing import Any
 
 from gearshift.handlers.loop import every_sample_interval, sample_interval
 
@@ -29,6 +30,16 @@ class _Stopped:
     async def wait(self, seconds: float) -> None:  # kopf's DaemonStopped.wait takes the same argument
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.flag.wait(), seconds)
+
+
+async def _loop(
+    body: dict, stopped: _Stopped, tick: Any, *, what: str = "t", limit_s: float = 10, **kw: Any
+) -> None:
+    """``every_sample_interval`` of ``ns/gs`` at a 0.01 s floor, expecting no error, within ``limit_s`` s."""
+    await asyncio.wait_for(
+        every_sample_interval("ns", "gs", body, stopped, tick, what=what, floor_s=0.01, expected=(), **kw),
+        timeout=limit_s,
+    )
 
 
 async def test_ticks_keep_going_through_errors_until_stopped():
@@ -146,20 +157,7 @@ async def test_a_turn_longer_than_the_interval_is_counted_and_logged(caplog):
     before = counter._value.get()
     body = {"spec": {"policy": {"sampleIntervalS": 0.05}}}
     with caplog.at_level("WARNING", logger="gearshift.loop"):
-        await asyncio.wait_for(
-            every_sample_interval(
-                "ns",
-                "gs",
-                body,
-                stopped,
-                tick,
-                what="slow tick",
-                floor_s=0.01,
-                expected=(),
-                on_missed=handed.append,
-            ),
-            timeout=5,
-        )
+        await _loop(body, stopped, tick, what="slow tick", limit_s=5, on_missed=handed.append)
     missed = counter._value.get() - before
     assert missed >= 4  # floor(0.26 / 0.05) - 1; a loaded machine may stretch the sleep, never shorten it
     assert sum(handed) == missed
@@ -193,20 +191,7 @@ async def test_a_change_of_the_service_ends_an_idle_wait_and_only_an_idle_one(mo
 
     body = {"metadata": {"generation": 1}, "spec": {"policy": {"sampleIntervalS": 1.0}}}
     changing = asyncio.create_task(change())
-    await asyncio.wait_for(
-        every_sample_interval(
-            "ns",
-            "gs",
-            body,
-            stopped,
-            tick,
-            what="t",
-            floor_s=0.01,
-            expected=(),
-            idle_wake_on=lambda b: changes[0],
-        ),
-        timeout=10,
-    )
+    await _loop(body, stopped, tick, idle_wake_on=lambda b: changes[0])
     await changing
     assert 0.25 <= times[1] - times[0] < 5.0  # woken by the change, not 30 s later
     assert times[2] - times[1] >= 1.0 - 0.1  # the sampling interval, whatever the count did
