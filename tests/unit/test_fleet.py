@@ -57,9 +57,16 @@ class TestParseFleet:
             ({"name": "t"}, "fleet.nodePools is required"),
             ({"name": "t", "nodePools": []}, "at least one pool"),
             (_doc(gpu="B300"), "nodePools[0].gpu"),
-            (_doc(nodes=0), "nodePools[0].nodes must be > 0"),
+            (_doc(nodes=0), "nodePools[0].nodes must be a finite number > 0"),
             (_doc(nodes="2"), "nodePools[0].nodes must be an integer"),
-            (_doc(nicGbps=-1), "nodePools[0].nicGbps must be > 0"),
+            (_doc(nicGbps=-1), "nodePools[0].nicGbps must be a finite number > 0"),
+            (_doc(nicGbps=float("nan")), "nodePools[0].nicGbps must be a finite number > 0, got nan"),
+            (_doc(pricePerGpuHour=float("inf")), "nodePools[0].pricePerGpuHour must be a finite number > 0"),
+            (
+                {**_doc(), "network": {"latencyUs": float("nan")}},
+                "network.latencyUs must be a finite number >= 0",
+            ),
+            ({**_doc(), "network": 5}, "fleet.network must be a mapping"),
             ({"name": "t", "nodePools": [{"name": "a", "gpu": "T4-16GB", "nodes": 1}] * 2}, "used twice"),
         ],
     )

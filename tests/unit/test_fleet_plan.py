@@ -329,7 +329,7 @@ class TestClassesAndErrors:
         assert {c.name: c.price for c in fc.classes} == {"a": 0.8, "b": 0.4}
 
     def test_bad_price_in_the_fleet_file(self):
-        with pytest.raises(FleetError, match=r"nodePools\[0\].pricePerGpuHour must be > 0"):
+        with pytest.raises(FleetError, match=r"nodePools\[0\].pricePerGpuHour must be a finite number > 0"):
             parse_fleet(
                 {
                     "name": "f",
@@ -403,6 +403,36 @@ class TestCli:
         rc = main(["plan", "--cluster", MIXED, "--model", self.MODEL, "--load", "5"])
         assert rc == 2
         assert "--load answer the fleet-scale questions: add --fleet" in capsys.readouterr().err
+
+    @pytest.mark.parametrize(
+        ("flags", "needle"),
+        [
+            (["--slo-ms", "0"], "give a finite time above 0 ms, e.g. --slo-ms 1500"),
+            (["--slo-ms", "nan"], "give a finite time above 0 ms, e.g. --slo-ms 1500"),
+            (["--load", "-5"], "give a finite load above 0 req/s, e.g. --load 10"),
+        ],
+    )
+    def test_bad_fleet_numbers_name_their_flag(self, capsys, flags, needle):
+        with pytest.raises(SystemExit) as info:
+            self._run(capsys, "--cluster", MIXED, *flags)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flags[0]}" in err and needle in err
+
+    def test_gear_flags_with_fleet_are_refused(self, capsys):
+        rc, _, err = self._run(capsys, "--cluster", MIXED, "--itl-ms", "50", "--gear", "latency")
+        assert rc == 2
+        assert "--gear, --itl-ms plan gears and mean nothing with --fleet" in err
+
+    def test_an_empty_cluster_file_says_so(self, capsys, tmp_path):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text("")
+        listed = tmp_path / "list.yaml"
+        listed.write_text("- a\n- b\n")
+        rc, _, err = self._run(capsys, "--cluster", str(empty))
+        assert rc == 1 and "empty.yaml' is empty: give a mapping with 'nodes'" in err
+        rc, _, err = self._run(capsys, "--cluster", str(listed))
+        assert rc == 1 and "is a list, not a mapping" in err
 
     def test_bad_price_item(self, capsys):
         rc, _, err = self._run(capsys, "--cluster", MIXED, "--price", "T4-16GB")

@@ -19,6 +19,7 @@ From it this module derives, without any I/O beyond reading the file:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,11 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
     _no_unknown_keys(doc, _FLEET_KEYS, "fleet")
     name = _field(doc, "name", "fleet", str)
     network = doc.get("network") or {}
+    if not isinstance(network, dict):
+        raise FleetError("fleet.network must be a mapping like {latencyUs: 10}")
     latency = _field(network, "latencyUs", "network", float, 10.0)
+    if not (math.isfinite(latency) and latency >= 0):
+        raise FleetError(f"network.latencyUs must be a finite number >= 0, got {latency}")
     sharing = doc.get("gpuSharing") or {}
     if not isinstance(sharing, dict):
         raise FleetError("fleet.gpuSharing must be a mapping like {strategy: time-slicing, replicas: 2}")
@@ -158,8 +163,8 @@ def parse_fleet(doc: dict[str, Any]) -> Fleet:
             ("nicGbps", nic),
             ("pricePerGpuHour", price),
         ):
-            if value is not None and value <= 0:
-                raise FleetError(f"{where}.{key} must be > 0, got {value}")
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise FleetError(f"{where}.{key} must be a finite number > 0, got {value}")
         for k in range(count):
             nodes.append(FleetNode(f"gpu-{pname}-{k}", pname, spec, gpus, nic, latency, price))
     return Fleet(name, tuple(nodes), gpu_replicas)

@@ -33,9 +33,11 @@ def _positive_number(of: str, fix: str) -> Callable[[str], float]:
     return parse
 
 
-#: ``--qps``, req/s, and ``--itl-ms``, ms.
+#: ``--qps`` and ``--load``, req/s; ``--itl-ms`` and ``--slo-ms``, ms.
 _positive_qps = _positive_number("requests per second", "give a finite load above 0 req/s, e.g. --qps 10")
+_positive_load = _positive_number("requests per second", "give a finite load above 0 req/s, e.g. --load 10")
 _positive_ms = _positive_number("milliseconds", "give a finite time above 0 ms, e.g. --itl-ms 150")
+_positive_slo = _positive_number("milliseconds", "give a finite time above 0 ms, e.g. --slo-ms 1500")
 
 
 def _whole_number(minimum: int, of: str, fix: str) -> Callable[[str], int]:
@@ -118,13 +120,13 @@ def register(sub: Any) -> None:
     fleet.add_argument("--fleet", action="store_true", help="answer the fleet-scale questions")
     fleet.add_argument(
         "--load",
-        type=_positive_qps,
+        type=_positive_load,
         default=None,
         help="target req/s of the cheapest plan (default: half the max load)",
     )
     fleet.add_argument(
         "--slo-ms",
-        type=_positive_qps,
+        type=_positive_slo,
         default=None,
         help="most TTFT (ITL for --role decode) of an unloaded pipeline, ms (default: none)",
     )
@@ -212,6 +214,16 @@ def context_warnings(model: CostModel, prompt_tokens: int, output_tokens: int) -
     ]
 
 
+def _gear_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """The flags of gear planning that the fleet questions do not read, and whether each was given."""
+    return [
+        ("--gear", args.gear != "all"),
+        ("--single-pipeline", bool(args.single_pipeline)),
+        ("--qps", args.qps is not None),
+        ("--itl-ms", args.itl_ms is not None),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``gearshift plan``; exit 0 on success, 1 when planning fails (message on stderr). Requests
     longer than the model's context length only warn on stderr (:func:`context_warnings`)."""
@@ -220,6 +232,14 @@ def run(args: argparse.Namespace) -> int:
     from gearshift.planner.render import to_json, to_table, to_yaml
 
     if args.fleet:
+        gear_only = [f for f, v in _gear_flags(args) if v]
+        if gear_only:
+            print(
+                f"gearshift plan: {', '.join(gear_only)} plan gears and mean nothing with --fleet; drop them "
+                "(the fleet questions take --load, --slo-ms with --role, and --price)",
+                file=sys.stderr,
+            )
+            return 2
         return run_fleet(args)
     given = [f for f, v in (("--load", args.load), ("--slo-ms", args.slo_ms), ("--price", args.price)) if v]
     if given:

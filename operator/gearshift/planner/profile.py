@@ -210,6 +210,12 @@ def load_cluster(path: str | Path) -> Profile:
             raise PlanInputError(f"fleet file {str(p)!r}: {exc}") from None
     if isinstance(doc, Mapping) and "nodes" in doc:
         return parse_profile(doc)
+    if not isinstance(doc, Mapping):
+        what = "empty" if doc is None else f"a {type(doc).__name__}, not a mapping"
+        raise PlanInputError(
+            f"cluster file {str(p)!r} is {what}: give a mapping with 'nodes' (a resource profile) or "
+            "'nodePools' (a fleet file)"
+        )
     raise PlanInputError(
         f"cluster file {str(p)!r} has neither 'nodes' (a resource profile) nor 'nodePools' (a fleet file)"
     )
