@@ -705,6 +705,27 @@ class TestTicks:
         assert gearset_calls().count("patch_status") == 1
         assert status(world)["signals"]["sampleTime"] == to_time(T0 + 90 + STATUS_HEARTBEAT_S)
 
+    def test_a_condition_written_during_the_tick_is_not_overwritten_by_its_stale_copy(
+        self, world: FakeKubeApi
+    ) -> None:
+        """The reconciler writes Ready=False (RollingOut) ahead of a rollout while a tick samples; the tick,
+        which read Ready=True before, writes its SignalsAvailable and leaves Ready as stored."""
+        key = world.key("GearSet", NS, GS_NAME)
+        ready = {"type": "Ready", "status": "True", "reason": "AllReady", "message": "serving",
+                 "lastTransitionTime": to_time(T0 - 50)}  # fmt: skip
+        world.store[key].setdefault("status", {})["conditions"] = [ready]
+
+        class RolloutDuringSample(FakeSignals):
+            def raw(self, url: str, sel: GearSelector, at: float) -> Sample:
+                rolling = {**ready, "status": "False", "reason": "RollingOut", "message": "new template"}
+                world.patch_status("gearshift.io/v1alpha1", "GearSet", NS, GS_NAME, {"conditions": [rolling]})
+                return super().raw(url, sel, at)
+
+        run(world, RolloutDuringSample(), T0)
+        conds = {c["type"]: c for c in status(world)["conditions"]}
+        assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "RollingOut"
+        assert conds["SignalsAvailable"]["status"] == "True"
+
     def test_a_failing_prometheus_is_written_every_tick(self, world: FakeKubeApi) -> None:
         sig = FakeSignals()
         sig.up = False
