@@ -388,12 +388,11 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
         signals=signals,
     )
     if not seen.url and heartbeat_only(raw, json_safe(patch), now):
-        # No Prometheus to sample: the tick only confirms what the status says (KEP-589's rule).
-        # A configured source keeps a write every tick, each sample or failed attempt shown.
-        return book
-    mine = [c for c in patch["conditions"] if c.get("type") == cond.type]
+        return book  # nothing to sample, nothing new (KEP-589); a configured source writes every tick
     with rt.service_locks.hold((t.namespace, t.gs.spec.service_name)):
-        patch["conditions"] = _keep_other_conditions(rt.api, t.namespace, t.name, mine)
+        patch["conditions"] = _keep_other_conditions(
+            rt.api, t.namespace, t.name, patch["conditions"], cond.type
+        )
         try:
             patch_status(rt.api, *GS, t.namespace, t.name, json_safe(patch), rt.pruned)
         except StatusHeld:
@@ -516,16 +515,16 @@ def _once(
 
 
 def _keep_other_conditions(
-    api: KubeApi, namespace: str, name: str, mine: list[dict[str, Any]]
+    api: KubeApi, namespace: str, name: str, conditions: list[dict[str, Any]], mine: str
 ) -> list[dict[str, Any]]:
-    """``mine`` (the conditions the tick sets: SignalsAvailable) plus every other condition as stored now.
+    """The condition of type ``mine`` from ``conditions`` (the one the tick sets: SignalsAvailable) plus
+    every other condition as stored now.
     The reconciler writes the GearSet's Ready=False ahead of a rollout, and the autoscaler ScalingActive,
     between this tick's read and its write: the tick's copy of those, read before, must not overwrite
     them (it did: Ready=True came back while the StatefulSet rolled, tests/e2e/test_status_truth_e2e.py)."""
     fresh = api.get(*GS, namespace, name) or {}
-    types = {c.get("type") for c in mine}
-    others = [c for c in (fresh.get("status") or {}).get("conditions") or [] if c.get("type") not in types]
-    return list(mine) + others
+    others = [c for c in (fresh.get("status") or {}).get("conditions") or [] if c.get("type") != mine]
+    return [c for c in conditions if c.get("type") == mine] + others
 
 
 def _now_dt(now: float) -> datetime:
