@@ -168,7 +168,8 @@ def window_tick(rt: Runtime, namespace: str, name: str, leave_by: str | None, no
 
 
 def _retry(rt: Runtime, namespace: str, name: str) -> None:
-    """Reconcile a PDService that still needs attention (:func:`needs_retry`)."""
+    """Reconcile a PDService outside kopf's handlers (the retry watch, a debounced trigger): the errors a
+    reconcile expects are one log line."""
     try:
         run_reconcile(rt, namespace, name)
     except (SpecInvalid, NotYet, KubeApiError, StatusPruned) as exc:
@@ -260,9 +261,7 @@ async def _later(rt: Runtime, namespace: str, name: str, delay: float) -> None:
     finally:
         rt.services.pending.pop((namespace, name), None)
     try:
-        await asyncio.to_thread(run_reconcile, rt, namespace, name)
-    except (SpecInvalid, NotYet, KubeApiError, StatusPruned) as exc:
-        log.info("PDService %s/%s: %s", namespace, name, exc)
+        await asyncio.to_thread(_retry, rt, namespace, name)
     except Exception:
         log.exception("reconcile of PDService %s/%s failed", namespace, name)
 
