@@ -394,7 +394,8 @@ def test_no_shift_while_prometheus_is_unreachable(sandbox: Any, env: dict[str, A
 class StubPrometheus:
     """A Prometheus HTTP API on loopback whose latency quantiles are ``quantile`` ("NaN", "+Inf"), or
     absent (``None``: no histogram series, as for an engine that exports none); every other query gets
-    finite values shaped as the sim's series are (one per stage of the queried gear)."""
+    finite values shaped as the sim's series are (one per stage of the queried gear, one per bucket of the
+    prompt-token histogram)."""
 
     STAGES: ClassVar[dict[str, int]] = {"one": 1, "two": 2}
 
@@ -419,7 +420,9 @@ class StubPrometheus:
                     gear = (re.search(r'gearshift_io_gear="([^"]+)"', query) or [None, "one"])[1]
                     result = [{"metric": {"stage": str(k)}, "value": [now, "0.4"]}
                               for k in range(stub.STAGES.get(str(gear), 1))]  # fmt: skip
-                else:  # queue, running, served rate: a gear serving a little
+                elif "by (le)" in query:  # the prompt-token histogram: every prompt under 1000 tokens
+                    result = [{"metric": {"le": le}, "value": [now, "0.5"]} for le in ("1000.0", "+Inf")]
+                else:  # queue, running, served rate, mean tokens: a gear serving a little
                     result = [{"metric": {}, "value": [now, "0.5"]}]
                 body = _json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
                 self.send_response(200)

@@ -45,7 +45,8 @@ class TestQueries:
         q = signal_queries(SEL, engine="vllm")
         assert q.stage_utilization is None and q.concurrency == concurrency_query(SEL)
         assert not any("gearshift:" in x for x in q.all())
-        assert q.all()[0] == q.concurrency and len(q.all()) == 1 + 1 + 3 + 6  # + the arrival rate
+        # + the arrival rate and the traffic mix (two means, the prompt-token buckets)
+        assert q.all()[0] == q.concurrency and len(q.all()) == 1 + 1 + 3 + 6 + 3
 
     def test_sim_queries_unchanged(self) -> None:
         sim = signal_queries(SEL)
@@ -59,6 +60,9 @@ class TestQueries:
             sim.running,
             sim.qps,
             *sim.quantiles.values(),
+            sim.prompt_tokens_mean,
+            sim.output_tokens_mean,
+            sim.prompt_tokens_buckets,
         ]
 
     def test_unknown_engine(self) -> None:

@@ -118,6 +118,59 @@ class TestScheduler:
         assert exc.value.param == "max_tokens"
 
 
+class TestTokenHistograms:
+    """``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``: one observation per finished
+    request, in vLLM's 1-2-5 buckets up to the engine's ``max_model_len``; read back from the exposition
+    text with prometheus_client's own parser."""
+
+    @staticmethod
+    def _families(engine: Engine) -> dict[str, dict[str, float]]:
+        """``{histogram: {le or "sum"/"count": value}}`` of the two token histograms."""
+        from prometheus_client import generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(generate_latest(engine.metrics.registry).decode()):
+            if family.name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+                for sample in family.samples:
+                    if sample.name.endswith("_created"):
+                        continue
+                    key = sample.labels.get("le") or sample.name.rsplit("_", 1)[1]
+                    out.setdefault(family.name, {})[key] = sample.value
+        return out
+
+    def test_every_finished_request_is_observed_once(self) -> None:
+        e = tiny_engine(100)  # 1600 tokens of KV: max_model_len 1600
+        assert e.max_model_len == 1600
+        whole = [(40, 5), (90, 3), (300, 12), (7, 1)]  # (prompt, max_tokens)
+        reqs = [e.new_request(p, n) for p, n in whole]
+        leg = e.new_request(600, 50, prefill_only=True)  # a PD prefill leg: one token
+        gone = e.new_request(20, 9)
+        t = 0.0
+        while not all(r.finished for r in [*reqs, leg]):
+            t += 1.0
+            e.complete(e.schedule(t), t)
+            if t == 2.0:
+                e.abort(gone)  # finished too, as vLLM counts an aborted request (after 2 tokens here)
+        prompts = [p for p, _ in whole] + [600, 20]
+        outputs = [n for _, n in whole] + [1, 2]
+        assert gone.generated == 2
+
+        fams = self._families(e)
+        ladder = [m * 10**k for k in range(5) for m in (1, 2, 5) if m * 10**k <= 1600]
+        assert ladder[-1] == 1000
+        for name, values in (
+            ("vllm:request_prompt_tokens", prompts),
+            ("vllm:request_generation_tokens", outputs),
+        ):
+            got = fams[name]
+            assert got["count"] == len(values) and got["sum"] == sum(values)
+            assert {le: n for le, n in got.items() if le not in ("sum", "count")} == {
+                **{f"{float(le)}": sum(v <= le for v in values) for le in ladder},
+                "+Inf": len(values),
+            }
+
+
 def math_ceil(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -22,8 +22,13 @@ Per-stage utilisation has two sources, chosen by the PDService's ``spec.engine``
 Prometheus spells "no value" as ``NaN`` (``histogram_quantile`` over buckets that did not move) and a
 division by zero as ``±Inf``; every non-finite value is *no data* here and never reaches a Sample.
 
-Missing is never fine: every optional series of a sample (each latency quantile, the arrival rate)
-is classified per sample as ok, missing (no series: not exported, not scraped, dropped
+The traffic mix (each request's prompt and generated tokens, :func:`token_mean_query`,
+:func:`prompt_buckets_query`) comes from the router's client-facing histograms, selected by namespace,
+service and the router pod's component label (:meth:`GearSelector.router_matchers`), else from the gear's
+engines.
+
+Missing is never fine: every optional series of a sample (each latency quantile, the arrival rate, the
+traffic mix) is classified per sample as ok, missing (no series: not exported, not scraped, dropped
 by a relabel rule) or not a number (:class:`SeriesHealth`, :attr:`Reading.health`), and
 :func:`unavailable_series` says which of them should have had a value because requests flow; the
 shifting tick reports those (``SignalsAvailable=False``) and the decision holds the triggers that read
@@ -57,6 +62,10 @@ LABEL_NAMESPACE = "namespace"
 LABEL_SERVICE = "gearshift_io_service"
 LABEL_ROLE = "gearshift_io_role"
 LABEL_GEAR = "gearshift_io_gear"
+#: ``app.kubernetes.io/component`` under the same mapping, and its value on the router's pods
+#: (:func:`gearshift.k8s.router.build_router_deployment`); engine pods carry ``engine``.
+LABEL_COMPONENT = "app_kubernetes_io_component"
+COMPONENT_ROUTER = "router"
 
 STAGE_UTILIZATION = "gearshift:stage_utilization"
 WAITING = "vllm:num_requests_waiting"
@@ -74,6 +83,13 @@ ITL = "vllm:inter_token_latency_seconds"
 #: (``inference_time = last_token_ts - scheduled_ts`` there).
 PREFILL_TIME = "vllm:request_prefill_time_seconds"
 DECODE_TIME = "vllm:request_decode_time_seconds"
+#: Per finished request, its prompt tokens and its generated tokens; observed beside
+#: ``vllm:request_success`` for every finished request, in 1-2-5 buckets up to ``max_model_len``
+#: (vLLM 0.32.0 ``vllm/v1/metrics/loggers.py``, ``build_1_2_5_buckets``). The router exports the same
+#: names once per client request (:class:`gearshift.router.metrics.ClientMetrics`), the sim per engine
+#: (:mod:`gearshift.sim.metrics`).
+PROMPT_TOKENS = "vllm:request_prompt_tokens"
+GENERATION_TOKENS = "vllm:request_generation_tokens"
 
 #: The serving engine of a PDService (``PDService.spec.engine``).
 Engine = Literal["vllm", "sim"]
@@ -109,6 +125,19 @@ class GearSelector:
             (LABEL_SERVICE, self.service),
             (LABEL_ROLE, self.role),
             *(((LABEL_GEAR, self.gear),) if with_gear else ()),
+        )
+        return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+
+    def router_matchers(self) -> str:
+        """The matchers of the PDService's router series, ``{namespace="..",gearshift_io_service="..",
+        app_kubernetes_io_component="router"}``: the router pod's own labels (``gearshift.io/service`` and
+        ``app.kubernetes.io/component``) mapped by Prometheus' pod discovery. No role: every client request
+        passes through each role (the router counts each arrival once per role), so the role's requests
+        are the service's. The component keeps the engines' series of the same metric names out."""
+        pairs = (
+            (LABEL_NAMESPACE, self.namespace),
+            (LABEL_SERVICE, self.service),
+            (LABEL_COMPONENT, COMPONENT_ROUTER),
         )
         return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
 
@@ -212,6 +241,39 @@ def arrival_query(sel: GearSelector, window: str = "1m") -> str:
     )
 
 
+def token_mean_query(histogram: str, sel: GearSelector, window: str = "1m") -> str:
+    """Mean tokens per request of ``histogram`` (:data:`PROMPT_TOKENS` or :data:`GENERATION_TOKENS`) over
+    ``window``, ``rate(_sum) / rate(_count)``: from the service's routers (each client request once,
+    :meth:`GearSelector.router_matchers`), else, with no router series, from the gear's engines.
+
+    The router's series come first because they see the client's request: under PD each engine sees its
+    leg only (a prefill pod generates one token per request). NaN (no request finished in the window)
+    stays NaN rather than falling back: ``or`` falls back only when the router has no series at all.
+    """
+    r, m = sel.router_matchers(), sel.matchers()
+    return (
+        f"(sum(rate({histogram}_sum{r}[{window}])) / sum(rate({histogram}_count{r}[{window}]))) "
+        f"or (sum(rate({histogram}_sum{m}[{window}])) / sum(rate({histogram}_count{m}[{window}])))"
+    )
+
+
+def prompt_buckets_query(sel: GearSelector, window: str = "1m") -> str:
+    """The prompt-token histogram over ``window``: cumulative requests/s per ``le`` bound (tokens), one
+    series per bucket; the routers' (:func:`token_mean_query`), else the gear's engines'.
+
+    The engines' buckets are taken only when the routers have no ``_count`` series (``unless on()``): a
+    bare ``or`` matches by label set, so it would add every engine bucket whose ``le`` the router lacks to
+    the router's vector (the router's 1-2-5 ladder runs to 5e6 tokens, an engine's to its
+    ``max_model_len``) and mix two sources in one cumulative histogram.
+    """
+    r, m = sel.router_matchers(), sel.matchers()
+    return (
+        f"sum by (le) (rate({PROMPT_TOKENS}_bucket{r}[{window}])) or "
+        f"(sum by (le) (rate({PROMPT_TOKENS}_bucket{m}[{window}])) "
+        f"unless on() sum(rate({PROMPT_TOKENS}_count{r}[{window}])))"
+    )
+
+
 #: The longest and the shortest range of a sample's rates and quantiles, s. 60 s is the queries' usual
 #: ``[1m]``; 10 s keeps two scrapes in range at a 5 s scrape interval (rate() needs two).
 WINDOW_S, MIN_WINDOW_S = 60.0, 10.0
@@ -250,11 +312,26 @@ class SignalQueries:
     engine: Engine = "sim"
     arrivals: str | None = None
     """:func:`arrival_query` (optional: without it the capacity triggers stay off)."""
+    prompt_tokens_mean: str | None = None
+    """:func:`token_mean_query` of :data:`PROMPT_TOKENS` (tokens; optional, as every mix query)."""
+    output_tokens_mean: str | None = None
+    """:func:`token_mean_query` of :data:`GENERATION_TOKENS` (tokens)."""
+    prompt_tokens_buckets: str | None = None
+    """:func:`prompt_buckets_query` (cumulative requests/s per ``le``)."""
+
+    def mix(self) -> dict[str, str]:
+        """The traffic-mix queries that are set, by :class:`Sample` field."""
+        queries = {
+            "prompt_tokens_mean": self.prompt_tokens_mean,
+            "output_tokens_mean": self.output_tokens_mean,
+            "prompt_tokens_buckets": self.prompt_tokens_buckets,
+        }
+        return {name: q for name, q in queries.items() if q is not None}
 
     def all(self) -> list[str]:
         """Every query to run, in a stable order."""
         extra = [q for q in (self.stage_utilization, self.concurrency, self.arrivals) if q is not None]
-        return [*extra, self.queue, self.running, self.qps, *self.quantiles.values()]
+        return [*extra, self.queue, self.running, self.qps, *self.quantiles.values(), *self.mix().values()]
 
 
 def signal_queries(sel: GearSelector, window: str = "1m", engine: Engine = "sim") -> SignalQueries:
@@ -280,6 +357,9 @@ def signal_queries(sel: GearSelector, window: str = "1m", engine: Engine = "sim"
         concurrency=concurrency_query(sel, window) if vllm else None,
         engine=engine,
         arrivals=arrival_query(sel, window),
+        prompt_tokens_mean=token_mean_query(PROMPT_TOKENS, sel, window),
+        output_tokens_mean=token_mean_query(GENERATION_TOKENS, sel, window),
+        prompt_tokens_buckets=prompt_buckets_query(sel, window),
     )
 
 
@@ -418,6 +498,38 @@ def stage_values(result: Sequence[Mapping[str, Any]], query: str) -> tuple[float
     return tuple(by_stage[k] for k in range(len(by_stage)))
 
 
+def bucket_values(result: Sequence[Mapping[str, Any]], query: str) -> tuple[tuple[float, float], ...]:
+    """``(le, cumulative value)`` pairs of a ``sum by (le)`` result in rising ``le`` order, ``+Inf``
+    (``math.inf``) last; ``()`` when the vector is no histogram of any request: empty, a series without a
+    numeric ``le`` label (not a histogram's bucket), a value not finite, no ``+Inf`` bucket, or ``+Inf`` at
+    0 (nothing observed in the window). An optional series that is no histogram is no data, as a NaN is,
+    rather than a failed sample: the other signals still drive their triggers. Counts are made
+    non-decreasing in ``le``, as ``histogram_quantile`` does: each bucket is a rate of its own, and float
+    rounding or a bucket series caught by a scrape the others missed can leave a higher bucket a hair
+    below a lower one.
+
+    Raises:
+        SignalsUnavailable: a malformed result (naming the query).
+    """
+    pairs = []
+    for labels, value in parse_vector(result, query):
+        try:
+            le = float(labels["le"])
+        except (KeyError, ValueError):
+            return ()
+        if math.isnan(le) or not math.isfinite(value):
+            return ()
+        pairs.append((le, value))
+    pairs.sort()
+    if not pairs or pairs[-1][0] != math.inf or pairs[-1][1] <= 0.0:
+        return ()
+    out, top = [], 0.0
+    for le, value in pairs:
+        top = max(top, value)
+        out.append((le, top))
+    return tuple(out)
+
+
 class SeriesHealth(StrEnum):
     """What one query of a sample gave (:func:`series_health`)."""
 
@@ -438,9 +550,14 @@ QUANTILE_SERIES: Mapping[str, tuple[str, int]] = {
 SERIES_NAMES: Mapping[str, str] = {
     **{field_: f"{hist} P{q}" for field_, (hist, q) in QUANTILE_SERIES.items()},
     "arrival_rps": f"arrival rate ({SUCCESS_TOTAL}, {RUNNING}, {WAITING})",
+    "prompt_tokens_mean": f"mean prompt tokens ({PROMPT_TOKENS})",
+    "output_tokens_mean": f"mean output tokens ({GENERATION_TOKENS})",
+    "prompt_tokens_buckets": f"prompt-token histogram ({PROMPT_TOKENS}_bucket)",
 }
+#: The traffic mix's :class:`Sample` fields, each observed once per finished request.
+MIX_SERIES = ("prompt_tokens_mean", "output_tokens_mean", "prompt_tokens_buckets")
 #: Series every completed request observes: with requests completing in the window they have a value.
-ALWAYS_OBSERVED = ("e2e_p50_ms", "e2e_p99_ms", "arrival_rps")
+ALWAYS_OBSERVED = ("e2e_p50_ms", "e2e_p99_ms", "arrival_rps", *MIX_SERIES)
 
 
 def series_health(result: Sequence[Mapping[str, Any]], query: str = "") -> SeriesHealth:
@@ -453,6 +570,18 @@ def series_health(result: Sequence[Mapping[str, Any]], query: str = "") -> Serie
     if not values:
         return SeriesHealth.MISSING
     return SeriesHealth.OK if math.isfinite(values[0][1]) else SeriesHealth.NOT_A_NUMBER
+
+
+def bucket_health(result: Sequence[Mapping[str, Any]], query: str = "") -> SeriesHealth:
+    """The :class:`SeriesHealth` of a ``sum by (le)`` histogram result: missing without series, not a
+    number when :func:`bucket_values` finds no histogram in it.
+
+    Raises:
+        SignalsUnavailable: a malformed result (naming the query).
+    """
+    if not parse_vector(result, query):
+        return SeriesHealth.MISSING
+    return SeriesHealth.OK if bucket_values(result, query) else SeriesHealth.NOT_A_NUMBER
 
 
 @dataclass(frozen=True)
@@ -478,9 +607,10 @@ def unavailable_series(reading: Reading, metric: LatencyMetric) -> dict[str, Ser
     Only while requests flow (``qps`` > 0: requests completed in the window; an idle gear's quantiles
     are absent because there was nothing to measure). Then a series that is missing is always reported;
     one that is not a number only when every completed request observes it (E2E latency, the arrival
-    rate) or it is the policy's latency ``metric`` (the P99 triggers read it): an ITL quantile of
-    one-token requests (a PD prefill leg) has nothing to measure. A reading without health (a source
-    that does not classify) reports the policy's P99 when it is absent.
+    rate, the traffic mix: :data:`ALWAYS_OBSERVED`) or it is the policy's latency ``metric`` (the P99
+    triggers read it): an ITL quantile of one-token requests (a PD prefill leg) has nothing to measure.
+    A reading without health (a source that does not classify) reports the policy's P99 when it is
+    absent.
     """
     if reading.sample.qps <= 0:
         return {}
@@ -530,7 +660,8 @@ def reading_from_results(
 ) -> Reading:
     """Build a :class:`Reading` from the ``data.result`` of each query (keyed by the query string).
 
-    Queue, running and QPS are required; a quantile may be absent or not finite (no traffic). The sim's
+    Queue, running and QPS are required; a quantile or a traffic-mix value may be absent or not finite
+    (no traffic), and is ``None`` (the bucket vector ``()``) in the sample then. The sim's
     per-stage utilisation is required too. For vLLM (``queries.concurrency`` set) the stage utilisation
     is derived from the head's seat occupancy and ``shape`` (the sampled gear); when that cannot be done
     the sample has none and :attr:`Reading.note` says why, instead of failing the whole sample.
@@ -548,6 +679,14 @@ def reading_from_results(
     health = {field_: series_health(results.get(q, []), q) for field_, q in queries.quantiles.items()}
     if queries.arrivals is not None:
         health["arrival_rps"] = series_health(results.get(queries.arrivals, []), queries.arrivals)
+    means: dict[str, float | None] = {}
+    buckets: tuple[tuple[float, float], ...] = ()
+    for field_, q in queries.mix().items():
+        answer = results.get(q, [])
+        if field_ == "prompt_tokens_buckets":
+            buckets, health[field_] = bucket_values(answer, q), bucket_health(answer, q)
+        else:
+            means[field_], health[field_] = scalar(answer, q, required=False), series_health(answer, q)
     base = Sample(
         at=at,
         stage_utilization=stages,
@@ -557,7 +696,9 @@ def reading_from_results(
         arrival_rps=None
         if queries.arrivals is None
         else _rate(results.get(queries.arrivals, []), queries.arrivals),
+        prompt_tokens_buckets=buckets,
         **quantiles,
+        **means,
     )
     if queries.stage_utilization is not None:
         return Reading(base, UtilizationSource.ENGINE, health=health)

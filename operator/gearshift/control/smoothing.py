@@ -49,6 +49,16 @@ class Sample:
     itl_p99_ms: float | None = None
     e2e_p50_ms: float | None = None
     e2e_p99_ms: float | None = None
+    prompt_tokens_mean: float | None = None
+    """Mean prompt tokens of the role's requests over the window (the router's
+    ``vllm:request_prompt_tokens`` histogram, ``rate(_sum) / rate(_count)``); ``None``: not measured."""
+    output_tokens_mean: float | None = None
+    """Mean generated tokens of the role's finished requests over the window
+    (``vllm:request_generation_tokens``); ``None``: not measured."""
+    prompt_tokens_buckets: tuple[tuple[float, float], ...] = ()
+    """The prompt-token histogram over the window: ``(le, cumulative requests/s)`` pairs in rising ``le``
+    order, ``+Inf`` last (``sum by (le) (rate(..._bucket))``); empty when not measured. Not smoothed: the
+    latest window's distribution."""
 
     def p99_ms(self, metric: LatencyMetric) -> float | None:
         """The P99 the latency triggers read, ms."""
@@ -59,6 +69,10 @@ class Sample:
         """Plain JSON-able data (for ``GearSet.status``)."""
         d = asdict(self)
         d["stage_utilization"] = list(self.stage_utilization)
+        # JSON has no infinity: the +Inf bucket's bound is written as null.
+        d["prompt_tokens_buckets"] = [
+            [le if math.isfinite(le) else None, n] for le, n in self.prompt_tokens_buckets
+        ]
         return d
 
     @classmethod
@@ -67,12 +81,18 @@ class Sample:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["stage_utilization"] = tuple(float(u) for u in data.get("stage_utilization", ()))
+        kwargs["prompt_tokens_buckets"] = tuple(
+            (math.inf if le is None else float(le), float(n))
+            for le, n in data.get("prompt_tokens_buckets", ())
+        )
         return cls(**kwargs)
 
 
 _SCALARS = ("queue", "running", "qps")
 _LATENCIES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
-_OPTIONALS = ("arrival_rps", *_LATENCIES)
+#: The traffic mix: smoothed like the rate it is read beside.
+_MIX = ("prompt_tokens_mean", "output_tokens_mean")
+_OPTIONALS = ("arrival_rps", *_LATENCIES, *_MIX)
 
 
 def ema(previous: float | None, value: float | None, alpha: float) -> float | None:
@@ -110,7 +130,8 @@ def smooth(previous: Sample | None, sample: Sample, alpha: float) -> Sample:
         # a latency trigger latched on an idle service, and shift it when the dwell ends (the demo did,
         # after its replay).
         values |= {k: None for k in _LATENCIES if _clean(getattr(sample, k)) is None}
-    return Sample(at=sample.at, stage_utilization=stages, **values)
+    buckets = sample.prompt_tokens_buckets or previous.prompt_tokens_buckets
+    return Sample(at=sample.at, stage_utilization=stages, prompt_tokens_buckets=buckets, **values)
 
 
 def _idle(sample: Sample) -> bool:

@@ -175,7 +175,7 @@ class Engine:
         self.planned_s = 0.0
         self.lag_s = 0.0
         self.lag_max_s = 0.0
-        self.metrics = EngineMetrics(self, model_name)
+        self.metrics = EngineMetrics(self, model_name, max_model_len=self.max_model_len)
 
     # --- gauges (read by the metrics collector) --------------------------------------------------
     def num_running(self) -> int:
@@ -279,6 +279,7 @@ class Engine:
         req.finished_at = now
         m = self.metrics
         m.success(reason)
+        m.finished_tokens(req.prompt_tokens, req.generated)
         if reason != "abort":
             m.e2e.observe(now - req.arrival)
             if req.generated > 1 and req.first_token_at is not None:

@@ -8,9 +8,11 @@ events happen. Labels: ``model_name`` (the served model name) and ``engine`` (vL
 Exported (vLLM names): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (0..1, as vLLM), histograms ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
-``vllm:e2e_request_latency_seconds``, counters ``vllm:request_success_total{finished_reason}``,
-``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``, and the
-info gauge ``vllm:cache_config_info{block_size, num_gpu_blocks, gpu_memory_utilization}`` = 1 (vLLM's
+``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``
+(tokens per finished request, in vLLM's 1-2-5 buckets up to ``max_model_len``), counters
+``vllm:request_success_total{finished_reason}``, ``vllm:prompt_tokens_total``,
+``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``, and the info gauge
+``vllm:cache_config_info{block_size, num_gpu_blocks, gpu_memory_utilization}`` = 1 (vLLM's
 ``CacheConfig.metrics_info()``: the router's decode headroom filter sizes the KV pool from it).
 gearshift's own: ``gearshift:stage_utilization{stage}`` (busy fraction of each pipeline stage over the
 last :data:`UTILIZATION_WINDOW_S`), ``gearshift:sim_step_lag_seconds`` (how late the simulator's step
@@ -39,6 +41,21 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, … while ≤ ``max_model_len`` (tokens), as
+    ``build_1_2_5_buckets`` in vllm/v1/metrics/loggers.py sizes ``vllm:request_prompt_tokens`` and
+    ``vllm:request_generation_tokens``; prometheus_client adds ``+Inf``."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return tuple(out)
+            out.append(float(value))
+        exponent += 1
 
 
 class EngineState(Protocol):
@@ -102,7 +119,7 @@ class _GaugeCollector(Collector):
 class EngineMetrics:
     """The metrics of one engine in its own registry; ``render()`` gives the exposition text."""
 
-    def __init__(self, state: EngineState, model_name: str, engine: str = "0") -> None:
+    def __init__(self, state: EngineState, model_name: str, engine: str = "0", *, max_model_len: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name, "engine": engine}
         names = list(labels)
@@ -121,6 +138,13 @@ class EngineMetrics:
         self.tpot = hist("vllm:request_time_per_output_token_seconds", tpot_doc, ITL_BUCKETS).labels(**labels)
         e2e_doc = "End-to-end request latency, s."
         self.e2e = hist("vllm:e2e_request_latency_seconds", e2e_doc, E2E_BUCKETS).labels(**labels)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
+        ).labels(**labels)
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
+        ).labels(**labels)
         self.step_lag = hist(
             "gearshift:sim_step_lag_seconds", "How late the simulator's step timer fired, s.", LAG_BUCKETS
         ).labels(**labels)
@@ -140,6 +164,12 @@ class EngineMetrics:
     def success(self, reason: str) -> None:
         """Count a finished request (``reason``: ``length``, ``stop`` or ``abort``)."""
         self._success.labels(**self._success_labels, finished_reason=reason).inc()
+
+    def finished_tokens(self, prompt: int, generated: int) -> None:
+        """Observe a finished request's prompt and generated tokens; vLLM does so for every request it
+        counts in ``vllm:request_success``, whatever its finish reason (``PrometheusStatLogger.record``)."""
+        self.request_prompt_tokens.observe(prompt)
+        self.request_generation_tokens.observe(generated)
 
     def add_collector(self, collector: Collector) -> None:
         """Expose a process-wide collector (e.g. the event-loop lag) in this engine's registry too."""
