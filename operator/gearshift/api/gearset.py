@@ -257,6 +257,29 @@ class GearPrediction(SpecModel):
     p99_ms: float | None = Field(
         default=None, ge=0, le=1e7, description="Expected P99 of the role's key latency (TTFT or ITL), ms."
     )
+    prompt_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e12,
+        description="Prompt tokens/s the gear prefills when its requests cost nothing else: with "
+        "outputTokensPerS, a request of p prompt and o output tokens keeps it busy p/promptTokensPerS + "
+        "o/outputTokensPerS seconds, so it serves 1/(that) requests/s of the mix the router measures (a "
+        "linear fit to the planner's cost model around spec.plan.workload).",
+    )
+    output_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e12,
+        description="Output tokens/s the gear decodes when its requests cost nothing else (see "
+        "promptTokensPerS).",
+    )
+    ttft_ms_per_prompt_token: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e6,
+        description="Unloaded time to first token per prompt token on the gear's fastest cards, ms: a prompt "
+        "of p tokens sees its first token no sooner than p x this on this gear.",
+    )
     max_link_utilization: float | None = Field(
         default=None, ge=0, le=100, description="Highest share of a link's bandwidth the gear's traffic uses."
     )

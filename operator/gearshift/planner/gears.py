@@ -64,8 +64,10 @@ from gearshift.planner.costs import CostModel
 from gearshift.planner.errors import EmptyFleetError, PlanError
 from gearshift.planner.intents import INTENTS, TARGET_UTILISATION
 from gearshift.planner.prediction import (
+    MixRates,
     cap_by_tpot,
     decode_times,
+    mix_rates,
     output_tokens_of,
     running_batch,
     simulate_candidate,
@@ -121,6 +123,9 @@ class Prediction:
     itl_ms: float | None = None
     """Mean time per output token of a request at ``qps`` (role ``both``/``decode`` under the roofline
     model: :func:`predicted_itl_ms`), ms; None when the cost model cannot say."""
+    mix: MixRates | None = None
+    """How capacity and first-token time move with the request mix
+    (:func:`gearshift.planner.prediction.mix_rates`); None when the cost model cannot say."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -133,6 +138,10 @@ class Prediction:
         }
         if self.itl_ms is not None:
             out["itl_ms"] = round(self.itl_ms, 3) if math.isfinite(self.itl_ms) else None
+        if self.mix is not None:
+            out["prompt_tokens_per_s"] = round(self.mix.prompt_tokens_per_s, 3)
+            out["output_tokens_per_s"] = round(self.mix.output_tokens_per_s, 3)
+            out["ttft_ms_per_prompt_token"] = round(self.mix.ttft_ms_per_prompt_token, 6)
         return out
 
 
@@ -332,7 +341,13 @@ def plan(
             c.itl_ms = tpot_ms(times, load / c.pipeline.replicas, output_tokens_of(m), running_batch(c, m))
     ranges = _qps_ranges({i: c.capacity for i, c in chosen.items()})
     gears = tuple(
-        _gear(profile, chosen[i], ranges[i], kv_resident_sequences(_model_of(chosen[i], model)))
+        _gear(
+            profile,
+            chosen[i],
+            ranges[i],
+            kv_resident_sequences(_model_of(chosen[i], model)),
+            mix_rates(profile, _model_of(chosen[i], model), chosen[i], itl_target_ms),
+        )
         for i in intents
     )
     return PlanResult(model.name, gears, load)
@@ -356,14 +371,20 @@ def _qps_ranges(capacity: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _gear(profile: Profile, c: Candidate, qps_range: tuple[float, float], kv_batch: int = 0) -> Gear:
+def _gear(
+    profile: Profile,
+    c: Candidate,
+    qps_range: tuple[float, float],
+    kv_batch: int = 0,
+    mix: MixRates | None = None,
+) -> Gear:
     assert c.sim is not None
     stages = []
     for st, ids in zip(c.pipeline.stages, c.nodes, strict=True):
         t = max(stage_time_ms(c.costs, st.start, st.end, profile.node(n).compute_score) for n in ids)
         stages.append(Stage((st.start, st.end), ids[0], tuple(ids), t, st.memory_gb))
     pred = Prediction(
-        c.capacity, c.sim.qps, c.sim.p50_ms, c.sim.p99_ms, c.sim.saturated, c.sim.mean_batch, c.itl_ms
+        c.capacity, c.sim.qps, c.sim.p50_ms, c.sim.p99_ms, c.sim.saturated, c.sim.mean_batch, c.itl_ms, mix
     )
     if math.isnan(pred.p99_ms):
         raise PlanError("the simulator produced no latency; raise sim_requests")

@@ -407,6 +407,15 @@ def api_gear(
                 if gear.predicted.itl_ms is not None and math.isfinite(gear.predicted.itl_ms)
                 else {}
             ),
+            **(
+                {
+                    "promptTokensPerS": round(gear.predicted.mix.prompt_tokens_per_s, 3),
+                    "outputTokensPerS": round(gear.predicted.mix.output_tokens_per_s, 3),
+                    "ttftMsPerPromptToken": round(gear.predicted.mix.ttft_ms_per_prompt_token, 6),
+                }
+                if gear.predicted.mix is not None
+                else {}
+            ),
         },
     }
     return ApiGear.model_validate(doc)

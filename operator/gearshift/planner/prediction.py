@@ -7,9 +7,9 @@ decode step times and mean TPOT (its capacity capped so that the TPOT meets a ta
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from gearshift.planner.candidates import Candidate, kv_resident_sequences
+from gearshift.planner.candidates import Candidate, kv_resident_sequences, set_capacity
 from gearshift.planner.costs import CostModel, LayerCosts, RooflineCostModel
 from gearshift.planner.partition import PipelineStage
 from gearshift.planner.profile import Profile
@@ -130,3 +130,74 @@ def simulate_candidate(
         busy_ms=busy_ms,
         busy_slack_ms=slack,
     )
+
+
+@dataclass(frozen=True)
+class MixRates:
+    """How a gear's capacity and first-token time move with the request mix: a linear work model.
+
+    A request of ``p`` prompt and ``o`` output tokens keeps the gear busy ``p / prompt_tokens_per_s +
+    o / output_tokens_per_s`` seconds, so it serves ``1 / (p / prompt_tokens_per_s + o /
+    output_tokens_per_s)`` requests/s of that mix. Both rates come from the planner's cost model
+    (:func:`mix_rates`): the prefill is compute-bound and grows with ``p``, the decode steps with ``o``
+    (:class:`~gearshift.planner.costs.RooflineCostModel`). ``ttft_ms_per_prompt_token``: the unloaded time
+    to first token of a lone request per prompt token on the gear's fastest node of each stage, ms (a
+    prompt of ``p`` tokens cannot see its first token sooner than ``p`` × this on this gear).
+    """
+
+    prompt_tokens_per_s: float
+    output_tokens_per_s: float
+    ttft_ms_per_prompt_token: float
+
+
+#: How far the fit of :func:`mix_rates` moves each side of the mix: twice the planned tokens.
+MIX_FIT_FACTOR = 2.0
+
+
+def mix_rates(
+    profile: Profile, model: CostModel, c: Candidate, itl_target_ms: float | None
+) -> MixRates | None:
+    """The linear work model (:class:`MixRates`) of candidate ``c`` around the workload ``model`` prices.
+
+    The candidate's capacity is re-priced with :data:`MIX_FIT_FACTOR` × the prompt tokens and, apart,
+    × the output tokens (its layers, nodes, micro-batch and KV budget unchanged; the TPOT cap applied
+    as when it was planned, ``itl_target_ms``); the difference in busy time per request gives each
+    token's cost, scaled so that the model meets the planned capacity exactly at the planned workload.
+
+    Returns None unless ``model`` is the roofline model of role ``both`` (a layer-cost file states no
+    workload; a disaggregated role serves one phase, whose capacity the requests/s figure already
+    states).
+    """
+    if not isinstance(model, RooflineCostModel) or model.assumptions.role != "both" or c.capacity <= 0:
+        return None
+    a = model.assumptions
+    p0, o0 = a.prompt_tokens, a.output_tokens
+
+    def busy_s(p: int, o: int) -> float:
+        m = RooflineCostModel(model.arch, replace(a, prompt_tokens=p, output_tokens=o))
+        c2 = replace(c, costs=m.at(c.micro_batch, c.decode_batch), sim=None)
+        set_capacity(profile, m, c2)
+        if itl_target_ms is not None:
+            cap_by_tpot(profile, m, c2, itl_target_ms)
+        return 1.0 / c2.capacity if c2.capacity > 0 else math.inf
+
+    base = 1.0 / c.capacity
+    per_prompt = max(busy_s(round(MIX_FIT_FACTOR * p0), o0) - busy_s(p0, o0), 0.0) / (
+        (MIX_FIT_FACTOR - 1) * p0
+    )
+    per_output = max(busy_s(p0, round(MIX_FIT_FACTOR * o0)) - busy_s(p0, o0), 0.0) / (
+        (MIX_FIT_FACTOR - 1) * o0
+    )
+    if not (math.isfinite(per_prompt) and math.isfinite(per_output)) or per_prompt + per_output <= 0:
+        return None
+    # Each side keeps at least a hundredth of the busy time it would have alone, so neither rate is
+    # infinite when the fit found one side free (a TPOT cap that does not move with the prompt).
+    floor = 0.01 * base
+    per_prompt, per_output = max(per_prompt, floor / p0), max(per_output, floor / o0)
+    scale = base / (per_prompt * p0 + per_output * o0)
+    first = model.at(1).pass_ms
+    fastest = [max(profile.node(n).compute_score for n in ids) for ids in c.nodes]
+    ttft_ms = sum(
+        sum(first[st.start : st.end]) / sc for st, sc in zip(c.pipeline.stages, fastest, strict=True)
+    )
+    return MixRates(1.0 / (per_prompt * scale), 1.0 / (per_output * scale), ttft_ms / p0)
