@@ -198,6 +198,7 @@ def test_aggregated_service_serves_through_the_router_and_shifts_without_failed_
     bad: list[str] = []
     seen: list[str] = []
     phases: list[str] = []
+    mix: list[tuple[Any, Any]] = []  # (promptTokensMean, outputTokensMean) at each poll
     try:
         sandbox.wait_for(lambda: load.ok >= 4, 60, "load flowing through the router before the shift")
         sandbox.kubectl("patch", "gearset", GEARSET, "-n", ns, "--type=merge", "-p",
@@ -212,6 +213,8 @@ def test_aggregated_service_serves_through_the_router_and_shifts_without_failed_
             st = sandbox.kubectl_json("get", "gearset", GEARSET, "-n", ns).get("status") or {}
             if st.get("phase") and (not phases or phases[-1] != st["phase"]):
                 phases.append(st["phase"])
+            signals = st.get("signals") or {}
+            mix.append((signals.get("promptTokensMean"), signals.get("outputTokensMean")))
             return st.get("phase") == "Stable" and st.get("activeGear") == "two"
 
         sandbox.wait_for(progressed, 150, "the shift one -> two to finish", interval=0.3)
@@ -222,6 +225,11 @@ def test_aggregated_service_serves_through_the_router_and_shifts_without_failed_
     assert bad == [], f"the role Service selected a gear whose heads were not all Ready: {bad}"
     assert seen == ["one", "two"], seen
     assert "Warming" in phases and phases[-1] == "Stable", phases
+    # The traffic mix in the GearSet's status while the load flowed: positive token counts (the router's
+    # client histograms; each request has a 32-word prompt and asks for 8 tokens).
+    positive = [(p, o) for p, o in mix if isinstance(p, int | float) and isinstance(o, int | float)]
+    positive = [(p, o) for p, o in positive if p > 0 and o > 0]
+    assert positive, f"no promptTokensMean/outputTokensMean > 0 in {len(mix)} polls: {mix[-5:]}"
     st = sandbox.kubectl_json("get", "gearset", GEARSET, "-n", ns)["status"]
     h = st["history"][-1]
     assert (h["from"], h["to"], h["trigger"], h["outcome"]) == ("one", "two", "forced", "Succeeded")

@@ -106,6 +106,7 @@ NOT_DEFAULT = {
     "expected_arrival_rps": 5.0,
     "capacity_headroom": 0.8,
     "downshift_ratio": 0.5,
+    "choice": "thresholds",
     "upshift_dwell_s": 30.0,
     "allow_degraded": False,
 }

@@ -118,32 +118,41 @@ class TestEstimate:
         e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, keeping_up=True, overloaded=False, now=61)
         assert e.measured_low_rps is None and e.pending_since == 61
 
-    def test_observe_overload_sets_the_high_bound(self) -> None:
-        e = cap.observe(
-            CapacityEstimate(23.0),
-            arrival_rps=19.0,
-            completed_rps=17.0,
-            keeping_up=False,
-            overloaded=True,
-            now=1,
-        )
-        assert e.measured_high_rps == 19.0  # a P99 breach without backlog: the arrival rate
-        s = cap.observe(
-            CapacityEstimate(23.0),
-            arrival_rps=30.0,
-            completed_rps=26.5,
-            keeping_up=False,
-            overloaded=True,
-            saturated=True,
-            now=1,
-        )
-        assert s.measured_high_rps == 26.5  # backing up: what it completed is what it can serve
+    def test_observe_overload_sets_the_high_bound_once_it_lasts_a_window(self) -> None:
+        def over(
+            e: CapacityEstimate, t: float, arrival: float, done: float, saturated: bool
+        ) -> CapacityEstimate:
+            return cap.observe(
+                e,
+                arrival_rps=arrival,
+                completed_rps=done,
+                keeping_up=False,
+                overloaded=True,
+                saturated=saturated,
+                now=t,
+            )
+
+        e = over(CapacityEstimate(23.0), 1, 19.0, 17.0, False)
+        # One overloaded sample is no bound yet: a burst shorter than the rates' window reads low.
+        assert e.measured_high_rps is None and (e.pending_high_rps, e.pending_high_since) == (19.0, 1)
+        e = over(e, 1 + cap.CONFIRM_S, 18.0, 17.0, False)
+        assert e.measured_high_rps == 19.0  # a P99 breach without backlog: the most it took in the run
+        s = over(CapacityEstimate(23.0), 1, 30.0, 26.5, True)
+        s = over(s, 31, 30.0, 24.0, True)
+        s = over(s, 61, 31.0, 25.0, True)
+        assert s.measured_high_rps == 26.5  # backing up: the most it completed while overloaded
+        # A run broken by a calm sample starts again.
+        b = over(CapacityEstimate(23.0), 1, 30.0, 26.5, True)
+        b = cap.observe(b, arrival_rps=10.0, completed_rps=10.0, keeping_up=False, overloaded=False, now=30)
+        b = over(b, 61, 30.0, 26.5, True)
+        assert b.measured_high_rps is None and b.pending_high_since == 61
 
     def test_a_contradicting_bound_replaces_the_other(self) -> None:
         e = CapacityEstimate(23.0, 20.0, None)
-        e = cap.observe(e, arrival_rps=18.0, completed_rps=18.0, keeping_up=False, overloaded=True, now=2)
+        for t in (2, 2 + cap.CONFIRM_S):
+            e = cap.observe(e, arrival_rps=18.0, completed_rps=18.0, keeping_up=False, overloaded=True, now=t)
         assert (e.measured_low_rps, e.measured_high_rps) == (None, 18.0)
-        for t in (3, 63):
+        for t in (63, 123):
             e = cap.observe(e, arrival_rps=21.0, completed_rps=21.0, keeping_up=True, overloaded=False, now=t)
         assert (e.measured_low_rps, e.measured_high_rps) == (21.0, None)
 
@@ -155,7 +164,7 @@ class TestEstimate:
             )
 
     def test_round_trip(self) -> None:
-        e = CapacityEstimate(23.0, 18.5, 26.25, 40.0, 24.0, 50.0)
+        e = CapacityEstimate(23.0, 18.5, 26.25, 40.0, 24.0, 50.0, 30.0, 55.0)
         assert CapacityEstimate.from_dict(e.to_dict()) == e
 
     def test_policy_ranges(self) -> None:
@@ -226,10 +235,14 @@ class TestDecide:
 
     def test_saturation_measures_the_capacity_and_the_shift_uses_it(self) -> None:
         # lat is predicted to keep up with 23.0 but backs up (3 waiting per replica, P99 400 ms) at 20 req/s
-        # arriving, completing 18.5: its capacity is measured as 18.5, and saturation wants thr, the
-        # cheapest gear that fits 20.
+        # arriving, completing 18.5: saturation wants thr, the cheapest gear that fits 20, at once; the
+        # capacity is measured as 18.5 once the overload has lasted a whole window.
         st, out = run("lat", [smp(t, 20.0, p99=400.0, queue=6.0, qps=18.5) for t in (2, 4, 6)], SETTLED)
         assert out[-1][:3] == (DecisionKind.SHIFT, "thr", "Saturation")
+        # Alone (nowhere to shift), it stays overloaded for a window: the bound is set.
+        st, out = run(
+            "lat", [smp(t, 20.0, p99=400.0, queue=6.0, qps=18.5) for t in range(2, 70, 2)], SETTLED, gs=(LAT,)
+        )
         assert st.capacity["lat"].measured_high_rps == pytest.approx(18.5)
         assert st.capacity["lat"].capacity_rps == pytest.approx(18.5)
 

@@ -955,6 +955,14 @@ class VllmProm(FakeSignals):
             answers[query] = _vec("NaN" if name.startswith("itl_") else value)
         if q.arrivals is not None:
             answers[q.arrivals] = _vec("3")
+        # The router's traffic mix: 3 req/s of 700 prompt tokens (bucket le=1000) and 90 output tokens.
+        mix = q.mix()
+        answers[mix["prompt_tokens_mean"]] = _vec("700")
+        answers[mix["output_tokens_mean"]] = _vec("90")
+        answers[mix["prompt_tokens_buckets"]] = [
+            {"metric": {"le": le}, "value": [T0, n]}
+            for le, n in (("500.0", "0"), ("1000.0", "3"), ("+Inf", "3"))
+        ]
         return reading_from_results(at, q, answers, shape)
 
 
@@ -994,6 +1002,7 @@ class TestVllmService:
         assert sig_st["pipelineUtilization"] == 0.375  # 24 requests in execution / 64 seats
         # No ITL: blank, which the status patch's null makes an absent key (RFC 7386: null deletes).
         assert sig_st["p99Ms"] == 150.0 and "p99ItlMs" not in sig_st
+        assert (sig_st["promptTokensMean"], sig_st["outputTokensMean"]) == (700.0, 90.0)
 
     def test_stage_times_give_derived_utilization(self, world: FakeKubeApi) -> None:
         _engine(world, "vllm")
@@ -1078,6 +1087,40 @@ def test_signals_to_status_always_sends_the_source_keys() -> None:
     out = ss.signals_to_status(Sample(at=T0, qps=1.0), ShiftRules(), 1)
     assert "stageUtilizationSource" in out and out["stageUtilizationSource"] is None
     assert "pipelineUtilization" in out and out["pipelineUtilization"] is None
+
+
+def test_signals_to_status_shows_the_smoothed_traffic_mix() -> None:
+    """``promptTokensMean`` and ``outputTokensMean``: the moving average (alpha 0.3) to 0.1 token, kept
+    through an idle window, persisted in ``status.control.ema``; ``null`` before any was measured."""
+    from gearshift.api.gearset_status import GearSignals
+    from gearshift.control.smoothing import smooth
+
+    policy = ShiftRules()
+    first = Sample(at=T0, qps=2.0, prompt_tokens_mean=812.46, output_tokens_mean=97.04)
+    idle = Sample(at=T0 + 2, qps=0.0)
+    later = Sample(at=T0 + 4, qps=2.0, prompt_tokens_mean=1000.0, output_tokens_mean=50.0)
+    s1 = smooth(None, first, 0.3)
+    s2 = smooth(s1, idle, 0.3)
+    s3 = smooth(s2, later, 0.3)
+    shown = [ss.signals_to_status(s, policy, 1, raw) for s, raw in ((s1, first), (s2, idle), (s3, later))]
+    assert [(o["promptTokensMean"], o["outputTokensMean"]) for o in shown] == [
+        (812.5, 97.0),
+        (812.5, 97.0),
+        (868.7, 82.9),  # 0.3 x 1000 + 0.7 x 812.46 = 868.722; 0.3 x 50 + 0.7 x 97.04 = 82.928
+    ]
+    assert GearSignals.model_validate(shown[-1]).prompt_tokens_mean == 868.7
+    unknown = ss.signals_to_status(Sample(at=T0, qps=1.0), policy, 1)
+    assert "promptTokensMean" in unknown and unknown["promptTokensMean"] is None
+    assert "outputTokensMean" in unknown and unknown["outputTokensMean"] is None
+
+    control = ss.control_to_status(DecisionState(smoothed=s3), policy)
+    assert control["ema"]["promptTokensMean"] == pytest.approx(868.722)
+    back = ss.control_from_status(ControlState.model_validate(control)).smoothed
+    assert back is not None
+    assert (back.prompt_tokens_mean, back.output_tokens_mean) == (
+        s3.prompt_tokens_mean,
+        s3.output_tokens_mean,
+    )
 
 
 def test_an_unknown_executor_action_fails_the_tick_before_anything_is_written(

@@ -57,6 +57,17 @@ class GearSignals(StatusModel):
     p99_e2e_ms: float | None = Field(
         default=None, alias="p99E2eMs", description="P99 end-to-end request latency, ms."
     )
+    prompt_tokens_mean: float | None = Field(
+        default=None,
+        description="Mean prompt tokens per request of the role's traffic, smoothed like qps: rate of "
+        "vllm:request_prompt_tokens_sum / _count over the window, from the router's client-facing "
+        "histogram, else the gear's engines'; null when not measured yet.",
+    )
+    output_tokens_mean: float | None = Field(
+        default=None,
+        description="Mean generated tokens per finished request, smoothed: vllm:request_generation_tokens, "
+        "from the same source as promptTokensMean; null when not measured yet.",
+    )
     queue_length: float | None = Field(default=None, description="Waiting requests per pipeline replica.")
     kv_cache_usage: float | None = Field(default=None, description="KV-cache usage, 0..1.")
     stage_utilization: list[float] = Field(
@@ -184,7 +195,10 @@ class GearCapacity(StatusModel):
         default=None,
         ge=0,
         le=1e9,
-        description="policy.capacityHeadroom x the planner's predicted throughput, requests/s (0: its "
+        description="Requests/s of the workload the gear was planned for (spec.plan.workload), as every "
+        "rate here: the observed mix converts them with the gear's promptTokensPerS/outputTokensPerS. "
+        "policy.capacityHeadroom (less when the mix's prompts take much of the TTFT target to prefill) x "
+        "the planner's predicted throughput (0: its "
         "predicted P99 misses the target).",
     )
     measured_low_rps: float | None = Field(
@@ -216,6 +230,14 @@ class GearCapacity(StatusModel):
         "it becomes measuredLowRps after 60 s (the P99's window).",
     )
     pending_since: AwareDatetime | None = Field(default=None, description="When that run started.")
+    pending_high_rps: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e9,
+        description="Most the gear completed per second in the current run of overloaded samples; it "
+        "becomes measuredHighRps after 60 s of overload (a burst shorter than the rates' window reads low).",
+    )
+    pending_high_since: AwareDatetime | None = Field(default=None, description="When that run started.")
 
 
 class ControlState(StatusModel):

@@ -8,7 +8,7 @@ twice, as a pydantic validator and in :data:`CEL` as an ``x-kubernetes-validatio
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -209,6 +209,14 @@ class ShiftPolicy(SpecModel):
         description="A gear is predicted to meet the P99 target up to this x its predicted throughput "
         "(req/s) until it has measured its own capacity; the load-high/load-low triggers compare the "
         "smoothed arrival rate with that capacity (status.control.capacity).",
+    )
+    choice: Literal["capacity", "thresholds"] = Field(
+        default="capacity",
+        description="How the target gear is chosen. capacity: the gear with the fewest GPUs predicted to "
+        "meet the SLO for the observed traffic mix and rate (load-high/load-low, each gear's capacity "
+        "corrected by what it measured), the threshold triggers' EMA, hysteresis and dwell around it. "
+        "thresholds: the design source's triggers alone (imbalance, saturation, p99-high, p99-low by gear "
+        "intent; docs/sources.md#shift-triggers), no capacity model.",
     )
     downshift_ratio: float = Field(
         default=0.75,

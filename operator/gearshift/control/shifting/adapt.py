@@ -59,6 +59,7 @@ def policy_from_api(policy: ShiftPolicy, *, role: str, ttft_slo_ms: float, itl_s
         rollback_p99_ratio=policy.rollback_p99_ratio,
         expected_arrival_rps=policy.expected_arrival_rps,
         capacity_headroom=policy.capacity_headroom,
+        choice=policy.choice,
         downshift_ratio=policy.downshift_ratio,
         upshift_dwell_s=policy.upshift_dwell_s,
         allow_degraded=policy.allow_degraded,
@@ -85,6 +86,9 @@ def gear_view(gear: Gear, health: GearHealth | None = None) -> GearView:
         stages=tuple(StageView(s.start, s.end, s.replicas, s.gpus) for s in gear.stages),
         predicted_throughput_rps=None if predicted is None else predicted.throughput_qps,
         predicted_p99_ms=None if predicted is None else predicted.p99_ms,
+        prompt_tokens_per_s=None if predicted is None else predicted.prompt_tokens_per_s,
+        output_tokens_per_s=None if predicted is None else predicted.output_tokens_per_s,
+        ttft_ms_per_prompt_token=None if predicted is None else predicted.ttft_ms_per_prompt_token,
         healthy=True if health is None else health.healthy,
         unhealthy_reason="" if health is None or health.healthy else health.reason,
     )

@@ -81,6 +81,18 @@ REASON_FORCE_UNKNOWN = "ForceGearUnknown"
 REASON_FORCE_UNHEALTHY = "ForceGearUnhealthy"
 REASON_NO_HEALTHY_GEAR = "NoHealthyGear"
 REASON_DWELL = "DwellNotOver"
+REASON_UNFIXABLE = "LatencyUnfixable"
+"""``p99-high`` latched but no gear prefills the long prompts of this mix sooner than the active one."""
+
+#: Holt's trend (Holt 1957; Hyndman & Athanasopoulos, *Forecasting: Principles and Practice*, §8.2) of
+#: the smoothed arrival rate averages its slope over about this long, s: a few samples' noise in the
+#: rate must not read as a rise, and a real rise shows within a minute.
+TREND_WINDOW_S = 180.0
+#: Least rise over a shift's lead time, as a share of the rate, that counts as a trend rather than noise.
+TREND_MIN_RISE = 0.1
+#: Share of requests whose prompts no gear can prefill within the target above which a ``p99-high``
+#: that no gear would fix is reported rather than shifted on: a P99 reads the slowest 1 %.
+UNFIXABLE_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -127,7 +139,10 @@ class DecisionState:
     last_shift_at: float | None = None
     last_retrigger_at: float | None = None
     capacity: dict[str, CapacityEstimate] = field(default_factory=dict)
-    """Each gear's SLO capacity, predicted and measured (:mod:`gearshift.control.shifting.capacity`)."""
+    """Each gear's SLO capacity, predicted and measured (:mod:`gearshift.control.shifting.capacity`), in
+    requests/s of the workload it was planned for (:func:`.capacity.mix_factor`)."""
+    arrival_trend_rps_per_s: float = 0.0
+    """Holt's trend of the smoothed arrival rate, requests/s per s (:data:`TREND_WINDOW_S`)."""
 
     def levels(self) -> dict[Trigger, int]:
         return {t: self.tracks[t].level for t in TRIGGERS}
@@ -144,6 +159,7 @@ class DecisionState:
             "lastShiftAt": self.last_shift_at,
             "lastRetriggerAt": self.last_retrigger_at,
             "capacity": {g: e.to_dict() for g, e in self.capacity.items()},
+            "arrivalTrendRpsPerS": self.arrival_trend_rps_per_s,
         }
 
     @classmethod
@@ -159,6 +175,7 @@ class DecisionState:
             last_shift_at=data.get("lastShiftAt"),
             last_retrigger_at=data.get("lastRetriggerAt"),
             capacity={g: CapacityEstimate.from_dict(e) for g, e in (data.get("capacity") or {}).items()},
+            arrival_trend_rps_per_s=float(data.get("arrivalTrendRpsPerS") or 0.0),
         )
 
 
@@ -173,16 +190,18 @@ class Overrides:
 #: The triggers that read the policy's latency P99, and those that read the arrival rate.
 P99_TRIGGERS = (Trigger.SATURATION, Trigger.LATENCY_HIGH, Trigger.LATENCY_LOW)
 ARRIVAL_TRIGGERS = LOAD_TRIGGERS
+#: The traffic-mix fields of a :class:`Sample`: the load triggers read each gear's capacity for the mix.
+MIX_FIELDS = ("prompt_tokens_mean", "output_tokens_mean")
 
 
 def held_triggers(unavailable: Collection[str], metric: LatencyMetric) -> frozenset[Trigger]:
     """The triggers that read one of the ``unavailable`` :class:`Sample` fields: the P99 triggers when the
     P99 of the policy's latency ``metric`` has no value, the load triggers when the arrival rate has
-    none."""
+    none or the traffic mix (:data:`MIX_FIELDS`) has none."""
     held: set[Trigger] = set()
     if p99_field(metric) in unavailable:
         held |= set(P99_TRIGGERS)
-    if "arrival_rps" in unavailable:
+    if "arrival_rps" in unavailable or any(f in unavailable for f in MIX_FIELDS):
         held |= set(ARRIVAL_TRIGGERS)
     return frozenset(held)
 
@@ -318,26 +337,42 @@ def decide(
     before = tracks
     held = held_triggers(unavailable, policy.latency_metric)
     tracks = {t: before[t] if t in held else _hysteresis(before[t], met[t], policy) for t in TRIGGERS}
-    estimates = capacity.estimates_for(table.gears, state.capacity, policy)
+    planned = capacity.estimates_for(table.gears, state.capacity, policy, smoothed.prompt_tokens_mean)
+    factors = {
+        g.name: capacity.mix_factor(g, smoothed.prompt_tokens_mean, smoothed.output_tokens_mean)
+        for g in table.gears
+    }
     load = smoothed.arrival_rps
-    capacity_mode = load is not None and estimates[active.name].capacity_rps is not None
+    trend = _trend(state, smoothed, now)
+    capacity_mode = (
+        policy.choice == "capacity" and load is not None and planned[active.name].capacity_rps is not None
+    )
+    # A P99 set by prompts no gear prefills in time says nothing of whether the gear keeps up: the
+    # capacity then reads the backlog alone.
+    mix_bound = _unfixable(table, smoothed, policy) is not None
+    alarm = None if mix_bound else measured
+    if capacity_mode and load is not None and not busy and not held:
+        # Only a settled active gear measures its own capacity: while a shift runs, the samples mix
+        # the old gear's, the new one's and the transition's; and only from fresh numbers (a held
+        # series' average is its last value). What it measures is kept in requests/s of its planned
+        # workload, so it still counts when the mix changes.
+        f = factors[active.name]
+        planned[active.name] = capacity.observe(
+            planned[active.name],
+            arrival_rps=load * f,
+            completed_rps=smoothed.qps * f,
+            keeping_up=(mix_bound or measured is not None)
+            and (alarm is None or alarm <= policy.p99_high_ratio * policy.target_p99_ms)
+            and not overloaded,
+            overloaded=tracks[Trigger.SATURATION].latched,
+            saturated=overloaded,
+            now=now,
+        )
+    # Every comparison below is in requests/s of the observed mix.
+    estimates = {g: capacity.at_mix(e, factors.get(g, 1.0)) for g, e in planned.items()}
     if capacity_mode and load is not None:
-        if not busy and not held:
-            # Only a settled active gear measures its own capacity: while a shift runs, the samples mix
-            # the old gear's, the new one's and the transition's; and only from fresh numbers (a held
-            # series' average is its last value).
-            estimates[active.name] = capacity.observe(
-                estimates[active.name],
-                arrival_rps=load,
-                completed_rps=smoothed.qps,
-                keeping_up=measured is not None
-                and measured <= policy.p99_high_ratio * policy.target_p99_ms
-                and not overloaded,
-                overloaded=tracks[Trigger.SATURATION].latched,
-                saturated=overloaded,
-                now=now,
-            )
-        load_met = _load_conditions(load, active, table, estimates, policy, measured, overloaded)
+        ahead = _ahead(load, trend, _lead_s(table, policy))
+        load_met = _load_conditions(load, ahead, active, table, estimates, policy, alarm, overloaded)
         tracks |= {t: _hysteresis(before[t], load_met[t], policy) for t in LOAD_TRIGGERS if t not in held}
     last_shift = state.last_shift_at
     if capacity_mode and last_shift is None:
@@ -350,8 +385,9 @@ def decide(
         smoothed=smoothed,
         tracks=tracks,
         last_retrigger_at=last_retrigger,
-        capacity=estimates,
+        capacity=planned,
         last_shift_at=last_shift,
+        arrival_trend_rps_per_s=trend,
     )
 
     def hold(reason: str, message: str, skipped: tuple[str, ...] = ()) -> tuple[DecisionState, Decision]:
@@ -373,6 +409,13 @@ def decide(
     for trigger in TRIGGERS:
         if not tracks[trigger].latched or trigger in held:
             continue
+        if trigger is Trigger.LATENCY_HIGH:
+            unfixable = _unfixable(table, smoothed, policy)
+            if unfixable is not None:
+                # No gear lowers a P99 set by prompts too long for any of them: shifting would only
+                # spend a shift (and mark a good gear unhealthy when the P99 stays up). It stays latched,
+                # so the hold (and its one event) lasts while the miss does; the other triggers still run.
+                continue
         if capacity_mode and load is not None:
             target, passed = _capacity_target(trigger, table, active, estimates, load, policy)
         elif trigger in LOAD_TRIGGERS:
@@ -428,6 +471,9 @@ def decide(
             p99_ms=measured,
             qps=smoothed.qps,
         )
+    unfixable = _unfixable(table, smoothed, policy) if tracks[Trigger.LATENCY_HIGH].latched else None
+    if unfixable is not None and Trigger.LATENCY_HIGH not in held:
+        return hold(REASON_UNFIXABLE, unfixable)
     if skipped:
         names = ", ".join(sorted(set(skipped)))
         return hold(
@@ -450,6 +496,7 @@ def _more_capacity(target: GearView, active: GearView, estimates: dict[str, Capa
 
 def _load_conditions(
     load: float,
+    ahead: float,
     active: GearView,
     table: GearTable,
     estimates: dict[str, CapacityEstimate],
@@ -457,19 +504,67 @@ def _load_conditions(
     p99_ms: float | None,
     overloaded: bool,
 ) -> dict[Trigger, bool]:
-    """``load-high``: the arrival rate is above the active gear's capacity and some healthy gear has more;
-    ``load-low``: a healthy gear with fewer GPUs fits it within ``downshiftRatio``, while the P99 is
-    under the p99-high alarm (or unmeasured: no traffic) and nothing waits."""
+    """``load-high``: the arrival rate now or ``ahead`` (requests/s: where its trend takes it by the time
+    a shadow could serve, :func:`_lead_s`) is above the active gear's capacity and some healthy gear has
+    more, so a shift up starts while the active gear still keeps up; ``load-low``: a healthy gear with
+    fewer GPUs fits both within ``downshiftRatio``, while the P99 is under the p99-high alarm (or
+    unmeasured: no traffic) and nothing waits."""
     others = [g for g in table.gears if g.name != active.name and g.healthy]
-    high = not capacity.fits(estimates[active.name], load) and any(
+    peak = max(load, ahead)
+    high = not capacity.fits(estimates[active.name], peak) and any(
         _more_capacity(g, active, estimates) for g in others
     )
     # Keeping up, as the capacity reads it: no backlog and the P99 under the p99-high alarm (a bigger gear
     # can sit a little over target at any load, e.g. the benchmark's 4-card gear with A100 heads).
     calm = (p99_ms is None or p99_ms <= policy.p99_high_ratio * policy.target_p99_ms) and not overloaded
     cheaper = [g for g in others if g.gpus < active.gpus]
-    low = calm and capacity.cheapest(cheaper, estimates, load, policy.downshift_ratio) is not None
+    low = calm and capacity.cheapest(cheaper, estimates, peak, policy.downshift_ratio) is not None
     return {Trigger.LOAD_HIGH: high, Trigger.LOAD_LOW: low}
+
+
+def _unfixable(table: GearTable, smoothed: Sample, policy: ShiftRules) -> str | None:
+    """Why ``p99-high`` should not shift, or ``None``: the policy reads the TTFT, at least
+    :data:`UNFIXABLE_SHARE` of the requests have prompts longer than any healthy gear prefills within
+    ``targetP99Ms`` when idle (:func:`.capacity.prompt_tokens_within`), so the P99 stays over target on
+    every gear; the message names that share."""
+    if policy.latency_metric is not LatencyMetric.TTFT:
+        return None
+    longest = capacity.prompt_tokens_within(table.gears, policy.target_p99_ms)
+    share = None if longest is None else capacity.share_above(smoothed.prompt_tokens_buckets, longest)
+    if longest is None or share is None or share < UNFIXABLE_SHARE:
+        return None
+    return (
+        f"p99-high: {share:.1%} of requests have prompts longer than the {longest:.0f} tokens any gear "
+        f"prefills within {policy.target_p99_ms:.0f} ms; no gear can serve them in time, so no shift"
+    )
+
+
+def _ahead(load: float, trend: float, lead_s: float) -> float:
+    """The arrival rate ``lead_s`` from now on the rising ``trend`` (requests/s per s), requests/s;
+    ``load`` when the rise over the lead is under :data:`TREND_MIN_RISE` of it (the rate's noise: a
+    Poisson minute of 20 req/s moves its average by about a request a second)."""
+    rise = max(0.0, trend) * lead_s
+    return load + rise if rise >= TREND_MIN_RISE * load else load
+
+
+def _trend(state: DecisionState, smoothed: Sample, now: float) -> float:
+    """Holt's trend of the smoothed arrival rate after this sample, requests/s per s: the slope since the
+    previous smoothed rate, averaged with weight ``Δt / TREND_WINDOW_S``; 0 with no earlier rate."""
+    prev = state.smoothed
+    if prev is None or prev.arrival_rps is None or smoothed.arrival_rps is None or now <= prev.at:
+        return state.arrival_trend_rps_per_s
+    dt = now - prev.at
+    beta = min(1.0, dt / TREND_WINDOW_S)
+    slope = (smoothed.arrival_rps - prev.arrival_rps) / dt
+    return beta * slope + (1.0 - beta) * state.arrival_trend_rps_per_s
+
+
+def _lead_s(table: GearTable, policy: ShiftRules) -> float:
+    """How long a shift up takes before the new gear serves, s: the largest stage pod's weights of the
+    biggest other gear at ``transferGbps``, its warm-up, and the executor's next two samples."""
+    pods = [g.pod_weight_bytes(table.arch) for g in table.gears if g.name != table.active]
+    load_s = max(pods, default=0) / (policy.transfer_gbps * 1e9)
+    return load_s + policy.warm_s + 2 * policy.sample_interval_s
 
 
 def _p99_high_ratio(
@@ -509,11 +604,18 @@ def _capacity_target(
     others = [g for g in table.gears if g.name != active.name]
     if trigger is Trigger.LATENCY_HIGH:
         mine = active.predicted_p99_ms
+        per_token = active.ttft_ms_per_prompt_token
         faster = [
             g
             for g in others
             if g.predicted_p99_ms is not None
             and (mine is None or g.predicted_p99_ms < mine)
+            # A gear that prefills this mix's prompts slower cannot lower a TTFT they set.
+            and (
+                per_token is None
+                or g.ttft_ms_per_prompt_token is None
+                or g.ttft_ms_per_prompt_token <= per_token
+            )
             and capacity.fits(estimates.get(g.name), load, _p99_high_ratio(g, active, estimates, policy))
         ]
         skipped = [g.name for g in faster if not g.healthy]

@@ -108,6 +108,9 @@ class ShiftRules:
     gear keeps up with 26-28 req/s of the trace as well as the 4-card gear, 0.90-0.97 × its predicted 28.75;
     the simulated engine serves it at 31.2, ``planner_vs_engine.json``); 0.8 shifted up early and spent
     2.75-3.45 GPU-hours where 0.9 spent 2.5 (``gears_headroom_0.8.json``)."""
+    choice: str = _API.choice
+    """``capacity``: the capacity controller chooses the gear (:mod:`gearshift.control.shifting.capacity`);
+    ``thresholds``: the design source's triggers alone."""
     downshift_ratio: float = _API.downshift_ratio
     """``load-low`` shifts to a gear with fewer GPUs only while the smoothed arrival rate is below this ×
     that gear's capacity (a margin against shifting back up at the next bump)."""
@@ -161,6 +164,7 @@ class ShiftRules:
         need(self.rollback_p99_ratio > 1, "rollback_p99_ratio", "must be > 1")
         need(self.expected_arrival_rps >= 0, "expected_arrival_rps", "must be >= 0 requests/s")
         need(0 < self.capacity_headroom <= 1, "capacity_headroom", "must be in (0, 1]")
+        need(self.choice in ("capacity", "thresholds"), "choice", "must be capacity or thresholds")
         need(0 < self.downshift_ratio <= 1, "downshift_ratio", "must be in (0, 1]")
         need(self.upshift_dwell_s >= 0, "upshift_dwell_s", "must be >= 0 s")
 
@@ -194,6 +198,13 @@ class GearView:
     stages: tuple[StageView, ...]
     predicted_throughput_rps: float | None = None
     predicted_p99_ms: float | None = None
+    prompt_tokens_per_s: float | None = None
+    """The planner's linear work model (``predicted.promptTokensPerS``, ``outputTokensPerS``): a request of
+    ``p`` prompt and ``o`` output tokens keeps the gear busy ``p / prompt_tokens_per_s + o /
+    output_tokens_per_s`` s; ``None``: the gear's capacity is mix-blind (requests/s only)."""
+    output_tokens_per_s: float | None = None
+    ttft_ms_per_prompt_token: float | None = None
+    """Unloaded time to first token per prompt token on the gear's fastest cards, ms."""
     healthy: bool = True
     unhealthy_reason: str = ""
 
@@ -206,6 +217,16 @@ class GearView:
     def pipelines(self) -> int:
         """Pipeline replicas (head pods): stage 0's replicas, at least 1."""
         return max(1, self.stages[0].replicas) if self.stages else 1
+
+    def busy_rps(self, prompt_tokens: float | None, output_tokens: float | None) -> float | None:
+        """Requests/s of a mix of ``prompt_tokens`` and ``output_tokens`` per request the gear serves when
+        busy all the time, by its linear work model; the planner's predicted throughput when the mix or
+        the model is not known; ``None`` without a prediction."""
+        pt, ot = self.prompt_tokens_per_s, self.output_tokens_per_s
+        if pt is None or ot is None or prompt_tokens is None or output_tokens is None:
+            return self.predicted_throughput_rps
+        busy_s = max(prompt_tokens, 0.0) / pt + max(output_tokens, 0.0) / ot
+        return self.predicted_throughput_rps if busy_s <= 0 else 1.0 / busy_s
 
     def weight_bytes(self, arch: ModelArch) -> int:
         """Weights all pods of this gear load, bytes (every replica of every stage)."""

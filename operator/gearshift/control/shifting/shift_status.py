@@ -44,6 +44,8 @@ _SAMPLE_KEYS = {
     "itl_p99_ms": "itlP99Ms",
     "e2e_p50_ms": "e2eP50Ms",
     "e2e_p99_ms": "e2eP99Ms",
+    "prompt_tokens_mean": "promptTokensMean",
+    "output_tokens_mean": "outputTokensMean",
 }
 
 
@@ -70,6 +72,11 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
     return value
+
+
+#: ``status.control.ema`` key of Holt's trend of the arrival rate (requests/s per s): smoothed state
+#: like the averages, though no field of a sample.
+TREND_KEY = "arrivalTrendRpsPerS"
 
 
 def _ema_to_sample(ema: Mapping[str, float]) -> Sample | None:
@@ -102,6 +109,7 @@ def control_from_status(c: ControlState | None) -> DecisionState:
         tracks=tracks,
         last_shift_at=from_time(c.last_shift_time),
         last_retrigger_at=from_time(c.last_retrigger_time),
+        arrival_trend_rps_per_s=float(c.ema.get(TREND_KEY, 0.0)),
         capacity={
             e.gear: CapacityEstimate(
                 e.predicted_rps,
@@ -110,6 +118,8 @@ def control_from_status(c: ControlState | None) -> DecisionState:
                 from_time(e.updated_time),
                 e.pending_low_rps,
                 from_time(e.pending_since),
+                e.pending_high_rps,
+                from_time(e.pending_high_since),
             )
             for e in c.capacity
         },
@@ -120,7 +130,8 @@ def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
     """``status.control`` (camelCase JSON) of ``d``; ``dwellUntil`` is informational (last shift + dwell)."""
     tracks: Mapping[Trigger, TriggerTrack] = d.tracks
     return {
-        "ema": {} if d.smoothed is None else _sample_to_ema(d.smoothed),
+        "ema": ({} if d.smoothed is None else _sample_to_ema(d.smoothed))
+        | ({TREND_KEY: d.arrival_trend_rps_per_s} if math.isfinite(d.arrival_trend_rps_per_s) else {}),
         "streaks": {t.value: tr.on for t, tr in tracks.items()},
         "offStreaks": {t.value: tr.off for t, tr in tracks.items()},
         "latched": [t.value for t, tr in tracks.items() if tr.latched],
@@ -138,6 +149,8 @@ def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
                 "updatedTime": to_time(e.updated_at),
                 "pendingLowRps": _finite(e.pending_low_rps),
                 "pendingSince": to_time(e.pending_since),
+                "pendingHighRps": _finite(e.pending_high_rps),
+                "pendingHighSince": to_time(e.pending_high_since),
             }
             for g, e in d.capacity.items()
         ],
@@ -148,7 +161,13 @@ def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
 #: without any has none of them (camelCase, as stored).
 LATENCY_SIGNAL_KEYS = ("p99Ms", "p50TtftMs", "p99TtftMs", "p50ItlMs", "p99ItlMs", "p50E2eMs", "p99E2eMs")
 #: ``status.signals`` keys that only some samples have (always sent, ``null`` when unknown).
-OPTIONAL_SIGNAL_KEYS = (*LATENCY_SIGNAL_KEYS, "stageUtilizationSource", "pipelineUtilization")
+OPTIONAL_SIGNAL_KEYS = (
+    *LATENCY_SIGNAL_KEYS,
+    "stageUtilizationSource",
+    "pipelineUtilization",
+    "promptTokensMean",
+    "outputTokensMean",
+)
 
 
 def signals_to_status(
@@ -166,7 +185,10 @@ def signals_to_status(
     percentile, that percentile is written as ``null``. ``reading`` (the raw sample's) gives
     ``stageUtilizationSource`` (engine, derived, none) and, for vLLM, ``pipelineUtilization`` (this
     sample's seat occupancy of the head, not smoothed). When the raw sample has no stage utilisation,
-    ``stageUtilization`` is empty rather than the average of an earlier one. The optional keys are
+    ``stageUtilization`` is empty rather than the average of an earlier one. ``promptTokensMean`` and
+    ``outputTokensMean`` are the smoothed traffic mix (tokens, to 0.1), ``null`` until one is measured;
+    an idle window keeps the last mix (it still describes the service's requests, where a latency
+    would be stale). The optional keys are
     always present (``null`` when unknown) because a JSON merge patch leaves out-of-patch keys as they
     were. Non-finite numbers are written as ``null``."""
     no_traffic = raw is not None and raw.qps <= 0.0
@@ -175,6 +197,9 @@ def signals_to_status(
         if raw is not None and (no_traffic or measured is None):
             return None
         return _round(smoothed)
+
+    def tokens(smoothed: float | None) -> float | None:
+        return None if (v := _finite(smoothed)) is None else round(v, 1)
 
     stages = s.stage_utilization
     if raw is not None and not raw.stage_utilization:
@@ -191,6 +216,8 @@ def signals_to_status(
         p99_itl_ms=shown(s.itl_p99_ms, raw.itl_p99_ms if raw else None),
         p50_e2e_ms=shown(s.e2e_p50_ms, raw.e2e_p50_ms if raw else None),
         p99_e2e_ms=shown(s.e2e_p99_ms, raw.e2e_p99_ms if raw else None),
+        prompt_tokens_mean=tokens(s.prompt_tokens_mean),
+        output_tokens_mean=tokens(s.output_tokens_mean),
         queue_length=_finite(round(s.queue / max(replicas, 1), 3)),
         stage_utilization=[round(u, 4) for u in stages] if all(math.isfinite(u) for u in stages) else [],
         stage_utilization_source=None if reading is None else reading.source.value,
