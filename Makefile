@@ -62,7 +62,7 @@ demo: venv binaries
 	$(VENV)/bin/gearshift demo $(DEMO_ARGS)
 
 # The benchmarks that need no cluster (virtual time, loopback); each writes bench/results/*.json.
-BENCH_VIRTUAL := planner planner_vs_engine gears aggregated_tpot aggregated_windows router_des router router_peers router_cost autoscale time_fragments sim_calibration sim_overhead
+BENCH_VIRTUAL := planner planner_vs_engine gears prefill_headroom aggregated_tpot aggregated_windows router_des router router_peers router_cost autoscale time_fragments sim_calibration sim_overhead
 # The benchmarks on the sandbox cluster (it is brought up or reused); real vLLM for vllm_cpu.
 BENCH_SANDBOX := reconcile autoscale_sandbox time_fragments_sandbox reliability lease vllm_cpu
 

@@ -1,19 +1,29 @@
-"""Gear-shifting benchmark (issues 9, 19): the Azure conversation trace on the mixed fleet, in virtual time.
+"""Gear-shifting benchmark (issues 9, 19): traffic shapes on the mixed fleet, in virtual time.
 
-Per scenario (a load: ``x<k>`` time-compressed, ``x<k>-own-pace`` k times as dense at the trace's own
-pace, so the load crosses gear capacities on the trace's own timescale), it replays every static gear,
-the shifting loop (``dynamic``) and the per-window **oracle** (:func:`oracle_schedule`), and reports per
-variant goodput, GPU-hours (shadows and draining gears counted), SLO-met per GPU-hour, SLO-met per 60 s
-window, shifts per trace hour and failures, and the capacity controller's goals.
+Per scenario it replays every static gear, the shifting loop (``dynamic``) and the per-window **oracle**
+(:func:`oracle_schedule`), and reports per variant goodput, GPU-hours (shadows and draining gears
+counted), SLO-met per GPU-hour, SLO-met per 60 s window, shifts per trace hour and failures, and the
+capacity controller's goals (:func:`_goals`).
+
+Scenarios are traffic **shapes** (``bench/shapes.py``: the shipped Azure conversation trace, and
+``long-prompt``, ``long-output`` and ``day`` generated in code from published statistics, seeded), each
+at loads ``x<k>``: k times as dense at the shape's own pace (:func:`densify`), so the load crosses gear
+capacities on the shape's own timescale; ``<shape>-x<k>``. ``conversation`` and ``long-prompt`` are the
+shapes the shifting loop's defaults were tuned on, ``long-output`` and ``day`` are held out (each
+scenario says which). ``--scenarios`` still replays the conversation trace (``--trace``) as before:
+``x<k>`` time-compressed, ``x<k>-own-pace`` k times as dense at its own pace.
 
 The replays run in the twin, :mod:`gearshift.dev.twin`: the real planner and control code on simulated
 engines in virtual time. Its docstring says what is real and what is modelled, and how a request fails,
 is rejected or meets the SLO (TTFT ≤ 200 ms and TPOT ≤ 50 ms, DESIGN.md's targets); ``gearshift demo``
-runs the same twin on the window it replayed.
+runs the same twin on the window it replayed. The gears are planned once, for the conversation trace's
+mean prompt and output (``spec.plan.workload``), and serve every shape.
 
-Run: ``PYTHONPATH=operator .venv/bin/python bench/gears.py`` (writes ``bench/results/gears.json``; about
-15 CPU-minutes); ``--scenarios x4-own-pace:600 --variants dynamic,latency,throughput`` for a quick look,
-``--trace`` for another CSV of the same columns, ``--policy '{"capacityHeadroom": 0.8}'`` for a what-if.
+Run: ``PYTHONPATH=operator .venv/bin/python bench/gears.py`` (writes ``bench/results/gears.json``; every
+shape at x1, x4, x8: one to two CPU-hours); ``--shapes long-prompt,day --loads 1 --variants
+latency,dynamic --limit-s 300`` for a quick look; ``--scenarios x4-own-pace:600`` for the conversation
+trace's earlier loads, ``--trace`` for another CSV of the same columns, ``--policy '{"capacityHeadroom":
+0.8}'`` for a what-if.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import resource
@@ -57,6 +68,7 @@ from gearshift.dev.twin import (  # noqa: E402
 from gearshift.dev.twin.compare import dynamic_start, oracle_variant  # noqa: E402
 from gearshift.dev.twin.constants import TAIL_S  # noqa: E402
 from gearshift.facts.model import ModelArch, load_hf_config  # noqa: E402
+from shapes import SHAPES, make_trace  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "gears.json"
 
@@ -93,15 +105,23 @@ def densify(trace: Trace, k: float, seed: int = DENSIFY_SEED, jitter_s: float = 
 
 @dataclass(frozen=True)
 class Scenario:
-    """A load: the trace time-compressed ``speed`` times, or ``density`` times as dense at its own pace."""
+    """A load: a traffic ``shape`` (``bench/shapes.py``) ``density`` times as dense at its own pace; or,
+    with no shape, the ``--trace`` CSV time-compressed ``speed`` times or ``density`` times as dense at its
+    own pace."""
 
     name: str
     speed: float = 1.0
     density: float = 1.0
     limit_s: float | None = None
+    shape: str | None = None
 
     def describe(self) -> str:
         span = "the whole trace" if self.limit_s is None else f"the first {self.limit_s:g} s"
+        if self.shape is not None:
+            return (
+                f"the {self.shape} shape {self.density:g}x as dense at its own pace (each request plus "
+                f"copies within +-{DENSIFY_JITTER_S:g} s): {span}; load changes at the shape's own timescale"
+            )
         if self.density != 1.0:
             return (
                 f"the trace {self.density:g}x as dense at its own pace (each request plus copies within "
@@ -110,9 +130,37 @@ class Scenario:
         return f"the trace time-compressed x{self.speed:g}: {span}"
 
     def trace(self, path: Path) -> Trace:
+        if self.shape is not None:
+            base = make_trace(self.shape, path)
+            if self.limit_s is not None:
+                keep = base.t <= self.limit_s
+                base = Trace(base.t[keep], base.prompt[keep], base.output[keep], base.speed)
+            return densify(base, self.density) if self.density != 1.0 else base
         if self.density != 1.0:
             return densify(load_trace(path, self.limit_s), self.density)
         return load_trace(path, self.limit_s, self.speed)
+
+
+def shape_scenarios(
+    shapes: Sequence[str], loads: Sequence[float], limit_s: float | None = None
+) -> list[Scenario]:
+    """Every shape at every load (k times as dense at its own pace), named ``<shape>-x<k>`` (and
+    ``-first-<s>s`` when ``limit_s`` cuts it), shape by shape.
+
+    Raises:
+        ValueError: an unknown shape or a load that is not positive.
+    """
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        raise ValueError(f"--shapes {bad}: use some of {', '.join(SHAPES)}")
+    if any(not k > 0 or not math.isfinite(k) for k in loads):
+        raise ValueError(f"--loads {list(loads)}: every load is a positive number, e.g. 1,4,8")
+    cut = "" if limit_s is None else f"-first-{limit_s:g}s"
+    return [
+        Scenario(f"{s}-x{k:g}{cut}", density=k, limit_s=limit_s, shape=s)
+        for s in dict.fromkeys(shapes)
+        for k in dict.fromkeys(loads)
+    ]
 
 
 def parse_scenario(text: str, limit_s: float | None = None) -> Scenario:
@@ -154,10 +202,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated traffic shapes ({', '.join(SHAPES)}; bench/shapes.py), each at every "
+        "--loads: <shape>-x<k>. Default: all of them, unless --scenarios is given (then none)",
+    )
+    ap.add_argument(
+        "--loads",
+        default="1,4,8",
+        help="comma-separated densities of every shape at its own pace (each request plus k-1 copies)",
+    )
+    ap.add_argument(
         "--scenarios",
-        default="x1,x4,x8,x4-own-pace",
-        help="comma-separated loads: x<k> (time-compressed; x1/x4/x8 replay their first 1200/450/300 s), "
-        "x<k>-own-pace (k times as dense at the trace's own pace, the whole trace); :<s> limits either",
+        default=None,
+        help="comma-separated loads of the --trace CSV, as before the shapes: x<k> (time-compressed; "
+        "x1/x4/x8 replay their first 1200/450/300 s), x<k>-own-pace (k times as dense at the trace's own "
+        "pace, the whole trace); :<s> limits either. Default: none",
     )
     ap.add_argument(
         "--limit-s", type=float, default=None, help="replay only the first seconds (every scenario)"
@@ -187,10 +247,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_policy = ApiShiftPolicy.model_validate(json.loads(args.policy))
     except (ValueError, TypeError) as err:
         ap.error(f"--policy: {err}")
+    if args.shapes is None:
+        args.shapes = "" if args.scenarios is not None else ",".join(SHAPES)
     try:
-        scens = [parse_scenario(x, args.limit_s) for x in args.scenarios.split(",") if x]
+        loads = [float(x) for x in args.loads.split(",") if x]
+    except ValueError:
+        ap.error(f"--loads {args.loads!r}: comma-separated positive numbers, e.g. 1,4,8")
+    try:
+        shape_names = [x for x in args.shapes.split(",") if x]
+        scens = shape_scenarios(shape_names, loads, args.limit_s)
+        scens += [parse_scenario(x, args.limit_s) for x in (args.scenarios or "").split(",") if x]
     except ValueError as err:
         ap.error(str(err))
+    if not scens:
+        ap.error("nothing to replay: give --shapes (and --loads) or --scenarios")
     if not args.trace.is_file():
         ap.error(f"--trace {args.trace}: no such file")
 
@@ -248,34 +318,82 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(scen.name, json.dumps({k: r.get(k) for k in keys}), flush=True)
             results.append(r)
+        arrivals = np.bincount((trace.t // WINDOW_S).astype(int))
+        mean_rps = round(len(trace.t) / trace.duration_s, 4) if trace.duration_s else None
         scenarios[scen.name] = {
             "what": scen.describe(),
+            **_shape_fields(scen, args.trace),
             "trace": {
                 "speed": scen.speed,
                 "density": scen.density,
                 "limit_s": scen.limit_s,
                 "requests": len(trace.t),
                 "trace_duration_s": round(trace.duration_s, 1),
-                "offered_rps": round(len(trace.t) / trace.duration_s, 4) if trace.duration_s else None,
-                "offered_rps_per_minute": [
-                    round(float(x) / WINDOW_S, 2) for x in np.bincount((trace.t // WINDOW_S).astype(int))
-                ],
+                "mean_prompt_tokens": round(float(trace.prompt.mean()), 1) if len(trace.t) else None,
+                "mean_output_tokens": round(float(trace.output.mean()), 1) if len(trace.t) else None,
+                "mean_rps": mean_rps,
+                "offered_rps": mean_rps,
+                "offered_rps_per_minute": [round(float(x) / WINDOW_S, 2) for x in arrivals],
             },
             "initial_gear": start,
             "expected_arrival_rps": round(scen_policy.expected_arrival_rps, 3),
             "results": results,
-            "goals": _goals(results),
+            "goals": _goals(results, arrivals, peak=scen.shape == "day"),
         }
     doc = _report(args, arch, policy, gears, even, plan_info, plan_s, scenarios, workload)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
+    print(_summary_table(doc["summary"]))
     return 0
 
 
-def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The capacity controller's goals for one scenario (each with its value, the goal and whether it is
-    met)."""
+def _shape_fields(scen: Scenario, trace_path: Path) -> dict[str, Any]:
+    """A scenario's shape, where its numbers come from and whether the shifting loop's defaults were
+    tuned on it (``tuning``: ``tuned on`` or ``held out``). A ``--trace`` other than the shipped one is a
+    ``custom-trace``, held out."""
+    name = scen.shape or "conversation"
+    info = SHAPES[name]
+    source, tuning = info.source, info.tuning
+    if Path(trace_path).resolve() != Path(TRACE).resolve():
+        if name == "conversation":
+            name, source, tuning = "custom-trace", f"--trace {Path(trace_path).name}", "held out"
+        elif name == "day":
+            source += f"; token mix here from --trace {Path(trace_path).name}"
+    return {"shape": name, "shape_source": source, "tuning": tuning}
+
+
+#: The goals every scenario checks beside the older ones, by key (the summary table's letters a-e).
+CORE_GOALS = {
+    "not_dominated": "a",
+    "slo_met_vs_best_static": "b",
+    "failed_vs_best_static": "c",
+    "slo_met_per_gpu_hour_vs_oracle": "d",
+    "mean_gpus_vs_peak_static": "e",
+}
+#: The peak of a day: the busiest share of its 60 s windows by arrivals, and the SLO attainment a static
+#: gear needs over their requests to count as meeting the SLO at the peak.
+PEAK_WINDOW_SHARE = 0.10
+PEAK_ATTAINMENT = 0.98
+#: Goal (e): dynamic's mean GPUs at most this share of the peak gear's, at this share of its SLO-met or more.
+PEAK_GPU_SHARE = 0.6
+PEAK_SLO_MET_SHARE = 0.98
+
+
+def _goals(
+    results: list[dict[str, Any]], arrivals: Sequence[int] | np.ndarray | None = None, *, peak: bool = False
+) -> dict[str, Any]:
+    """The capacity controller's goals for one scenario (each with its value, the goal, whether it is met
+    and the figures behind it).
+
+    Beside the older goals: (a) ``not_dominated``: no static gear has both more SLO-met requests and fewer
+    GPU-hours than ``dynamic``; (b) ``slo_met_vs_best_static`` >= 0.98 (the best static by SLO-met, fewer
+    GPU-hours on a tie); (c) ``failed_vs_best_static``: dynamic fails no more requests than that gear; (d)
+    ``slo_met_per_gpu_hour_vs_oracle`` >= 0.95; and with ``peak`` (the ``day`` shape) and ``arrivals`` (the
+    scenario's arrivals per 60 s window) (e) ``mean_gpus_vs_peak_static``: dynamic's mean GPUs at most 0.6x
+    those of the smallest static gear (fewest mean GPUs) that meets the SLO at the peak -- SLO attainment
+    >= 0.98 over the requests arriving in the busiest 10 % of windows -- at 0.98x its SLO-met or more.
+    """
     by = {r["variant"]: r for r in results}
     statics = [r for r in results if r["variant"].startswith("static-")]
     goals: dict[str, Any] = {}
@@ -289,6 +407,34 @@ def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
 
     def goal(value: Any, target: str, met: bool, **extra: Any) -> dict[str, Any]:
         return {"value": value, "goal": target, "met": met, **extra}
+
+    # (a) - (c): against the static gears.
+    dominated_by = [
+        s["variant"] for s in statics if s["slo_met"] > d["slo_met"] and s["gpu_hours"] < d["gpu_hours"]
+    ]
+    goals["not_dominated"] = goal(
+        len(dominated_by),
+        "0 static gears with more SLO-met requests and fewer GPU-hours than dynamic",
+        not dominated_by,
+        dominated_by=dominated_by,
+        dynamic=[d["slo_met"], d["gpu_hours"]],
+    )
+    top = max(statics, key=lambda r: (r["slo_met"], -r["gpu_hours"]))
+    r_top = ratio(d["slo_met"], top["slo_met"])
+    goals["slo_met_vs_best_static"] = goal(
+        r_top,
+        ">= 0.98",
+        r_top is not None and r_top >= 0.98,
+        best=top["variant"],
+        slo_met=[d["slo_met"], top["slo_met"]],
+    )
+    goals["failed_vs_best_static"] = goal(
+        d["failed"],
+        f"<= the best static's ({top['variant']}) {top['failed']}",
+        d["failed"] <= top["failed"],
+        best=top["variant"],
+        best_failed=top["failed"],
+    )
 
     g = ratio(d["goodput_rps"], best["goodput_rps"])
     goals["goodput_vs_best_static"] = goal(g, ">= 0.98", g is not None and g >= 0.98, best=best["variant"])
@@ -327,9 +473,152 @@ def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
             oracle_gpu_hours=o["gpu_hours"],
             oracle_slo_met_per_gpu_hour=o["slo_met_per_gpu_hour"],
         )
+        e_o = ratio(d["slo_met_per_gpu_hour"], o["slo_met_per_gpu_hour"])
+        goals["slo_met_per_gpu_hour_vs_oracle"] = goal(
+            e_o,
+            ">= 0.95",
+            e_o is not None and e_o >= 0.95,
+            per_gpu_hour=[d["slo_met_per_gpu_hour"], o["slo_met_per_gpu_hour"]],
+        )
     goals["shifts_per_trace_hour"] = goal(d["shifts_per_trace_hour"], "<= 6", d["shifts_per_trace_hour"] <= 6)
     goals["failed_requests"] = goal(d["failed"], "0", d["failed"] == 0)
+    if peak and arrivals is not None:
+        goals["mean_gpus_vs_peak_static"] = _peak_goal(d, statics, np.asarray(arrivals, dtype=float))
     return goals
+
+
+def _peak_goal(d: dict[str, Any], statics: list[dict[str, Any]], arrivals: np.ndarray) -> dict[str, Any]:
+    """Goal (e) of :func:`_goals`: dynamic's mean GPUs against the smallest static gear that meets the SLO
+    at the peak (the busiest :data:`PEAK_WINDOW_SHARE` of the 60 s windows by arrivals)."""
+    target = f"<= {PEAK_GPU_SHARE:g} at >= {PEAK_SLO_MET_SHARE:g}x its SLO-met"
+    n_top = max(1, math.ceil(PEAK_WINDOW_SHARE * len(arrivals)))
+    top = np.argsort(-arrivals, kind="stable")[:n_top]
+    offered = float(arrivals[top].sum())
+
+    def met_at_peak(r: dict[str, Any]) -> int:
+        w = r["windows"]
+        return sum(int(w[i]["slo_met"]) for i in top if i < len(w))
+
+    attainment = {s["variant"]: round(met_at_peak(s) / offered, 4) if offered else None for s in statics}
+    meeting = [s for s in statics if (attainment[s["variant"]] or 0.0) >= PEAK_ATTAINMENT]
+    why: dict[str, Any] = {
+        "peak_windows_start_s": sorted(int(i) * int(WINDOW_S) for i in top),
+        "peak_requests": int(offered),
+        "peak_attainment": attainment,
+        "dynamic_peak_attainment": round(met_at_peak(d) / offered, 4) if offered else None,
+        "dynamic_mean_gpus": d["mean_gpus"],
+        # Dynamic never holds fewer cards than the smallest gear: below this the goal cannot be met.
+        "floor_mean_gpus": min(s["mean_gpus"] for s in statics),
+    }
+    if not meeting:
+        return {
+            "value": None,
+            "goal": target,
+            "met": False,
+            "peak_static": None,
+            "why": f"no static gear meets the SLO (>= {PEAK_ATTAINMENT:g}) at the peak",
+            **why,
+        }
+    ref = min(meeting, key=lambda r: (r["mean_gpus"], -r["slo_met"]))
+    value = round(d["mean_gpus"] / ref["mean_gpus"], 4) if ref["mean_gpus"] else None
+    slo_share = round(d["slo_met"] / ref["slo_met"], 4) if ref["slo_met"] else None
+    met = (
+        value is not None
+        and value <= PEAK_GPU_SHARE
+        and (slo_share is None or slo_share >= PEAK_SLO_MET_SHARE)
+    )
+    return {
+        "value": value,
+        "goal": target,
+        "met": met,
+        "peak_static": ref["variant"],
+        "peak_static_mean_gpus": ref["mean_gpus"],
+        "slo_met_vs_peak_static": slo_share,
+        "reachable": why["floor_mean_gpus"] <= PEAK_GPU_SHARE * ref["mean_gpus"],
+        **why,
+    }
+
+
+def _figures(r: dict[str, Any] | None) -> dict[str, Any] | None:
+    return (
+        None
+        if r is None
+        else {"variant": r["variant"], **{k: r[k] for k in ("slo_met", "gpu_hours", "failed")}}
+    )
+
+
+def _summary(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per scenario: its shape, load and tuning, dynamic's SLO-met, GPU-hours and failed, the best
+    static gear's (by SLO-met) and the oracle's, and which goals are met (the core ones,
+    :data:`CORE_GOALS`, and all)."""
+    rows = []
+    for name, sc in scenarios.items():
+        by = {r["variant"]: r for r in sc["results"]}
+        statics = [r for r in sc["results"] if r["variant"].startswith("static-")]
+        top = max(statics, key=lambda r: (r["slo_met"], -r["gpu_hours"])) if statics else None
+        tr = sc["trace"]
+        load = f"x{tr['density']:g}" if tr["speed"] == 1.0 else f"x{tr['speed']:g} time-compressed"
+        if tr["limit_s"] is not None:
+            load += f", first {tr['limit_s']:g} s"
+        goals = sc["goals"]
+        rows.append(
+            {
+                "scenario": name,
+                "shape": sc["shape"],
+                "load": load,
+                "tuning": sc["tuning"],
+                "dynamic": _figures(by.get("dynamic")),
+                "best_static": _figures(top),
+                "oracle": _figures(by.get("oracle")),
+                "core_goals": {k: goals[k]["met"] for k in CORE_GOALS if k in goals},
+                "goals_met": sum(1 for g in goals.values() if g["met"]),
+                "goals": len(goals),
+            }
+        )
+    return rows
+
+
+def _summary_table(rows: list[dict[str, Any]]) -> str:
+    """The summary rows as a plain-text table: SLO-met/GPU-hours/failed of dynamic, the best static gear
+    and the oracle; the core goals by letter (``a+`` met, ``a-`` not, ``a.`` not checked)."""
+
+    def f(r: dict[str, Any] | None, short: bool = False) -> str:
+        if r is None:
+            return "-"
+        name = r["variant"].removeprefix("static-") + " " if short else ""
+        return f"{name}{r['slo_met']}/{r['gpu_hours']:.3f}/{r['failed']}"
+
+    head = (
+        "shape",
+        "load",
+        "tuning",
+        "dynamic met/GPU-h/failed",
+        "best static",
+        "oracle",
+        "goals a-e",
+        "met",
+    )
+    lines = [
+        (
+            r["shape"],
+            r["load"],
+            r["tuning"],
+            f(r["dynamic"]),
+            f(r["best_static"], short=True),
+            f(r["oracle"]),
+            " ".join(
+                f"{ch}{'.' if k not in r['core_goals'] else '+' if r['core_goals'][k] else '-'}"
+                for k, ch in CORE_GOALS.items()
+            ),
+            f"{r['goals_met']}/{r['goals']}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
+    return "\n".join(
+        "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
+        for row in [head, *lines]
+    )
 
 
 def _report(
@@ -347,7 +636,7 @@ def _report(
     trace_path = Path(args.trace).resolve()
     return {
         "benchmark": "gears (issues 9, 19): dynamic gear shifting vs each static gear vs the per-window "
-        "oracle, goodput and GPU-hours",
+        "oracle, goodput and GPU-hours, on traffic shapes at their own pace",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
@@ -408,11 +697,21 @@ def _report(
             "goodput": "requests meeting both SLOs / trace duration (requests/s)",
             "gpu_hours": "cards held x time over the trace duration / 3600 (shadows, draining gears in)",
             "windows": "SLO-met requests by arrival in each 60 s window",
+            "shapes": "bench/shapes.py: conversation (the shipped trace) and long-prompt, long-output, day "
+            "generated in code from published statistics (seeded); each scenario <shape>-x<k> is the shape "
+            "k times as dense at its own pace (densify: each request plus k-1 copies within +-30 s); "
+            "'tuning' says whether the shifting loop's defaults were tuned on the shape (conversation, "
+            "long-prompt) or it is held out (long-output, day)",
+            "peak": f"day: a static gear meets the SLO at the peak when its SLO attainment over the requests "
+            f"arriving in the busiest {PEAK_WINDOW_SHARE:.0%} of 60 s windows is >= {PEAK_ATTAINMENT:g}",
         },
         "parameters": {
             # Repository-relative for the bundled trace: no path of the machine that ran it.
             "trace": str(trace_path.relative_to(ROOT) if trace_path.is_relative_to(ROOT) else trace_path),
             "limit_s": args.limit_s,
+            "shapes": [x for x in args.shapes.split(",") if x],
+            "loads": args.loads,
+            "scenarios": args.scenarios,
             "max_batch": args.max_batch,
             "fleet": str(FLEET.relative_to(ROOT)),
             "model": str(Path(args.model).resolve().relative_to(ROOT)),
@@ -429,7 +728,8 @@ def _report(
             "workload": {
                 "prompt_tokens": workload[0],
                 "output_tokens": workload[1],
-                "source": "the whole trace's mean prompt and output tokens (GearSet spec.plan.workload)",
+                "source": "the whole --trace's mean prompt and output tokens (GearSet spec.plan.workload); "
+                "the gears are planned once, for this mix, and serve every shape",
             },
             "policy": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(policy).items()},
             "client_timeout_s": CLIENT_TIMEOUT_S,
@@ -451,6 +751,11 @@ def _report(
             "even": {"pipeline": even.pipeline_doc, "heads": even.heads, "load_s": round(even.load_s, 2)},
             "planner": plan_info,
         },
+        "shapes": {
+            name: SHAPES[name].to_json()
+            for name in sorted({sc["shape"] for sc in scenarios.values()} & set(SHAPES))
+        },
+        "summary": _summary(scenarios),
         "scenarios": scenarios,
     }
 

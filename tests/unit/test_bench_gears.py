@@ -157,3 +157,88 @@ class TestGoals:
         dyn = _result("dynamic", [0, 10, 100, 100], 1.0)
         w = g._goals([lat, dyn])["windows_vs_best_static_of_window"]
         assert w["met"] and w["value"] == 1.0 and not math.isnan(w["value"])
+
+
+class TestShapeScenarios:
+    def test_names_and_loads(self, g: ModuleType) -> None:
+        scens = g.shape_scenarios(["long-prompt", "day"], [1.0, 4.0])
+        assert [s.name for s in scens] == ["long-prompt-x1", "long-prompt-x4", "day-x1", "day-x4"]
+        assert (scens[1].shape, scens[1].density, scens[1].limit_s) == ("long-prompt", 4.0, None)
+        assert g.shape_scenarios(["day"], [8.0], limit_s=300.0)[0].name == "day-x8-first-300s"
+
+    @pytest.mark.parametrize(("shapes", "loads"), [(["nope"], [1.0]), (["day"], [0.0]), (["day"], [-2.0])])
+    def test_bad_shapes_and_loads(self, g: ModuleType, shapes: list[str], loads: list[float]) -> None:
+        with pytest.raises(ValueError, match=r"--shapes|--loads"):
+            g.shape_scenarios(shapes, loads)
+
+    def test_a_limited_shape_is_its_first_seconds_densified(self, g: ModuleType) -> None:
+        tr = g.Scenario("day-x2-first-600s", density=2.0, limit_s=600.0, shape="day").trace(g.TRACE)
+        one = g.Scenario("day-x1-first-600s", density=1.0, limit_s=600.0, shape="day").trace(g.TRACE)
+        assert tr.duration_s <= 600.0 and one.duration_s <= 600.0 and len(tr.t) == 2 * len(one.t)
+
+
+def _gpus(r: dict[str, Any], mean_gpus: float) -> dict[str, Any]:
+    return {**r, "mean_gpus": mean_gpus}
+
+
+class TestShapeGoals:
+    def test_core_goals_against_the_statics_and_the_oracle(self, g: ModuleType) -> None:
+        lat = _result("static-latency", [100] * 10, 1.0 / 3, failed=2)
+        thr = _result("static-throughput", [100] * 5 + [120] * 5, 2.0 / 3, failed=1)
+        dyn = _result("dynamic", [100] * 5 + [118] * 5, 0.5, failed=1)
+        ora = _result("oracle", [100] * 5 + [120] * 5, 0.45)
+        goals = g._goals([lat, thr, dyn, ora])
+        # Neither static has more SLO-met (1000, 1100 vs 1090) *and* fewer GPU-hours (1/3, 2/3 vs 1/2).
+        assert goals["not_dominated"]["met"] and goals["not_dominated"]["value"] == 0
+        assert goals["slo_met_vs_best_static"]["best"] == "static-throughput"
+        assert goals["slo_met_vs_best_static"]["value"] == pytest.approx(1090 / 1100, abs=1e-4)
+        assert goals["failed_vs_best_static"]["met"]  # 1 <= throughput's 1
+        # 1090 / 0.5 = 2180 against 1100 / 0.45 = 2444.4: 0.8918 < 0.95
+        d = goals["slo_met_per_gpu_hour_vs_oracle"]
+        assert d["value"] == pytest.approx(2180 / (1100 / 0.45), abs=1e-3) and not d["met"]
+        assert "mean_gpus_vs_peak_static" not in goals  # only for the day shape
+
+    def test_dominated_and_more_failures(self, g: ModuleType) -> None:
+        lat = _result("static-latency", [100] * 10, 1.0 / 3)
+        dyn = _result("dynamic", [90] * 10, 0.5, failed=3)
+        goals = g._goals([lat, dyn])
+        assert (
+            goals["not_dominated"]["dominated_by"] == ["static-latency"] and not goals["not_dominated"]["met"]
+        )
+        assert not goals["failed_vs_best_static"]["met"]
+
+    def test_mean_gpus_against_the_smallest_gear_that_holds_the_peak(self, g: ModuleType) -> None:
+        # 20 windows; windows 8 and 9 are the peak (the busiest 10 %: 2 windows, 200 requests each).
+        arrivals = [50] * 20
+        arrivals[8:10] = [200, 200]
+        lat_met = [50] * 20
+        lat_met[8:10] = [150, 150]  # 300 / 400 = 0.75 at the peak: latency does not hold it
+        lat = _gpus(_result("static-latency", lat_met, 20 / 60 * 2 / 2), 2.0)
+        thr = _gpus(_result("static-throughput", [50] * 8 + [200, 200] + [50] * 10, 20 / 60 * 4), 4.0)
+        bal = _gpus(_result("static-balanced", [50] * 8 + [200, 200] + [50] * 10, 20 / 60 * 8), 8.0)
+        dyn = _gpus(_result("dynamic", [50] * 8 + [198, 200] + [50] * 10, 20 / 60 * 2.3), 2.3)
+        e = g._goals([lat, thr, bal, dyn], arrivals, peak=True)["mean_gpus_vs_peak_static"]
+        assert e["peak_static"] == "static-throughput"  # the fewest GPUs among those holding the peak
+        assert e["peak_attainment"]["static-latency"] == 0.75
+        assert e["peak_windows_start_s"] == [480, 540]
+        assert e["value"] == pytest.approx(2.3 / 4.0) and e["met"]  # 0.575 <= 0.6 at 998/1000 of its SLO-met
+        assert e["reachable"] and e["floor_mean_gpus"] == 2.0
+
+    def test_no_static_gear_holds_the_peak(self, g: ModuleType) -> None:
+        lat = _gpus(_result("static-latency", [10] * 10, 1.0), 2.0)
+        dyn = _gpus(_result("dynamic", [10] * 10, 1.0), 2.0)
+        e = g._goals([lat, dyn], [100] * 10, peak=True)["mean_gpus_vs_peak_static"]
+        assert e["value"] is None and not e["met"] and e["peak_static"] is None
+
+    def test_summary_rows_and_table(self, g: ModuleType) -> None:
+        lat = _gpus(_result("static-latency", [100] * 4, 0.1), 2.0)
+        dyn = _gpus(_result("dynamic", [100] * 4, 0.1), 2.0)
+        trace = {"speed": 1.0, "density": 4.0, "limit_s": 300.0}
+        scen = {"shape": "day", "tuning": "held out", "trace": trace, "results": [lat, dyn]}
+        scen["goals"] = g._goals([lat, dyn], [10] * 4, peak=True)
+        (row,) = g._summary({"day-x4-first-300s": scen})
+        assert (row["shape"], row["load"], row["tuning"]) == ("day", "x4, first 300 s", "held out")
+        assert row["best_static"]["variant"] == "static-latency" and row["oracle"] is None
+        assert row["core_goals"]["not_dominated"] and not row["core_goals"]["mean_gpus_vs_peak_static"]
+        table = g._summary_table([row]).splitlines()
+        assert table[0].startswith("shape") and "a+ b+ c+ d. e-" in table[1]

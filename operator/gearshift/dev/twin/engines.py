@@ -25,7 +25,11 @@ from gearshift.facts.gpus import pd_gpu_prior
 from gearshift.facts.model import ModelArch
 from gearshift.k8s.warming import mirror_rps
 from gearshift.sim.engine import Engine, PlannedStep, RequestRejected, SimRequest
+from gearshift.sim.metrics import token_buckets
 from gearshift.sim.perfmodel import PerfModel, PerfParams, parse_pipeline
+
+#: The router's prompt-token buckets (vLLM's 1-2-5 series up to a million tokens).
+TOKEN_BUCKETS = token_buckets(10**6)
 
 
 class VClock:
@@ -354,7 +358,7 @@ class Sim:
         window = max(now - t0, self.policy.sample_interval_s)
         utils = [e.stage_utilization() for e in engines]
         stage_u = tuple(float(np.mean([u[k] for u in utils])) for k in range(len(utils[0])))
-        q: dict[str, float | None] = {}
+        q: dict[str, Any] = {}
         for key in ("ttft", "itl", "e2e"):
             before = dict(old[key]) if old is not hist else {}
             delta = [(le, c - before.get(le, 0.0)) for le, c in hist[key]]
@@ -363,6 +367,7 @@ class Sim:
                 q[f"{key}_p{int(p * 100)}_ms"] = None if math.isnan(v) else v * 1000.0
         qps = (done - done0) / window if t0 < now else 0.0
         arrivals = max(0.0, qps + (inflight - inflight0) / window) if t0 < now else None
+        mix = self._mix(now - window, now) if t0 < now else {}
         return Sample(
             at=now,
             stage_utilization=stage_u,
@@ -371,4 +376,24 @@ class Sim:
             qps=qps,
             arrival_rps=arrivals,
             **q,
+            **mix,
         )
+
+    def _mix(self, start: float, end: float) -> dict[str, Any]:
+        """The router's token histograms over ``(start, end]`` (s) as the operator's queries read them:
+        the mean prompt and output tokens of the requests that arrived, and the prompt-token histogram
+        (vLLM's 1-2-5 buckets, cumulative requests/s); empty when none arrived."""
+        lo, hi = np.searchsorted(self.trace.t, [start, end], side="right")
+        if hi <= lo:
+            return {}
+        prompts = np.sort(self.trace.prompt[lo:hi])
+        span = end - start
+        counts = np.searchsorted(prompts, TOKEN_BUCKETS, side="right")
+        return {
+            "prompt_tokens_mean": float(prompts.mean()),
+            "output_tokens_mean": float(self.trace.output[lo:hi].mean()),
+            "prompt_tokens_buckets": (
+                *((le, float(c) / span) for le, c in zip(TOKEN_BUCKETS, counts, strict=True)),
+                (math.inf, float(hi - lo) / span),
+            ),
+        }
