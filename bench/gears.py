@@ -224,8 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--variants",
-        default="dynamic,latency,balanced,throughput,oracle",
-        help="dynamic, oracle (needs every static gear), a gear name (static), even",
+        default=None,
+        help="dynamic, oracle (needs every static gear), a gear name (static), even; default: dynamic, "
+        "every gear the planner offers, oracle",
     )
     ap.add_argument(
         "--max-batch", type=int, default=None, help="what-if: every gear's maxBatch (vLLM --max-num-seqs)"
@@ -278,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_batch is not None:
         gears, even = [with_max_batch(g, args.max_batch) for g in gears], with_max_batch(even, args.max_batch)
     specs = {g.name: g for g in gears}
-    wanted = [v for v in args.variants.split(",") if v]
+    wanted = [v for v in args.variants.split(",") if v] if args.variants else ["dynamic", *specs, "oracle"]
     unknown = [v for v in wanted if v not in ("dynamic", "oracle", "even", *specs)]
     if unknown:
         ap.error(f"--variants {unknown}: use dynamic, oracle, even or a gear ({', '.join(specs)})")
@@ -719,9 +720,10 @@ def _report(
                 "llama-3-8b. llama-3-70b (140 GB bf16) cannot meet the 50 ms ITL SLO in any pipeline on this "
                 "fleet: a decode step must read every stage's weights in sequence, >= 140 GB / (3.35 TB/s x "
                 "0.7) = 60 ms even on H100s only (the planner's 70b gears run ~80 ms), so every variant's "
-                "goodput would be 0. With 8b the planner's gears differ in kind: latency = the whole model "
-                "on each H100 (1 stage x 2), balanced = 4 unequal stages A10/A10/H100/A100 x 2, throughput "
-                "= 5 unequal stages T4/A10/A10/H100/A100 x 2 (every node)."
+                "goodput would be 0. With 8b the planner offers latency = the whole model on each H100 (2 "
+                "cards) and throughput = the whole model on each H100 and A100 (4 cards); its balanced pick "
+                "(4 unequal stages A10/A10/H100/A100 x 2, 8 cards, less capacity than throughput) is "
+                "dropped as not worth a gear (gears['planner'] lists every pick)."
             ),
             "role": "both (combined prefill+decode) on the whole fleet; latency triggers read "
             + ("TTFT P99 vs 200 ms" if args.role == "prefill" else "ITL P99 vs 50 ms"),

@@ -356,3 +356,39 @@ class TestPlan:
         layers.write_text(json.dumps({"activation_mb": 1, "layers": [{"compute_ms": 1, "weight_gb": 100}]}))
         assert main(["plan", "--cluster", str(SEED_PROFILE), "--model", str(layers)]) == 1
         assert "short by 52.00 GiB" in capsys.readouterr().err
+
+
+class TestWorthHaving:
+    """Only gears worth having: one layout under two names is one gear, and a gear that holds more cards
+    for no more capacity is left out (``plan(worthwhile_only=True)``)."""
+
+    def test_the_mixed_fleet_offers_no_gear_that_costs_more_for_less(self) -> None:
+        profile = load_cluster(ROOT / "examples" / "fleets/mixed.yaml")
+        model = RooflineCostModel(
+            load_hf_config(ROOT / "examples" / "models" / "llama-3-8b.json"),
+            RooflineAssumptions(prompt_tokens=1155, output_tokens=211),
+        )
+        every = plan(profile, model, sim_requests=400)
+        kept = plan(profile, model, sim_requests=400, worthwhile_only=True)
+        cards = {g.name: sum(len(s.nodes) for s in g.stages) for g in every.gears}
+        cap = {g.name: g.predicted.throughput_rps for g in every.gears}
+        # Worked out from the one-per-intent plan: a pick is left out exactly when another holds fewer
+        # cards and serves at least as much.
+        expected = [
+            n for n in cards if not any(cards[m] < cards[n] and cap[m] >= cap[n] for m in cards if m != n)
+        ]
+        assert [g.name for g in kept.gears] == expected
+        assert set(kept.left_out) == set(cards) - set(expected)
+        assert "balanced" in kept.left_out and "cards" in kept.left_out["balanced"]
+        for g in kept.gears:  # the same gears; only the load ranges are shared out among fewer
+            assert {**g.to_dict(), "qps_range": None} == {**every.gear(g.name).to_dict(), "qps_range": None}
+
+    def test_one_layout_under_two_names_is_one_gear(self) -> None:
+        profile = load_cluster(ROOT / "examples" / "fleets/mixed.yaml")
+        model = RooflineCostModel(load_hf_config(ROOT / "examples" / "models" / "llama-3-8b.json"))
+        every = plan(profile, model, sim_requests=400)
+        layout = {g.name: [(s.layers, s.nodes) for s in g.stages] for g in every.gears}
+        assert layout["balanced"] == layout["throughput"]  # at the default 512 + 128 tokens
+        kept = plan(profile, model, sim_requests=400, worthwhile_only=True)
+        assert "balanced" not in [g.name for g in kept.gears]
+        assert kept.left_out["balanced"] == "is the same layout as throughput"

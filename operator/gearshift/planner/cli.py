@@ -268,10 +268,13 @@ def run(args: argparse.Namespace) -> int:
             single_pipeline=args.single_pipeline,
             seed=args.seed,
             itl_target_ms=args.itl_ms,
+            worthwhile_only=True,
         )
     except PlanError as exc:
         print(f"gearshift plan: {exc}", file=sys.stderr)
         return 1
+    for intent, why in result.left_out.items():
+        print(f"gearshift plan: no {intent} gear: its pick {why}", file=sys.stderr)
     render = {"table": to_table, "json": to_json, "yaml": to_yaml}[args.output]
     if args.output == "table":
         # Node → card model, so a stage replicated over different cards shows its mix.

@@ -189,6 +189,8 @@ class PlanResult:
     model: str
     gears: tuple[Gear, ...]
     qps: float
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Intents whose pick was not worth a gear (``plan(worthwhile_only=True)``), and why."""
 
     def gear(self, name: str) -> Gear:
         """The gear named ``name``. Raises KeyError naming the ones there are."""
@@ -215,6 +217,7 @@ def plan(
     max_stages_why: str = "",
     whole_pipelines: bool = False,
     itl_target_ms: float | None = None,
+    worthwhile_only: bool = False,
 ) -> PlanResult:
     """Plan the gears of ``model`` on ``profile``.
 
@@ -240,9 +243,13 @@ def plan(
             (:func:`gearshift.planner.tpot.tpot_capacity`), when that is lower than the rate that keeps its
             stages busy: a deep pipeline of slow stages can be busy only part of the time and still give every
             token too late. None: capacity is the busy rate alone.
+        worthwhile_only: leave out the picks not worth a gear (:func:`worth_having`), as the operator and
+            ``gearshift plan`` do; False keeps one gear per intent.
 
     Returns:
-        A :class:`PlanResult` with one :class:`Gear` per intent, in the order asked.
+        A :class:`PlanResult` with one :class:`Gear` per intent, in the order asked (with
+        ``worthwhile_only``, less the picks not worth a gear: one layout under two names, or more cards
+        for no more capacity).
 
     Raises:
         PlanError: an unknown intent, qps ≤ 0 or max_stages < 1; InfeasibleError subclasses when no gear
@@ -334,6 +341,9 @@ def plan(
             else:
                 pick = max(ok, key=lambda c: c.capacity / c.sim.p99_ms)  # type: ignore[union-attr]
         chosen[intent] = pick
+    left_out: dict[str, str] = {}
+    if worthwhile_only:
+        chosen, left_out = worth_having(chosen)
     for c in chosen.values():
         m = _model_of(c, model)
         times = decode_times(profile, m, c)
@@ -349,8 +359,49 @@ def plan(
             mix_rates(profile, _model_of(chosen[i], model), chosen[i], itl_target_ms),
         )
         for i in intents
+        if i in chosen
     )
-    return PlanResult(model.name, gears, load)
+    return PlanResult(model.name, gears, load, left_out)
+
+
+def _layout(c: Candidate) -> tuple[Any, ...]:
+    """What a gear deploys: each stage's layers and nodes, the micro-batch and the decode batch."""
+    stages = tuple((st.start, st.end, tuple(ids)) for st, ids in zip(c.pipeline.stages, c.nodes, strict=True))
+    return stages, c.micro_batch, c.decode_batch
+
+
+def worth_having(chosen: dict[str, Candidate]) -> tuple[dict[str, Candidate], dict[str, str]]:
+    """The intents' picks less those not worth a gear, and why each was left out: a layout another intent
+    also picked (one layout under two names is one gear; the later intent keeps it, ``throughput`` before
+    ``balanced`` before ``latency``), and a pick that holds more cards than another and serves no more
+    (``capacity``, requests/s of the planned workload): no load would ever want it. Order is kept.
+    """
+    names = list(chosen)
+    keep = dict(chosen)
+    why: dict[str, str] = {}
+    for i, a in enumerate(names):
+        twin = next((b for b in names[i + 1 :] if _layout(chosen[b]) == _layout(chosen[a])), None)
+        if twin is not None:
+            del keep[a]
+            why[a] = f"is the same layout as {twin}"
+    for a in list(keep):
+        ca = keep[a]
+        better = next(
+            (
+                b
+                for b, cb in keep.items()
+                if b != a and _cards(cb) < _cards(ca) and cb.capacity >= ca.capacity
+            ),
+            None,
+        )
+        if better is not None:
+            del keep[a]
+            cb = keep[better]
+            why[a] = (
+                f"holds {_cards(ca)} cards for {ca.capacity:.1f} req/s where {better} serves "
+                f"{cb.capacity:.1f} on {_cards(cb)}"
+            )
+    return keep, why
 
 
 def _model_of(c: Candidate, model: CostModel) -> CostModel:

@@ -99,8 +99,11 @@ def plan_gears(
         # stage cannot get extras of its own there.
         whole_pipelines=pds.spec.engine == "vllm",
         itl_target_ms=plan_itl_target(pds, gs),
+        # A gear that holds more cards for no more capacity, or one layout under two names, would only
+        # be shifted to by mistake.
+        worthwhile_only=True,
     )
-    return [api_gear(g, intent, doc, {}) for g, intent in zip(result.gears, intents, strict=True)]
+    return [api_gear(g, g.name, doc, {}) for g in result.gears]
 
 
 def plan_itl_target(pds: PDService, gs: GearSet) -> float | None:

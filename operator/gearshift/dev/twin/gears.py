@@ -79,7 +79,9 @@ def plan_gears(
     """
     fl, doc, profile = fleet_profile(fleet)
     cost = _cost(arch, workload)
-    result = planner.plan(profile, cost, sim_requests=PLAN_SIM_REQUESTS, itl_target_ms=itl_target_ms)
+    result = planner.plan(
+        profile, cost, sim_requests=PLAN_SIM_REQUESTS, itl_target_ms=itl_target_ms, worthwhile_only=True
+    )
     specs = []
     for g in result.gears:
         api = api_gear(g, g.name, doc, {})
@@ -88,7 +90,11 @@ def plan_gears(
     if not even:
         return specs, None, info
     # Even split: the throughput gear's node sequence per pipeline replica, layers as even as possible.
-    thr = next(s for s in specs if s.name == "throughput")
+    # The planner drops a throughput pick that another gear matches with fewer cards: then the deepest
+    # gear left stands in.
+    thr = next((s for s in specs if s.name == "throughput"), None) or max(
+        specs, key=lambda s: s.predicted_rps or 0.0
+    )
     order = [st.nodes[0] for st in thr.api.stages]
     cuts = planner.even_split(cost.at(thr.api.micro_batch), order)
     gpu = {n.name: n.gpu.model for n in fl.nodes}
