@@ -165,24 +165,27 @@ class TestUnservablePrompts:
 
 class TestTrendAndMixSignals:
     def test_a_rising_rate_starts_the_shift_up_before_the_gear_falls_behind(self) -> None:
-        """SMALL keeps up with 0.8 × 25 = 20 req/s of the planned mix; the rate climbs 0.1 req/s a second
-        from 5. Holt's trend times the lead (the other gear's load, warmS, two samples) starts the shift
-        while the smoothed rate is still under 20, before the gear falls behind."""
+        """SMALL keeps up with 0.8 × 25 = 20 req/s of the planned mix. 4 req/s for two minutes (the trend
+        counts from a whole window after the first rate), then a climb of 0.25 req/s a second: Holt's
+        trend times the lead (the other gear's load, warmS, two samples) starts the shift while the
+        smoothed rate is still under 20, before the gear falls behind."""
         table = GearTable((SMALL, LARGE), "small", ARCH)
         st = DecisionState(last_shift_at=-10_000.0)
         shifted_at = rate_then = None
         for k in range(200):
             t = 2.0 * k
-            rate = 5.0 + 0.1 * t
+            rate = 4.0 + 0.25 * max(0.0, t - 120.0)
             s = Sample(at=t, ttft_p99_ms=100.0, arrival_rps=rate, qps=rate, prompt_tokens_mean=1000.0,
                        output_tokens_mean=200.0)  # fmt: skip
             st, d = decide(st, s, RULES, table, t)
+            if t < 60.0:
+                assert st.arrival_trend_rps_per_s == 0.0  # the first window's rate is still filling
             if d.kind is DecisionKind.SHIFT:
                 shifted_at, rate_then = t, st.smoothed.arrival_rps if st.smoothed else None
                 break
         assert shifted_at is not None and d.target == "large"
         assert rate_then is not None and rate_then < 20.0
-        assert 0.0 < st.arrival_trend_rps_per_s <= 0.1 * 1.01  # an average of the slope, still rising to it
+        assert 0.0 < st.arrival_trend_rps_per_s <= 0.25 * 1.01  # an average of the slope, still rising to it
 
     def test_noise_is_no_trend(self) -> None:
         """A flat 18 req/s with ±1 req/s of noise: no shift up, however the noise falls."""

@@ -50,6 +50,7 @@ from gearshift.control.shifting.triggers import (
     saturated,
     thresholds,
 )
+from gearshift.control.signals import sample_window_s
 from gearshift.control.smoothing import LatencyMetric, Sample, p99_field, smooth
 
 #: The trigger of a shift asked for through ``spec.forceGear``.
@@ -143,6 +144,10 @@ class DecisionState:
     requests/s of the workload it was planned for (:func:`.capacity.mix_factor`)."""
     arrival_trend_rps_per_s: float = 0.0
     """Holt's trend of the smoothed arrival rate, requests/s per s (:data:`TREND_WINDOW_S`)."""
+    trend_since: float | None = None
+    """Since when the rate has been read over whole windows with no shift running, s: the trend counts
+    only a window after it (the rate of a role's first minute fills its window from 0, and a shift's
+    samples mix two gears)."""
 
     def levels(self) -> dict[Trigger, int]:
         return {t: self.tracks[t].level for t in TRIGGERS}
@@ -160,6 +165,7 @@ class DecisionState:
             "lastRetriggerAt": self.last_retrigger_at,
             "capacity": {g: e.to_dict() for g, e in self.capacity.items()},
             "arrivalTrendRpsPerS": self.arrival_trend_rps_per_s,
+            "trendSince": self.trend_since,
         }
 
     @classmethod
@@ -176,6 +182,7 @@ class DecisionState:
             last_retrigger_at=data.get("lastRetriggerAt"),
             capacity={g: CapacityEstimate.from_dict(e) for g, e in (data.get("capacity") or {}).items()},
             arrival_trend_rps_per_s=float(data.get("arrivalTrendRpsPerS") or 0.0),
+            trend_since=data.get("trendSince"),
         )
 
 
@@ -343,7 +350,13 @@ def decide(
         for g in table.gears
     }
     load = smoothed.arrival_rps
-    trend = _trend(state, smoothed, now)
+    # The trend restarts with the rate: at its first value and after every shift.
+    since = None if load is None or busy else (state.trend_since if state.trend_since is not None else now)
+    trend = (
+        _trend(state, smoothed, now)
+        if since is not None and now - since >= sample_window_s(None, now)
+        else 0.0
+    )
     capacity_mode = (
         policy.choice == "capacity" and load is not None and planned[active.name].capacity_rps is not None
     )
@@ -388,6 +401,7 @@ def decide(
         capacity=planned,
         last_shift_at=last_shift,
         arrival_trend_rps_per_s=trend,
+        trend_since=since,
     )
 
     def hold(reason: str, message: str, skipped: tuple[str, ...] = ()) -> tuple[DecisionState, Decision]:

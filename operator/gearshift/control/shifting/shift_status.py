@@ -77,6 +77,8 @@ def json_safe(value: Any) -> Any:
 #: ``status.control.ema`` key of Holt's trend of the arrival rate (requests/s per s): smoothed state
 #: like the averages, though no field of a sample.
 TREND_KEY = "arrivalTrendRpsPerS"
+#: ``status.control.ema`` key of when the trend's current run of whole windows began (Unix s).
+TREND_SINCE_KEY = "trendSince"
 
 
 def _ema_to_sample(ema: Mapping[str, float]) -> Sample | None:
@@ -110,6 +112,7 @@ def control_from_status(c: ControlState | None) -> DecisionState:
         last_shift_at=from_time(c.last_shift_time),
         last_retrigger_at=from_time(c.last_retrigger_time),
         arrival_trend_rps_per_s=float(c.ema.get(TREND_KEY, 0.0)),
+        trend_since=c.ema.get(TREND_SINCE_KEY),
         capacity={
             e.gear: CapacityEstimate(
                 e.predicted_rps,
@@ -131,7 +134,8 @@ def control_to_status(d: DecisionState, policy: ShiftRules) -> dict[str, Any]:
     tracks: Mapping[Trigger, TriggerTrack] = d.tracks
     return {
         "ema": ({} if d.smoothed is None else _sample_to_ema(d.smoothed))
-        | ({TREND_KEY: d.arrival_trend_rps_per_s} if math.isfinite(d.arrival_trend_rps_per_s) else {}),
+        | ({TREND_KEY: d.arrival_trend_rps_per_s} if math.isfinite(d.arrival_trend_rps_per_s) else {})
+        | ({TREND_SINCE_KEY: d.trend_since} if d.trend_since is not None else {}),
         "streaks": {t.value: tr.on for t, tr in tracks.items()},
         "offStreaks": {t.value: tr.off for t, tr in tracks.items()},
         "latched": [t.value for t, tr in tracks.items() if tr.latched],
