@@ -14,11 +14,14 @@ only where a cluster can be had.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import socket
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -129,3 +132,26 @@ def _sealed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
     yield
+
+
+@pytest.fixture(scope="session")
+def bench_module() -> Callable[[str], ModuleType]:
+    """``bench_module("gears")``: the benchmark script ``bench/gears.py`` as a module (bench/ is not a
+    package; its scripts import their helpers, such as ``shapes``, by their bare names, so bench/ goes on
+    ``sys.path``). Each is loaded once per session and registered in ``sys.modules`` under its name, as its
+    dataclasses look their module up there."""
+    bench = REPO / "bench"
+
+    def load(name: str) -> ModuleType:
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(bench / f"{name}.py"):
+            return sys.modules[name]
+        if str(bench) not in sys.path:
+            sys.path.insert(0, str(bench))
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def bc() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("busy_classes", BENCH / "busy_classes.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bc(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("busy_classes")
 
 
 def test_outcomes_of_a_real_pytest_run(bc: ModuleType, tmp_path: Path) -> None:

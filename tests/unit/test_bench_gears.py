@@ -4,9 +4,8 @@ in each test."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -23,14 +22,8 @@ ARCH = load_hf_config(BENCH.parent / "examples" / "models" / "llama-3-8b.json")
 
 
 @pytest.fixture(scope="module")
-def g() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("gears_bench", BENCH / "gears.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gears_bench"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+def g(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("gears")
 
 
 class TestScenarios:

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def rc() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("router_cost", BENCH / "router_cost.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def rc(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("router_cost")
 
 
 def _run(p50: float, p99: float, cpu: float | None = None) -> dict[str, Any]:

@@ -4,37 +4,22 @@ and the goal and GPU-hour maths."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-
-def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture(scope="module")
+def fw(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("fastchat_worker")
 
 
 @pytest.fixture(scope="module")
-def fw() -> ModuleType:
-    return _load("fastchat_worker")
-
-
-@pytest.fixture(scope="module")
-def rp() -> ModuleType:
-    return _load("router_peers")
+def rp(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("router_peers")
 
 
 def _sse(tokens: list[str], finish: str = "length", usage: int | None = None) -> bytes:
@@ -139,10 +124,10 @@ def test_worker_is_a_fastchat_base_model_worker(fw: ModuleType) -> None:
         assert getattr(cls, name) is getattr(BaseModelWorker, name)
 
 
-def test_api_shim_matches_model_dump_json() -> None:
+def test_api_shim_matches_model_dump_json(bench_module: Callable[[str], ModuleType]) -> None:
     from fastchat.protocol.openai_api_protocol import ChatCompletionStreamResponse
 
-    shim = _load("fastchat_api")
+    shim = bench_module("fastchat_api")
     chunk = ChatCompletionStreamResponse.model_validate(
         {"id": "x", "model": "m", "choices": [{"index": 0, "delta": {"content": "é"}}]}
     )

@@ -4,10 +4,8 @@ after the clip), and each rate curve has the documented form."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -16,18 +14,10 @@ import pytest
 from gearshift.dev.loadgen import DEFAULT_TRACE
 from gearshift.dev.twin import load_trace
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def s() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("shapes", BENCH / "shapes.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["shapes"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+def s(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("shapes")
 
 
 class TestLognormalFit:

@@ -71,24 +71,8 @@ def exporter() -> Iterator[tuple[int, Callable[[], float]]]:
     prefill = Histogram("vllm:request_prefill_time_seconds", "prefill", buckets=BUCKETS, registry=registry)
     decode = Histogram("vllm:request_decode_time_seconds", "decode", buckets=BUCKETS, registry=registry)
 
-    class Metrics(BaseHTTPRequestHandler):
-        # Always the classic text format (0.0.4), as vLLM's engines are scraped: prometheus_client's
-        # OpenMetrics output, which Prometheus 2.42 negotiates, writes colons in names as underscores.
-        def do_GET(self) -> None:
-            body = generate_latest(registry)
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    server = _serve(registry)
     port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     stop = threading.Event()
 
     def traffic() -> None:
@@ -108,7 +92,6 @@ def exporter() -> Iterator[tuple[int, Callable[[], float]]]:
     worker.join(timeout=5)
     server.shutdown()
     server.server_close()
-    thread.join(timeout=5)
 
 
 @pytest.fixture
@@ -232,8 +215,12 @@ class _Stage:
 
 
 def _serve(registry: CollectorRegistry) -> ThreadingHTTPServer:
+    """``registry`` served on a loopback port (``server.server_address[1]``), in a daemon thread."""
+
     class Metrics(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # the classic text format, as in ``exporter``
+        # Always the classic text format (0.0.4), as vLLM's engines are scraped: prometheus_client's
+        # OpenMetrics output, which Prometheus 2.42 negotiates, writes colons in names as underscores.
+        def do_GET(self) -> None:
             body = generate_latest(registry)
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)
