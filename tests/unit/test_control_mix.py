@@ -22,6 +22,7 @@ from gearshift.control.shifting.decide import (
 )
 from gearshift.control.shifting.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.shifting.shift_status import control_from_status, control_to_status
+from gearshift.control.shifting.tick import latency_condition
 from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.smoothing import LatencyMetric, Sample, smooth
 from gearshift.dev.twin import MODEL, plan_gears
@@ -152,6 +153,16 @@ class TestUnservablePrompts:
         assert kinds[RULES.enter_samples - 1 :] == [(DecisionKind.HOLD, REASON_UNFIXABLE)] * 3
         share = 0.1 - 0.05 * (6666.67 - 5000) / 5000  # interpolated, as histogram_quantile would
         assert f"{share:.1%} of requests" in d.message
+        # The GearSet says so in a condition too (the tick writes it beside SignalsAvailable).
+        cond = latency_condition(st)
+        assert (cond.type, cond.status, cond.reason, cond.warning) == (
+            "LatencyAttainable",
+            "False",
+            "PromptsTooLong",
+            True,
+        )
+        assert cond.message == d.message
+        assert latency_condition(DecisionState()).status == "True"
 
     def test_itl_policy_never_calls_a_ttft_miss_unfixable(self) -> None:
         rules = ShiftRules(target_p99_ms=50.0, latency_metric=LatencyMetric.ITL)

@@ -421,6 +421,9 @@ class TestTicks:
         assert st["signals"]["stageUtilization"] == [0.5, 0.5]
         cond = next(c for c in st["conditions"] if c["type"] == "SignalsAvailable")
         assert cond["status"] == "True"
+        # The tick's second condition: no latency miss that no gear would fix.
+        latency = next(c for c in st["conditions"] if c["type"] == "LatencyAttainable")
+        assert (latency["status"], latency["reason"]) == ("True", "Attainable")
         assert sig.asked == ["balanced"]  # the gear the role Service selects
 
     def test_every_tick_advances_the_signals_and_records_a_missing_sample_and_missed_instants(

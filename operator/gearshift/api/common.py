@@ -146,6 +146,9 @@ COND_DEGRADED = "Degraded"
 COND_PLANNED = "Planned"
 #: Prometheus answered and every signal the triggers need is present (GearSet).
 COND_SIGNALS_AVAILABLE = "SignalsAvailable"
+#: The TTFT target is within reach of some gear for the traffic arriving: False while at least 1 % of the
+#: requests have prompts longer than any gear prefills within it (GearSet; gearshift.control.shifting).
+COND_LATENCY_ATTAINABLE = "LatencyAttainable"
 #: The latest probe of the node succeeded and its numbers are in status (GPUProfile).
 COND_PROBED = "Probed"
 #: The node is gone or its GPUs changed since the last probe (GPUProfile).
@@ -164,6 +167,7 @@ CONDITION_TYPES: tuple[str, ...] = (
     COND_DEGRADED,
     COND_PLANNED,
     COND_SIGNALS_AVAILABLE,
+    COND_LATENCY_ATTAINABLE,
     COND_PROBED,
     COND_STALE,
     COND_WINDOWED,

@@ -105,6 +105,7 @@ from gearshift.control.shifting.tick import (
     gears_to_free,
     gpus_by_gear,
     lasting_marks,
+    latency_condition,
     observe_gears,
     pipeline_shape,
     selected_gear,
@@ -356,6 +357,8 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
         why=seen.why,
     )
     book.set(cond.type, cond.status, cond.reason, cond.message, warning=cond.warning)
+    latency = latency_condition(done.control)
+    book.set(latency.type, latency.status, latency.reason, latency.message, warning=latency.warning)
     history, health = records_to_status(
         raw.get("history") or [],
         raw.get("gearHealth") or [],
@@ -391,7 +394,7 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
         return book  # nothing to sample, nothing new (KEP-589); a configured source writes every tick
     with rt.service_locks.hold((t.namespace, t.gs.spec.service_name)):
         patch["conditions"] = _keep_other_conditions(
-            rt.api, t.namespace, t.name, patch["conditions"], cond.type
+            rt.api, t.namespace, t.name, patch["conditions"], (cond.type, latency.type)
         )
         try:
             patch_status(rt.api, *GS, t.namespace, t.name, json_safe(patch), rt.pruned)
@@ -515,16 +518,16 @@ def _once(
 
 
 def _keep_other_conditions(
-    api: KubeApi, namespace: str, name: str, conditions: list[dict[str, Any]], mine: str
+    api: KubeApi, namespace: str, name: str, conditions: list[dict[str, Any]], mine: tuple[str, ...]
 ) -> list[dict[str, Any]]:
-    """The condition of type ``mine`` from ``conditions`` (the one the tick sets: SignalsAvailable) plus
-    every other condition as stored now.
+    """The conditions of the types ``mine`` from ``conditions`` (those the tick sets: SignalsAvailable,
+    LatencyAttainable) plus every other condition as stored now.
     The reconciler writes the GearSet's Ready=False ahead of a rollout, and the autoscaler ScalingActive,
     between this tick's read and its write: the tick's copy of those, read before, must not overwrite
     them (it did: Ready=True came back while the StatefulSet rolled, tests/e2e/test_status_truth_e2e.py)."""
     fresh = api.get(*GS, namespace, name) or {}
-    others = [c for c in (fresh.get("status") or {}).get("conditions") or [] if c.get("type") != mine]
-    return [c for c in conditions if c.get("type") == mine] + others
+    others = [c for c in (fresh.get("status") or {}).get("conditions") or [] if c.get("type") not in mine]
+    return [c for c in conditions if c.get("type") in mine] + others
 
 
 def _now_dt(now: float) -> datetime:

@@ -144,6 +144,9 @@ class DecisionState:
     requests/s of the workload it was planned for (:func:`.capacity.mix_factor`)."""
     arrival_trend_rps_per_s: float = 0.0
     """Holt's trend of the smoothed arrival rate, requests/s per s (:data:`TREND_WINDOW_S`)."""
+    latency_unfixable: str | None = None
+    """Why the TTFT target is out of every gear's reach for this sample's mix (:func:`_unfixable`), while
+    ``p99-high`` is latched; ``None`` otherwise. Derived every sample, not persisted."""
     trend_since: float | None = None
     """Since when the rate has been read over whole windows with no shift running, s: the trend counts
     only a window after it (the rate of a role's first minute fills its window from 0, and a shift's
@@ -402,6 +405,9 @@ def decide(
         last_shift_at=last_shift,
         arrival_trend_rps_per_s=trend,
         trend_since=since,
+        latency_unfixable=_unfixable(table, smoothed, policy)
+        if tracks[Trigger.LATENCY_HIGH].latched
+        else None,
     )
 
     def hold(reason: str, message: str, skipped: tuple[str, ...] = ()) -> tuple[DecisionState, Decision]:
@@ -485,9 +491,8 @@ def decide(
             p99_ms=measured,
             qps=smoothed.qps,
         )
-    unfixable = _unfixable(table, smoothed, policy) if tracks[Trigger.LATENCY_HIGH].latched else None
-    if unfixable is not None and Trigger.LATENCY_HIGH not in held:
-        return hold(REASON_UNFIXABLE, unfixable)
+    if new.latency_unfixable is not None and Trigger.LATENCY_HIGH not in held:
+        return hold(REASON_UNFIXABLE, new.latency_unfixable)
     if skipped:
         names = ", ".join(sorted(set(skipped)))
         return hold(

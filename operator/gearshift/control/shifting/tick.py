@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any, Never, NoReturn
 
 from gearshift.api.common import (
+    COND_LATENCY_ATTAINABLE,
     COND_SIGNALS_AVAILABLE,
     REASON_SIGNALS_MISSING,
     ConditionUpdate,
@@ -22,7 +23,7 @@ from gearshift.api.gearset import Gear, GearSet
 from gearshift.api.gearset_status import GearHealth
 from gearshift.control.autoscale.scaling import NodeRank, NodeView, StageNeed, place_replicas
 from gearshift.control.shifting.adapt import shift_request
-from gearshift.control.shifting.decide import MANUAL, Decision, DecisionKind, held_triggers
+from gearshift.control.shifting.decide import MANUAL, Decision, DecisionKind, DecisionState, held_triggers
 from gearshift.control.shifting.executor import (
     FAIL_P99,
     GearObservation,
@@ -406,6 +407,26 @@ def decision_event(decision: Decision, previous_hold: str | None) -> Event | Non
     if previous_hold == decision.reason or decision.reason in QUIET_HOLDS:
         return None
     return Event(decision.reason, decision.message, decision.reason.startswith("Force"))
+
+
+# --- the LatencyAttainable condition -------------------------------------------------------------------
+#: Its reasons: the target is within some gear's reach, or prompts too long for any gear make it not.
+REASON_ATTAINABLE = "Attainable"
+REASON_PROMPTS_TOO_LONG = "PromptsTooLong"
+
+
+def latency_condition(control: DecisionState) -> ConditionUpdate:
+    """``LatencyAttainable`` after this tick's decision: False (a warning) with ``PromptsTooLong`` and the
+    decision's account (the share of requests no gear can serve in time) while ``p99-high`` is latched on
+    a miss no gear would fix (:attr:`DecisionState.latency_unfixable`: no shift is made for it), else
+    True."""
+    if control.latency_unfixable is not None:
+        return ConditionUpdate(
+            COND_LATENCY_ATTAINABLE, "False", REASON_PROMPTS_TOO_LONG, control.latency_unfixable, warning=True
+        )
+    return ConditionUpdate(
+        COND_LATENCY_ATTAINABLE, "True", REASON_ATTAINABLE, "no latency miss that every gear would share"
+    )
 
 
 # --- the SignalsAvailable condition --------------------------------------------------------------------
