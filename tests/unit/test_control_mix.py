@@ -11,7 +11,7 @@ import pytest
 
 from gearshift.api.gearset_status import ControlState
 from gearshift.control.shifting import capacity as cap
-from gearshift.control.shifting.adapt import gear_view
+from gearshift.control.shifting.adapt import gear_view, shift_request
 from gearshift.control.shifting.capacity import CapacityEstimate
 from gearshift.control.shifting.decide import (
     REASON_UNFIXABLE,
@@ -20,6 +20,7 @@ from gearshift.control.shifting.decide import (
     decide,
     held_triggers,
 )
+from gearshift.control.shifting.executor import shift_started_message
 from gearshift.control.shifting.policy import GearTable, GearView, Intent, ShiftRules, StageView
 from gearshift.control.shifting.shift_status import control_from_status, control_to_status
 from gearshift.control.shifting.tick import latency_condition
@@ -27,6 +28,8 @@ from gearshift.control.shifting.triggers import Trigger
 from gearshift.control.smoothing import LatencyMetric, Sample, smooth
 from gearshift.dev.twin import MODEL, plan_gears
 from gearshift.facts.model import load_hf_config
+from gearshift.planner import RooflineAssumptions, RooflineCostModel, load_cluster, plan
+from gearshift.planner.inputs import api_gear
 
 ARCH = load_hf_config(Path(__file__).resolve().parents[2] / "examples" / "models" / "llama-3-8b.json")
 RULES = ShiftRules(target_p99_ms=200.0, capacity_headroom=0.8)
@@ -151,8 +154,9 @@ class TestUnservablePrompts:
             kinds.append((d.kind, d.reason))
         # Latched at the enterSamples-th sample, and held (one reason, one event) while the miss lasts.
         assert kinds[RULES.enter_samples - 1 :] == [(DecisionKind.HOLD, REASON_UNFIXABLE)] * 3
-        share = 0.1 - 0.05 * (6666.67 - 5000) / 5000  # interpolated, as histogram_quantile would
-        assert f"{share:.1%} of requests" in d.message
+        share = 0.1 - 0.05 * (6666.67 - 5000) / 5000  # 8.3 %, interpolated as histogram_quantile would
+        assert f"about {round(share * 20) / 20:.0%} of requests" in d.message  # to 5 %: 10 %
+        assert "longer than the 6700 tokens" in d.message
         # The GearSet says so in a condition too (the tick writes it beside SignalsAvailable).
         cond = latency_condition(st)
         assert (cond.type, cond.status, cond.reason, cond.warning) == (
@@ -196,6 +200,12 @@ class TestTrendAndMixSignals:
                 break
         assert shifted_at is not None and d.target == "large"
         assert rate_then is not None and rate_then < 20.0
+        # The ShiftStarted event says what the decision read: the rate, the mix, each gear's capacity.
+        req = shift_request(d, table)
+        assert req is not None
+        started = shift_started_message(req.trigger, "small", req.target, False, req.why)
+        assert started.startswith(f"load-high ({rate_then:.1f} req/s arriving, 1,000 prompt / 200 output ")
+        assert "'small' 20.0 req/s on 2 GPUs, 'large' 40.0 req/s on 4): shifting from gear 'small'" in started
         assert 0.0 < st.arrival_trend_rps_per_s <= 0.25 * 1.01  # an average of the slope, still rising to it
 
     def test_noise_is_no_trend(self) -> None:
@@ -262,3 +272,22 @@ def test_the_planners_work_model_predicts_the_gear_planned_for_another_mix() -> 
         other = {g.name: g for g in plan_gears(arch, RULES, mix, even=False)[0]}["latency"]
         assert [st.nodes for st in other.api.stages] == [st.nodes for st in base.api.stages]
         assert view.busy_rps(*mix) == pytest.approx(other.predicted_rps, rel=0.06)
+
+
+def test_a_pd_role_reads_its_own_side_of_the_mix() -> None:
+    """A prefill gear's work is its prompts', a decode gear's its outputs': planned for 1,155 / 211 tokens,
+    a prefill gear serves half as many 2,310-token prompts whatever the outputs, a decode gear half as
+    many 422-token outputs whatever the prompts."""
+    profile = load_cluster(Path(__file__).resolve().parents[2] / "examples" / "fleets" / "mixed.yaml")
+    arch = load_hf_config(MODEL)
+    for role, side in (("prefill", "prompt"), ("decode", "output")):
+        cost = RooflineCostModel(arch, RooflineAssumptions(prompt_tokens=1155, output_tokens=211, role=role))
+        g = plan(profile, cost, sim_requests=200, intents=("latency",)).gears[0]
+        view = gear_view(api_gear(g, "latency", {"nodes": []}, {}))
+        thr = g.predicted.throughput_rps
+        if side == "prompt":
+            assert view.output_tokens_per_s is None and view.ttft_ms_per_prompt_token is not None
+            assert view.busy_rps(2310, 5) == pytest.approx(thr / 2, rel=1e-3)
+        else:
+            assert view.prompt_tokens_per_s is None and view.ttft_ms_per_prompt_token is None
+            assert view.busy_rps(8000, 422) == pytest.approx(thr / 2, rel=1e-3)

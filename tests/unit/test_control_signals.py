@@ -384,7 +384,9 @@ class TestTrafficMix:
         with pytest.raises(SignalsUnavailable, match="unexpected"):
             bucket_values([{"metric": {"le": "+Inf"}}], "q")
 
-    def test_nan_and_missing_mix_is_none_and_reported_while_requests_flow(self):
+    def test_nan_mix_is_none_and_a_missing_one_is_reported_while_requests_flow(self):
+        """A mix that is not a number while the engines completed requests is the router's scrape lagging
+        the engines' (every start of traffic): no value, not reported. A missing series is a fault."""
         from gearshift.control.signals import SeriesHealth, unavailable_series
         from gearshift.control.smoothing import LatencyMetric
 
@@ -393,7 +395,7 @@ class TestTrafficMix:
         busy = helper._reading("2", nan=mix)
         s = busy.sample
         assert (s.prompt_tokens_mean, s.output_tokens_mean, s.prompt_tokens_buckets) == (None, None, ())
-        assert unavailable_series(busy, LatencyMetric.TTFT) == dict.fromkeys(mix, SeriesHealth.NOT_A_NUMBER)
+        assert unavailable_series(busy, LatencyMetric.TTFT) == {}
         gone = helper._reading("2", drop=mix)
         assert unavailable_series(gone, LatencyMetric.ITL) == dict.fromkeys(mix, SeriesHealth.MISSING)
         assert unavailable_series(helper._reading("0", nan=mix), LatencyMetric.TTFT) == {}

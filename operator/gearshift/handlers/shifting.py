@@ -343,22 +343,30 @@ def _step(api: KubeApi, t: _Inputs, seen: _Seen, now: float) -> _Stepped:
     return _Stepped(control, decision, new_state, actions, api_operations(actions), window_warning)
 
 
+def _set_conditions(book: ConditionBook, t: _Inputs, seen: _Seen, done: _Stepped) -> tuple[str, ...]:
+    """Set the conditions the tick owns (SignalsAvailable, LatencyAttainable) in ``book``; their types."""
+    owned = (
+        signals_condition(
+            url=seen.url,
+            engine=t.pds.spec.engine,
+            reading=seen.reading,
+            metric=t.policy.latency_metric,
+            why=seen.why,
+        ),
+        latency_condition(done.control),
+    )
+    for c in owned:
+        book.set(c.type, c.status, c.reason, c.message, warning=c.warning)
+    return tuple(c.type for c in owned)
+
+
 def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: float) -> ConditionBook:
     """Persist the tick's states, history, gear health, signals and the SignalsAvailable condition (under
     the reconciler's per-service lock); returns the condition book, whose changes call for events."""
     st, raw = t.gs.status, t.body.get("status") or {}
     gen = t.body["metadata"].get("generation")
     book = ConditionBook(conditions_from([c.to_json() for c in st.conditions]), gen, _now_dt(now))
-    cond = signals_condition(
-        url=seen.url,
-        engine=t.pds.spec.engine,
-        reading=seen.reading,
-        metric=t.policy.latency_metric,
-        why=seen.why,
-    )
-    book.set(cond.type, cond.status, cond.reason, cond.message, warning=cond.warning)
-    latency = latency_condition(done.control)
-    book.set(latency.type, latency.status, latency.reason, latency.message, warning=latency.warning)
+    mine = _set_conditions(book, t, seen, done)
     history, health = records_to_status(
         raw.get("history") or [],
         raw.get("gearHealth") or [],
@@ -393,9 +401,7 @@ def _write_status(rt: Runtime, t: _Inputs, seen: _Seen, done: _Stepped, now: flo
     if not seen.url and heartbeat_only(raw, json_safe(patch), now):
         return book  # nothing to sample, nothing new (KEP-589); a configured source writes every tick
     with rt.service_locks.hold((t.namespace, t.gs.spec.service_name)):
-        patch["conditions"] = _keep_other_conditions(
-            rt.api, t.namespace, t.name, patch["conditions"], (cond.type, latency.type)
-        )
+        patch["conditions"] = _keep_other_conditions(rt.api, t.namespace, t.name, patch["conditions"], mine)
         try:
             patch_status(rt.api, *GS, t.namespace, t.name, json_safe(patch), rt.pruned)
         except StatusHeld:

@@ -28,6 +28,7 @@ from gearshift.planner.errors import (
 from gearshift.planner.gears import Gear, PlanResult, Prediction, Stage, plan
 from gearshift.planner.intents import INTENTS
 from gearshift.planner.partition import Pipeline, PipelineStage, evaluate, even_split, min_bottleneck
+from gearshift.planner.prediction import MixRates
 from gearshift.planner.profile import LINK_CAP, Link, Node, Profile, load_cluster, parse_profile
 from gearshift.planner.windows import Windows
 
@@ -42,6 +43,7 @@ __all__ = [
     "LayerCosts",
     "LayerTooLargeError",
     "Link",
+    "MixRates",
     "ModelTooLargeError",
     "NoLinkError",
     "Node",

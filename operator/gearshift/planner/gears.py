@@ -139,9 +139,13 @@ class Prediction:
         if self.itl_ms is not None:
             out["itl_ms"] = round(self.itl_ms, 3) if math.isfinite(self.itl_ms) else None
         if self.mix is not None:
-            out["prompt_tokens_per_s"] = round(self.mix.prompt_tokens_per_s, 3)
-            out["output_tokens_per_s"] = round(self.mix.output_tokens_per_s, 3)
-            out["ttft_ms_per_prompt_token"] = round(self.mix.ttft_ms_per_prompt_token, 6)
+            for key, value, digits in (
+                ("prompt_tokens_per_s", self.mix.prompt_tokens_per_s, 3),
+                ("output_tokens_per_s", self.mix.output_tokens_per_s, 3),
+                ("ttft_ms_per_prompt_token", self.mix.ttft_ms_per_prompt_token, 6),
+            ):
+                if value is not None:
+                    out[key] = round(value, digits)
         return out
 
 

@@ -407,18 +407,22 @@ def api_gear(
                 if gear.predicted.itl_ms is not None and math.isfinite(gear.predicted.itl_ms)
                 else {}
             ),
-            **(
-                {
-                    "promptTokensPerS": round(gear.predicted.mix.prompt_tokens_per_s, 3),
-                    "outputTokensPerS": round(gear.predicted.mix.output_tokens_per_s, 3),
-                    "ttftMsPerPromptToken": round(gear.predicted.mix.ttft_ms_per_prompt_token, 6),
-                }
-                if gear.predicted.mix is not None
-                else {}
-            ),
+            **_mix_fields(gear.predicted.mix),
         },
     }
     return ApiGear.model_validate(doc)
+
+
+def _mix_fields(mix: planner.MixRates | None) -> dict[str, float]:
+    """The API's ``predicted`` fields of a gear's work model (those the role has)."""
+    if mix is None:
+        return {}
+    fields = {
+        "promptTokensPerS": (mix.prompt_tokens_per_s, 3),
+        "outputTokensPerS": (mix.output_tokens_per_s, 3),
+        "ttftMsPerPromptToken": (mix.ttft_ms_per_prompt_token, 6),
+    }
+    return {k: round(v, d) for k, (v, d) in fields.items() if v is not None}
 
 
 def initial_gear(gears: Sequence[ApiGear], wanted: str | None) -> str:

@@ -145,9 +145,12 @@ class MixRates:
     prompt of ``p`` tokens cannot see its first token sooner than ``p`` × this on this gear).
     """
 
-    prompt_tokens_per_s: float
-    output_tokens_per_s: float
-    ttft_ms_per_prompt_token: float
+    prompt_tokens_per_s: float | None
+    """None for a decode gear (its requests' prompts were prefilled elsewhere)."""
+    output_tokens_per_s: float | None
+    """None for a prefill gear (it gives each request its first token only)."""
+    ttft_ms_per_prompt_token: float | None
+    """None for a decode gear."""
 
 
 #: How far the fit of :func:`mix_rates` moves each side of the mix: twice the planned tokens.
@@ -164,14 +167,25 @@ def mix_rates(
     as when it was planned, ``itl_target_ms``); the difference in busy time per request gives each
     token's cost, scaled so that the model meets the planned capacity exactly at the planned workload.
 
-    Returns None unless ``model`` is the roofline model of role ``both`` (a layer-cost file states no
-    workload; a disaggregated role serves one phase, whose capacity the requests/s figure already
-    states).
+    A disaggregated role serves one phase, so its work is one side's: a prefill gear's is its prompts'
+    (``prompt_tokens_per_s`` = planned prompt tokens × capacity; the output is one token), a decode gear's
+    its outputs' (``output_tokens_per_s`` likewise).
+
+    Returns None unless ``model`` is the roofline model (a layer-cost file states no workload).
     """
-    if not isinstance(model, RooflineCostModel) or model.assumptions.role != "both" or c.capacity <= 0:
+    if not isinstance(model, RooflineCostModel) or c.capacity <= 0:
         return None
     a = model.assumptions
     p0, o0 = a.prompt_tokens, a.output_tokens
+    fastest = [max(profile.node(n).compute_score for n in ids) for ids in c.nodes]
+    if a.role == "decode":
+        return MixRates(None, o0 * c.capacity, None)
+    first = model.at(1).pass_ms
+    ttft_ms = sum(
+        sum(first[st.start : st.end]) / sc for st, sc in zip(c.pipeline.stages, fastest, strict=True)
+    )
+    if a.role == "prefill":
+        return MixRates(p0 * c.capacity, None, ttft_ms / p0)
 
     def busy_s(p: int, o: int) -> float:
         m = RooflineCostModel(model.arch, replace(a, prompt_tokens=p, output_tokens=o))
@@ -195,9 +209,4 @@ def mix_rates(
     floor = 0.01 * base
     per_prompt, per_output = max(per_prompt, floor / p0), max(per_output, floor / o0)
     scale = base / (per_prompt * p0 + per_output * o0)
-    first = model.at(1).pass_ms
-    fastest = [max(profile.node(n).compute_score for n in ids) for ids in c.nodes]
-    ttft_ms = sum(
-        sum(first[st.start : st.end]) / sc for st, sc in zip(c.pipeline.stages, fastest, strict=True)
-    )
     return MixRates(1.0 / (per_prompt * scale), 1.0 / (per_output * scale), ttft_ms / p0)

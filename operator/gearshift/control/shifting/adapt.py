@@ -112,4 +112,5 @@ def shift_request(decision: Decision, table: GearTable) -> ShiftRequest | None:
         None if target is None else target.predicted_p99_ms,
         baseline_p99_ms=decision.p99_ms,
         baseline_qps=decision.qps,
+        why=decision.why,
     )

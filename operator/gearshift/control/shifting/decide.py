@@ -117,6 +117,9 @@ class Decision:
     qps: float | None = None
     """The active gear's smoothed served rate (completed requests/s, ``Sample.qps``) at this decision: a
     ``saturation`` shift's new gear serving at least this much is not rolled back on P99."""
+    why: str = ""
+    """A SHIFT's account of what it was decided on (rate, token mix, P99, each gear's capacity), for the
+    ShiftStarted event (:func:`_why`)."""
 
 
 @dataclass(frozen=True)
@@ -347,7 +350,12 @@ def decide(
     before = tracks
     held = held_triggers(unavailable, policy.latency_metric)
     tracks = {t: before[t] if t in held else _hysteresis(before[t], met[t], policy) for t in TRIGGERS}
-    planned = capacity.estimates_for(table.gears, state.capacity, policy, smoothed.prompt_tokens_mean)
+    # A P99 set by prompts no gear prefills in time says nothing of whether the gear keeps up: the
+    # capacity then reads the backlog alone, and no prefill headroom (no utilisation meets that target).
+    mix_bound = _unfixable(table, smoothed, policy) is not None
+    planned = capacity.estimates_for(
+        table.gears, state.capacity, policy, None if mix_bound else smoothed.prompt_tokens_mean
+    )
     factors = {
         g.name: capacity.mix_factor(g, smoothed.prompt_tokens_mean, smoothed.output_tokens_mean)
         for g in table.gears
@@ -363,9 +371,6 @@ def decide(
     capacity_mode = (
         policy.choice == "capacity" and load is not None and planned[active.name].capacity_rps is not None
     )
-    # A P99 set by prompts no gear prefills in time says nothing of whether the gear keeps up: the
-    # capacity then reads the backlog alone.
-    mix_bound = _unfixable(table, smoothed, policy) is not None
     alarm = None if mix_bound else measured
     if capacity_mode and load is not None and not busy and not held:
         # Only a settled active gear measures its own capacity: while a shift runs, the samples mix
@@ -447,7 +452,7 @@ def decide(
             continue
         upshift = capacity_mode and _more_capacity(target, active, estimates)
         dwell = policy.upshift_dwell_s if upshift else policy.dwell_s
-        why = _load_reason(load, active, target, estimates) if capacity_mode else ""
+        why = _why(smoothed, policy, active, target, estimates if capacity_mode else None)
         if new.last_shift_at is not None and now - new.last_shift_at < dwell:
             left = dwell - (now - new.last_shift_at)
             if trigger in LOAD_TRIGGERS:
@@ -456,7 +461,8 @@ def decide(
                 return new, Decision(
                     DecisionKind.HOLD,
                     REASON_DWELL,
-                    f"{trigger.value} wants gear {target.name!r} in {left:.0f} s, when the dwell ends{why}",
+                    f"{trigger.value} wants gear {target.name!r} in {left:.0f} s, when the dwell ends "
+                    f"({why})",
                     target=target.name,
                     trigger=trigger.value,
                 )
@@ -484,12 +490,13 @@ def decide(
         return _shifted(new, now), Decision(
             DecisionKind.SHIFT,
             TRIGGER_REASON[trigger],
-            f"{trigger.value}: shift {active.name!r} → {target.name!r}{why}; it {cb.describe()}",
+            f"{trigger.value}: shift {active.name!r} → {target.name!r} ({why}); it {cb.describe()}",
             target=target.name,
             trigger=trigger.value,
             cost=cb,
             p99_ms=measured,
             qps=smoothed.qps,
+            why=why,
         )
     if new.latency_unfixable is not None and Trigger.LATENCY_HIGH not in held:
         return hold(REASON_UNFIXABLE, new.latency_unfixable)
@@ -552,9 +559,13 @@ def _unfixable(table: GearTable, smoothed: Sample, policy: ShiftRules) -> str | 
     share = None if longest is None else capacity.share_above(smoothed.prompt_tokens_buckets, longest)
     if longest is None or share is None or share < UNFIXABLE_SHARE:
         return None
+    # Rounded (5 %, 100 tokens), so that the condition and its event change with the traffic, not with
+    # each window's sampling noise (they came every 2 s with a new figure).
+    rounded = max(UNFIXABLE_SHARE, round(share * 20) / 20)
     return (
-        f"p99-high: {share:.1%} of requests have prompts longer than the {longest:.0f} tokens any gear "
-        f"prefills within {policy.target_p99_ms:.0f} ms; no gear can serve them in time, so no shift"
+        f"p99-high: about {rounded:.0%} of requests have prompts longer than the {round(longest, -2):.0f} "
+        f"tokens any gear prefills within {policy.target_p99_ms:.0f} ms; no gear can serve them in time, "
+        "so no shift"
     )
 
 
@@ -650,19 +661,37 @@ def _capacity_target(
     return pick, skipped
 
 
-def _load_reason(
-    load: float | None,
+def _why(
+    smoothed: Sample,
+    policy: ShiftRules,
     active: GearView,
     target: GearView,
-    estimates: dict[str, CapacityEstimate],
+    estimates: dict[str, CapacityEstimate] | None,
 ) -> str:
-    """`` (31.2 req/s arriving; 'latency' 23.0 req/s on 2 GPUs, 'throughput' 30.4 req/s on 4)``."""
-    if load is None:
-        return ""
-    return (
-        f" ({load:.1f} req/s arriving; {active.name!r} {_cap(estimates, active):.1f} req/s on "
-        f"{active.gpus} GPUs, {target.name!r} {_cap(estimates, target):.1f} req/s on {target.gpus})"
-    )
+    """What a shift is decided on, for its events: ``31.2 req/s arriving, 1,155 prompt / 211 output
+    tokens a request, TTFT P99 310 ms (target 200); 'latency' 23.0 req/s on 2 GPUs, 'throughput' 30.4
+    req/s on 4`` (each capacity for that mix; without ``estimates`` the cards alone)."""
+    parts = []
+    if smoothed.arrival_rps is not None:
+        parts.append(f"{smoothed.arrival_rps:.1f} req/s arriving")
+    if smoothed.prompt_tokens_mean is not None and smoothed.output_tokens_mean is not None:
+        parts.append(
+            f"{smoothed.prompt_tokens_mean:,.0f} prompt / {smoothed.output_tokens_mean:,.0f} output tokens a "
+            "request"
+        )
+    p99 = smoothed.p99_ms(policy.latency_metric)
+    if p99 is not None:
+        parts.append(
+            f"{policy.latency_metric.value.upper()} P99 {p99:.0f} ms (target {policy.target_p99_ms:.0f})"
+        )
+    if estimates is None:
+        gears = f"{active.name!r} on {active.gpus} GPUs, {target.name!r} on {target.gpus}"
+    else:
+        gears = (
+            f"{active.name!r} {_cap(estimates, active):.1f} req/s on {active.gpus} GPUs, {target.name!r} "
+            f"{_cap(estimates, target):.1f} req/s on {target.gpus}"
+        )
+    return ", ".join(parts) + ("; " if parts else "") + gears
 
 
 def _shifted(state: DecisionState, now: float) -> DecisionState:

@@ -157,6 +157,8 @@ class ShiftRequest:
     baseline_qps: float | None = None
     """The active gear's measured (smoothed) served rate when the shift was decided, completed requests/s
     (``Decision.qps``)."""
+    why: str = ""
+    """What the decision read (rate, token mix, P99, capacities): the ShiftStarted event says it."""
 
 
 # --- persisted state ---------------------------------------------------------------------------------
@@ -278,13 +280,15 @@ def relieves_saturation(state: ShiftState, obs: GearObservation) -> bool:
     )
 
 
-def shift_started_message(trigger: str, active: str, target: str, degraded: bool) -> str:
-    """The ``ShiftStarted`` event's text, in plain words: which gear is started beside which, and whether
-    its pods get their KV-cache pool now (full) or only weights (degraded: free GPU memory is short, so the
-    pool is grown after the switch, when the old gear's memory is freed)."""
+def shift_started_message(trigger: str, active: str, target: str, degraded: bool, why: str = "") -> str:
+    """The ``ShiftStarted`` event's text, in plain words: why (``why``: what the decision read), which gear
+    is started beside which, and whether its pods get their KV-cache pool now (full) or only weights
+    (degraded: free GPU memory is short, so the pool is grown after the switch, when the old gear's
+    memory is freed)."""
+    because = f" ({why})" if why else ""
     head = (
-        f"{trigger}: shifting from gear {active!r} to {target!r}: starting shadow pods of every stage of "
-        f"gear {target!r} beside the active gear {active!r}"
+        f"{trigger}{because}: shifting from gear {active!r} to {target!r}: starting shadow pods of every "
+        f"stage of gear {target!r} beside the active gear {active!r}"
     )
     if degraded:
         return (
@@ -344,7 +348,10 @@ def _stable(
     return new, [
         *actions,
         EnsureGear(request.target, shadow=True, kv_pool=not degraded),
-        Event(EVENT_SHIFT_STARTED, shift_started_message(request.trigger, active, request.target, degraded)),
+        Event(
+            EVENT_SHIFT_STARTED,
+            shift_started_message(request.trigger, active, request.target, degraded, request.why),
+        ),
         RecordShift(active, request.target, request.trigger, now, Outcome.IN_PROGRESS),
     ]
 

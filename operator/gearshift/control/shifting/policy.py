@@ -220,12 +220,18 @@ class GearView:
 
     def busy_rps(self, prompt_tokens: float | None, output_tokens: float | None) -> float | None:
         """Requests/s of a mix of ``prompt_tokens`` and ``output_tokens`` per request the gear serves when
-        busy all the time, by its linear work model; the planner's predicted throughput when the mix or
-        the model is not known; ``None`` without a prediction."""
+        busy all the time, by its linear work model (a prefill gear's prompts side alone, a decode gear's
+        outputs side); the planner's predicted throughput when the mix or the model is not known;
+        ``None`` without a prediction."""
         pt, ot = self.prompt_tokens_per_s, self.output_tokens_per_s
-        if pt is None or ot is None or prompt_tokens is None or output_tokens is None:
+        if (pt is None and ot is None) or (pt is not None and prompt_tokens is None):
             return self.predicted_throughput_rps
-        busy_s = max(prompt_tokens, 0.0) / pt + max(output_tokens, 0.0) / ot
+        if ot is not None and output_tokens is None:
+            return self.predicted_throughput_rps
+        # A PD role has one side (prefill: prompts; decode: outputs); an aggregated gear both.
+        busy_s = (0.0 if pt is None else max(prompt_tokens or 0.0, 0.0) / pt) + (
+            0.0 if ot is None else max(output_tokens or 0.0, 0.0) / ot
+        )
         return self.predicted_throughput_rps if busy_s <= 0 else 1.0 / busy_s
 
     def weight_bytes(self, arch: ModelArch) -> int:
