@@ -85,7 +85,7 @@ REASON_DWELL = "DwellNotOver"
 REASON_UNFIXABLE = "LatencyUnfixable"
 """``p99-high`` latched but no gear prefills the long prompts of this mix sooner than the active one."""
 
-#: Holt's trend (Holt 1957; Hyndman & Athanasopoulos, *Forecasting: Principles and Practice*, §8.2) of
+#: Holt's trend (docs/sources.md#rate-trend) of
 #: the smoothed arrival rate averages its slope over about this long, s: a few samples' noise in the
 #: rate must not read as a rise, and a real rise shows within a minute.
 TREND_WINDOW_S = 180.0
