@@ -130,11 +130,13 @@ class CapacityEstimate:
 
 #: How much of the TTFT target the queueing of prefills may take: a request's TTFT is its own prefill ``S``
 #: plus its wait behind other prompts, which grows with the utilisation ``ρ`` and with ``S``; the gear keeps
-#: the SLO while ``ρ × S / T`` stays under this (``T`` the target). Measured in the twin (gearshift.sim's
-#: scheduler, the latency gear of the benchmark's fleet, uniform arrivals for 300 s, the utilisation at
-#: which 99 % of requests met TTFT 200 ms): prompts of 1,500 / 2,048 / 3,000 / 4,000 tokens (``S / T`` =
-#: 0.22, 0.30, 0.44, 0.59) kept it up to ρ ≈ 0.67, 0.48, 0.33, 0.20: ``ρ × S / T`` ≈ 0.147, 0.144, 0.145,
-#: 0.117; the conversation trace's mean of 1,155 (0.17) up to 0.9, the policy's headroom.
+#: the SLO while ``ρ × S / T`` stays under this (``T`` the target). Measured in the twin by
+#: ``bench/prefill_headroom.py`` (the latency gear of the benchmark's fleet, uniform arrivals for 300 s at
+#: 0.3, 0.45, … 0.9 of its busy rate; ``bench/results/prefill_headroom.json``): the highest fraction with
+#: 99 % of requests meeting TTFT 200 ms was 0.6, 0.45, 0.3 for prompts of 1,500, 2,048, 3,000 tokens
+#: (``S / T`` 0.22, 0.30, 0.44: ``ρ × S / T`` 0.13 on that grid, and 0.97-0.998 met one step above it),
+#: and 0.9 for the conversation trace's mean of 1,155 (0.17). 0.145 sits between the grid's steps; at
+#: 1,155 tokens it credits 0.86 of the busy rate, a little under the 0.9 that was met.
 PREFILL_WAIT_SHARE = 0.145
 #: The least share of its busy rate a gear is credited, however long the prompts (a gear whose every
 #: prompt misses the target still serves requests; the measured bounds then tell how many).
